@@ -1,0 +1,30 @@
+# Two commands set everything up from nothing: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[cli,hf,bench,dev]"
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/tunefree train --dataset digits --epsilon 3 --out runs/digits
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
+
+bench: setup
+	$(PY) benchmarks/engine_overhead.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,442 @@
+"""The per-sample engine: hooks, grouping, norms → clip weights → book-keeping of ``Σᵢ wᵢ gᵢ``.
+
+One forward and ONE backward pass. For every module that owns trainable parameters (a *unit*), a forward
+hook keeps the module's inputs and a tensor hook receives the gradient of its outputs. From those, the
+unit's layer rule (``rules/``) gives each parameter's per-sample gradients in a lazy form; the engine
+sums their squared norms per clip group, turns them into clip weights, and accumulates the weighted sum
+into ``clipped_sum``. Autograd never computes the ordinary (non-private) parameter gradients: the unit's
+parameters stop requiring grad for the duration of its own forward call, so the graph has no edges to
+them.
+
+A group is clipped as soon as all of its parameters are done: per-layer and per-parameter groups inside
+the backward pass, the moment their layer's output gradient arrives (then that layer's tensors are freed
+at once); all-layer groups at the end of the backward pass.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .clipping import ClipFunction
+from .grouping import ClipGroup
+from .rules import Capture, LayerRule, Materialized, PerSampleGrad, rule_for
+from .rules.generic import fallback_per_sample_grads
+
+# Modules whose statistics mix the examples of a batch, with the replacement to suggest.
+SAMPLE_MIXING = {
+    nn.modules.batchnorm._BatchNorm: "nn.GroupNorm (or nn.LayerNorm)",
+}
+
+
+class PrivacyError(RuntimeError):
+    """Training would break the privacy guarantee; the message says how to fix it."""
+
+
+class _EnableGrad(torch.autograd.Function):
+    """Identity that makes a layer output part of the graph when nothing before it requires grad
+    (the first layer, whose parameters the engine has taken out of the graph)."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, grad
+
+
+@dataclass(eq=False)
+class Unit:
+    """A module the engine hooks, with the trainable parameters it answers for.
+
+    ``rule`` units answer for their direct parameters. Fallback units (``rule is None``) answer for
+    their direct parameters and for the parameters of descendant units that do not run during the call
+    (e.g. ``nn.MultiheadAttention`` reads ``out_proj.weight`` without calling ``out_proj``).
+    """
+
+    name: str
+    module: nn.Module
+    rule: LayerRule | None
+    direct: dict[str, nn.Parameter]
+    descendants: list[Unit] = field(default_factory=list)
+
+    def subtree_params(self) -> dict[nn.Parameter, None]:
+        params = dict.fromkeys(self.direct.values())
+        for unit in self.descendants:
+            params.update(dict.fromkeys(unit.direct.values()))
+        return params
+
+
+@dataclass(eq=False)
+class _Use:
+    """One call of a unit in the current forward pass."""
+
+    unit: Unit
+    capture: Capture
+    params: dict[str, nn.Parameter]  # names as the rule (or torch.func) sees them
+    versions: list[tuple[torch.Tensor, int]]
+    n_outputs: int
+    grads: list[torch.Tensor | None]
+    received: int = 0
+    done: bool = False
+
+
+class ClippingEngine:
+    """Hooks a model and produces, after each backward pass, the clipped per-sample gradient sums.
+
+    Args:
+        model: the model, in train mode; it stays a plain ``nn.Module``.
+        groups: clip groups covering every trainable parameter exactly once.
+        clip: the clip function; each group's clipped per-sample gradient has norm ≤ its threshold.
+        loss_reduction: ``"mean"`` if the loss is the mean of the per-example losses over the batch,
+            ``"sum"`` if it is their sum. Per-sample gradients are those of each example's own loss.
+    """
+
+    def __init__(self, model: nn.Module, groups: list[ClipGroup], clip: ClipFunction,
+                 loss_reduction: str = "mean"):
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        self.model, self.groups, self.clip = model, groups, clip
+        self.loss_reduction = loss_reduction
+        self.units = build_units(model)
+        self._param_names = {p: n for n, p in model.named_parameters()}
+        self._group_of = {p: g for g in groups for p in g.params}
+        self._check_coverage()
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._handles: list[Any] = []
+        self.clipped_sum: dict[nn.Parameter, torch.Tensor] = {}
+        self.examples = 0
+        self.backward_passes = 0
+        self.group_norms: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self._recomputing = False
+        self._leaked: set[str] = set()
+        self._reset_pass()
+        self._attach()
+
+    # ------------------------------------------------------------------ set-up
+    def _check_coverage(self) -> None:
+        covered = {p for u in self.units for p in u.direct.values()}
+        for name, p in self.model.named_parameters():
+            if p.requires_grad and p not in covered:  # pragma: no cover - every owner is a unit
+                raise PrivacyError(f"trainable parameter {name!r} is not reachable by any layer "
+                                   "rule or the fallback")
+
+    def _attach(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(
+            lambda *_: self._new_forward(), prepend=True))
+        for unit in self.units:
+            m = unit.module
+            self._handles.append(m.register_forward_pre_hook(
+                lambda mod, args, kwargs, u=unit: self._pre_forward(u), with_kwargs=True))
+            self._handles.append(m.register_forward_hook(
+                lambda mod, args, kwargs, out, u=unit: self._post_forward(u, args, kwargs, out),
+                with_kwargs=True, always_call=True))
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    lambda param, name=name: self._non_private_grad(name)))
+
+    def detach(self) -> None:
+        """Remove every hook; the model is left exactly as it was given."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._reset_pass()
+
+    # ------------------------------------------------------------------ forward
+    def _capturing(self) -> bool:
+        return torch.is_grad_enabled() and self.model.training and not self._recomputing
+
+    def _new_forward(self) -> None:
+        if self._capturing() and not self._in_backward:
+            # Calls of a forward pass that never had a backward pass released nothing: forget them.
+            for use in self._uses:
+                use.done = True
+            self._reset_pass()
+
+    def _pre_forward(self, unit: Unit) -> None:
+        if not self._capturing():
+            return
+        if self._in_backward:
+            raise PrivacyError(
+                "a forward pass ran inside the backward pass (activation checkpointing?); tunefree "
+                "captures each layer once per step: disable checkpointing for private training"
+            )
+        for frame in self._fallback_stack:
+            frame["fired"].add(unit)
+        params = unit.subtree_params() if unit.rule is None else dict.fromkeys(unit.direct.values())
+        saved = [(p, p.requires_grad) for p in params]
+        for p in params:
+            p.requires_grad_(False)
+        self._frames.append({"unit": unit, "saved": saved, "fired": set()})
+        if unit.rule is None:
+            self._fallback_stack.append(self._frames[-1])
+
+    def _post_forward(self, unit: Unit, args: tuple, kwargs: dict, output: Any) -> Any:
+        if not self._frames or self._frames[-1]["unit"] is not unit:
+            return None  # not capturing this call
+        frame = self._frames.pop()
+        for p, flag in frame["saved"]:
+            p.requires_grad_(flag)
+        if unit.rule is None:
+            self._fallback_stack.pop()
+        leaves, spec = tree_flatten(output)
+        hooked = [i for i, leaf in enumerate(leaves)
+                  if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
+        if not hooked:
+            return None
+        capture, versions = _capture(args, kwargs)
+        use = _Use(unit=unit, capture=capture, params=self._use_params(unit, frame),
+                   versions=versions, n_outputs=len(hooked), grads=[None] * len(hooked))
+        changed = False
+        for slot, i in enumerate(hooked):
+            if not leaves[i].requires_grad:
+                leaves[i] = _EnableGrad.apply(self._anchor, leaves[i])
+                changed = True
+            leaves[i].register_hook(lambda g, use=use, slot=slot: self._on_grad(use, slot, g))
+        for p in use.params.values():
+            self._pending[p] += 1
+            self._uses_of[p] += 1
+        self._uses.append(use)
+        return tree_unflatten(leaves, spec) if changed else None
+
+    def _use_params(self, unit: Unit, frame: dict) -> dict[str, nn.Parameter]:
+        if unit.rule is not None:
+            return dict(unit.direct)
+        names = {m: n for n, m in unit.module.named_modules()}
+        params = dict(unit.direct)
+        for child in unit.descendants:
+            if child not in frame["fired"]:
+                params.update({f"{names[child.module]}.{n}": p for n, p in child.direct.items()})
+        return params
+
+    # ------------------------------------------------------------------ backward
+    def _on_grad(self, use: _Use, slot: int, grad: torch.Tensor) -> None:
+        if use.done:
+            raise PrivacyError(
+                "a backward pass reached a forward pass that was superseded: tunefree computes "
+                "per-example gradients of one batch per backward pass; concatenate the inputs into "
+                "one forward pass instead of several"
+            )
+        if not self._in_backward:
+            self._in_backward = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        use.grads[slot] = grad
+        use.received += 1
+        if use.received == use.n_outputs:
+            self._process(use)
+
+    def _process(self, use: _Use) -> None:
+        use.done = True
+        if use.received == 0:
+            per_sample: dict[str, PerSampleGrad] = {}
+        else:
+            batch = next(g for g in use.grads if g is not None).shape[0]
+            if self._batch is None:
+                self._batch = batch
+            elif batch != self._batch:
+                raise PrivacyError(
+                    f"layer '{use.unit.name}' saw a batch of {batch} while other layers saw "
+                    f"{self._batch}: tunefree needs the batch in dimension 0 of every layer's input "
+                    "and output (use batch_first=True)"
+                )
+            for tensor, version in use.versions:
+                if tensor._version != version:
+                    raise PrivacyError(
+                        f"the input of layer '{use.unit.name}' was modified in place after the layer "
+                        "used it; tunefree needs it unchanged (replace the in-place operation)"
+                    )
+            with torch.no_grad(), _no_autocast(use.grads):
+                per_sample = self._per_sample(use)
+        with torch.no_grad():
+            for p in use.params.values():
+                self._pending[p] -= 1
+            for name, p in use.params.items():
+                grad = per_sample.get(name)
+                if grad is not None:
+                    self._add_use(p, grad)
+            for group in {self._group_of[p] for p in use.params.values()}:
+                if all(self._pending[p] == 0 for p in group.params):
+                    self._clip_group(group)
+        use.capture = None  # free the inputs now
+        use.grads, use.versions = [], []
+
+    def _per_sample(self, use: _Use) -> dict[str, PerSampleGrad]:
+        if use.unit.rule is not None:
+            return use.unit.rule.per_sample_grads(use.unit.module, use.capture, use.grads,
+                                                  use.params)
+        self._recomputing = True
+        try:
+            with torch.enable_grad():
+                return fallback_per_sample_grads(use.unit.module, use.capture, use.grads,
+                                                 use.params)
+        finally:
+            self._recomputing = False
+
+    def _add_use(self, p: nn.Parameter, grad: PerSampleGrad) -> None:
+        if self._uses_of[p] == 1:
+            self._sq_norms[p] = grad.sq_norms()
+            if not self._group_ready(self._group_of[p]):
+                grad.compact()
+            self._per_param[p] = grad
+        else:  # used more than once: the per-sample gradient is the sum over uses
+            total = self._per_param.get(p)
+            value = grad.materialize()
+            self._per_param[p] = Materialized(value if total is None else total.grads + value)
+
+    def _group_ready(self, group: ClipGroup) -> bool:
+        return all(self._pending[p] == 0 for p in group.params)
+
+    def _clip_group(self, group: ClipGroup) -> None:
+        if group.name in self._clipped_groups:
+            return
+        self._clipped_groups.add(group.name)
+        present = [p for p in group.params if p in self._per_param]
+        if not present:
+            return
+        scale = float(self._batch) if self.loss_reduction == "mean" else 1.0
+        sq = sum(self._sq_norms[p] if p in self._sq_norms else self._per_param[p].sq_norms()
+                 for p in present)
+        norms = sq.sqrt() * scale
+        self._finite_checks.append((group.name, torch.isfinite(norms).all()))
+        weights = self.clip.weights(norms, group.threshold) * scale
+        for p in present:
+            contribution = self._per_param.pop(p).weighted_sum(weights)
+            self._sq_norms.pop(p, None)
+            accum = self.clipped_sum.get(p)
+            if accum is None:
+                self.clipped_sum[p] = contribution.to(_accumulation_dtype(p)).reshape(p.shape)
+            else:
+                accum.add_(contribution.reshape(p.shape))
+        self.group_norms[group.name].append(norms.detach())
+
+    def _end_of_backward(self) -> None:
+        with torch.no_grad():
+            for use in self._uses:
+                if not use.done:
+                    self._process(use)
+            for group in self.groups:
+                self._clip_group(group)
+        if self._finite_checks:
+            finite = torch.stack([ok for _, ok in self._finite_checks]).cpu()
+            bad = [name for (name, _), ok in zip(self._finite_checks, finite.tolist()) if not ok]
+            if bad:
+                self._reset_pass()
+                raise PrivacyError(
+                    f"per-sample gradient norms of clip groups {bad} are NaN or infinite: the loss "
+                    "or the model overflowed for some example (lower the learning rate, check the "
+                    "inputs, or use float32/bfloat16 instead of float16)"
+                )
+        self.examples += self._batch or 0
+        self.backward_passes += 1
+        self._reset_pass()
+
+    def _reset_pass(self) -> None:
+        self._uses: list[_Use] = []
+        self._pending: dict[nn.Parameter, int] = defaultdict(int)
+        self._uses_of: dict[nn.Parameter, int] = defaultdict(int)
+        self._per_param: dict[nn.Parameter, PerSampleGrad] = {}
+        self._sq_norms: dict[nn.Parameter, torch.Tensor] = {}
+        self._clipped_groups: set[str] = set()
+        self._finite_checks: list[tuple[str, torch.Tensor]] = []
+        self._frames: list[dict] = []
+        self._fallback_stack: list[dict] = []
+        self._batch: int | None = None
+        self._in_backward = False
+
+    # ------------------------------------------------------------------ results
+    def _non_private_grad(self, name: str) -> None:
+        self._leaked.add(name)
+        if self._uses:
+            raise PrivacyError(
+                f"parameter {name!r} received an ordinary (non-private) gradient: it was used "
+                "outside the forward of the module that owns it (e.g. read as `module.weight` in "
+                "another module's forward). Use it through its module (for a tied output head, an "
+                "nn.Linear sharing the weight), so tunefree can compute its per-sample gradient"
+            )
+
+    def check_no_leak(self) -> None:
+        """Raise if autograd wrote ordinary gradients into trainable parameters since the last step."""
+        if self._leaked:
+            names = sorted(self._leaked)
+            self._leaked.clear()
+            raise PrivacyError(
+                f"parameters {names} hold ordinary gradients from a backward pass the engine did not "
+                "see (was the model in eval mode, or called under torch.no_grad?); run training steps "
+                "with model.train() and let the private optimizer produce the gradients"
+            )
+
+    def clear_leaks(self) -> None:
+        self._leaked.clear()
+
+    def pop_step(self) -> tuple[dict[nn.Parameter, torch.Tensor], int, dict[str, torch.Tensor]]:
+        """Hand over the clipped sums, example count and per-group norms of the logical step."""
+        sums, examples = self.clipped_sum, self.examples
+        norms = {name: torch.cat(values) for name, values in self.group_norms.items()}
+        self.clipped_sum, self.examples = {}, 0
+        self.group_norms = defaultdict(list)
+        return sums, examples, norms
+
+
+def _accumulation_dtype(p: nn.Parameter) -> torch.dtype:
+    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+
+
+class _no_autocast:
+    """Engine arithmetic runs outside any autocast region the user's backward call sits in."""
+
+    def __init__(self, grads: list[torch.Tensor | None]):
+        device = next((g.device.type for g in grads if g is not None), "cpu")
+        self._ctx = torch.autocast(device_type=device, enabled=False)
+
+    def __enter__(self):
+        self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+
+def _capture(args: tuple, kwargs: dict) -> tuple[Capture, list[tuple[torch.Tensor, int]]]:
+    """The call's inputs, detached, with their version counters to detect later in-place edits."""
+    leaves, spec = tree_flatten((args, kwargs))
+    leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
+    versions = [(x, x._version) for x in leaves if isinstance(x, torch.Tensor)]
+    args, kwargs = tree_unflatten(leaves, spec)
+    return Capture(args=args, kwargs=kwargs), versions
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuse modules that mix examples, with the replacement to use."""
+    for name, module in model.named_modules():
+        for kind, fix in SAMPLE_MIXING.items():
+            if isinstance(module, kind):
+                raise PrivacyError(
+                    f"'{name or type(model).__name__}' is a {type(module).__name__}, which mixes "
+                    f"the examples of a batch (its statistics, and so each example's gradient, depend "
+                    f"on the other examples); replace it with {fix}"
+                )
+
+
+def build_units(model: nn.Module) -> list[Unit]:
+    """One unit per module that directly owns trainable parameters."""
+    check_model(model)
+    units: dict[nn.Module, Unit] = {}
+    for name, module in model.named_modules():
+        direct = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        if not direct:
+            continue
+        rule = rule_for(module, set(direct))
+        if rule is not None:
+            rule.check(module, name or "(root)")
+        units[module] = Unit(name=name or "(root)", module=module, rule=rule, direct=direct)
+    for module, unit in units.items():
+        if unit.rule is None:
+            unit.descendants = [units[m] for m in module.modules() if m is not module and m in units]
+    return list(units.values())

@@ -1,0 +1,137 @@
+"""Parameter groups for clipping: each group's per-sample gradient is clipped to its own threshold.
+
+The total sensitivity of one example's clipped gradient is ``S = √(Σₖ Rₖ²)``; a float ``max_grad_norm``
+``R`` is split uniformly as ``Rₖ = R/√K`` so that ``S = R`` whatever the grouping.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+GROUPINGS = ("all-layer", "per-layer", "per-param")
+
+GroupSpec = str | Sequence[Sequence[str]] | Mapping[str, Sequence[str]]
+
+
+@dataclass(eq=False)
+class ClipGroup:
+    """Parameters clipped together under one threshold (the group's share of the sensitivity)."""
+
+    name: str
+    param_names: list[str]
+    params: list[nn.Parameter] = field(repr=False)
+    threshold: float
+
+    @property
+    def size(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Trainable parameters by their first qualified name (a shared parameter appears once)."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def direct_owner(model: nn.Module) -> dict[nn.Parameter, str]:
+    """The first module (in ``named_modules`` order) that owns each parameter directly."""
+    owner: dict[nn.Parameter, str] = {}
+    for module_name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owner.setdefault(p, module_name or "(root)")
+    return owner
+
+
+def _layout(model: nn.Module, spec: GroupSpec) -> dict[str, list[str]]:
+    trainable = trainable_parameters(model)
+    if isinstance(spec, str):
+        if spec == "all-layer":
+            return {"all": list(trainable)}
+        if spec == "per-param":
+            return {name: [name] for name in trainable}
+        if spec == "per-layer":
+            owner = direct_owner(model)
+            layout: dict[str, list[str]] = {}
+            for name, p in trainable.items():
+                layout.setdefault(owner[p], []).append(name)
+            return layout
+        raise ValueError(
+            f"unknown groups {spec!r}: use one of {', '.join(GROUPINGS)}, a list of lists of "
+            "parameter names, or a dict from group name to parameter names"
+        )
+    if isinstance(spec, Mapping):
+        return {str(k): list(v) for k, v in spec.items()}
+    return {f"group{i}": list(names) for i, names in enumerate(spec)}
+
+
+def make_groups(
+    model: nn.Module, spec: GroupSpec, max_grad_norm: float | Mapping[str, float]
+) -> list[ClipGroup]:
+    """Build the clip groups of ``model`` and check that every trainable parameter is in exactly one.
+
+    ``max_grad_norm`` is the total sensitivity ``R`` (split as ``R/√K``), or, for explicit groups, a
+    mapping from group name to that group's own threshold.
+    """
+    layout = _layout(model, spec)
+    all_names = dict(model.named_parameters(remove_duplicate=False))
+    trainable = trainable_parameters(model)
+    seen: dict[nn.Parameter, str] = {}
+    groups = []
+    for group_name, names in layout.items():
+        if not names:
+            raise ValueError(f"clip group {group_name!r} has no parameters")
+        params = []
+        for name in names:
+            if name not in all_names:
+                raise ValueError(f"clip group {group_name!r} names {name!r}, which is not a "
+                                 "parameter of the model (see model.named_parameters())")
+            p = all_names[name]
+            if not p.requires_grad:
+                raise ValueError(f"clip group {group_name!r} names the frozen parameter {name!r}; "
+                                 "remove it from the group")
+            if p in seen:
+                raise ValueError(f"parameter {name!r} is in clip groups {seen[p]!r} and "
+                                 f"{group_name!r}; each parameter belongs to exactly one group")
+            seen[p] = group_name
+            params.append(p)
+        groups.append(ClipGroup(group_name, list(names), params, threshold=0.0))
+    missing = [name for name, p in trainable.items() if p not in seen]
+    if missing:
+        raise ValueError(
+            f"trainable parameters {missing} are in no clip group; add them to a group or freeze "
+            "them with requires_grad_(False)"
+        )
+    _assign_thresholds(groups, max_grad_norm)
+    return groups
+
+
+def _check_threshold(name: str, value: float) -> float:
+    value = float(value)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"max_grad_norm for {name} must be a positive finite number, got {value}")
+    return value
+
+
+def _assign_thresholds(groups: list[ClipGroup], max_grad_norm: float | Mapping[str, float]) -> None:
+    if isinstance(max_grad_norm, Mapping):
+        unknown = set(max_grad_norm) - {g.name for g in groups}
+        missing = {g.name for g in groups} - set(max_grad_norm)
+        if unknown or missing:
+            raise ValueError(
+                f"max_grad_norm per group must name exactly the groups {[g.name for g in groups]}"
+                f" (unknown: {sorted(unknown)}, missing: {sorted(missing)})"
+            )
+        for g in groups:
+            g.threshold = _check_threshold(f"group {g.name!r}", max_grad_norm[g.name])
+        return
+    total = _check_threshold("the model", max_grad_norm)
+    for g in groups:
+        g.threshold = total / math.sqrt(len(groups))
+
+
+def sensitivity(groups: Sequence[ClipGroup]) -> float:
+    """L2 sensitivity of one example's clipped gradient: ``√(Σₖ Rₖ²)``."""
+    return math.sqrt(sum(g.threshold**2 for g in groups))

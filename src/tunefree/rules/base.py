@@ -1,0 +1,95 @@
+"""What a layer rule hands to the engine: one per-sample gradient per parameter, in a lazy form.
+
+A :class:`PerSampleGrad` stands for the B per-sample gradients of one parameter in one call of a module.
+The engine asks it for the per-sample squared norms first (to compute clip weights), then for the weighted
+sum ``Σᵢ wᵢ gᵢ`` (book-keeping), or — when a parameter is used more than once in a step — for the
+materialised per-sample gradients, which it sums over the uses before taking norms.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Per-sample norms are accumulated in float32 or wider, whatever the model's precision."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def as_norm_precision(x: torch.Tensor) -> torch.Tensor:
+    return x.to(norm_dtype(x.dtype))
+
+
+class PerSampleGrad(ABC):
+    """The per-sample gradients ``g₁ … g_B`` of one parameter in one module call."""
+
+    @abstractmethod
+    def sq_norms(self) -> torch.Tensor:
+        """``‖gᵢ‖²`` for each example, shape ``[B]``, in float32 or wider."""
+
+    @abstractmethod
+    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        """``Σᵢ wᵢ gᵢ`` with the parameter's shape."""
+
+    @abstractmethod
+    def materialize(self) -> torch.Tensor:
+        """All per-sample gradients, shape ``[B, *param.shape]``."""
+
+    def compact(self) -> None:  # noqa: B027 - optional hook, most forms have nothing to drop
+        """Drop whatever is not needed for :meth:`weighted_sum` (called before the object is kept
+        until the end of the backward pass)."""
+
+
+class Materialized(PerSampleGrad):
+    """Per-sample gradients held explicitly as a ``[B, *shape]`` tensor."""
+
+    def __init__(self, grads: torch.Tensor):
+        self.grads = grads
+
+    def sq_norms(self) -> torch.Tensor:
+        flat = as_norm_precision(self.grads.flatten(1))
+        return (flat * flat).sum(1)
+
+    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        return torch.tensordot(weights.to(self.grads.dtype), self.grads, dims=1)
+
+    def materialize(self) -> torch.Tensor:
+        return self.grads
+
+
+@dataclass
+class Capture:
+    """What a module call left behind in the forward pass for its rule: positional and keyword
+    inputs as the module received them."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class LayerRule(ABC):
+    """Per-sample gradients of the parameters a module owns directly, from its inputs and the
+    gradient of its output.
+
+    A rule serves modules of ``module_types`` (``isinstance``) that keep the base class's ``forward``;
+    ``param_names`` lists the parameters it knows how to handle. A module with other trainable
+    parameters, or an overridden ``forward``, goes to the generic fallback instead.
+    """
+
+    module_types: tuple[type[nn.Module], ...] = ()
+    param_names: tuple[str, ...] = ("weight", "bias")
+
+    def check(self, module: nn.Module, name: str) -> None:  # noqa: B027 - most rules accept all
+        """Raise a clear error when this module's configuration mixes examples."""
+
+    @abstractmethod
+    def per_sample_grads(
+        self, module: nn.Module, capture: Capture, grad_outputs: list[torch.Tensor | None],
+        params: dict[str, nn.Parameter],
+    ) -> dict[str, PerSampleGrad]:
+        """Per-sample gradients of ``params`` (name → parameter, direct attributes of ``module``)
+        given the captured inputs and the gradient of each tensor output (``None`` when unused)."""

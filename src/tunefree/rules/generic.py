@@ -1,0 +1,62 @@
+"""The fallback for any module that owns trainable parameters no rule covers.
+
+Per-sample gradients come from ``torch.func``: the module's own forward is re-run on each example (vmap)
+with all trainable parameters of its sub-tree as the variables, and the vector-Jacobian product with that
+example's output gradient is taken. The forward must be deterministic (no dropout inside) and its tensor
+inputs must carry the batch in dimension 0; otherwise a clear error says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .base import Capture, Materialized, PerSampleGrad
+
+
+def _batched(value: Any, batch: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch
+
+
+def fallback_per_sample_grads(
+    module: nn.Module, capture: Capture, grad_outputs: list[torch.Tensor | None],
+    params: dict[str, nn.Parameter],
+) -> dict[str, PerSampleGrad]:
+    """Per-sample gradients of ``params`` (qualified names inside ``module``) for one call."""
+    batch = next(g.shape[0] for g in grad_outputs if g is not None)
+    inputs = (capture.args, capture.kwargs)
+    leaves, spec = tree_flatten(inputs)
+    batched_mask = [_batched(leaf, batch) for leaf in leaves]
+    batched = [leaf for leaf, is_b in zip(leaves, batched_mask) if is_b]
+    buffers = dict(module.named_buffers())
+    detached = {name: p.detach() for name, p in params.items()}
+
+    def example_objective(variables, example_inputs, example_grads):
+        it = iter(example_inputs)
+        rebuilt = [next(it).unsqueeze(0) if is_b else leaf
+                   for leaf, is_b in zip(leaves, batched_mask)]
+        args, kwargs = tree_unflatten(rebuilt, spec)
+        output = functional_call(module, (variables, buffers), args, kwargs)
+        outs = [o for o in tree_flatten(output)[0]
+                if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        used = [out for out, g in zip(outs, grad_outputs) if g is not None]
+        return sum((out * g.unsqueeze(0)).sum() for out, g in zip(used, example_grads))
+
+    grads_in = [g.detach() for g in grad_outputs if g is not None]
+    try:
+        per_sample = vmap(grad(example_objective), in_dims=(None, 0, 0), randomness="error")(
+            detached, batched, grads_in
+        )
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"tunefree's generic per-sample fallback could not differentiate "
+            f"{type(module).__name__} one example at a time: {error}. The fallback needs a "
+            "deterministic forward (no dropout inside the module) whose tensor inputs carry the batch "
+            "in dimension 0; otherwise write a layer rule for this module."
+        ) from error
+    return {name: Materialized(g) for name, g in per_sample.items()}
+

@@ -1,0 +1,33 @@
+"""``nn.Linear`` on inputs of any rank ≥ 2: ``[B, *, d_in]``, every middle position a token."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .base import Capture, LayerRule, Materialized, PerSampleGrad
+from .factored import FactoredGrad
+
+
+class LinearRule(LayerRule):
+    module_types = (nn.Linear,)
+
+    def per_sample_grads(
+        self, module: nn.Module, capture: Capture, grad_outputs: list[torch.Tensor | None],
+        params: dict[str, nn.Parameter],
+    ) -> dict[str, PerSampleGrad]:
+        x, grad = capture.args[0], grad_outputs[0]
+        if x.dim() < 2:
+            raise ValueError(
+                "nn.Linear got an input without a batch dimension; tunefree needs inputs shaped "
+                "[batch, ..., features]"
+            )
+        batch = x.shape[0]
+        a = x.reshape(batch, 1, -1, x.shape[-1])
+        b = grad.reshape(batch, 1, -1, grad.shape[-1])
+        out: dict[str, PerSampleGrad] = {}
+        if "weight" in params:
+            out["weight"] = FactoredGrad(a, b, module.weight.shape)
+        if "bias" in params:
+            out["bias"] = Materialized(b.sum((1, 2)))
+        return out
