@@ -1,0 +1,257 @@
+"""``make_private``: the front door. Turns a model, an optimizer and a data loader into a private run."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from .clipping import ClipFunction
+from .data.poisson import StepSchedule, from_loader, steps_per_epoch
+from .engine import ClippingEngine
+from .grouping import ClipGroup, GroupSpec, make_groups, sensitivity
+from .optim import DPOptimizer, StepReport
+from .privacy.accounting import check_accountant, planned_event
+from .privacy.calibration import calibrate
+from .privacy.ledger import Ledger
+from .privacy.mechanisms import GradientRelease
+from .privacy.randomness import Randomness
+
+
+@dataclass(frozen=True)
+class Guarantee:
+    """The (ε, δ)-DP guarantee of everything released so far."""
+
+    epsilon: float
+    delta: float
+    steps: int
+    accountant: str
+    poisson_approximation: bool
+
+    def __str__(self) -> str:
+        text = (f"(ε = {self.epsilon:.4g}, δ = {self.delta:.3g})-DP after {self.steps} steps "
+                f"({self.accountant.upper()} accountant)")
+        if self.poisson_approximation:
+            text += (" — assuming Poisson sampling, which the data loader does not do: this is the "
+                     "Poisson approximation, not a proof")
+        return text
+
+
+class DPEngine:
+    """A private training run: the hooked model, the private optimizer and the Poisson loader.
+
+    Built by :func:`make_private`; ``model`` is the very ``nn.Module`` object that was passed in.
+    """
+
+    def __init__(self, *, model: nn.Module, optimizer: DPOptimizer, data_loader: Any,
+                 clipping_engine: ClippingEngine, ledger: Ledger, randomness: Randomness,
+                 schedule: StepSchedule, groups: list[ClipGroup], noise_multiplier: float,
+                 sample_rate: float, planned_steps: int | None, target_delta: float,
+                 accountant: str):
+        self.model, self.optimizer, self.data_loader = model, optimizer, data_loader
+        self.clipping_engine, self.ledger, self.randomness = clipping_engine, ledger, randomness
+        self.schedule, self.groups = schedule, groups
+        self.noise_multiplier, self.sample_rate = noise_multiplier, sample_rate
+        self.planned_steps, self.target_delta, self.accountant = planned_steps, target_delta, accountant
+
+    @property
+    def steps(self) -> int:
+        """Private steps taken (recorded in the ledger)."""
+        return self.ledger.steps
+
+    @property
+    def last_step(self) -> StepReport | None:
+        return self.optimizer.last_step
+
+    @property
+    def clip_thresholds(self) -> dict[str, float]:
+        """Each clip group's current threshold, by group name."""
+        return {g.name: g.threshold for g in self.groups}
+
+    @property
+    def sensitivity(self) -> float:
+        return sensitivity(self.groups)
+
+    def epsilon(self, delta: float | None = None) -> float:
+        """ε spent so far at ``delta`` (the run's target δ by default), from the ledger."""
+        return self.ledger.epsilon(self.target_delta if delta is None else delta, self.accountant)
+
+    def guarantee(self, delta: float | None = None) -> Guarantee:
+        delta = self.target_delta if delta is None else delta
+        return Guarantee(self.epsilon(delta), delta, self.steps, self.accountant,
+                         self.ledger.poisson_approximation)
+
+    def detach(self) -> nn.Module:
+        """Remove every hook; the model is a plain module again and the private optimizer is done."""
+        self.clipping_engine.detach()
+        return self.model
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run's privacy state: ledger, randomness and position of the sampler. Save it with the
+        model's and the optimizer's state dicts; a resumed run continues the same guarantee."""
+        return {"ledger": self.ledger.state_dict(), "randomness": self.randomness.state_dict(),
+                "schedule": self.schedule.state_dict(), "fingerprint": self._fingerprint()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state["fingerprint"] != self._fingerprint():
+            raise ValueError(
+                "this checkpoint belongs to a run with other privacy settings "
+                f"({state['fingerprint']} ≠ {self._fingerprint()}); resume with the same settings"
+            )
+        self.ledger.load_state_dict(state["ledger"])
+        self.randomness.load_state_dict(state["randomness"])
+        self.schedule.load_state_dict(state["schedule"])
+
+    def _fingerprint(self) -> dict[str, Any]:
+        return {"noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
+                "groups": [g.name for g in self.groups]}
+
+
+def _check_delta(delta: float, num_examples: int | None) -> None:
+    if not (isinstance(delta, (int, float)) and 0 < delta < 1):
+        raise ValueError(f"target_delta must be in (0, 1), got {delta!r}")
+    if num_examples is not None and delta >= 1 / num_examples:
+        raise ValueError(
+            f"target_delta={delta:.3g} is not below 1/N = {1 / num_examples:.3g} for N = "
+            f"{num_examples} examples: such a δ allows leaking whole examples; use δ ≪ 1/N, "
+            f"e.g. {1 / num_examples ** 1.1:.2g}"
+        )
+
+
+def _planned_steps(epochs: float | None, steps: int | None, sample_rate: float) -> int | None:
+    if epochs is not None and steps is not None:
+        raise ValueError("give epochs or steps, not both")
+    if steps is not None:
+        if int(steps) != steps or steps < 1:
+            raise ValueError(f"steps must be a positive integer, got {steps}")
+        return int(steps)
+    if epochs is not None:
+        if not epochs > 0:
+            raise ValueError(f"epochs must be positive, got {epochs}")
+        return math.ceil(epochs * steps_per_epoch(sample_rate))
+    return None
+
+
+def make_private(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data_loader: DataLoader,
+    *,
+    target_delta: float,
+    target_epsilon: float | None = None,
+    noise_multiplier: float | None = None,
+    epochs: float | None = None,
+    steps: int | None = None,
+    clipping: str = "auto-s",
+    max_grad_norm: float | Mapping[str, float] = 1.0,
+    groups: GroupSpec = "all-layer",
+    loss_reduction: str = "mean",
+    accountant: str = "pld",
+    seed: int | None = None,
+    secure_rng: bool = False,
+    poisson_sampling: bool = True,
+    max_physical_batch_size: int | None = None,
+    clip_gamma: float = 0.01,
+    psac_r: float = 0.1,
+    noise_allocation: str = "global",
+) -> DPEngine:
+    """Make ``model`` train with an (ε, δ)-DP guarantee, accounted exactly from every release.
+
+    Args:
+        model: any ``nn.Module`` in train mode; it is hooked in place and stays a plain module.
+        optimizer: any ``torch.optim.Optimizer`` over the model's trainable parameters.
+        data_loader: a loader over the private data set; its ``batch_size`` sets the sampling rate
+            q = batch_size / N and it is replaced by a Poisson-sampled loader (``engine.data_loader``).
+        target_delta: δ of the guarantee; must be below 1/N.
+        target_epsilon: the privacy budget ε; the noise is calibrated so that the planned run (``epochs``
+            or ``steps``) spends at most this, within 1%.
+        noise_multiplier: σ, instead of ``target_epsilon`` (0 disables privacy, for debugging: ε = ∞).
+        epochs, steps: the planned length of training (one of them with ``target_epsilon``).
+        clipping: ``"auto-s"`` (default), ``"auto-v"``, ``"psac"`` or ``"abadi"``.
+        max_grad_norm: the sensitivity R of one example's clipped gradient (split as R/√K over K
+            groups), or for explicit groups a mapping group name → threshold. With AUTO-S/V, R only
+            rescales the update, which a learning rate absorbs.
+        groups: ``"all-layer"``, ``"per-layer"``, ``"per-param"``, or explicit groups of parameter
+            names (a list of lists, or a dict name → list).
+        loss_reduction: ``"mean"`` or ``"sum"`` of the per-example losses over the batch.
+        accountant: ``"pld"`` (tight, default) or ``"rdp"``.
+        seed: seeds sampling and noise (reproducible, resumable); ``None`` draws one from the OS.
+        secure_rng: draw sampling and noise from the OS's cryptographically secure generator.
+        poisson_sampling: ``False`` keeps the user's loader as is; the guarantee is then reported as
+            the Poisson approximation it is.
+        max_physical_batch_size: cut logical batches into micro-batches of at most this many
+            examples; the optimizer steps (and the ledger records) once per logical batch.
+        clip_gamma, psac_r: the stability constants of AUTO-S and PSAC (no effect on privacy).
+        noise_allocation: how the gradient noise is spread over clip groups (``"global"``,
+            ``"equal-budget"``, ``"weighted"``); the privacy cost is the same.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not model.training:
+        raise ValueError("the model is in eval mode: call model.train() before make_private")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameters")
+    if (target_epsilon is None) == (noise_multiplier is None):
+        raise ValueError("give exactly one of target_epsilon and noise_multiplier")
+    check_accountant(accountant)
+    if max_physical_batch_size is not None and max_physical_batch_size < 1:
+        raise ValueError(f"max_physical_batch_size must be ≥ 1, got {max_physical_batch_size}")
+    if not isinstance(data_loader, DataLoader):
+        raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
+
+    randomness = Randomness(seed, secure=secure_rng)
+    schedule = StepSchedule()
+    if poisson_sampling:
+        loader: Any = from_loader(data_loader, randomness, schedule, max_physical_batch_size)
+        num_examples, sample_rate = loader.batch_sampler.num_examples, loader.batch_sampler.sample_rate
+    else:
+        if max_physical_batch_size is not None:
+            raise ValueError("max_physical_batch_size needs the Poisson loader (poisson_sampling=True)")
+        loader = data_loader
+        num_examples = len(data_loader.dataset)
+        if not data_loader.batch_size:
+            raise ValueError("the data loader needs a batch_size to derive the sampling rate")
+        sample_rate = data_loader.batch_size / num_examples
+        if sample_rate > 1:
+            raise ValueError(f"batch_size exceeds the {num_examples} examples (sampling rate > 1)")
+        warnings.warn(
+            "poisson_sampling=False: the loader is not Poisson-sampled, so the reported ε is the "
+            "Poisson approximation, not a proof of privacy", stacklevel=2)
+    _check_delta(target_delta, num_examples)
+    planned = _planned_steps(epochs, steps, sample_rate)
+
+    if target_epsilon is not None:
+        if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
+            raise ValueError(f"target_epsilon must be a positive finite number, got {target_epsilon}")
+        if planned is None:
+            raise ValueError("target_epsilon needs the planned length of training: give epochs or steps")
+        noise_multiplier = calibrate(lambda s: planned_event(s, sample_rate, planned), target_epsilon,
+                                     target_delta, accountant)
+    assert noise_multiplier is not None
+    if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+        raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier}")
+
+    clip = ClipFunction(clipping, gamma=clip_gamma, r=psac_r)
+    clip_groups = make_groups(model, groups, max_grad_norm)
+    clipping_engine = ClippingEngine(model, clip_groups, clip, loss_reduction)
+    ledger = Ledger(poisson_approximation=not poisson_sampling)
+    release = GradientRelease(clip_groups, noise_multiplier, randomness, noise_allocation)
+    try:
+        private_optimizer = DPOptimizer(optimizer, clipping_engine, release, ledger, sample_rate,
+                                        sample_rate * num_examples, schedule)
+    except ValueError:
+        clipping_engine.detach()
+        raise
+    return DPEngine(model=model, optimizer=private_optimizer, data_loader=loader,
+                    clipping_engine=clipping_engine, ledger=ledger, randomness=randomness,
+                    schedule=schedule, groups=clip_groups, noise_multiplier=noise_multiplier,
+                    sample_rate=sample_rate, planned_steps=planned, target_delta=target_delta,
+                    accountant=accountant)

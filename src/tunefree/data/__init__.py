@@ -1,0 +1,1 @@
+"""Poisson sampling and data set loading."""

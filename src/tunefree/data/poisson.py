@@ -1,0 +1,174 @@
+"""Poisson sampling: at every logical step each example is included independently with probability q.
+
+Batch sizes vary and may be zero; an empty logical batch still yields one empty batch so that the
+training loop steps (the noise is added and the step is accounted). Logical batches larger than memory
+are cut into physical micro-batches; the optimizer steps once per logical batch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    default_collate,
+)
+from torch.utils._pytree import tree_map
+
+from ..privacy.randomness import Randomness
+
+
+class StepSchedule:
+    """Shared by the loader and the optimizer: where the training loop stands in logical steps.
+
+    ``consumed`` counts logical batches handed to the loop; ``ends_logical`` says whether the last
+    physical batch handed out closed its logical batch (the optimizer steps only then).
+    """
+
+    def __init__(self) -> None:
+        self.consumed = 0
+        self.ends_logical = True
+        self._open = False
+
+    def on_batch(self, first: bool, last: bool) -> None:
+        if first:
+            if self._open:
+                raise RuntimeError(
+                    "the private loader moved to a new batch but optimizer.step() was not called for "
+                    "the previous one: call step() after every batch, even an empty one (skipping a "
+                    "step depends on the batch size, which is private)"
+                )
+            self.consumed += 1
+            self._open = True
+        self.ends_logical = last
+
+    def on_step(self) -> bool:
+        """Called by the optimizer; True when this call ends a logical batch (a real step)."""
+        if not self.ends_logical:
+            return False
+        self._open = False
+        return True
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.consumed, self.ends_logical, self._open = state["consumed"], True, False
+
+
+class PoissonBatchSampler(Sampler[list[int]]):
+    """Index lists of Poisson-sampled logical batches, cut into physical chunks.
+
+    Args:
+        num_examples: size of the private data set N.
+        sample_rate: inclusion probability q of each example at each step.
+        steps_per_epoch: logical steps per pass over ``iter()`` (``round(1/q)`` by default).
+        randomness: the run's source of randomness; step ``t``'s batch depends only on it and ``t``.
+        schedule: the shared step counter; a new ``iter()`` continues the current epoch after a resume.
+        max_physical_batch_size: largest chunk handed to the model at once (``None``: no limit).
+    """
+
+    def __init__(self, num_examples: int, sample_rate: float, steps_per_epoch: int,
+                 randomness: Randomness, schedule: StepSchedule,
+                 max_physical_batch_size: int | None = None):
+        super().__init__()
+        self.num_examples, self.sample_rate = num_examples, sample_rate
+        self.steps_per_epoch, self.randomness, self.schedule = steps_per_epoch, randomness, schedule
+        self.max_physical_batch_size = max_physical_batch_size
+        self.boundaries: deque[tuple[bool, bool]] = deque()
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.boundaries.clear()
+        start = self.schedule.consumed
+        remaining = self.steps_per_epoch - start % self.steps_per_epoch
+        for step in range(start, start + remaining):
+            included = self.randomness.inclusion(step, self.num_examples, self.sample_rate)
+            indices = torch.nonzero(included).flatten().tolist()
+            chunk = self.max_physical_batch_size or max(len(indices), 1)
+            chunks = [indices[i:i + chunk] for i in range(0, len(indices), chunk)] or [[]]
+            for k, piece in enumerate(chunks):
+                self.boundaries.append((k == 0, k == len(chunks) - 1))
+                yield piece
+
+
+class _EmptyAwareCollate:
+    """Collates like the user's ``collate_fn``; an empty batch gets the right structure with size 0."""
+
+    def __init__(self, dataset: Dataset, collate_fn: Any):
+        self.dataset, self.collate_fn = dataset, collate_fn or default_collate
+
+    def __call__(self, batch: list[Any]) -> Any:
+        if batch:
+            return self.collate_fn(batch)
+        one = self.collate_fn([self.dataset[0]])
+        return tree_map(lambda x: x[:0] if isinstance(x, torch.Tensor) else x, one)
+
+
+class PoissonDataLoader(DataLoader):
+    """A ``DataLoader`` whose batches are Poisson-sampled, built from the user's loader settings."""
+
+    def __init__(self, dataset: Dataset, batch_sampler: PoissonBatchSampler, collate_fn: Any = None,
+                 **loader_kwargs: Any):
+        super().__init__(dataset, batch_sampler=batch_sampler,
+                         collate_fn=_EmptyAwareCollate(dataset, collate_fn), **loader_kwargs)
+        self.schedule = batch_sampler.schedule
+
+    def __iter__(self) -> Iterator[Any]:
+        boundaries = self.batch_sampler.boundaries
+        for batch in super().__iter__():
+            first, last = boundaries.popleft()
+            self.schedule.on_batch(first, last)
+            yield batch
+
+
+def steps_per_epoch(sample_rate: float) -> int:
+    return max(1, round(1 / sample_rate))
+
+
+def from_loader(loader: DataLoader, randomness: Randomness, schedule: StepSchedule,
+                max_physical_batch_size: int | None = None) -> PoissonDataLoader:
+    """The Poisson-sampled version of ``loader``: q = batch_size / len(dataset)."""
+    dataset = loader.dataset
+    if not isinstance(loader.sampler, (SequentialSampler, RandomSampler)):
+        raise ValueError(
+            f"the data loader samples with {type(loader.sampler).__name__}; tunefree replaces the "
+            "sampling by Poisson sampling (which its accounting assumes), so a custom or weighted "
+            "sampler would be silently ignored: pass a loader with batch_size and no sampler"
+        )
+    if loader.batch_size is None:
+        raise ValueError(
+            "the data loader has no batch_size (a custom batch_sampler?): tunefree derives the "
+            "sampling rate q = batch_size / len(dataset) from it; pass a DataLoader with batch_size"
+        )
+    try:
+        num_examples = len(dataset)  # type: ignore[arg-type]
+    except TypeError as error:
+        raise ValueError("the private data set must have a length (an iterable data set cannot be "
+                         "Poisson-sampled)") from error
+    if num_examples == 0:
+        raise ValueError("the private data set is empty")
+    sample_rate = loader.batch_size / num_examples
+    if sample_rate > 1:
+        raise ValueError(
+            f"batch_size {loader.batch_size} exceeds the {num_examples} examples: the sampling rate "
+            f"would be {sample_rate:.3g} > 1; use a batch_size of at most {num_examples}"
+        )
+    sampler = PoissonBatchSampler(num_examples, sample_rate, steps_per_epoch(sample_rate),
+                                  randomness, schedule, max_physical_batch_size)
+    kwargs = {k: getattr(loader, k) for k in ("num_workers", "pin_memory", "timeout",
+                                              "worker_init_fn", "multiprocessing_context")}
+    if loader.num_workers > 0:
+        kwargs.update(prefetch_factor=loader.prefetch_factor,
+                      persistent_workers=loader.persistent_workers)
+    return PoissonDataLoader(dataset, sampler, collate_fn=loader.collate_fn, **kwargs)
+

@@ -1,0 +1,173 @@
+"""``DPOptimizer``: any ``torch.optim.Optimizer``, fed privatised gradients.
+
+At the end of each logical batch, ``step()`` takes the engine's clipped per-sample gradient sums, has the
+gradient mechanism add Gaussian noise, divides by the expected batch size ``q·N``, writes the result to
+``.grad`` and steps the wrapped optimizer; the releases of the step go into the ledger as one
+Poisson-sampled event. Physical micro-batches in between only accumulate clipped sums.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import dp_accounting as dpa
+import torch
+
+from .data.poisson import StepSchedule
+from .engine import ClippingEngine
+from .privacy.ledger import Ledger
+from .privacy.mechanisms import GradientRelease
+
+
+class StepComponent:
+    """A piece of the private step beyond the gradient release (adaptive thresholds, automatic
+    learning rate...). Every release it makes returns its DpEvent, which the optimizer records with the
+    gradient's in the step's single Poisson-sampled event."""
+
+    def before_update(self, optimizer: DPOptimizer, report: StepReport,
+                      closure: Callable[[], Any] | None) -> list[dpa.DpEvent]:
+        """After the noisy gradient is in ``.grad``, before the wrapped optimizer steps."""
+        return []
+
+    def after_update(self, optimizer: DPOptimizer, report: StepReport,
+                     closure: Callable[[], Any] | None) -> list[dpa.DpEvent]:
+        """After the wrapped optimizer stepped."""
+        return []
+
+
+@dataclass
+class StepReport:
+    """What one private step did: examples in the logical batch (a private number, kept for
+    diagnostics only) and each clip group's per-sample gradient norms."""
+
+    step: int
+    examples: int
+    group_norms: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer``; ``param_groups``, ``state``, ``state_dict`` and LR schedulers behave as with
+    the wrapped optimizer.
+
+    Args:
+        optimizer: the user's optimizer over the model's trainable parameters.
+        engine: the per-sample engine hooked into the model.
+        release: the gradient mechanism (noise σ relative to the clip groups' total sensitivity).
+        ledger: where each step's releases are recorded.
+        sample_rate: the Poisson sampling rate q of every logical batch.
+        expected_batch_size: ``q·N``; the noisy sum is divided by it (never by the private batch size).
+        schedule: logical-step bookkeeping shared with the Poisson loader.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: ClippingEngine,
+                 release: GradientRelease, ledger: Ledger, sample_rate: float,
+                 expected_batch_size: float, schedule: StepSchedule):
+        if isinstance(optimizer, DPOptimizer):
+            raise ValueError("the optimizer is already private; pass the original optimizer")
+        self.original = optimizer
+        self.engine, self.release, self.ledger = engine, release, ledger
+        self.sample_rate, self.expected_batch_size = sample_rate, expected_batch_size
+        self.schedule = schedule
+        self.last_step: StepReport | None = None
+        self.step_hooks: list[Callable[[StepReport], None]] = []
+        self.components: list[StepComponent] = []
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._check_parameters()
+
+    def _check_parameters(self) -> None:
+        optimized = {p for group in self.param_groups for p in group["params"]}
+        trainable = {p for g in self.engine.groups for p in g.params}
+        names = {p: n for n, p in self.engine.model.named_parameters()}
+        outside = [p for p in optimized if p not in trainable]
+        if outside:
+            raise ValueError(
+                "the optimizer updates parameters that are not trainable parameters of the model "
+                f"({len(outside)} of them); build it from model.parameters() of the private model"
+            )
+        left_out = sorted(names[p] for p in trainable if p not in optimized)
+        if left_out:
+            raise ValueError(
+                f"trainable parameters {left_out} are not in the optimizer: they would be noised but "
+                "never updated; add them to the optimizer or freeze them with requires_grad_(False) "
+                "before make_private"
+            )
+
+    # -- the wrapped optimizer's state, shared (LR schedulers edit param_groups in place)
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.original.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.original.param_groups = value
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self.original.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.original.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.original.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.original.defaults = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.original.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.original.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError("parameters cannot be added after make_private: the engine would not "
+                           "see them; build the optimizer with every parameter first")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original.zero_grad(set_to_none=set_to_none)
+
+    def __repr__(self) -> str:
+        return f"DPOptimizer({self.original!r})"
+
+    # -- the private step
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step on privatised gradients (only at the end of a logical batch).
+
+        ``closure``, if given, is evaluated first with gradients enabled, as ``torch.optim`` does: it
+        runs the forward and backward pass of the current batch and returns the loss.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self.schedule.on_step():
+            return loss
+        self.engine.check_no_leak()
+        sums, examples, norms = self.engine.pop_step()
+        noisy, event = self.release.release(sums)
+        for p, total in noisy.items():
+            p.grad = (total / self.expected_batch_size).to(p.dtype)
+        report = StepReport(step=self.ledger.steps + 1, examples=examples, group_norms=norms)
+        events = [event]
+        for component in self.components:
+            events += component.before_update(self, report, closure)
+        self.original.step()
+        for component in self.components:
+            events += component.after_update(self, report, closure)
+        self.ledger.record_step(self.sample_rate, events)
+        self.last_step = report
+        for hook in self.step_hooks:
+            hook(report)
+        return loss

@@ -1,0 +1,1 @@
+"""Mechanisms, the ledger of releases, accounting and calibration."""

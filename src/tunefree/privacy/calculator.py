@@ -1,0 +1,38 @@
+"""The privacy calculator people otherwise write by hand: ε of a DP-SGD run, or σ for a target ε."""
+
+from __future__ import annotations
+
+import math
+
+from .accounting import check_accountant, check_delta, epsilon_of, planned_event
+from .calibration import calibrate
+
+
+def _check_run(sample_rate: float, steps: int) -> None:
+    if not 0 < sample_rate <= 1:
+        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+    if int(steps) != steps or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps}")
+
+
+def epsilon(*, noise_multiplier: float, sample_rate: float, steps: int, delta: float,
+            accountant: str = "pld") -> float:
+    """ε at ``delta`` of ``steps`` Poisson-sampled Gaussian releases with noise multiplier σ."""
+    _check_run(sample_rate, steps)
+    check_delta(delta)
+    check_accountant(accountant)
+    if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+        raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier}")
+    return epsilon_of(planned_event(noise_multiplier, sample_rate, int(steps)), delta, accountant)
+
+
+def noise_multiplier(*, target_epsilon: float, sample_rate: float, steps: int, delta: float,
+                     accountant: str = "pld") -> float:
+    """The noise multiplier σ whose run spends at most ``target_epsilon`` (and within 1% of it)."""
+    _check_run(sample_rate, steps)
+    check_delta(delta)
+    check_accountant(accountant)
+    if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
+        raise ValueError(f"target_epsilon must be a positive finite number, got {target_epsilon}")
+    return calibrate(lambda sigma: planned_event(sigma, sample_rate, int(steps)), target_epsilon,
+                     delta, accountant)

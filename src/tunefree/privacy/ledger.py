@@ -1,0 +1,93 @@
+"""The ledger: every release of private data, recorded as its ``dp_accounting`` DpEvent, in order.
+
+ε is computed from the ledger only. Identical consecutive events are stored once with a count, so a
+run of a million steps stays small and its ε is one self-composition.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dp_accounting as dpa
+
+from .accounting import epsilon_of
+
+
+class Ledger:
+    """Releases of one training run.
+
+    ``poisson_approximation`` is set when the user opted into a loader that is not Poisson-sampled: the
+    events are still those of Poisson sampling, and every report says that it is an approximation.
+    """
+
+    def __init__(self, poisson_approximation: bool = False):
+        self.poisson_approximation = poisson_approximation
+        self._runs: list[list[Any]] = []  # [event, count]
+
+    def record(self, event: dpa.DpEvent) -> None:
+        if self._runs and self._runs[-1][0] == event:
+            self._runs[-1][1] += 1
+        else:
+            self._runs.append([event, 1])
+
+    def record_step(self, sample_rate: float, releases: list[dpa.DpEvent]) -> dpa.DpEvent:
+        """Record the releases made on one Poisson-sampled batch as one sampled event."""
+        if not releases:
+            raise ValueError("a step must release something to be recorded")
+        inner = releases[0] if len(releases) == 1 else dpa.ComposedDpEvent(list(releases))
+        event = dpa.PoissonSampledDpEvent(sample_rate, inner)
+        self.record(event)
+        return event
+
+    @property
+    def steps(self) -> int:
+        """Number of sampled events recorded (training steps)."""
+        return sum(count for event, count in self._runs
+                   if isinstance(event, dpa.PoissonSampledDpEvent))
+
+    def event(self) -> dpa.DpEvent:
+        return dpa.ComposedDpEvent([
+            event if count == 1 else dpa.SelfComposedDpEvent(event, count)
+            for event, count in self._runs
+        ])
+
+    def epsilon(self, delta: float, accountant: str = "pld") -> float:
+        """ε at ``delta`` spent by everything recorded so far (0 before the first release)."""
+        if not self._runs:
+            return 0.0
+        return epsilon_of(self.event(), delta, accountant)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"poisson_approximation": self.poisson_approximation,
+                "runs": [(to_dict(event), count) for event, count in self._runs]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.poisson_approximation = state["poisson_approximation"]
+        self._runs = [[from_dict(event), count] for event, count in state["runs"]]
+
+
+def to_dict(event: dpa.DpEvent) -> dict[str, Any]:
+    """A plain, checkpointable description of an event."""
+    if isinstance(event, dpa.GaussianDpEvent):
+        return {"gaussian": event.noise_multiplier}
+    if isinstance(event, dpa.LaplaceDpEvent):
+        return {"laplace": event.parameter}
+    if isinstance(event, dpa.PoissonSampledDpEvent):
+        return {"poisson": event.sampling_probability, "event": to_dict(event.event)}
+    if isinstance(event, dpa.ComposedDpEvent):
+        return {"composed": [to_dict(e) for e in event.events]}
+    if isinstance(event, dpa.SelfComposedDpEvent):
+        return {"repeat": event.count, "event": to_dict(event.event)}
+    raise TypeError(f"the ledger cannot store {event!r}")
+
+
+def from_dict(data: dict[str, Any]) -> dpa.DpEvent:
+    if "gaussian" in data:
+        return dpa.GaussianDpEvent(data["gaussian"])
+    if "laplace" in data:
+        return dpa.LaplaceDpEvent(data["laplace"])
+    if "poisson" in data:
+        return dpa.PoissonSampledDpEvent(data["poisson"], from_dict(data["event"]))
+    if "composed" in data:
+        return dpa.ComposedDpEvent([from_dict(e) for e in data["composed"]])
+    return dpa.SelfComposedDpEvent(from_dict(data["event"]), data["repeat"])
