@@ -75,5 +75,7 @@ class ClipFunction:
         return lambda norms, threshold: psac(norms, threshold, self.r)
 
     def weights(self, norms: torch.Tensor, threshold: float) -> torch.Tensor:
-        """Clip weights for per-sample ``norms`` under ``threshold`` (the group's sensitivity)."""
-        return self.fn(norms, threshold)
+        """Clip weights (float64) for per-sample ``norms`` under ``threshold`` (the group's
+        sensitivity). Computed in float64 so that ``wᵢ·‖gᵢ‖ ≤ R`` holds to rounding even where a
+        float32 weight would be subnormal."""
+        return self.fn(norms.to(torch.float64), threshold)

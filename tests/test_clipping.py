@@ -1,0 +1,52 @@
+"""Clip functions: the bound ‖wᵢ gᵢ‖ ≤ R at norm 0, tiny norms and huge norms, and their values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tunefree.clipping import CLIP_FUNCTIONS, ClipFunction
+
+NORMS = torch.tensor([0.0, 1e-45, 1e-30, 1e-12, 1e-6, 0.01, 0.5, 1.0, 3.0, 1e6, 1e30, 3e38])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("threshold", [1e-3, 0.1, 1.0, 7.5, 1e4])
+@pytest.mark.parametrize("name", CLIP_FUNCTIONS)
+def test_clipped_norm_never_exceeds_threshold(name, threshold, dtype):
+    norms = NORMS.to(dtype)
+    weights = ClipFunction(name).weights(norms, threshold)
+    assert torch.isfinite(weights).all()
+    assert (weights >= 0).all()
+    assert weights.dtype == torch.float64
+    clipped = weights * norms.to(torch.float64)
+    # A few units in the last place (of float64, where weights are computed) for the division itself.
+    assert (clipped <= threshold * (1 + 4 * torch.finfo(torch.float64).eps)).all(), clipped
+
+
+def test_values():
+    n = torch.tensor([0.0, 0.5, 2.0], dtype=torch.float64)
+    torch.testing.assert_close(ClipFunction("abadi").weights(n, 1.0),
+                               torch.tensor([1.0, 1.0, 0.5], dtype=torch.float64))
+    torch.testing.assert_close(ClipFunction("auto-v").weights(n[1:], 1.0),
+                               torch.tensor([2.0, 0.5], dtype=torch.float64))
+    torch.testing.assert_close(ClipFunction("auto-s", gamma=0.1).weights(n, 2.0), 2.0 / (n + 0.1))
+    r = 0.3
+    torch.testing.assert_close(ClipFunction("psac", r=r).weights(n, 2.0), 2.0 / (n + r / (n + r)))
+
+
+def test_auto_v_normalises_and_psac_is_non_monotonic():
+    n = torch.tensor([1e-3, 0.2, 5.0], dtype=torch.float64)
+    torch.testing.assert_close(ClipFunction("auto-v").weights(n, 1.5) * n, torch.full((3,), 1.5,
+                                                                                      dtype=torch.float64))
+    # PSAC's clipped norm ‖g‖/(‖g‖ + r/(‖g‖+r)) rises, but the weight itself is not monotonic.
+    grid = torch.linspace(1e-4, 2, 2001, dtype=torch.float64)
+    w = ClipFunction("psac", r=0.1).weights(grid, 1.0)
+    assert (w.diff() > 0).any() and (w.diff() < 0).any()
+
+
+@pytest.mark.parametrize("bad", [{"name": "clip"}, {"name": "auto-s", "gamma": 0.0},
+                                 {"name": "psac", "r": -1.0}])
+def test_bad_clip_configuration_is_refused(bad):
+    with pytest.raises(ValueError):
+        ClipFunction(**bad)
