@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from brute_force import clipped_sum, per_example_grads
-from models import ConvNet, EmbeddingModel, FallbackNet, MLP, NormNet, SequenceLinear, TiedLM
+from models import MLP, ConvNet, EmbeddingModel, FallbackNet, NormNet, SequenceLinear, TiedLM
 
 from tunefree.clipping import CLIP_FUNCTIONS, ClipFunction
 from tunefree.engine import ClippingEngine

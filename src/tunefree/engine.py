@@ -253,8 +253,11 @@ class ClippingEngine:
                         f"the input of layer '{use.unit.name}' was modified in place after the layer "
                         "used it; tunefree needs it unchanged (replace the in-place operation)"
                     )
-            with torch.no_grad(), _no_autocast(use.grads):
-                per_sample = self._per_sample(use)
+            if batch == 0:  # an empty Poisson batch: no example, nothing to clip
+                per_sample = {}
+            else:
+                with torch.no_grad(), _no_autocast(use.grads):
+                    per_sample = self._per_sample(use)
         with torch.no_grad():
             for p in use.params.values():
                 self._pending[p] -= 1

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 from torch.utils.data import (
     DataLoader,
     Dataset,
@@ -20,7 +21,6 @@ from torch.utils.data import (
     SequentialSampler,
     default_collate,
 )
-from torch.utils._pytree import tree_map
 
 from ..privacy.randomness import Randomness
 
