@@ -17,6 +17,7 @@ run: setup
 	$(VENV)/bin/tunefree train --dataset digits --epsilon 3 --out runs/digits
 
 test: setup
+	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest -q
 
 lint: setup
