@@ -17,11 +17,11 @@ run: setup
 	$(VENV)/bin/tunefree train --dataset digits --epsilon 3 --out runs/digits
 
 test: setup
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests $(wildcard benchmarks)
 	$(PY) -m pytest -q
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests $(wildcard benchmarks)
 
 bench: setup
 	$(PY) benchmarks/engine_overhead.py
