@@ -1,0 +1,168 @@
+"""``tunefree train`` and ``tunefree epsilon``: private training and the privacy calculator.
+
+Errors a person can act on are one line on stderr and exit status 2; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .clipping import CLIP_FUNCTIONS
+from .grouping import GROUPINGS
+from .models import MODELS
+from .privacy.accounting import ACCOUNTANTS
+
+EXIT_USAGE = 2
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _learning_rate(text: str) -> float | str:
+    """A positive number, or ``auto`` where the automatic learning rate is available."""
+    if text == "auto":
+        return "auto"
+    return _positive_float(text)
+
+
+def _delta(text: str) -> float:
+    value = _positive_float(text)
+    if not value < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, pointing to --help, instead of the whole usage text."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    from .training import OPTIMIZERS, TrainConfig
+
+    defaults = TrainConfig()
+    root = _Parser(
+        prog="tunefree", description="Differentially private training with no DP hyperparameters.")
+    root.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    commands = root.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    train = commands.add_parser(
+        "train", help="train a model privately",
+        description="Train a model with an (ε, δ)-DP guarantee on built-in or local data.")
+    train.add_argument("--dataset", default="digits",
+                       help="'digits' (built in) or a local path: an MNIST/Fashion-MNIST IDX "
+                            "directory, cifar-10-batches-py, a .csv/.parquet table, or a Hugging Face "
+                            "save_to_disk directory (default: digits)")
+    train.add_argument("--label-column", default=defaults.label_column,
+                       help="label column of a table or HF data set (default: label)")
+    train.add_argument("--model", choices=MODELS, default=defaults.model,
+                       help="auto: a CNN for images of 24 pixels or more a side, an MLP otherwise")
+    train.add_argument("--epsilon", type=_positive_float, default=defaults.epsilon,
+                       help=f"privacy budget ε (default: {defaults.epsilon})")
+    train.add_argument("--delta", type=_delta, default=None,
+                       help="δ of the guarantee (default: 1/N^1.1 for N training examples)")
+    train.add_argument("--epochs", type=int, default=defaults.epochs,
+                       help=f"passes over the data (default: {defaults.epochs})")
+    train.add_argument("--batch-size", type=int, default=defaults.batch_size,
+                       help="expected batch size; the sampling rate is batch_size/N "
+                            f"(default: {defaults.batch_size})")
+    train.add_argument("--clipping", choices=CLIP_FUNCTIONS, default=defaults.clipping,
+                       help=f"per-sample clipping (default: {defaults.clipping})")
+    train.add_argument("--groups", choices=GROUPINGS, default=defaults.groups,
+                       help=f"clip groups (default: {defaults.groups})")
+    train.add_argument("--optimizer", choices=list(OPTIMIZERS), default=defaults.optimizer,
+                       help=f"base optimizer (default: {defaults.optimizer})")
+    train.add_argument("--lr", type=_learning_rate, default=None,
+                       help="learning rate (default: chosen once per optimizer, see docs/cli.md)")
+    train.add_argument("--accountant", choices=ACCOUNTANTS, default=defaults.accountant)
+    train.add_argument("--seed", type=int, default=defaults.seed,
+                       help="seeds initialisation, sampling and noise (default: 0)")
+    train.add_argument("--json", type=Path, help="write the result as JSON to this file")
+    train.add_argument("--out", type=Path,
+                       help="run directory for metrics.jsonl, report.json and plots")
+    train.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    eps = commands.add_parser(
+        "epsilon", help="privacy calculator: ε of a run, or σ for a target ε",
+        description="ε of a DP-SGD run with Poisson sampling, or the noise multiplier for a target ε.")
+    target = eps.add_mutually_exclusive_group(required=True)
+    target.add_argument("--noise-multiplier", type=float, help="σ: print the ε it spends")
+    target.add_argument("--target-epsilon", type=_positive_float, help="ε: print the σ needed")
+    eps.add_argument("--sample-rate", type=float, required=True, help="Poisson sampling rate q")
+    length = eps.add_mutually_exclusive_group(required=True)
+    length.add_argument("--steps", type=int, help="number of steps")
+    length.add_argument("--epochs", type=float, help="number of epochs (steps = epochs·round(1/q))")
+    eps.add_argument("--delta", type=_delta, required=True)
+    eps.add_argument("--accountant", choices=ACCOUNTANTS, default="pld")
+    return root
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .training import TrainConfig, train
+
+    if args.lr == "auto":
+        raise ValueError("--lr auto is not available yet; give a number")
+    config = TrainConfig(
+        dataset=args.dataset, label_column=args.label_column, model=args.model,
+        epsilon=args.epsilon, delta=args.delta, epochs=args.epochs, batch_size=args.batch_size,
+        clipping=args.clipping, groups=args.groups, optimizer=args.optimizer, lr=args.lr,
+        accountant=args.accountant, seed=args.seed,
+        out=str(args.out) if args.out else None, quiet=args.quiet)
+    result = train(config)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"test accuracy {result['test_accuracy']:.4f} — {result['guarantee']}")
+    if args.out:
+        print(f"run directory: {args.out}")
+    return 0
+
+
+def _epsilon(args: argparse.Namespace) -> int:
+    from . import epsilon, noise_multiplier
+    from .data.poisson import steps_per_epoch
+
+    if not 0 < args.sample_rate <= 1:
+        raise ValueError(f"--sample-rate must be in (0, 1], got {args.sample_rate}")
+    steps = args.steps if args.steps is not None else round(
+        args.epochs * steps_per_epoch(args.sample_rate))
+    common: dict[str, Any] = {"sample_rate": args.sample_rate, "steps": steps, "delta": args.delta,
+                              "accountant": args.accountant}
+    if args.noise_multiplier is not None:
+        value = epsilon(noise_multiplier=args.noise_multiplier, **common)
+        print(f"epsilon {value:.6g} (σ = {args.noise_multiplier}, q = {args.sample_rate}, "
+              f"{steps} steps, δ = {args.delta}, {args.accountant.upper()})")
+    else:
+        value = noise_multiplier(target_epsilon=args.target_epsilon, **common)
+        print(f"noise multiplier {value:.6g} (ε = {args.target_epsilon}, q = {args.sample_rate}, "
+              f"{steps} steps, δ = {args.delta}, {args.accountant.upper()})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return _train(args) if args.command == "train" else _epsilon(args)
+    except (ValueError, OSError, RuntimeError) as error:
+        if args.debug:
+            raise
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        print(f"tunefree: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The command line end to end: a short private run on digits, the calculator, every error path."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+import tunefree
+from tunefree.cli import main
+
+REPORT_KEYS = {"test_accuracy", "epsilon", "delta", "noise_multiplier", "steps", "train_seconds",
+               "config"}
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    code = main(["train", "--dataset", "digits", "--epsilon", "3", "--epochs", "2", "--seed", "1",
+                 "--json", str(out / "result.json"), "--out", str(out / "dir"), "--quiet"])
+    return code, out
+
+
+def test_train_writes_result_and_run_directory(short_run):
+    code, out = short_run
+    assert code == 0
+    result = json.loads((out / "result.json").read_text())
+    assert set(result) >= REPORT_KEYS
+    assert result["config"]["epochs"] == 2 and result["config"]["seed"] == 1
+    assert 0 < result["epsilon"] <= 3.0 and 0 <= result["test_accuracy"] <= 1
+    n = result["dataset"]["train_examples"]
+    assert result["steps"] == 2 * round(n / 256)
+    assert result["delta"] == pytest.approx(1 / n ** 1.1)
+    run = out / "dir"
+    for name in ("metrics.jsonl", "report.json", "loss_accuracy.png", "epsilon.png",
+                 "clipping.png"):
+        assert (run / name).stat().st_size > 0, name
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert len(steps) == result["steps"] and len(epochs) == 2
+    assert epochs[-1]["epsilon"] == pytest.approx(result["epsilon"])
+    stats = steps[-1]["groups"]["all"]
+    assert 0 <= stats["clip_fraction"] <= 1 and stats["norm_quantiles"]["q10"] <= stats[
+        "norm_quantiles"]["q90"]
+    assert json.loads((run / "report.json").read_text())["steps"] == result["steps"]
+
+
+def test_progress_bar_shows_epsilon(tmp_path, capsys):
+    assert main(["train", "--epochs", "1", "--epsilon", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "epoch   1/1" in err and "ε" in err and "loss" in err
+
+
+def test_epsilon_calculator(capsys):
+    assert main(["epsilon", "--noise-multiplier", "1.0", "--sample-rate", "0.01", "--steps",
+                 "1000", "--delta", "1e-5"]) == 0
+    printed = capsys.readouterr().out
+    expected = tunefree.epsilon(noise_multiplier=1.0, sample_rate=0.01, steps=1000, delta=1e-5)
+    assert f"epsilon {expected:.6g}" in printed
+    assert main(["epsilon", "--target-epsilon", "2", "--sample-rate", "0.01", "--epochs", "10",
+                 "--delta", "1e-5", "--accountant", "rdp"]) == 0
+    assert "noise multiplier" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["train", "--dataset", "/nonexistent/data.csv"], "not found"),
+    (["train", "--dataset", "{tmp}/notes.txt"], "unknown file format"),
+    (["train", "--dataset", "{tmp}/t.csv", "--label-column", "y"], "label column 'y' not found"),
+    (["train", "--epsilon", "0"], "must be positive"),
+    (["train", "--epsilon", "-1"], "must be positive"),
+    (["train", "--delta", "2"], r"must be in \(0, 1\)"),
+    (["train", "--delta", "0.01", "--epochs", "1"], "1/N"),
+    (["train", "--epochs", "0"], "at least 1"),
+    (["train", "--lr", "auto", "--epochs", "1"], "auto"),
+    (["epsilon", "--noise-multiplier", "1", "--sample-rate", "2", "--steps", "3", "--delta",
+      "1e-5"], "sample-rate"),
+])
+def test_errors_are_one_line_without_traceback(tmp_path, capsys, argv, match):
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "t.csv").write_text("a,label\n1,0\n2,1\n3,0\n4,1\n5,0\n")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as usage_error:  # argparse's own checks
+        code = usage_error.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert re.search(match, err), err
+
+
+def test_console_entry_point_exits_2_on_error():
+    proc = subprocess.run([sys.executable, "-m", "tunefree.cli", "train", "--dataset",
+                           "/nonexistent.csv"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("tunefree: error: dataset '/nonexistent.csv' not found")
+
+
+def test_debug_shows_the_traceback():
+    proc = subprocess.run([sys.executable, "-m", "tunefree.cli", "--debug", "train", "--dataset",
+                           "/nonexistent.csv"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
