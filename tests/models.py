@@ -48,7 +48,7 @@ class ConvNet(nn.Module):
         super().__init__()
         conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
         self.conv = conv(4, 6, 3, **conv_kwargs)
-        self.conv2 = conv(6, 4, 2, stride=1, bias=False)
+        self.conv2 = conv(6, 4, 2, padding=1, bias=False)
         self.fc = nn.Linear(4, 3)
 
     def forward(self, x):

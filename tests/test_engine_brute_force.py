@@ -105,7 +105,22 @@ CONV_CASES = [
     (2, {"padding": 1, "padding_mode": "reflect"}), (2, {"padding": 2, "padding_mode": "circular"}),
     (2, {"padding": 1, "padding_mode": "replicate", "stride": 2}),
     (3, {}), (3, {"stride": 2, "padding": 1, "groups": 2}), (3, {"padding": "same", "dilation": 2}),
+    # few output positions: the ghost-norm path
+    (1, {"stride": 4}), (2, {"stride": 3}), (2, {"stride": 3, "groups": 2, "padding": 1}),
+    (3, {"stride": 3, "padding": "valid"}),
 ]
+
+
+def test_both_conv_norm_paths_are_exercised():
+    from tunefree.rules.conv import ConvWeightGrad
+
+    paths = set()
+    for dims, kwargs in CONV_CASES:
+        conv = ConvNet(dims, **kwargs).conv
+        x = torch.randn(4, *{1: (4, 11), 2: (4, 7, 8), 3: (4, 5, 6, 5)}[dims])
+        out = conv(x)
+        paths.add(ConvWeightGrad(conv, x, torch.ones_like(out))._ghost_is_cheaper())
+    assert paths == {True, False}
 
 
 @pytest.mark.parametrize("dims,kwargs", CONV_CASES)

@@ -1,9 +1,10 @@
 """``nn.Conv1d/2d/3d`` with any stride, padding (numbers, ``"same"``, ``"valid"``, any padding mode),
 dilation and groups.
 
-Per-sample norms come from the unfolded input patches (ghost or materialised per channel group); the
-weighted sum uses the native convolution weight-gradient kernel on the padded input, so a layer kept until
-the end of the backward pass holds only its input and output gradient, as autograd would.
+Per-sample norms come from a ghost norm on unfolded input patches when the layer has few output
+positions, otherwise from per-sample gradients computed by the native weight-gradient kernel. The
+weighted sum uses the native kernel on the padded input, so a layer kept until the end of the backward
+pass holds only its input and output gradient, as autograd would.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import Capture, LayerRule, Materialized, PerSampleGrad
-from .factored import FactoredGrad
+from .factored import FactoredGrad, ghost_is_cheaper
 
 
 def explicit_padding(module: nn.modules.conv._ConvNd) -> list[tuple[int, int]]:
@@ -28,6 +29,15 @@ def explicit_padding(module: nn.modules.conv._ConvNd) -> list[tuple[int, int]]:
             pads.append((total // 2, total - total // 2))
         return pads
     return [(p, p) for p in module.padding]
+
+
+def native_padding(module: nn.modules.conv._ConvNd) -> list[int] | None:
+    """The padding to hand the native kernels directly (zero padding, the same on both sides), or
+    ``None`` when the input must be padded explicitly first."""
+    pads = explicit_padding(module)
+    if module.padding_mode == "zeros" and all(left == right for left, right in pads):
+        return [left for left, _ in pads]
+    return None
 
 
 def pad_input(module: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor:
@@ -54,37 +64,74 @@ def unfold(x: torch.Tensor, kernel: tuple[int, ...], stride: tuple[int, ...],
     return x.reshape(batch, int(torch.tensor(positions).prod()), -1)
 
 
-class ConvWeightGrad(FactoredGrad):
-    """Conv weight gradients; kept for later as (padded input, output gradient) only."""
+def per_sample_weight_grads(module: nn.modules.conv._ConvNd, x: torch.Tensor, padding: list[int],
+                            grad: torch.Tensor) -> torch.Tensor:
+    """All per-sample weight gradients ``[B, *weight.shape]`` with the native weight-gradient kernel:
+    the batch becomes channel groups (input ``[1, B·C_in, …]``, ``B·groups`` groups), so each
+    example's gradient comes out as its own slice, with no unfolded copy of the input."""
+    batch, dims = grad.shape[0], len(module.kernel_size)
+    shape = module.weight.shape
+    # The kernel reads only the weight's shape when no input gradient is asked for.
+    stacked = grad.new_empty(batch * shape[0], *shape[1:])
+    grads = torch.ops.aten.convolution_backward(
+        grad.reshape(1, -1, *grad.shape[2:]), x.to(grad.dtype).reshape(1, -1, *x.shape[2:]),
+        stacked, None, module.stride, padding, module.dilation, False, [0] * dims,
+        batch * module.groups, [False, True, False])[1]
+    return grads.reshape(batch, *shape)
 
-    def __init__(self, module: nn.modules.conv._ConvNd, padded: torch.Tensor, grad: torch.Tensor):
-        groups = module.groups
-        batch = grad.shape[0]
-        patches = unfold(padded, module.kernel_size, module.stride, module.dilation)
-        positions = patches.shape[1]
-        a = patches.reshape(batch, positions, groups, -1).transpose(1, 2)
-        b = grad.reshape(batch, groups, grad.shape[1] // groups, positions).transpose(-1, -2)
-        super().__init__(a, b, module.weight.shape)
-        self.module, self.padded, self.grad = module, padded, grad
+
+class ConvWeightGrad(PerSampleGrad):
+    """Conv weight gradients of one call. Norms by ghost norm on unfolded patches when that is cheaper
+    (few output positions), otherwise from the materialised per-sample gradients; the weighted sum from
+    those, or — when only (padded input, output gradient) were kept — with the native kernel."""
+
+    def __init__(self, module: nn.modules.conv._ConvNd, x: torch.Tensor, grad: torch.Tensor):
+        padding = native_padding(module)
+        # the input as given with the padding for the native kernels, or padded explicitly
+        self.x = x if padding is not None else pad_input(module, x)
+        self.padding = padding if padding is not None else [0] * len(module.kernel_size)
+        self.module, self.grad = module, grad
+        self._grads: torch.Tensor | None = None
+
+    def _ghost_is_cheaper(self) -> bool:
+        groups = self.module.groups
+        positions = self.grad[0, 0].numel()
+        d_in = self.module.weight[0].numel()
+        return ghost_is_cheaper(positions, d_in, self.grad.shape[1] // groups)
+
+    def sq_norms(self) -> torch.Tensor:
+        if self._ghost_is_cheaper():
+            module, groups, batch = self.module, self.module.groups, self.grad.shape[0]
+            patches = unfold(pad_input(module, self.x) if any(self.padding) else self.x,
+                             module.kernel_size, module.stride, module.dilation)
+            positions = patches.shape[1]
+            a = patches.reshape(batch, positions, groups, -1).transpose(1, 2)
+            b = self.grad.reshape(batch, groups, -1, positions).transpose(-1, -2)
+            return FactoredGrad(a, b, module.weight.shape).sq_norms()
+        return Materialized(self.materialize()).sq_norms()
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         if self._grads is not None:
-            return super().weighted_sum(weights)
+            return torch.tensordot(weights.to(self._grads.dtype), self._grads, dims=1)
         module = self.module
         dims = len(module.kernel_size)
         scaled = self.grad * weights.to(self.grad.dtype).reshape(-1, *[1] * (dims + 1))
         weight = module.weight.detach().to(self.grad.dtype)
         return torch.ops.aten.convolution_backward(
-            scaled, self.padded.to(self.grad.dtype), weight, None, module.stride, [0] * dims,
+            scaled, self.x.to(self.grad.dtype), weight, None, module.stride, self.padding,
             module.dilation, False, [0] * dims, module.groups, [False, True, False],
         )[1]
 
+    def materialize(self) -> torch.Tensor:
+        if self._grads is None:
+            self._grads = per_sample_weight_grads(self.module, self.x, self.padding, self.grad)
+        return self._grads
+
     def compact(self) -> None:
-        if self._grads is not None and self._grads.numel() <= self.padded.numel() + self.grad.numel():
-            self.padded = self.grad = None  # type: ignore[assignment]
+        if self._grads is not None and self._grads.numel() <= self.x.numel() + self.grad.numel():
+            self.x = self.grad = None  # type: ignore[assignment]
         else:
             self._grads = None
-        self.a = self.b = None  # type: ignore[assignment]
 
 
 class ConvRule(LayerRule):
@@ -103,7 +150,7 @@ class ConvRule(LayerRule):
             )
         out: dict[str, PerSampleGrad] = {}
         if "weight" in params:
-            out["weight"] = ConvWeightGrad(module, pad_input(module, x), grad)
+            out["weight"] = ConvWeightGrad(module, x, grad)
         if "bias" in params:
             out["bias"] = Materialized(grad.sum(tuple(range(2, dims + 2))))
         return out

@@ -1,0 +1,202 @@
+"""Step time and peak memory of private training, as ratios to non-private training in the same run.
+
+Each (model, configuration) measurement runs in a fresh subprocess; configurations are interleaved
+round by round so that machine noise hits all of them alike. A step is forward + backward + optimizer
+step on one fixed synthetic batch (for private configurations: per-sample clipping, noise and the
+ledger record included).
+
+Peak memory: the child resets the kernel's RSS high-water mark (``/proc/self/clear_refs``) right
+before building the model, and reports the high-water mark after the timed steps minus the RSS at that
+moment — the memory training needs (weights, optimizer state, activations, gradients, per-sample work),
+with interpreter and library pages cancelled out.
+
+    python benchmarks/engine_overhead.py --rounds 3 --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIGS = ("non-private", "tunefree all-layer", "tunefree per-layer", "opacus hooks",
+           "opacus ghost")
+
+
+def _rss_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _make_step(config: str, model, x, y, loss_fn):
+    """A function running one training step of ``config``."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
+    if config == "non-private":
+        def step():
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+        return step
+    if config.startswith("tunefree"):
+        import tunefree
+
+        groups = config.split()[1]
+        engine = tunefree.make_private(model, optimizer, loader, noise_multiplier=1.0,
+                                       target_delta=1e-5 if len(x) > 100 else 1e-3,
+                                       clipping="auto-s", groups=groups, seed=0,
+                                       poisson_sampling=False)
+
+        def step():
+            engine.optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            engine.optimizer.step()
+        return step
+    import warnings
+
+    from opacus import PrivacyEngine
+
+    warnings.filterwarnings("ignore")
+    mode = config.split()[1]
+    privacy = PrivacyEngine()
+    if mode == "hooks":
+        private_model, private_opt, _ = privacy.make_private(
+            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0,
+            max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode="hooks")
+
+        def step():
+            private_opt.zero_grad()
+            loss_fn(private_model(x), y).backward()
+            private_opt.step()
+        return step
+
+    class Criterion(torch.nn.Module):
+        reduction = "mean"
+
+        def forward(self, logits, targets):
+            return loss_fn(logits, targets)
+
+    private_model, private_opt, criterion, _ = privacy.make_private(
+        module=model, optimizer=optimizer, data_loader=loader, criterion=Criterion(),
+        noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False,
+        grad_sample_mode="ghost")
+
+    def step():
+        private_opt.zero_grad()
+        criterion(private_model(x), y).backward()
+        private_opt.step()
+    return step
+
+
+def child(model_name: str, config: str, steps: int, warmup: int) -> dict:
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from models import benchmark
+
+    torch.set_num_threads(2)
+    # Libraries are imported before the baseline so that their pages do not count as training memory.
+    if config.startswith("tunefree"):
+        import tunefree  # noqa: F401
+    elif config.startswith("opacus"):
+        import opacus  # noqa: F401
+    torch.manual_seed(0)
+    model_fn_inputs = benchmark(model_name)
+    _, x, y, loss_fn = model_fn_inputs
+    del model_fn_inputs
+    Path("/proc/self/clear_refs").write_text("5")  # reset the RSS high-water mark
+    before = _rss_kb("VmRSS")
+    torch.manual_seed(0)
+    model = benchmark(model_name)[0]
+    step = _make_step(config, model, x, y, loss_fn)
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    peak = _rss_kb("VmHWM")
+    return {"step_ms": 1000 * statistics.median(times), "peak_mb": (peak - before) / 1024}
+
+
+def available_configs() -> list[str]:
+    try:
+        import opacus  # noqa: F401
+    except ImportError:
+        return [c for c in CONFIGS if not c.startswith("opacus")]
+    return list(CONFIGS)
+
+
+def run(models: list[str], configs: list[str], rounds: int, steps: int, warmup: int) -> dict:
+    results: dict = {m: {c: [] for c in configs} for m in models}
+    for r in range(rounds):
+        for model_name in models:
+            order = configs if r % 2 == 0 else list(reversed(configs))
+            for config in order:
+                out = subprocess.run(
+                    [sys.executable, __file__, "--child", model_name, config, "--steps", str(steps),
+                     "--warmup", str(warmup)], capture_output=True, text=True, check=False)
+                if out.returncode != 0:
+                    print(f"{model_name} / {config} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+                    results[model_name][config].append(None)
+                    continue
+                measurement = json.loads(out.stdout.strip().splitlines()[-1])
+                results[model_name][config].append(measurement)
+                print(f"round {r + 1} {model_name:10s} {config:20s} {measurement['step_ms']:8.1f} ms "
+                      f"{measurement['peak_mb']:8.1f} MB", file=sys.stderr, flush=True)
+    return results
+
+
+def table(results: dict) -> str:
+    lines = ["| model | configuration | step time | × non-private (min–max) | peak memory | "
+             "× non-private (min–max) |", "|---|---|---|---|---|---|"]
+    for model_name, by_config in results.items():
+        base = by_config["non-private"]
+        for config, runs in by_config.items():
+            pairs = [(m, b) for m, b in zip(runs, base) if m and b]
+            if not pairs:
+                lines.append(f"| {model_name} | {config} | failed | | | |")
+                continue
+            t_ratio = [m["step_ms"] / b["step_ms"] for m, b in pairs]
+            m_ratio = [m["peak_mb"] / b["peak_mb"] for m, b in pairs]
+            step_ms = statistics.median(m["step_ms"] for m, _ in pairs)
+            peak = statistics.median(m["peak_mb"] for m, _ in pairs)
+            lines.append(
+                f"| {model_name} | {config} | {step_ms:.1f} ms | {statistics.median(t_ratio):.2f} "
+                f"({min(t_ratio):.2f}–{max(t_ratio):.2f}) | {peak:.1f} MB | "
+                f"{statistics.median(m_ratio):.2f} ({min(m_ratio):.2f}–{max(m_ratio):.2f}) |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
+    parser.add_argument("--models", nargs="+", default=["mnist-cnn", "gpt", "resnet9"])
+    parser.add_argument("--configs", nargs="+", default=None,
+                        help=f"subset of {', '.join(CONFIGS)} (non-private is always included)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(*args.child, args.steps, args.warmup)))
+        return
+    configs = args.configs or available_configs()
+    if "non-private" not in configs:
+        configs = ["non-private", *configs]
+    results = run(args.models, configs, args.rounds, args.steps, args.warmup)
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
