@@ -105,3 +105,19 @@ def test_debug_shows_the_traceback():
     proc = subprocess.run([sys.executable, "-m", "tunefree.cli", "--debug", "train", "--dataset",
                            "/nonexistent.csv"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_adaptive_per_layer_flags(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--epochs", "1", "--groups", "per-layer", "--thresholds", "adaptive",
+                 "--target-quantile", "0.6", "--quiet", "--out", str(out), "--json",
+                 str(tmp_path / "r.json")]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["config"]["thresholds"] == "adaptive"
+    assert result["config"]["target_quantile"] == 0.6
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    layers = set(steps[-1]["groups"])
+    assert layers == {"1", "3"}  # the two Linear layers of the MLP, by qualified module name
+    first, last = steps[0]["groups"]["1"]["threshold"], steps[-1]["groups"]["1"]["threshold"]
+    assert first != last  # thresholds adapt

@@ -16,12 +16,13 @@ from .clipping import ClipFunction
 from .data.poisson import StepSchedule, from_loader, steps_per_epoch
 from .engine import ClippingEngine
 from .grouping import ClipGroup, GroupSpec, make_groups, sensitivity
-from .optim import DPOptimizer, StepReport
+from .optim import DPOptimizer, StepComponent, StepReport
 from .privacy.accounting import check_accountant, planned_event
 from .privacy.calibration import calibrate
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
 from .privacy.randomness import Randomness
+from .thresholds import QuantileThresholds, split_budget
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,8 @@ class DPEngine:
         """The run's privacy state: ledger, randomness and position of the sampler. Save it with the
         model's and the optimizer's state dicts; a resumed run continues the same guarantee."""
         return {"ledger": self.ledger.state_dict(), "randomness": self.randomness.state_dict(),
-                "schedule": self.schedule.state_dict(), "fingerprint": self._fingerprint()}
+                "schedule": self.schedule.state_dict(), "thresholds": self.clip_thresholds,
+                "fingerprint": self._fingerprint()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state["fingerprint"] != self._fingerprint():
@@ -107,6 +109,8 @@ class DPEngine:
         self.ledger.load_state_dict(state["ledger"])
         self.randomness.load_state_dict(state["randomness"])
         self.schedule.load_state_dict(state["schedule"])
+        for group in self.groups:
+            group.threshold = state["thresholds"][group.name]
 
     def _fingerprint(self) -> dict[str, Any]:
         return {"noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
@@ -160,6 +164,10 @@ def make_private(
     clip_gamma: float = 0.01,
     psac_r: float = 0.1,
     noise_allocation: str = "global",
+    thresholds: str = "fixed",
+    target_quantile: float = 0.5,
+    quantile_lr: float = 0.3,
+    quantile_budget: float = 0.01,
 ) -> DPEngine:
     """Make ``model`` train with an (ε, δ)-DP guarantee, accounted exactly from every release.
 
@@ -190,6 +198,11 @@ def make_private(
         clip_gamma, psac_r: the stability constants of AUTO-S and PSAC (no effect on privacy).
         noise_allocation: how the gradient noise is spread over clip groups (``"global"``,
             ``"equal-budget"``, ``"weighted"``); the privacy cost is the same.
+        thresholds: ``"fixed"`` (the ``max_grad_norm`` split) or ``"adaptive"``: each group's threshold
+            starts there and tracks a private estimate of the ``target_quantile`` of its per-sample
+            norms, moved by ``quantile_lr``; the noisy counts this needs cost the fraction
+            ``quantile_budget`` of the budget, and the noise multiplier σ (given or calibrated) is that
+            of all releases together (Proposition 3.1 of the group-wise clipping paper).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -243,13 +256,23 @@ def make_private(
     clip_groups = make_groups(model, groups, max_grad_norm)
     clipping_engine = ClippingEngine(model, clip_groups, clip, loss_reduction)
     ledger = Ledger(poisson_approximation=not poisson_sampling)
-    release = GradientRelease(clip_groups, noise_multiplier, randomness, noise_allocation)
+    expected_batch_size = sample_rate * num_examples
+    components: list[StepComponent] = []
+    gradient_sigma = noise_multiplier
+    if thresholds == "adaptive":
+        gradient_sigma, count_std = split_budget(noise_multiplier, len(clip_groups), quantile_budget)
+        components.append(QuantileThresholds(clip_groups, target_quantile, quantile_lr, count_std,
+                                             expected_batch_size, randomness))
+    elif thresholds != "fixed":
+        raise ValueError(f"thresholds must be 'fixed' or 'adaptive', got {thresholds!r}")
+    release = GradientRelease(clip_groups, gradient_sigma, randomness, noise_allocation)
     try:
         private_optimizer = DPOptimizer(optimizer, clipping_engine, release, ledger, sample_rate,
-                                        sample_rate * num_examples, schedule)
+                                        expected_batch_size, schedule)
     except ValueError:
         clipping_engine.detach()
         raise
+    private_optimizer.components.extend(components)
     return DPEngine(model=model, optimizer=private_optimizer, data_loader=loader,
                     clipping_engine=clipping_engine, ledger=ledger, randomness=randomness,
                     schedule=schedule, groups=clip_groups, noise_multiplier=noise_multiplier,

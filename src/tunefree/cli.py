@@ -83,6 +83,12 @@ def parser() -> argparse.ArgumentParser:
                        help=f"per-sample clipping (default: {defaults.clipping})")
     train.add_argument("--groups", choices=GROUPINGS, default=defaults.groups,
                        help=f"clip groups (default: {defaults.groups})")
+    train.add_argument("--thresholds", choices=("fixed", "adaptive"), default=defaults.thresholds,
+                       help="clip thresholds: fixed, or adaptive (each group tracks a private "
+                            "quantile of its per-sample norms; default: fixed)")
+    train.add_argument("--target-quantile", type=float, default=defaults.target_quantile,
+                       help="with --thresholds adaptive: the quantile each threshold tracks "
+                            f"(default: {defaults.target_quantile})")
     train.add_argument("--optimizer", choices=list(OPTIMIZERS), default=defaults.optimizer,
                        help=f"base optimizer (default: {defaults.optimizer})")
     train.add_argument("--lr", type=_learning_rate, default=None,
@@ -118,7 +124,8 @@ def _train(args: argparse.Namespace) -> int:
     config = TrainConfig(
         dataset=args.dataset, label_column=args.label_column, model=args.model,
         epsilon=args.epsilon, delta=args.delta, epochs=args.epochs, batch_size=args.batch_size,
-        clipping=args.clipping, groups=args.groups, optimizer=args.optimizer, lr=args.lr,
+        clipping=args.clipping, groups=args.groups, thresholds=args.thresholds,
+        target_quantile=args.target_quantile, optimizer=args.optimizer, lr=args.lr,
         accountant=args.accountant, seed=args.seed,
         out=str(args.out) if args.out else None, quiet=args.quiet)
     result = train(config)

@@ -41,11 +41,13 @@ class StepComponent:
 @dataclass
 class StepReport:
     """What one private step did: examples in the logical batch (a private number, kept for
-    diagnostics only) and each clip group's per-sample gradient norms."""
+    diagnostics only), each clip group's per-sample gradient norms and the thresholds they were
+    clipped with."""
 
     step: int
     examples: int
     group_norms: dict[str, torch.Tensor] = field(default_factory=dict)
+    thresholds: dict[str, float] = field(default_factory=dict)  # those the step clipped with
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -159,7 +161,8 @@ class DPOptimizer(torch.optim.Optimizer):
         noisy, event = self.release.release(sums)
         for p, total in noisy.items():
             p.grad = (total / self.expected_batch_size).to(p.dtype)
-        report = StepReport(step=self.ledger.steps + 1, examples=examples, group_norms=norms)
+        report = StepReport(step=self.ledger.steps + 1, examples=examples, group_norms=norms,
+                            thresholds={g.name: g.threshold for g in self.engine.groups})
         events = [event]
         for component in self.components:
             events += component.before_update(self, report, closure)

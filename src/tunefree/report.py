@@ -96,13 +96,15 @@ def plot(records: list[dict[str, Any]], out: Path) -> None:
         ax_frac.plot(steps, [s["clip_fraction"] for s in stats], lw=0.8, label=group)
         line, = ax_norm.plot(steps, [s["norm_quantiles"]["q50"] for s in stats], lw=0.8,
                              label=group)
+        ax_norm.plot(steps, [s["threshold"] for s in stats], lw=0.8, ls="--",
+                     color=line.get_color())
         ax_norm.fill_between(steps, [s["norm_quantiles"]["q10"] for s in stats],
                              [s["norm_quantiles"]["q90"] for s in stats], alpha=0.2,
                              color=line.get_color())
     ax_frac.set_xlabel("step")
     ax_frac.set_ylabel("fraction of examples clipped (‖g‖ > threshold)")
     ax_norm.set_xlabel("step")
-    ax_norm.set_ylabel("per-sample gradient norm (10–50–90%)")
+    ax_norm.set_ylabel("per-sample gradient norm (10–50–90%); threshold dashed")
     ax_norm.set_yscale("log")
     if groups:
         ax_norm.legend(fontsize=7)

@@ -53,6 +53,8 @@ class TrainConfig:
     batch_size: int = 256
     clipping: str = "auto-s"
     groups: str = "all-layer"
+    thresholds: str = "fixed"
+    target_quantile: float = 0.5
     optimizer: str = "adam"
     lr: float | None = None
     max_grad_norm: float = 1.0
@@ -143,6 +145,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
         model, optimizer, DataLoader(data.train, batch_size=min(config.batch_size, data.num_train)),
         target_epsilon=config.epsilon, target_delta=delta, epochs=config.epochs,
         clipping=config.clipping, groups=config.groups, max_grad_norm=config.max_grad_norm,
+        thresholds=config.thresholds, target_quantile=config.target_quantile,
         accountant=config.accountant, seed=config.seed, **config.extra)
     run = RunDirectory(config.out) if config.out else None
     progress = Progress(config.epochs, len(engine.data_loader), config.quiet)
@@ -191,5 +194,5 @@ def _step_record(engine: DPEngine, epoch: int, loss_sum: float, correct: int, si
                               "loss": loss_sum / size if size else None,
                               "train_accuracy": correct / size if size else None}
     if report is not None:
-        record["groups"] = norm_statistics(report.group_norms, engine.clip_thresholds)
+        record["groups"] = norm_statistics(report.group_norms, report.thresholds)
     return record
