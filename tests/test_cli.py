@@ -75,7 +75,7 @@ def test_epsilon_calculator(capsys):
     (["train", "--delta", "2"], r"must be in \(0, 1\)"),
     (["train", "--delta", "0.01", "--epochs", "1"], "1/N"),
     (["train", "--epochs", "0"], "at least 1"),
-    (["train", "--lr", "auto", "--epochs", "1"], "auto"),
+    (["train", "--lr", "fast", "--epochs", "1"], "expected a number"),
     (["epsilon", "--noise-multiplier", "1", "--sample-rate", "2", "--steps", "3", "--delta",
       "1e-5"], "sample-rate"),
 ])
@@ -121,3 +121,17 @@ def test_adaptive_per_layer_flags(tmp_path):
     assert layers == {"1", "3"}  # the two Linear layers of the MLP, by qualified module name
     first, last = steps[0]["groups"]["1"]["threshold"], steps[-1]["groups"]["1"]["threshold"]
     assert first != last  # thresholds adapt
+
+
+def test_automatic_learning_rate(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--epochs", "2", "--optimizer", "adamw", "--lr", "auto", "--quiet",
+                 "--out", str(out), "--json", str(tmp_path / "r.json")]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["config"]["lr"] == "auto" and result["config"]["optimizer"] == "adamw"
+    assert 0.99 * 3.0 <= result["epsilon"] <= 3.0  # every release, loss probes included
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert all("loss_bound" in r and r["lr"] > 0 for r in steps)
+    assert steps[0]["lr"] != steps[-1]["lr"]
+    assert (out / "learning_rate.png").stat().st_size > 0

@@ -23,6 +23,7 @@ from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
 from .privacy.randomness import Randomness
 from .thresholds import QuantileThresholds, split_budget
+from .autolr import DEFAULT_INTERVAL, AutoLearningRate, split_for_auto_lr
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class DPEngine:
         model's and the optimizer's state dicts; a resumed run continues the same guarantee."""
         return {"ledger": self.ledger.state_dict(), "randomness": self.randomness.state_dict(),
                 "schedule": self.schedule.state_dict(), "thresholds": self.clip_thresholds,
+                "components": [c.state_dict() for c in self.optimizer.components],
                 "fingerprint": self._fingerprint()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -111,6 +113,8 @@ class DPEngine:
         self.schedule.load_state_dict(state["schedule"])
         for group in self.groups:
             group.threshold = state["thresholds"][group.name]
+        for component, component_state in zip(self.optimizer.components, state["components"]):
+            component.load_state_dict(component_state)
 
     def _fingerprint(self) -> dict[str, Any]:
         return {"noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
@@ -168,6 +172,10 @@ def make_private(
     target_quantile: float = 0.5,
     quantile_lr: float = 0.3,
     quantile_budget: float = 0.01,
+    lr: str | None = None,
+    lr_update_interval: int = DEFAULT_INTERVAL,
+    loss_privacy: str = "gaussian",
+    gradient_noise_increase: float = 1.01,
 ) -> DPEngine:
     """Make ``model`` train with an (ε, δ)-DP guarantee, accounted exactly from every release.
 
@@ -203,6 +211,12 @@ def make_private(
             norms, moved by ``quantile_lr``; the noisy counts this needs cost the fraction
             ``quantile_budget`` of the budget, and the noise multiplier σ (given or calibrated) is that
             of all releases together (Proposition 3.1 of the group-wise clipping paper).
+        lr: ``None`` keeps the optimizer's learning rate (and any scheduler); ``"auto"`` sets it by
+            GeN-DP (HyFreeDP) every ``lr_update_interval`` steps from privatised losses of the current
+            batch, which ``optimizer.step(closure)`` must supply (the closure returns per-sample
+            losses). The gradient noise grows by ``gradient_noise_increase`` (γ) and the loss noise
+            is solved so that the whole run, every release included, spends what plain DP-SGD at
+            σ would; ``loss_privacy`` is ``"gaussian"`` (L2) or ``"laplace"`` (L1).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -259,8 +273,19 @@ def make_private(
     expected_batch_size = sample_rate * num_examples
     components: list[StepComponent] = []
     gradient_sigma = noise_multiplier
+    auto_lr = None
+    if lr == "auto":
+        if planned is None:
+            raise ValueError("lr='auto' splits the budget over the planned run: give epochs or steps")
+        gradient_sigma, loss_sigma = split_for_auto_lr(
+            noise_multiplier, target_epsilon, sample_rate, planned, lr_update_interval, target_delta,
+            accountant, gradient_noise_increase, loss_privacy)
+        auto_lr = AutoLearningRate(lr_update_interval, loss_sigma, expected_batch_size, randomness,
+                                   loss_privacy)
+    elif lr is not None:
+        raise ValueError(f"lr must be None (the optimizer's own) or 'auto', got {lr!r}")
     if thresholds == "adaptive":
-        gradient_sigma, count_std = split_budget(noise_multiplier, len(clip_groups), quantile_budget)
+        gradient_sigma, count_std = split_budget(gradient_sigma, len(clip_groups), quantile_budget)
         components.append(QuantileThresholds(clip_groups, target_quantile, quantile_lr, count_std,
                                              expected_batch_size, randomness))
     elif thresholds != "fixed":
@@ -273,6 +298,9 @@ def make_private(
         clipping_engine.detach()
         raise
     private_optimizer.components.extend(components)
+    if auto_lr is not None:
+        private_optimizer.components.append(auto_lr)
+        private_optimizer.closure_gives_per_sample_losses = True
     return DPEngine(model=model, optimizer=private_optimizer, data_loader=loader,
                     clipping_engine=clipping_engine, ledger=ledger, randomness=randomness,
                     schedule=schedule, groups=clip_groups, noise_multiplier=noise_multiplier,

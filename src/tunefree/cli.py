@@ -92,7 +92,8 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--optimizer", choices=list(OPTIMIZERS), default=defaults.optimizer,
                        help=f"base optimizer (default: {defaults.optimizer})")
     train.add_argument("--lr", type=_learning_rate, default=None,
-                       help="learning rate (default: chosen once per optimizer, see docs/cli.md)")
+                       help="learning rate, or 'auto' to set it privately during training "
+                            "(HyFreeDP; default: chosen once per optimizer, see docs/cli.md)")
     train.add_argument("--accountant", choices=ACCOUNTANTS, default=defaults.accountant)
     train.add_argument("--seed", type=int, default=defaults.seed,
                        help="seeds initialisation, sampling and noise (default: 0)")
@@ -119,8 +120,6 @@ def parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace) -> int:
     from .training import TrainConfig, train
 
-    if args.lr == "auto":
-        raise ValueError("--lr auto is not available yet; give a number")
     config = TrainConfig(
         dataset=args.dataset, label_column=args.label_column, model=args.model,
         epsilon=args.epsilon, delta=args.delta, epochs=args.epochs, batch_size=args.batch_size,

@@ -37,6 +37,13 @@ class StepComponent:
         """After the wrapped optimizer stepped."""
         return []
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue identically."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - stateless by default
+        """Restore :meth:`state_dict`."""
+
 
 @dataclass
 class StepReport:
@@ -76,6 +83,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.last_step: StepReport | None = None
         self.step_hooks: list[Callable[[StepReport], None]] = []
         self.components: list[StepComponent] = []
+        self.closure_gives_per_sample_losses = False
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
         self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
@@ -148,10 +156,12 @@ class DPOptimizer(torch.optim.Optimizer):
         """One optimizer step on privatised gradients (only at the end of a logical batch).
 
         ``closure``, if given, is evaluated first with gradients enabled, as ``torch.optim`` does: it
-        runs the forward and backward pass of the current batch and returns the loss.
+        runs the forward and backward pass of the current batch and returns the loss. With
+        ``lr="auto"`` it instead returns the current batch's per-sample losses (a 1-D tensor) and
+        tunefree evaluates it, without gradients, at the probe points of the learning-rate fit.
         """
         loss = None
-        if closure is not None:
+        if closure is not None and not self.closure_gives_per_sample_losses:
             with torch.enable_grad():
                 loss = closure()
         if not self.schedule.on_step():

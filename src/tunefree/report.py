@@ -59,7 +59,7 @@ def _series(records: list[dict[str, Any]], kind: str, key: str) -> tuple[list[in
 
 
 def plot(records: list[dict[str, Any]], out: Path) -> None:
-    """loss_accuracy.png, epsilon.png and clipping.png in ``out``."""
+    """loss_accuracy.png, epsilon.png, learning_rate.png and clipping.png in ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,6 +85,19 @@ def plot(records: list[dict[str, Any]], out: Path) -> None:
     ax.set_ylabel("ε spent")
     fig.tight_layout()
     fig.savefig(out / "epsilon.png", dpi=100)
+    plt.close(fig)
+
+    fig, (ax_lr, ax_bound) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_lr.plot(*_series(records, "step", "lr"), lw=0.8)
+    ax_lr.set_xlabel("step")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_yscale("log")
+    steps, bounds = _series(records, "step", "loss_bound")
+    ax_bound.plot(steps, bounds, lw=0.8)
+    ax_bound.set_xlabel("step")
+    ax_bound.set_ylabel("loss clipping threshold R_l (lr=auto)")
+    fig.tight_layout()
+    fig.savefig(out / "learning_rate.png", dpi=100)
     plt.close(fig)
 
     groups = sorted({g for r in records if r["kind"] == "step" for g in r.get("groups", {})})

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from . import datasets, models
 from .api import DPEngine, make_private
+from .autolr import AutoLearningRate
 from .report import RunDirectory, norm_statistics
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -56,7 +57,7 @@ class TrainConfig:
     thresholds: str = "fixed"
     target_quantile: float = 0.5
     optimizer: str = "adam"
-    lr: float | None = None
+    lr: float | str | None = None  # a number, "auto" (GeN-DP), or None for the default
     max_grad_norm: float = 1.0
     accountant: str = "pld"
     seed: int = 0
@@ -65,7 +66,9 @@ class TrainConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # further make_private keywords
 
     def resolved_lr(self) -> float:
-        return DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
+        """The learning rate the optimizer is built with (with "auto", the starting value is set by
+        the automatic learning rate itself)."""
+        return DEFAULT_LR[self.optimizer] if self.lr in (None, "auto") else float(self.lr)
 
 
 def default_delta(num_examples: int) -> float:
@@ -84,8 +87,8 @@ def check_config(config: TrainConfig) -> None:
         raise ValueError(f"--batch-size must be at least 1, got {config.batch_size}")
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {config.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
-    if config.lr is not None and not (config.lr > 0 and math.isfinite(config.lr)):
-        raise ValueError(f"--lr must be a positive number, got {config.lr}")
+    if config.lr not in (None, "auto") and not (float(config.lr) > 0 and math.isfinite(config.lr)):
+        raise ValueError(f"--lr must be a positive number or 'auto', got {config.lr}")
 
 
 @torch.no_grad()
@@ -123,13 +126,18 @@ class Progress:
 def _step(engine: DPEngine, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
     """One private step; returns the batch's summed loss, correct predictions and size."""
     engine.optimizer.zero_grad()
+
+    def per_sample_losses() -> torch.Tensor:  # for lr="auto": the batch's losses at probe points
+        return F.cross_entropy(engine.model(x), y, reduction="none")
+
+    closure = per_sample_losses if engine.optimizer.closure_gives_per_sample_losses else None
     if len(y) == 0:  # an empty Poisson batch: no loss to compute, but the step (noise) happens
-        engine.optimizer.step()
+        engine.optimizer.step(closure)
         return 0.0, 0, 0
     logits = engine.model(x)
     loss = F.cross_entropy(logits, y)
     loss.backward()
-    engine.optimizer.step()
+    engine.optimizer.step(closure)
     return float(loss.detach()) * len(y), int((logits.argmax(1) == y).sum()), len(y)
 
 
@@ -146,6 +154,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
         target_epsilon=config.epsilon, target_delta=delta, epochs=config.epochs,
         clipping=config.clipping, groups=config.groups, max_grad_norm=config.max_grad_norm,
         thresholds=config.thresholds, target_quantile=config.target_quantile,
+        lr="auto" if config.lr == "auto" else None,
         accountant=config.accountant, seed=config.seed, **config.extra)
     run = RunDirectory(config.out) if config.out else None
     progress = Progress(config.epochs, len(engine.data_loader), config.quiet)
@@ -178,7 +187,8 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
         "guarantee": str(engine.guarantee()),
         "dataset": {"name": data.name, "train_examples": data.num_train,
                     "test_examples": len(data.test), "classes": data.num_classes},
-        "config": {**asdict(config), "lr": config.resolved_lr(), "delta": delta},
+        "config": {**asdict(config), "delta": delta,
+                   "lr": "auto" if config.lr == "auto" else config.resolved_lr()},
         "diagnostics_are_not_private": True,
     }
     if run:
@@ -195,4 +205,8 @@ def _step_record(engine: DPEngine, epoch: int, loss_sum: float, correct: int, si
                               "train_accuracy": correct / size if size else None}
     if report is not None:
         record["groups"] = norm_statistics(report.group_norms, report.thresholds)
+    record["lr"] = engine.optimizer.param_groups[0]["lr"]
+    auto = next((c for c in engine.optimizer.components if isinstance(c, AutoLearningRate)), None)
+    if auto is not None:
+        record["loss_bound"] = auto.state.loss_bound
     return record

@@ -4,6 +4,8 @@ Releases that share one Poisson-sampled batch are one ``PoissonSampledDpEvent`` 
 ``dp_accounting`` accepts only a single Gaussian or Laplace mechanism inside a sampled event, so a
 composition of Gaussian releases is reduced to the one Gaussian it is exactly equivalent to:
 noise multipliers σₖ (each relative to its own sensitivity) compose to ``σ = (Σₖ σₖ⁻²)^(-1/2)``.
+A Laplace release composed with others on one batch is replaced by a Gaussian that dominates it (a
+sound upper bound).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 import dp_accounting as dpa
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
+from scipy.stats import norm
 
 ACCOUNTANTS = ("pld", "rdp")
 # PLD grid for reported figures (dp_accounting's default) and a coarser one for calibration searches;
@@ -31,14 +34,28 @@ def check_delta(delta: float) -> None:
         raise ValueError(f"delta must be in (0, 1), got {delta}")
 
 
+def dominating_gaussian(event: dpa.LaplaceDpEvent) -> dpa.GaussianDpEvent:
+    """A Gaussian event whose privacy dominates a Laplace release: Laplace noise of scale b on a
+    sensitivity-1 query is ε₀-DP with ε₀ = 1/b, and every ε₀-DP mechanism is μ-GDP with
+    μ = 2Φ⁻¹(e^ε₀/(1 + e^ε₀)) (its trade-off function lies above G_μ: both are symmetric, and they
+    meet at the kink of the ε₀-DP trade-off function). An upper bound, not exact."""
+    if event.noise_multiplier == 0:
+        return dpa.GaussianDpEvent(0.0)
+    eps0 = 1.0 / event.noise_multiplier
+    mu = 2 * norm.ppf(1.0 / (1.0 + math.exp(-eps0)))
+    return dpa.GaussianDpEvent(1.0 / mu)
+
+
 def combined_gaussian(events: list[dpa.DpEvent]) -> dpa.DpEvent:
-    """The single Gaussian event equivalent to a composition of Gaussian events on one batch."""
+    """The single Gaussian event equivalent to a composition of Gaussian events on one batch
+    (Laplace releases among them enter through their dominating Gaussian: then an upper bound)."""
     if len(events) == 1:
         return events[0]
+    events = [dominating_gaussian(e) if isinstance(e, dpa.LaplaceDpEvent) else e for e in events]
     if not all(isinstance(e, dpa.GaussianDpEvent) for e in events):
         raise ValueError(
-            "only Gaussian releases can share one sampled batch in the accountant; draw a separate "
-            f"batch for the other releases (got {events})"
+            "only Gaussian and Laplace releases can share one sampled batch in the accountant; draw "
+            f"a separate batch for the other releases (got {events})"
         )
     if any(e.noise_multiplier == 0 for e in events):
         return dpa.GaussianDpEvent(0.0)
@@ -63,7 +80,7 @@ def _is_non_private(event: dpa.DpEvent) -> bool:
     if isinstance(event, dpa.GaussianDpEvent):
         return event.noise_multiplier == 0
     if isinstance(event, dpa.LaplaceDpEvent):
-        return event.parameter == 0
+        return event.noise_multiplier == 0
     if isinstance(event, dpa.NonPrivateDpEvent):
         return True
     if isinstance(event, dpa.PoissonSampledDpEvent):

@@ -71,7 +71,7 @@ def to_dict(event: dpa.DpEvent) -> dict[str, Any]:
     if isinstance(event, dpa.GaussianDpEvent):
         return {"gaussian": event.noise_multiplier}
     if isinstance(event, dpa.LaplaceDpEvent):
-        return {"laplace": event.parameter}
+        return {"laplace": event.noise_multiplier}
     if isinstance(event, dpa.PoissonSampledDpEvent):
         return {"poisson": event.sampling_probability, "event": to_dict(event.event)}
     if isinstance(event, dpa.ComposedDpEvent):
