@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .autolr import DEFAULT_INTERVAL, AutoLearningRate, split_for_auto_lr
 from .clipping import ClipFunction
 from .data.poisson import StepSchedule, from_loader, steps_per_epoch
 from .engine import ClippingEngine
@@ -23,7 +24,6 @@ from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
 from .privacy.randomness import Randomness
 from .thresholds import QuantileThresholds, split_budget
-from .autolr import DEFAULT_INTERVAL, AutoLearningRate, split_for_auto_lr
 
 
 @dataclass(frozen=True)
