@@ -35,6 +35,11 @@ SAMPLE_MIXING = {
 }
 
 
+# A per-sample norm at or above this (or NaN) is an overflow: refused rather than clipped, since a
+# float32 clip weight R/‖g‖ would then be subnormal and the bound ‖w·g‖ ≤ R could round away.
+NORM_LIMIT = 1e30
+
+
 class PrivacyError(RuntimeError):
     """Training would break the privacy guarantee; the message says how to fix it."""
 
@@ -308,7 +313,7 @@ class ClippingEngine:
         sq = sum(self._sq_norms[p] if p in self._sq_norms else self._per_param[p].sq_norms()
                  for p in present)
         norms = sq.sqrt() * scale
-        self._finite_checks.append((group.name, torch.isfinite(norms).all()))
+        self._finite_checks.append((group.name, (norms < NORM_LIMIT).all()))
         weights = self.clip.weights(norms, group.threshold) * scale
         for p in present:
             contribution = self._per_param.pop(p).weighted_sum(weights)
@@ -333,7 +338,8 @@ class ClippingEngine:
             if bad:
                 self._reset_pass()
                 raise PrivacyError(
-                    f"per-sample gradient norms of clip groups {bad} are NaN or infinite: the loss "
+                    f"per-sample gradient norms of clip groups {bad} are NaN, infinite or beyond "
+                    f"{NORM_LIMIT:g} (overflowing): the loss "
                     "or the model overflowed for some example (lower the learning rate, check the "
                     "inputs, or use float32/bfloat16 instead of float16)"
                 )
