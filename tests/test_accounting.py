@@ -104,3 +104,16 @@ def test_ledger_compresses_runs_and_survives_a_round_trip():
 
 def test_empty_ledger_spent_nothing():
     assert Ledger().epsilon(1e-5) == 0.0
+
+
+def test_ledger_composes_alternating_steps_as_two_self_compositions():
+    ledger = Ledger()
+    every_fifth = [dpa.GaussianDpEvent(1.0), dpa.GaussianDpEvent(5.0)]
+    for step in range(100):
+        ledger.record_step(0.1, every_fifth if step % 5 == 0 else every_fifth[:1])
+    assert len(ledger.event().events) == 2
+    expected = dpa.ComposedDpEvent([
+        dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(1.0)), 80),
+        dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.1, dpa.ComposedDpEvent(every_fifth)),
+                                20)])
+    assert ledger.epsilon(1e-5) == pytest.approx(epsilon_of(expected, 1e-5), rel=1e-9)

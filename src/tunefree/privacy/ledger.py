@@ -1,11 +1,12 @@
 """The ledger: every release of private data, recorded as its ``dp_accounting`` DpEvent, in order.
 
-ε is computed from the ledger only. Identical consecutive events are stored once with a count, so a
-run of a million steps stays small and its ε is one self-composition.
+ε is computed from the ledger only. Identical consecutive events are stored once with a count, and ε
+composes each distinct event once with its total count, so a run of a million steps stays small.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import dp_accounting as dpa
@@ -46,9 +47,16 @@ class Ledger:
                    if isinstance(event, dpa.PoissonSampledDpEvent))
 
     def event(self) -> dpa.DpEvent:
+        """Everything recorded, as one event. Composition does not depend on the order, so each
+        distinct event appears once with its total count (a run alternating two kinds of steps stays
+        two self-compositions)."""
+        totals: dict[str, list[Any]] = {}
+        for event, count in self._runs:
+            key = json.dumps(to_dict(event), sort_keys=True)
+            totals.setdefault(key, [event, 0])[1] += count
         return dpa.ComposedDpEvent([
             event if count == 1 else dpa.SelfComposedDpEvent(event, count)
-            for event, count in self._runs
+            for event, count in totals.values()
         ])
 
     def epsilon(self, delta: float, accountant: str = "pld") -> float:
