@@ -2,142 +2,364 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import dp_accounting as dpa
 import pytest
 import torch
 import torch.nn.functional as F
+from brute_force import clipped_sum, per_example_grads
+from dp_accounting.pld import pld_privacy_accountant
+from models import MLP
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import tunefree
-from tunefree.grouping import make_groups
-from tunefree.privacy.accounting import epsilon_of
+from tunefree import epsilon, make_private
+from tunefree.clipping import CLIP_FUNCTIONS, ClipFunction
+from tunefree.grouping import ClipGroup
+from tunefree.optim import StepReport
 from tunefree.privacy.mechanisms import GradientRelease
 from tunefree.privacy.randomness import Randomness
-from tunefree.thresholds import count_event, split_budget
+from tunefree.thresholds import QuantileEstimator, QuantileSettings, split_noise
 
 
-def data(n=200):
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one thread is several times faster than two on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
-def model():
+def dataset(n: int, d_in: int = 6, classes: int = 3, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, d_in, generator=g, dtype=torch.float64),
+                         torch.randint(0, classes, (n,), generator=g))
+
+
+def explicit_groups(model: nn.Module) -> dict[str, list[str]]:
+    names = [n for n, _ in model.named_parameters()]
+    return {"weights": [n for n in names if n.endswith("weight")],
+            "biases": [n for n in names if n.endswith("bias")]}
+
+
+def run_steps(engine, steps: int, loss_fn=F.cross_entropy, before_step=None) -> None:
+    batches = iter(engine.data_loader)
+    for _ in range(steps):
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            batches = iter(engine.data_loader)
+            x, y = next(batches)
+        engine.optimizer.zero_grad()
+        loss_fn(engine.model(x), y).backward()
+        if before_step is not None:
+            before_step()
+        engine.optimizer.step()
+
+
+# ---------------------------------------------------------------- Proposition 3.1 and the ledger
+@pytest.mark.parametrize("sigma,budget,groups", [(0.8, 0.01, 1), (1.3, 0.1, 7), (4.0, 0.5, 120)])
+def test_proposition_3_1_identity(sigma, budget, groups):
+    gradient, count_std = split_noise(sigma, budget, groups)
+    # equation (3.1), and Remark 3.1: the counts cost the fraction r = Kσ²/(4σ_b²)
+    assert gradient == pytest.approx((sigma ** -2 - groups / (2 * count_std) ** 2) ** -0.5,
+                                     rel=1e-12)
+    assert groups * sigma ** 2 / (4 * count_std ** 2) == pytest.approx(budget, rel=1e-12)
+    assert gradient > sigma
+
+
+def _engine(model, data, *, batch_size, **kwargs):
+    optimizer = torch.optim.SGD(model.parameters(), lr=kwargs.pop("lr", 0.0))
+    return make_private(model, optimizer, DataLoader(data, batch_size=batch_size),
+                        target_delta=kwargs.pop("target_delta", 1e-5), **kwargs)
+
+
+def test_joint_accounting_equals_target():
+    torch.manual_seed(3)
+    model, data = MLP().double(), dataset(1000)
+    steps, target, delta = 40, 2.0, 1e-5
+    engine = _engine(model, data, batch_size=50, target_epsilon=target, steps=steps,
+                     groups="per-layer", thresholds="adaptive", quantile_budget=0.1, seed=0,
+                     lr=0.1)
+    run_steps(engine, steps)
+    sigma = engine.noise_multiplier
+    gradient = engine.optimizer.release.noise_multiplier
+    count_std, k = engine.quantile_estimator.count_std, len(engine.groups)
+    assert k == 2
+    # every step: ONE sampled event composing the gradient release and the K count releases
+    step = dpa.PoissonSampledDpEvent(0.05, dpa.ComposedDpEvent([
+        dpa.GaussianDpEvent(gradient), dpa.GaussianDpEvent(2 * count_std / math.sqrt(k))]))
+    assert engine.ledger.event() == dpa.ComposedDpEvent([dpa.SelfComposedDpEvent(step, steps)])
+    spent = engine.epsilon()
+    assert 0.99 * target <= spent <= target
+    # independently: Proposition 3.1 says the joint release is plain DP-SGD with multiplier σ
+    joint = (gradient ** -2 + k / (2 * count_std) ** 2) ** -0.5
+    assert joint == pytest.approx(sigma, rel=1e-12)
+    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    accountant.compose(dpa.PoissonSampledDpEvent(0.05, dpa.GaussianDpEvent(joint)), steps)
+    assert spent == pytest.approx(accountant.get_epsilon(delta), rel=1e-6)
+
+
+def test_noise_multiplier_means_the_joint_release():
+    model, data = MLP().double(), dataset(200)
+    engine = _engine(model, data, batch_size=20, noise_multiplier=1.5, groups="per-param",
+                     thresholds="adaptive", quantile_budget=0.2, seed=0)
+    gradient = engine.optimizer.release.noise_multiplier
+    assert gradient == pytest.approx(1.5 / math.sqrt(0.8))
+    k = len(engine.groups)
+    assert engine.quantile_estimator.count_std == pytest.approx(1.5 * math.sqrt(k) / (2 * 0.2**0.5))
+    run_steps(engine, 3)
+    expected = epsilon(noise_multiplier=1.5, sample_rate=0.1, steps=3, delta=1e-5)
+    assert engine.epsilon() == pytest.approx(expected, rel=1e-6)
+
+
+# ---------------------------------------------------------------- the estimator itself
+def _groups(thresholds: dict[str, float]) -> list[ClipGroup]:
+    return [ClipGroup(name, [name], [nn.Parameter(torch.zeros(3))], threshold=value)
+            for name, value in thresholds.items()]
+
+
+def test_update_divides_by_the_expected_batch_size():
+    groups = _groups({"a": 1.0, "b": 2.0, "unused": 0.5})
+    settings = QuantileSettings(target_quantile=0.7, learning_rate=0.3, budget=0.01)
+    estimator = QuantileEstimator(groups, settings, 0.0, Randomness(0), expected_batch_size=8.0)
+    norms = {"a": torch.tensor([0.5, 0.9, 1.0, 1.5, 3.0], dtype=torch.float64),
+             "b": torch.tensor([0.1, 2.5, 4.0, 5.0, 9.0], dtype=torch.float64)}
+    events = estimator.after_update(None, StepReport(step=1, examples=5, group_norms=norms), None)
+    # unclipped counts: a 3 of 5, b 1 of 5, unused 5 of 5 (no gradient: norm 0); b̃ = count/(q·N)
+    # with the centring undone: ((count − 5/2) / 8 + 1/2)
+    for g, start, unclipped in zip(groups, (1.0, 2.0, 0.5), (3, 1, 5), strict=True):
+        fraction = (unclipped - 2.5) / 8 + 0.5
+        assert g.threshold == pytest.approx(start * math.exp(-0.3 * (fraction - 0.7)), rel=1e-12)
+        assert estimator.unclipped_fractions[g.name] == pytest.approx(fraction, rel=1e-12)
+    assert events == [dpa.GaussianDpEvent(0.0)]
+
+    # with a scale: the same estimates, and thresholds at that constant total sensitivity
+    groups = _groups({"a": 1.0, "b": 2.0, "unused": 0.5})
+    scaled = QuantileEstimator(groups, settings, 0.0, Randomness(0), 8.0, scale=3.0)
+    assert math.hypot(*(g.threshold for g in groups)) == pytest.approx(3.0, rel=1e-12)
+    scaled.after_update(None, StepReport(step=1, examples=5, group_norms=norms), None)
+    assert scaled.quantiles == pytest.approx(estimator.quantiles, rel=1e-12)
+    total = math.hypot(*estimator.quantiles.values())
+    for g in groups:
+        assert g.threshold == pytest.approx(3.0 * scaled.quantiles[g.name] / total, rel=1e-12)
+
+
+def test_count_noise_has_standard_deviation_sigma_b():
+    groups = _groups({"a": 1.0, "b": 1.0})
+    settings = QuantileSettings(target_quantile=0.5, learning_rate=1e-9, budget=0.05)
+    count_std, expected_batch = 3.0, 10.0
+    estimator = QuantileEstimator(groups, settings, count_std, Randomness(1), expected_batch)
+    norms = {"a": torch.tensor([0.5, 2.0]), "b": torch.tensor([0.5, 0.7])}
+    exact = torch.tensor([(1 - 1) / expected_batch + 0.5, (2 - 1) / expected_batch + 0.5])
+    draws = []
+    for step in range(4000):
+        events = estimator.after_update(None, StepReport(step, 2, norms), None)
+        draws.append(torch.tensor([estimator.unclipped_fractions[g.name] for g in groups]))
+    assert events == [dpa.GaussianDpEvent(2 * count_std / math.sqrt(2))]
+    noise = (torch.stack(draws) - exact) * expected_batch
+    assert noise.mean(0).abs().max() < 5 * count_std / math.sqrt(4000)
+    assert (noise.std(0) / count_std - 1).abs().max() < 5 / math.sqrt(2 * 4000)
+
+
+# ---------------------------------------------------------------- convergence to the quantile
+def _norms_by_brute_force(model, data, groups) -> dict[str, torch.Tensor]:
+    x, y = data.tensors
+    per_example = per_example_grads(model, F.cross_entropy, x, y)
+    params = dict(model.named_parameters())
+    return {g.name: torch.stack([torch.sqrt(sum((grads[params[n]] ** 2).sum()
+                                                for n in g.param_names))
+                                 for grads in per_example]) for g in groups}
+
+
+# (grouping, clip function, target quantile, initial max_grad_norm: far above or below the norms)
+CONVERGENCE_CASES = [("all-layer", "auto-s", 0.5, 30.0), ("per-layer", "auto-s", 0.5, 0.02),
+                     ("per-param", "auto-s", 0.5, 30.0), ("explicit", "auto-s", 0.5, 0.02),
+                     ("per-layer", "abadi", 0.8, 30.0), ("per-layer", "auto-v", 0.3, 0.02),
+                     ("per-layer", "psac", 0.6, 30.0)]
+
+
+@pytest.mark.parametrize("grouping,clipping,quantile,start", CONVERGENCE_CASES)
+def test_thresholds_converge_to_the_empirical_quantile(grouping, clipping, quantile, start):
+    """Noise off, fixed weights, every example in every batch: each threshold settles at the
+    empirical quantile of its group's per-sample norms. With a constant step η it may end in a
+    small cycle around it (a step η·|b̃ − q| can jump over order statistics closer than that), so
+    the fraction below the threshold is q within two examples and the threshold the quantile
+    within 1%."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    model, data = MLP().double(), dataset(200)
+    groups = explicit_groups(model) if grouping == "explicit" else grouping
+    engine = _engine(model, data, batch_size=200, noise_multiplier=0.0, groups=groups,
+                     clipping=clipping, thresholds="adaptive", target_quantile=quantile,
+                     max_grad_norm=start, seed=0)
+    run_steps(engine, 149)
+    estimates = engine.quantile_estimator.quantiles
+    last = dict(estimates)
+    run_steps(engine, 1)
+    norms = _norms_by_brute_force(copy.deepcopy(model), data, engine.groups)
+    assert set(estimates) == set(norms)
+    for name, estimate in estimates.items():
+        below = (norms[name] <= estimate).double().mean().item()
+        assert abs(below - quantile) <= 2 / 200 + 1e-12, (name, below)
+        assert estimate == pytest.approx(torch.quantile(norms[name], quantile).item(), rel=0.01)
+    # Abadi clips at the estimates; the normalising functions take them as relative group scales
+    # at the initial total sensitivity
+    total = math.sqrt(sum(v ** 2 for v in estimates.values()))
+    expected = {name: v if clipping == "abadi" else start * v / total
+                for name, v in estimates.items()}
+    assert engine.clip_thresholds == pytest.approx(expected, rel=1e-12)
+    # the released (here noiseless) clip fractions are those of the estimates the step used
+    assert engine.clip_fractions == pytest.approx(
+        {name: (norms[name] > last[name]).double().mean().item() for name in norms}, abs=1e-12)
 
 
-def train(engine, steps):
-    taken = 0
-    while taken < steps:
-        for x, y in engine.data_loader:
-            engine.optimizer.zero_grad()
-            F.cross_entropy(engine.model(x), y).backward()
-            engine.optimizer.step()
-            taken += 1
-            if taken == steps:
-                return
+@pytest.mark.parametrize("clipping", CLIP_FUNCTIONS)
+def test_each_step_clips_with_the_current_thresholds(clipping):
+    """After the thresholds have moved, one more step's gradient is the brute-force clipped sum
+    under the thresholds read just before it (every clip function, per-layer groups)."""
+    model, data = MLP().double(), dataset(64, seed=4)
+    engine = _engine(model, data, batch_size=64, noise_multiplier=0.0, groups="per-layer",
+                     clipping=clipping, thresholds="adaptive", target_quantile=0.6, seed=0)
+    run_steps(engine, 5)
+    before = dict(engine.clip_thresholds)
+    assert before != pytest.approx({g: 1 / math.sqrt(2) for g in before}), "must have moved"
+    if clipping != "abadi":  # relative scales at the total sensitivity max_grad_norm = 1
+        assert math.hypot(*before.values()) == pytest.approx(1.0, rel=1e-12)
+    reference = copy.deepcopy(model)
+    run_steps(engine, 1)
+    x, y = data.tensors
+    per_example = per_example_grads(reference, F.cross_entropy, x, y)
+    ref_groups = [ClipGroup(g.name, g.param_names,
+                            [dict(reference.named_parameters())[n] for n in g.param_names],
+                            threshold=before[g.name]) for g in engine.groups]
+    expected, _ = clipped_sum(per_example, ref_groups, ClipFunction(clipping))
+    for g, ref in zip(engine.groups, ref_groups, strict=True):
+        for p, ref_p in zip(g.params, ref.params, strict=True):
+            torch.testing.assert_close(p.grad, expected[ref_p] / 64, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("groups", ["all-layer", "per-layer", "per-param"])
-@pytest.mark.parametrize("quantile", [0.3, 0.7])
-def test_thresholds_converge_to_the_empirical_quantile_without_noise(groups, quantile):
-    net = model()
-    dataset = data()
-    engine = tunefree.make_private(
-        net, torch.optim.SGD(net.parameters(), lr=0.0), DataLoader(dataset, batch_size=200),
-        noise_multiplier=0.0, target_delta=1e-3, groups=groups, clipping="abadi",
-        thresholds="adaptive", target_quantile=quantile, quantile_lr=0.2, max_grad_norm=5.0)
-    train(engine, 300)  # q = 1: every step sees all 200 examples; the weights never move
-    norms = engine.last_step.group_norms
-    for group in engine.groups:
-        sorted_norms = norms[group.name].sort().values
-        threshold = engine.clip_thresholds[group.name]
-        within = (sorted_norms <= threshold).double().mean().item()
-        # the geometric update settles where the fraction within the threshold is q, up to one
-        # example on either side and the multiplicative step exp(±η/B)
-        assert abs(within - quantile) <= 2 / 200 + 1e-9, (group.name, within)
-        empirical = torch.quantile(sorted_norms.double(), quantile).item()
-        assert threshold == pytest.approx(empirical, rel=0.15)
-
-
-def test_proposition_3_1_identity():
-    sigma, k, r = 1.3, 7, 0.05
-    gradient_sigma, count_std = split_budget(sigma, k, r)
-    assert gradient_sigma == pytest.approx(sigma / math.sqrt(1 - r))
-    assert (gradient_sigma ** -2 + k / (2 * count_std) ** 2) == pytest.approx(sigma ** -2, rel=1e-12)
-    assert k * sigma ** 2 / (4 * count_std ** 2) == pytest.approx(r)  # Remark 3.1
-    # the same identity through dp_accounting's PLD (unsampled composition, no reduction by us)
-    both = dpa.ComposedDpEvent([dpa.GaussianDpEvent(gradient_sigma), count_event(count_std, k)])
-    assert epsilon_of(both, 1e-5) == pytest.approx(epsilon_of(dpa.GaussianDpEvent(sigma), 1e-5),
-                                                   rel=2e-3)
-
-
-def test_joint_accounting_meets_the_target():
-    net = model()
-    engine = tunefree.make_private(
-        net, torch.optim.SGD(net.parameters(), lr=0.1), DataLoader(data(), batch_size=20),
-        target_epsilon=2.0, target_delta=1e-3, epochs=3, groups="per-layer",
-        thresholds="adaptive", quantile_budget=0.1, seed=0)
-    train(engine, engine.planned_steps)
-    assert engine.steps == engine.planned_steps == 30
-    # every step recorded the gradient and the counts as one sampled event
-    event = engine.ledger.event().events[0].event
-    assert isinstance(event.event, dpa.ComposedDpEvent) and len(event.event.events) == 2
-    assert 0.99 * 2.0 <= engine.epsilon() <= 2.0
-    gradient_sigma = engine.optimizer.release.noise_multiplier
-    assert gradient_sigma == pytest.approx(engine.noise_multiplier / math.sqrt(0.9))
-    # and the thresholds moved
-    assert any(abs(c - 1 / math.sqrt(2)) > 1e-3 for c in engine.clip_thresholds.values())
+# ---------------------------------------------------------------- noise allocation (line 13)
+def algorithm_1_line_13(noise_multiplier, thresholds, sizes, allocation):
+    """σ_new·S·γₖ with S = (Σₖ Cₖ²/γₖ²)^½, written out from the paper."""
+    gammas = {"global": [1.0] * len(thresholds),
+              "equal-budget": list(thresholds),
+              "weighted": [c / math.sqrt(d) for c, d in zip(thresholds, sizes, strict=True)]}
+    gamma = gammas[allocation]
+    s = math.sqrt(sum(c ** 2 / g ** 2 for c, g in zip(thresholds, gamma, strict=True)))
+    return [noise_multiplier * s * g for g in gamma]
 
 
 @pytest.mark.parametrize("allocation", ["global", "equal-budget", "weighted"])
-def test_noise_standard_deviation_of_each_group(allocation):
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(60, 100), nn.Linear(100, 40))
-    groups = make_groups(net, {"a": ["0.weight"], "b": ["0.bias", "1.bias"], "c": ["1.weight"]},
-                         {"a": 0.5, "b": 2.0, "c": 1.0})
-    sigma = 1.5
-    release = GradientRelease(groups, sigma, Randomness(seed=3), allocation)
-    noisy, event = release.release({})
-    thresholds = [g.threshold for g in groups]
-    gammas = {"global": [1.0] * 3, "equal-budget": thresholds,
-              "weighted": [g.threshold / math.sqrt(g.size) for g in groups]}[allocation]
-    s = math.sqrt(sum((c / gamma) ** 2 for c, gamma in zip(thresholds, gammas)))
-    for group, gamma in zip(groups, gammas):
-        values = torch.cat([noisy[p].flatten() for p in group.params])
-        expected = sigma * s * gamma  # Algorithm 1, line 13
-        tolerance = 5 / math.sqrt(2 * values.numel())  # five standard errors of a sample sd
-        assert abs(values.std().item() / expected - 1) < tolerance, (group.name, allocation)
-    assert event.noise_multiplier == sigma
+def test_release_noise_per_group(allocation):
+    sizes, thresholds, sigma = (4000, 600, 50), (0.3, 2.0, 1.1), 0.7
+    groups = [ClipGroup(f"g{i}", [f"g{i}"], [nn.Parameter(torch.zeros(d, dtype=torch.float64))],
+                        threshold=c)
+              for i, (d, c) in enumerate(zip(sizes, thresholds, strict=True))]
+    release = GradientRelease(groups, sigma, Randomness(5), allocation)
+    expected = algorithm_1_line_13(sigma, thresholds, sizes, allocation)
+    # the release is exactly a Gaussian mechanism of multiplier σ: Σₖ (Cₖ/σₖ)² = σ⁻²
+    assert sum((c / s) ** 2 for c, s in zip(thresholds, expected, strict=True)) == pytest.approx(
+        sigma ** -2, rel=1e-12)
+    samples = {g.name: [] for g in groups}
+    for _ in range(20):
+        noisy, event = release.release({})
+        for g in groups:
+            samples[g.name].append(noisy[g.params[0]])
+    assert event == dpa.GaussianDpEvent(sigma)
+    for g, std in zip(groups, expected, strict=True):
+        values = torch.cat(samples[g.name])
+        n = values.numel()
+        assert values.mean().abs() < 5 * std / math.sqrt(n)
+        assert abs(values.std().item() / std - 1) < 5 / math.sqrt(2 * n), g.name
+    if allocation != "global":
+        assert len({round(s, 9) for s in expected}) == 3
 
 
-def test_checkpoint_keeps_the_thresholds():
-    def fresh():
-        net = model()
-        return tunefree.make_private(
-            net, torch.optim.SGD(net.parameters(), lr=0.1), DataLoader(data(), batch_size=20),
-            noise_multiplier=1.0, target_delta=1e-3, groups="per-layer", thresholds="adaptive",
-            seed=4)
+@pytest.mark.parametrize("allocation", ["global", "equal-budget", "weighted"])
+def test_training_noise_per_group_follows_the_moving_thresholds(allocation):
+    """End to end, adaptive thresholds: with zero per-sample gradients, q·N·.grad is the noise;
+    scaled by the standard deviation Algorithm 1 prescribes for the thresholds of that step, it
+    is N(0, 1)."""
+    model = nn.Sequential(nn.Linear(30, 40), nn.Tanh(), nn.Linear(40, 3)).double()
+    data = dataset(400, d_in=30)
+    sigma, budget = 0.9, 0.05
+    engine = _engine(model, data, batch_size=40, noise_multiplier=sigma, groups=explicit_groups(
+        model), max_grad_norm={"weights": 0.4, "biases": 1.5}, thresholds="adaptive",
+        quantile_budget=budget, noise_allocation=allocation, seed=2)
+    sizes = [g.size for g in engine.groups]
+    standardized = {g.name: [] for g in engine.groups}
+    current = {}
 
-    engine = fresh()
-    train(engine, 7)
-    resumed = fresh()
-    resumed.load_state_dict(engine.state_dict())
-    assert resumed.clip_thresholds == engine.clip_thresholds
+    def record_thresholds():
+        current["stds"] = algorithm_1_line_13(sigma / math.sqrt(1 - budget),
+                                              [g.threshold for g in engine.groups], sizes,
+                                              allocation)
+
+    def step_and_collect():
+        run_steps(engine, 1, loss_fn=lambda out, y: (out * 0).sum(), before_step=record_thresholds)
+        for g, std in zip(engine.groups, current["stds"], strict=True):
+            grads = torch.cat([p.grad.flatten() for p in g.params])
+            standardized[g.name].append(grads * 40 / std)
+
+    thresholds_seen = []
+    for _ in range(30):
+        step_and_collect()
+        thresholds_seen.append(engine.clip_thresholds["weights"])
+    assert len(set(thresholds_seen)) == 30, "the thresholds must move every step"
+    for name, values in standardized.items():
+        z = torch.cat(values)
+        assert abs(z.std().item() - 1) < 5 / math.sqrt(2 * z.numel()), name
+        assert z.mean().abs() < 5 / math.sqrt(z.numel()), name
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"thresholds": "learned"}, "thresholds"),
-    ({"thresholds": "adaptive", "target_quantile": 1.0}, "target_quantile"),
-    ({"thresholds": "adaptive", "quantile_lr": 0.0}, "quantile_lr"),
+# ---------------------------------------------------------------- checkpoints and bad input
+def test_resumed_run_continues_identically():
+    def build():
+        torch.manual_seed(11)
+        model = MLP().double()
+        return _engine(model, dataset(300), batch_size=30, noise_multiplier=1.1,
+                       groups="per-layer", thresholds="adaptive", target_quantile=0.7,
+                       quantile_budget=0.1, seed=7, lr=0.05)
+
+    first = build()
+    run_steps(first, 6)
+    at_save = dict(first.clip_thresholds)
+    saved = copy.deepcopy({"model": first.model.state_dict(),
+                           "optimizer": first.optimizer.state_dict(),
+                           "engine": first.state_dict()})
+    run_steps(first, 7)
+    resumed = build()
+    resumed.model.load_state_dict(saved["model"])
+    resumed.optimizer.load_state_dict(saved["optimizer"])
+    resumed.load_state_dict(saved["engine"])
+    assert resumed.clip_thresholds == at_save
+    estimates = saved["engine"]["components"][0]["quantiles"]
+    assert resumed.quantile_estimator.quantiles == estimates
+    run_steps(resumed, 7)
+    assert resumed.clip_thresholds == first.clip_thresholds
+    assert resumed.clip_fractions == first.clip_fractions
+    assert resumed.epsilon() == first.epsilon()
+    for a, b in zip(first.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+    fixed = _engine(MLP().double(), dataset(300), batch_size=30,
+                    noise_multiplier=resumed.noise_multiplier, groups="per-layer", seed=7)
+    with pytest.raises(ValueError, match="other privacy settings"):
+        fixed.load_state_dict(saved["engine"])
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"thresholds": "quantile"}, "unknown thresholds"),
+    ({"thresholds": "adaptive", "target_quantile": 1.0}, "target_quantile must be in"),
+    ({"thresholds": "adaptive", "quantile_lr": 0.0}, "quantile_lr must be a positive"),
     ({"thresholds": "adaptive", "quantile_budget": 1.0}, "quantile_budget"),
+    ({"thresholds": "adaptive", "quantile_budget": 0.0}, "quantile_budget"),
+    ({"target_quantile": 0.5}, "only apply to thresholds='adaptive'"),
+    ({"quantile_budget": 0.1, "quantile_lr": 0.2}, "quantile_lr, quantile_budget only apply"),
 ])
-def test_bad_adaptive_settings_are_refused(kwargs, match):
-    net = model()
-    with pytest.raises(ValueError, match=match):
-        tunefree.make_private(net, torch.optim.SGD(net.parameters(), lr=0.1),
-                              DataLoader(data(), batch_size=20), noise_multiplier=1.0,
-                              target_delta=1e-3, **kwargs)
+def test_bad_threshold_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _engine(MLP().double(), dataset(100), batch_size=10, noise_multiplier=1.0, **kwargs)

@@ -177,3 +177,26 @@ def test_checkpoint_keeps_the_learning_rate_state():
     model2, engine2, _ = quadratic_engine()
     engine2.load_state_dict(engine.state_dict())
     assert engine2.optimizer.components[-1].state_dict() == engine.optimizer.components[-1].state_dict()
+
+
+def test_adaptive_thresholds_and_auto_lr_share_one_budget():
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(400, 5, generator=g), torch.randint(0, 3, (400,), generator=g))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    engine = tunefree.make_private(
+        model, torch.optim.AdamW(model.parameters()), DataLoader(data, batch_size=40),
+        target_epsilon=2.0, target_delta=1e-4, steps=12, lr="auto", lr_update_interval=4,
+        groups="per-layer", thresholds="adaptive", seed=0)
+    while engine.steps < 12:
+        for x, y in engine.data_loader:
+            engine.optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            engine.optimizer.step(lambda x=x, y=y: F.cross_entropy(model(x), y, reduction="none"))
+            if engine.steps == 12:
+                break
+    assert engine.steps == 12
+    first = engine.ledger.event().events
+    releases = {len(e.event.event.events) for e in first}  # gradient + counts (+ 3 losses)
+    assert releases == {2, 5}
+    assert 0.99 * 2.0 <= engine.epsilon() <= 2.0

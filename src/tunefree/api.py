@@ -18,12 +18,18 @@ from .data.poisson import StepSchedule, from_loader, steps_per_epoch
 from .engine import ClippingEngine
 from .grouping import ClipGroup, GroupSpec, make_groups, sensitivity
 from .optim import DPOptimizer, StepComponent, StepReport
-from .privacy.accounting import check_accountant, planned_event
+from .privacy.accounting import check_accountant
 from .privacy.calibration import calibrate
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
 from .privacy.randomness import Randomness
-from .thresholds import QuantileThresholds, split_budget
+from .thresholds import (
+    QuantileEstimator,
+    QuantileSettings,
+    planned_run,
+    quantile_settings,
+    split_noise,
+)
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,22 @@ class DPEngine:
         return {g.name: g.threshold for g in self.groups}
 
     @property
+    def quantile_estimator(self) -> QuantileEstimator | None:
+        """The private quantile estimator of adaptive thresholds (``None`` if fixed)."""
+        components = self.optimizer.components
+        return next((c for c in components if isinstance(c, QuantileEstimator)), None)
+
+    @property
+    def clip_fractions(self) -> dict[str, float] | None:
+        """Each group's fraction of examples whose norm exceeded its quantile estimate (the
+        clipped fraction, for Abadi clipping) at the last step, as privately released by adaptive
+        thresholds (noisy); ``None`` with fixed thresholds or before the first step."""
+        estimator = self.quantile_estimator
+        if estimator is None or estimator.unclipped_fractions is None:
+            return None
+        return {name: 1 - f for name, f in estimator.unclipped_fractions.items()}
+
+    @property
     def sensitivity(self) -> float:
         return sensitivity(self.groups)
 
@@ -98,7 +120,7 @@ class DPEngine:
         """The run's privacy state: ledger, randomness and position of the sampler. Save it with the
         model's and the optimizer's state dicts; a resumed run continues the same guarantee."""
         return {"ledger": self.ledger.state_dict(), "randomness": self.randomness.state_dict(),
-                "schedule": self.schedule.state_dict(), "thresholds": self.clip_thresholds,
+                "schedule": self.schedule.state_dict(),
                 "components": [c.state_dict() for c in self.optimizer.components],
                 "fingerprint": self._fingerprint()}
 
@@ -111,14 +133,14 @@ class DPEngine:
         self.ledger.load_state_dict(state["ledger"])
         self.randomness.load_state_dict(state["randomness"])
         self.schedule.load_state_dict(state["schedule"])
-        for group in self.groups:
-            group.threshold = state["thresholds"][group.name]
         for component, component_state in zip(self.optimizer.components, state["components"]):
             component.load_state_dict(component_state)
 
     def _fingerprint(self) -> dict[str, Any]:
+        estimator = self.quantile_estimator
         return {"noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
-                "groups": [g.name for g in self.groups]}
+                "groups": [g.name for g in self.groups],
+                "quantile": None if estimator is None else vars(estimator.settings)}
 
 
 def _check_delta(delta: float, num_examples: int | None) -> None:
@@ -169,9 +191,9 @@ def make_private(
     psac_r: float = 0.1,
     noise_allocation: str = "global",
     thresholds: str = "fixed",
-    target_quantile: float = 0.5,
-    quantile_lr: float = 0.3,
-    quantile_budget: float = 0.01,
+    target_quantile: float | None = None,
+    quantile_lr: float | None = None,
+    quantile_budget: float | None = None,
     lr: str | None = None,
     lr_update_interval: int = DEFAULT_INTERVAL,
     loss_privacy: str = "gaussian",
@@ -206,11 +228,17 @@ def make_private(
         clip_gamma, psac_r: the stability constants of AUTO-S and PSAC (no effect on privacy).
         noise_allocation: how the gradient noise is spread over clip groups (``"global"``,
             ``"equal-budget"``, ``"weighted"``); the privacy cost is the same.
-        thresholds: ``"fixed"`` (the ``max_grad_norm`` split) or ``"adaptive"``: each group's threshold
-            starts there and tracks a private estimate of the ``target_quantile`` of its per-sample
-            norms, moved by ``quantile_lr``; the noisy counts this needs cost the fraction
-            ``quantile_budget`` of the budget, and the noise multiplier σ (given or calibrated) is that
-            of all releases together (Proposition 3.1 of the group-wise clipping paper).
+        thresholds: ``"fixed"`` (``max_grad_norm`` throughout) or ``"adaptive"``: every step each
+            group privately releases its count of examples below its estimate, which moves towards
+            the ``target_quantile`` of the group's per-sample gradient norms (group-wise clipping
+            paper, Algorithm 1); the estimates start at ``max_grad_norm``'s split. Abadi clipping
+            clips at the estimates; AUTO-S/V and PSAC, whose thresholds only scale the update, take
+            them as relative group scales at the constant total sensitivity of ``max_grad_norm``.
+            σ (given or calibrated) is that of the step's joint release: the gradient gets σ/√(1−r).
+        target_quantile: q in (0, 1), the quantile of the norms each threshold tracks (default 0.5).
+        quantile_lr: η, the geometric step of the update Cₖ ← Cₖ·exp(−η(b̃ₖ − q)) (default 0.3).
+        quantile_budget: r in (0, 1), the fraction of the budget (of σ⁻², i.e. of Rényi-DP) spent on
+            the count releases (default 0.01); the total stays ``target_epsilon``.
         lr: ``None`` keeps the optimizer's learning rate (and any scheduler); ``"auto"`` sets it by
             GeN-DP (HyFreeDP) every ``lr_update_interval`` steps from privatised losses of the current
             batch, which ``optimizer.step(closure)`` must supply (the closure returns per-sample
@@ -229,6 +257,7 @@ def make_private(
     if (target_epsilon is None) == (noise_multiplier is None):
         raise ValueError("give exactly one of target_epsilon and noise_multiplier")
     check_accountant(accountant)
+    quantile = quantile_settings(thresholds, target_quantile, quantile_lr, quantile_budget)
     if max_physical_batch_size is not None and max_physical_batch_size < 1:
         raise ValueError(f"max_physical_batch_size must be ≥ 1, got {max_physical_batch_size}")
     if not isinstance(data_loader, DataLoader):
@@ -260,7 +289,8 @@ def make_private(
             raise ValueError(f"target_epsilon must be a positive finite number, got {target_epsilon}")
         if planned is None:
             raise ValueError("target_epsilon needs the planned length of training: give epochs or steps")
-        noise_multiplier = calibrate(lambda s: planned_event(s, sample_rate, planned), target_epsilon,
+        budget = None if quantile is None else quantile.budget
+        noise_multiplier = calibrate(planned_run(budget, sample_rate, planned), target_epsilon,
                                      target_delta, accountant)
     assert noise_multiplier is not None
     if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
@@ -284,12 +314,10 @@ def make_private(
                                    loss_privacy)
     elif lr is not None:
         raise ValueError(f"lr must be None (the optimizer's own) or 'auto', got {lr!r}")
-    if thresholds == "adaptive":
-        gradient_sigma, count_std = split_budget(gradient_sigma, len(clip_groups), quantile_budget)
-        components.append(QuantileThresholds(clip_groups, target_quantile, quantile_lr, count_std,
-                                             expected_batch_size, randomness))
-    elif thresholds != "fixed":
-        raise ValueError(f"thresholds must be 'fixed' or 'adaptive', got {thresholds!r}")
+    estimator, gradient_sigma = _quantile_estimator(quantile, clip_groups, gradient_sigma,
+                                                    randomness, expected_batch_size, clip)
+    if estimator is not None:
+        components.append(estimator)
     release = GradientRelease(clip_groups, gradient_sigma, randomness, noise_allocation)
     try:
         private_optimizer = DPOptimizer(optimizer, clipping_engine, release, ledger, sample_rate,
@@ -306,3 +334,17 @@ def make_private(
                     schedule=schedule, groups=clip_groups, noise_multiplier=noise_multiplier,
                     sample_rate=sample_rate, planned_steps=planned, target_delta=target_delta,
                     accountant=accountant)
+
+
+def _quantile_estimator(settings: QuantileSettings | None, groups: list[ClipGroup],
+                        noise_multiplier: float, randomness: Randomness,
+                        expected_batch_size: float, clip: ClipFunction
+                        ) -> tuple[QuantileEstimator | None, float]:
+    """The estimator of adaptive thresholds (if any) and the gradient's share σ_new of the noise.
+    Normalising clip functions keep the initial total sensitivity; Abadi's clips at the estimates."""
+    if settings is None:
+        return None, noise_multiplier
+    gradient_noise, count_std = split_noise(noise_multiplier, settings.budget, len(groups))
+    scale = None if clip.name == "abadi" else sensitivity(groups)
+    return QuantileEstimator(groups, settings, count_std, randomness, expected_batch_size,
+                             scale), gradient_noise

@@ -1,17 +1,23 @@
-"""Adaptive clip thresholds: each group's threshold tracks a private estimate of a quantile of its
-per-sample gradient norms (Andrew et al. 2019, per group as in Algorithm 1 of the group-wise clipping
-paper, lines 10 and 15–17).
+"""Adaptive clip thresholds: each group's threshold tracks a private quantile of its norms.
 
-Each step releases, for every group k, the number of examples whose norm was within the threshold,
-centred (``1[‖gᵢ‖ ≤ Cₖ] − ½``, sensitivity ½ per group) plus Gaussian noise of standard deviation σ_b,
-and moves the threshold geometrically: ``Cₖ ← Cₖ·exp(−η(b̃ₖ − q))`` with ``b̃ₖ`` the noisy fraction.
-The count release shares the gradient's Poisson-sampled batch and is recorded with it as one event.
+Group-wise clipping paper, Algorithm 1 (lines 3-4, 10, 15-18) and Proposition 3.1, after Andrew et
+al. (2019). At every step each group k releases how many examples of the batch had a norm within
+its quantile estimate, ``Σᵢ (1[‖gᵢₖ‖ ≤ Qₖ] − ½)`` (sensitivity ½ per group), with Gaussian noise of
+standard deviation σ_b; the noisy fraction ``b̃ₖ`` (divided by the expected batch size q·N, never
+the private one) moves the estimate geometrically: ``Qₖ ← Qₖ·exp(−η(b̃ₖ − q))``. The clip
+thresholds Cₖ follow the estimates (see ``QuantileEstimator``).
+
+Budget split: the step's releases (gradient, K counts) share one Poisson-sampled batch, so together
+they are one Gaussian mechanism of multiplier σ with ``σ⁻² = σ_new⁻² + K/(2σ_b)²``. A fraction r
+of the budget — of σ⁻², which is the share of Rényi-DP at every order — goes to the counts:
+``σ_new = σ/√(1−r)`` and ``σ_b = σ·√K/(2√r)`` (count release multiplier ``2σ_b/√K = σ/√r``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import dp_accounting as dpa
@@ -21,69 +27,166 @@ from .grouping import ClipGroup
 from .optim import DPOptimizer, StepComponent, StepReport
 from .privacy.randomness import Randomness
 
-
-def split_budget(noise_multiplier: float, groups: int, quantile_budget: float
-                 ) -> tuple[float, float]:
-    """Proposition 3.1: the gradient's noise multiplier σ_new and the count noise σ_b so that the two
-    releases on one batch together cost exactly what one release at σ costs, a fraction
-    ``quantile_budget`` of it (in the Gaussian's μ² = σ⁻², i.e. in RDP) going to the counts.
-
-    ``σ_b = σ·√K / (2√r)`` and ``σ_new = (σ⁻² − K/(2σ_b)²)^(−1/2) = σ/√(1 − r)``.
-    """
-    if not 0 < quantile_budget < 1:
-        raise ValueError(f"quantile_budget must be in (0, 1), got {quantile_budget}")
-    if noise_multiplier == 0:
-        return 0.0, 0.0
-    count_std = noise_multiplier * math.sqrt(groups) / (2 * math.sqrt(quantile_budget))
-    gradient_sigma = (noise_multiplier ** -2 - groups / (2 * count_std) ** 2) ** -0.5
-    return gradient_sigma, count_std
+THRESHOLD_MODES = ("fixed", "adaptive")
+DEFAULT_TARGET_QUANTILE = 0.5
+DEFAULT_QUANTILE_LR = 0.3
+DEFAULT_QUANTILE_BUDGET = 0.01
 
 
-def count_event(count_std: float, groups: int) -> dpa.GaussianDpEvent:
-    """The count release as a Gaussian mechanism: L2 sensitivity √K/2, noise σ_b per coordinate."""
-    return dpa.GaussianDpEvent(2 * count_std / math.sqrt(groups) if count_std > 0 else 0.0)
+@dataclass(frozen=True)
+class QuantileSettings:
+    """Private quantile estimation: target quantile q, learning rate η, budget fraction r."""
+
+    target_quantile: float = DEFAULT_TARGET_QUANTILE
+    learning_rate: float = DEFAULT_QUANTILE_LR
+    budget: float = DEFAULT_QUANTILE_BUDGET
 
 
-class QuantileThresholds(StepComponent):
-    """Moves every group's threshold towards the ``target_quantile`` of its per-sample norms.
+def quantile_settings(thresholds: str, target_quantile: float | None, quantile_lr: float | None,
+                      quantile_budget: float | None) -> QuantileSettings | None:
+    """Check ``make_private``'s threshold arguments; ``None`` for fixed thresholds."""
+    if thresholds not in THRESHOLD_MODES:
+        raise ValueError(f"unknown thresholds {thresholds!r}: use 'fixed' (max_grad_norm as given) "
+                         "or 'adaptive' (private quantile of each group's per-sample norms)")
+    given = {"target_quantile": target_quantile, "quantile_lr": quantile_lr,
+             "quantile_budget": quantile_budget}
+    if thresholds == "fixed":
+        named = [name for name, value in given.items() if value is not None]
+        if named:
+            raise ValueError(f"{', '.join(named)} only apply to thresholds='adaptive'; pass "
+                             "thresholds='adaptive' or drop them")
+        return None
+    settings = QuantileSettings(
+        DEFAULT_TARGET_QUANTILE if target_quantile is None else float(target_quantile),
+        DEFAULT_QUANTILE_LR if quantile_lr is None else float(quantile_lr),
+        DEFAULT_QUANTILE_BUDGET if quantile_budget is None else float(quantile_budget),
+    )
+    if not 0 < settings.target_quantile < 1:
+        raise ValueError(f"target_quantile must be in (0, 1), got {settings.target_quantile}")
+    if not (settings.learning_rate > 0 and math.isfinite(settings.learning_rate)):
+        raise ValueError(f"quantile_lr must be a positive number, got {settings.learning_rate}")
+    if not 0 < settings.budget < 1:
+        raise ValueError(f"quantile_budget (the fraction of the budget spent on the count "
+                         f"releases) must be in (0, 1), got {settings.budget}")
+    return settings
+
+
+def split_noise(noise_multiplier: float, budget: float, num_groups: int) -> tuple[float, float]:
+    """``(σ_new, σ_b)``: the gradient's noise multiplier and the counts' noise standard deviation,
+    whose joint release on one batch is the Gaussian mechanism of multiplier σ with a fraction
+    ``budget`` of it spent on the K counts (Proposition 3.1)."""
+    if not 0 < budget < 1:
+        raise ValueError(f"budget must be in (0, 1), got {budget}")
+    return (noise_multiplier / math.sqrt(1 - budget),
+            noise_multiplier * math.sqrt(num_groups) / (2 * math.sqrt(budget)))
+
+
+def count_noise_multiplier(count_std: float, num_groups: int) -> float:
+    """Noise multiplier of K counts of sensitivity ½ each with noise σ_b: ``σ_b/(½√K)``."""
+    return 2 * count_std / math.sqrt(num_groups)
+
+
+def planned_step_releases(noise_multiplier: float, budget: float | None) -> list[dpa.DpEvent]:
+    """The releases of one planned step at total multiplier σ: the gradient, then the counts."""
+    if budget is None:
+        return [dpa.GaussianDpEvent(noise_multiplier)]
+    gradient, count_std = split_noise(noise_multiplier, budget, 1)
+    counts = count_noise_multiplier(count_std, 1)  # σ/√r whatever K
+    return [dpa.GaussianDpEvent(gradient), dpa.GaussianDpEvent(counts)]
+
+
+def planned_run(budget: float | None, sample_rate: float, steps: int
+                ) -> Callable[[float], dpa.DpEvent]:
+    """σ ↦ the planned ledger of ``steps`` steps (the form ``calibrate`` solves on)."""
+
+    def planned(noise_multiplier: float) -> dpa.DpEvent:
+        releases = planned_step_releases(noise_multiplier, budget)
+        inner = releases[0] if len(releases) == 1 else dpa.ComposedDpEvent(releases)
+        return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(sample_rate, inner), steps)
+
+    return planned
+
+
+class QuantileEstimator(StepComponent):
+    """Releases each group's count of examples below its quantile estimate Qₖ and moves Qₖ towards
+    the target quantile of the group's per-sample norms; sets the groups' thresholds from Qₖ.
+
+    With Abadi clipping the thresholds are the estimates, ``Cₖ = Qₖ`` (Algorithm 1). With the
+    normalising clip functions (AUTO-S, AUTO-V, PSAC) a threshold only scales its group's update,
+    and the overall scale is the learning rate's business (automatic clipping paper, Appendix
+    B.3): there the estimates set the groups' relative scales at a constant total sensitivity,
+    ``Cₖ = scale·Qₖ/‖Q‖``, so the learning rate keeps its meaning while the norms drift.
 
     Args:
-        groups: the clip groups; their ``threshold`` is read by the engine at clip time and updated here
-            after each step.
-        target_quantile: q, the fraction of examples whose norm should fall within the threshold.
-        learning_rate: η of the geometric update.
-        count_std: σ_b, the noise standard deviation of each group's centred count.
-        expected_batch_size: q·N; the noisy count is divided by it (never by the private batch size).
+        groups: the clip groups; their ``threshold`` (read at clip time) is set here, and its value
+            at construction is the initial estimate Qₖ.
+        settings: target quantile q, learning rate η and budget fraction r.
+        count_std: σ_b, the noise standard deviation of each group's count (0 only when privacy is
+            off, for debugging).
         randomness: the run's source of noise.
+        expected_batch_size: q·N; the noisy count is divided by it, never by the private batch size.
+        scale: ``None`` for ``Cₖ = Qₖ``; otherwise the constant total sensitivity ``√(Σₖ Cₖ²)``.
     """
 
-    def __init__(self, groups: list[ClipGroup], target_quantile: float, learning_rate: float,
-                 count_std: float, expected_batch_size: float, randomness: Randomness):
-        if not 0 < target_quantile < 1:
-            raise ValueError(f"target_quantile must be in (0, 1), got {target_quantile}")
-        if not (learning_rate > 0 and math.isfinite(learning_rate)):
-            raise ValueError(f"quantile_lr must be a positive number, got {learning_rate}")
-        self.groups, self.target_quantile, self.learning_rate = groups, target_quantile, learning_rate
-        self.count_std, self.expected_batch_size = count_std, expected_batch_size
-        self.randomness = randomness
-        self.last_fractions: dict[str, float] = {}
+    def __init__(self, groups: Sequence[ClipGroup], settings: QuantileSettings, count_std: float,
+                 randomness: Randomness, expected_batch_size: float, scale: float | None = None):
+        if not (count_std >= 0 and math.isfinite(count_std)):
+            raise ValueError(f"count_std must be a finite number ≥ 0, got {count_std}")
+        if scale is not None and not (scale > 0 and math.isfinite(scale)):
+            raise ValueError(f"scale must be a positive number or None, got {scale}")
+        self.groups, self.settings, self.count_std = list(groups), settings, count_std
+        self.randomness, self.expected_batch_size = randomness, expected_batch_size
+        self.scale = scale
+        self.quantiles = {g.name: g.threshold for g in self.groups}
+        self.unclipped_fractions: dict[str, float] | None = None
+        self._set_thresholds()
 
-    def unclipped_counts(self, report: StepReport) -> torch.Tensor:
-        """Per group, the examples whose norm is within the threshold (an example that never reached a
-        group's parameters has norm 0 there)."""
-        counts = []
-        for group in self.groups:
-            norms = report.group_norms.get(group.name)
-            clipped = 0 if norms is None else int((norms > group.threshold).sum())
-            counts.append(report.examples - clipped)
-        return torch.tensor(counts, dtype=torch.float64)
+    def _set_thresholds(self) -> None:
+        norm = math.sqrt(sum(v ** 2 for v in self.quantiles.values()))
+        for g in self.groups:
+            estimate = self.quantiles[g.name]
+            g.threshold = estimate if self.scale is None else self.scale * estimate / norm
+
+    def event(self) -> dpa.DpEvent:
+        return dpa.GaussianDpEvent(count_noise_multiplier(self.count_std, len(self.groups)))
+
+    def centred_counts(self, report: StepReport) -> torch.Tensor:
+        """``Σᵢ (1[‖gᵢₖ‖ ≤ Qₖ] − ½)`` of each group (a group without gradient this step has
+        norm 0 for every example)."""
+        below: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        counts = torch.full((len(self.groups),), report.examples / 2, dtype=torch.float64)
+        for k, g in enumerate(self.groups):
+            norms = report.group_norms.get(g.name)
+            if norms is not None:
+                count = (norms <= self.quantiles[g.name]).sum()
+                below.setdefault(norms.device, []).append((k, count))
+                counts[k] = -norms.numel() / 2
+        for pairs in below.values():  # one transfer per device, not one per group
+            values = torch.stack([v for _, v in pairs]).cpu().to(torch.float64)
+            counts[[k for k, _ in pairs]] += values
+        return counts
 
     def after_update(self, optimizer: DPOptimizer, report: StepReport,
                      closure: Callable[[], Any] | None) -> list[dpa.DpEvent]:
-        centred = self.unclipped_counts(report) - report.examples / 2
-        noise = self.randomness.normal(centred.shape, torch.device("cpu"), torch.float64)
-        fractions = (centred + self.count_std * noise) / self.expected_batch_size + 0.5
-        for group, fraction in zip(self.groups, fractions.tolist()):
-            group.threshold *= math.exp(-self.learning_rate * (fraction - self.target_quantile))
-            self.last_fractions[group.name] = fraction
-        return [count_event(self.count_std, len(self.groups))]
+        """Release the counts against the estimates this step clipped with, then update them."""
+        counts = self.centred_counts(report)
+        if self.count_std > 0:
+            counts = counts + self.count_std * self.randomness.normal(
+                counts.shape, torch.device("cpu"), torch.float64)
+        fractions = (counts / self.expected_batch_size + 0.5).tolist()
+        q, eta = self.settings.target_quantile, self.settings.learning_rate
+        for g, fraction in zip(self.groups, fractions, strict=True):
+            self.quantiles[g.name] *= math.exp(-eta * (fraction - q))
+        self.unclipped_fractions = {g.name: f for g, f in zip(self.groups, fractions, strict=True)}
+        self._set_thresholds()
+        return [self.event()]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"quantiles": dict(self.quantiles), "unclipped_fractions": self.unclipped_fractions}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state["quantiles"]) != set(self.quantiles):
+            raise ValueError("the checkpoint's quantile estimates are for other clip groups")
+        self.quantiles = {name: float(state["quantiles"][name]) for name in self.quantiles}
+        self.unclipped_fractions = state["unclipped_fractions"]
+        self._set_thresholds()

@@ -153,7 +153,8 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
         model, optimizer, DataLoader(data.train, batch_size=min(config.batch_size, data.num_train)),
         target_epsilon=config.epsilon, target_delta=delta, epochs=config.epochs,
         clipping=config.clipping, groups=config.groups, max_grad_norm=config.max_grad_norm,
-        thresholds=config.thresholds, target_quantile=config.target_quantile,
+        thresholds=config.thresholds,
+        target_quantile=config.target_quantile if config.thresholds == "adaptive" else None,
         lr="auto" if config.lr == "auto" else None,
         accountant=config.accountant, seed=config.seed, **config.extra)
     run = RunDirectory(config.out) if config.out else None
