@@ -97,13 +97,13 @@ def _make_step(config: str, model, x, y, loss_fn):
     return step
 
 
-def child(model_name: str, config: str, steps: int, warmup: int) -> dict:
+def child(model_name: str, config: str, steps: int, warmup: int, threads: int) -> dict:
     import torch
 
     sys.path.insert(0, str(Path(__file__).parent))
     from models import benchmark
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     # Libraries are imported before the baseline so that their pages do not count as training memory.
     if config.startswith("tunefree"):
         import tunefree  # noqa: F401
@@ -137,7 +137,8 @@ def available_configs() -> list[str]:
     return list(CONFIGS)
 
 
-def run(models: list[str], configs: list[str], rounds: int, steps: int, warmup: int) -> dict:
+def run(models: list[str], configs: list[str], rounds: int, steps: int, warmup: int,
+        threads: int) -> dict:
     results: dict = {m: {c: [] for c in configs} for m in models}
     for r in range(rounds):
         for model_name in models:
@@ -145,7 +146,8 @@ def run(models: list[str], configs: list[str], rounds: int, steps: int, warmup: 
             for config in order:
                 out = subprocess.run(
                     [sys.executable, __file__, "--child", model_name, config, "--steps", str(steps),
-                     "--warmup", str(warmup)], capture_output=True, text=True, check=False)
+                     "--warmup", str(warmup), "--threads", str(threads)],
+                    capture_output=True, text=True, check=False)
                 if out.returncode != 0:
                     print(f"{model_name} / {config} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
                     results[model_name][config].append(None)
@@ -187,14 +189,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(*args.child, args.steps, args.warmup)))
+        print(json.dumps(child(*args.child, args.steps, args.warmup, args.threads)))
         return
     configs = args.configs or available_configs()
     if "non-private" not in configs:
         configs = ["non-private", *configs]
-    results = run(args.models, configs, args.rounds, args.steps, args.warmup)
+    results = run(args.models, configs, args.rounds, args.steps, args.warmup, args.threads)
     print(table(results))
 
 
