@@ -64,6 +64,17 @@ def test_cifar10_pickles(tmp_path):
     assert data.input_shape == (3, 32, 32) and len(data.train) == 20 and len(data.test) == 6
 
 
+def test_cifar_pickle_cannot_run_code(tmp_path):
+    class Exploit:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    (tmp_path / "data_batch_1").write_bytes(pickle.dumps({b"data": Exploit(), b"labels": [0]}))
+    (tmp_path / "test_batch").write_bytes(pickle.dumps({b"data": Exploit(), b"labels": [0]}))
+    with pytest.raises(DataError, match="refusing to unpickle builtins.print"):
+        datasets.load(str(tmp_path))
+
+
 def _table(n=50):
     rng = np.random.default_rng(1)
     return pd.DataFrame({"a": rng.normal(size=n), "b": rng.normal(size=n),

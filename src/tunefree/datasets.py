@@ -121,9 +121,27 @@ def load_idx(directory: Path) -> LoadedData:
 
 
 # ---------------------------------------------------------------------------- CIFAR-10
+class _NumpyOnlyUnpickler(pickle.Unpickler):
+    """Unpickles plain containers and numpy arrays only: a crafted file cannot run code."""
+
+    ALLOWED = {(package, name) for package in ("numpy.core.multiarray", "numpy._core.multiarray")
+               for name in ("_reconstruct", "scalar")} | {("numpy", "ndarray"), ("numpy", "dtype")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise DataError(f"refusing to unpickle {module}.{name}: a CIFAR-10 batch holds only "
+                        "arrays, lists and bytes")
+
+
 def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    with open(path, "rb") as f:
-        batch = pickle.load(f, encoding="bytes")
+    try:
+        with open(path, "rb") as f:
+            batch = _NumpyOnlyUnpickler(f, encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError) as error:
+        raise DataError(f"{path} is not a CIFAR-10 python batch: {error}") from error
+    if not isinstance(batch, dict):
+        raise DataError(f"{path} is not a CIFAR-10 python batch (not a dict)")
     data, labels = batch.get(b"data"), batch.get(b"labels")
     if data is None or labels is None:
         raise DataError(f"{path} is not a CIFAR-10 python batch (no data/labels)")
