@@ -97,14 +97,20 @@ def test_adam_steps_once_per_step():
     assert steps == {7}
 
 
-def test_planned_run_meets_the_target_and_every_update_step_is_one_event():
+def classifier_engine(**kwargs):
+    """A small classifier on 400 random examples with lr="auto" at ε = 2."""
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(400, 5, generator=g), torch.randint(0, 3, (400,), generator=g))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
     engine = tunefree.make_private(
         model, torch.optim.AdamW(model.parameters()), DataLoader(data, batch_size=40),
-        target_epsilon=2.0, target_delta=1e-4, epochs=2, lr="auto", lr_update_interval=3, seed=0)
+        target_epsilon=2.0, target_delta=1e-4, lr="auto", seed=0, **kwargs)
+    return model, engine
+
+
+def test_planned_run_meets_the_target_and_every_update_step_is_one_event():
+    model, engine = classifier_engine(epochs=2, lr_update_interval=3)
     assert engine.optimizer.release.noise_multiplier == pytest.approx(1.01 * engine.noise_multiplier)
     taken = 0
     for _ in range(2):
@@ -180,14 +186,8 @@ def test_checkpoint_keeps_the_learning_rate_state():
 
 
 def test_adaptive_thresholds_and_auto_lr_share_one_budget():
-    g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(400, 5, generator=g), torch.randint(0, 3, (400,), generator=g))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
-    engine = tunefree.make_private(
-        model, torch.optim.AdamW(model.parameters()), DataLoader(data, batch_size=40),
-        target_epsilon=2.0, target_delta=1e-4, steps=12, lr="auto", lr_update_interval=4,
-        groups="per-layer", thresholds="adaptive", seed=0)
+    model, engine = classifier_engine(steps=12, lr_update_interval=4, groups="per-layer",
+                                      thresholds="adaptive")
     while engine.steps < 12:
         for x, y in engine.data_loader:
             engine.optimizer.zero_grad()
