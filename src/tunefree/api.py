@@ -242,9 +242,11 @@ def make_private(
         lr: ``None`` keeps the optimizer's learning rate (and any scheduler); ``"auto"`` sets it by
             GeN-DP (HyFreeDP) every ``lr_update_interval`` steps from privatised losses of the current
             batch, which ``optimizer.step(closure)`` must supply (the closure returns per-sample
-            losses). The gradient noise grows by ``gradient_noise_increase`` (γ) and the loss noise
-            is solved so that the whole run, every release included, spends what plain DP-SGD at
-            σ would; ``loss_privacy`` is ``"gaussian"`` (L2) or ``"laplace"`` (L1).
+            losses; with ``max_physical_batch_size``, those of the whole logical batch). The
+            gradient noise grows by ``gradient_noise_increase`` (γ) and the loss noise is solved so
+            that the whole run, every release included, spends what plain DP-SGD at σ would;
+            ``loss_privacy`` is ``"gaussian"`` (L2) or ``"laplace"`` (L1, accounted through a
+            dominating Gaussian).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -9,10 +9,13 @@ privatised means gives the GeN learning rate ``b/a`` (Bu & Xu 2024), which sets 
 steps. The weights and the optimizer state are left exactly as they were. The loss releases share the
 gradient's sampled batch and are recorded with it as one event.
 
-Safeguards (each documented in :meth:`AutoLearningRate.propose`): a non-finite privatised loss keeps η;
-a fit that the loss noise cannot resolve, or a loss that keeps falling without curvature, doubles η; a
-loss that rises along the update halves η; a resolved fit is clamped to [η/2, 2η] and smoothed
-geometrically with the previous η.
+Safeguards (each documented in :meth:`AutoLearningRate.propose`): slope and curvature are averaged over
+updates by inverse noise variance; a non-finite privatised loss keeps η; a loss that rises significantly
+along the update halves η; a fit the loss noise cannot resolve grows η by 1.25 while the averaged slope
+is positive and a step moves the weights by less than 5% of their norm, and keeps it otherwise; a
+resolved fit is clamped to [η/2, 2η] and averaged geometrically with η. On small data sets (digits) the
+noise σ_l·R_l/(q·N) exceeds the loss changes between probes and only the safeguards act
+(benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -81,7 +81,6 @@ class DPOptimizer(torch.optim.Optimizer):
         self.sample_rate, self.expected_batch_size = sample_rate, expected_batch_size
         self.schedule = schedule
         self.last_step: StepReport | None = None
-        self.step_hooks: list[Callable[[StepReport], None]] = []
         self.components: list[StepComponent] = []
         self.closure_gives_per_sample_losses = False
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
@@ -181,6 +180,4 @@ class DPOptimizer(torch.optim.Optimizer):
             events += component.after_update(self, report, closure)
         self.ledger.record_step(self.sample_rate, events)
         self.last_step = report
-        for hook in self.step_hooks:
-            hook(report)
         return loss
