@@ -55,11 +55,13 @@ def test_parameter_used_outside_its_module_is_an_error():
 @pytest.mark.parametrize("value", [float("inf"), 1e32])
 def test_non_finite_or_overflowing_per_sample_norm_is_an_error(value):
     model = MLP()
-    engine_for(model)
+    engine = engine_for(model)
     x = torch.randn(4, 6)
     x[2, 0] = value
     with pytest.raises(PrivacyError, match="NaN, infinite or beyond"):
         F.cross_entropy(model(x), torch.zeros(4, dtype=torch.long)).backward()
+    sums, examples, _ = engine.pop_step()
+    assert sums == {} and examples == 0  # nothing of the tainted step is left to release
 
 
 def test_input_modified_in_place_after_use_is_an_error():

@@ -271,7 +271,7 @@ class ClippingEngine:
                 if grad is not None:
                     self._add_use(p, grad)
             for group in {self._group_of[p] for p in use.params.values()}:
-                if all(self._pending[p] == 0 for p in group.params):
+                if self._group_ready(group):
                     self._clip_group(group)
         use.capture = None  # free the inputs now
         use.grads, use.versions = [], []
@@ -337,6 +337,7 @@ class ClippingEngine:
             bad = [name for (name, _), ok in zip(self._finite_checks, finite.tolist()) if not ok]
             if bad:
                 self._reset_pass()
+                self.pop_step()  # the logical step's sums are tainted: nothing of them may be released
                 raise PrivacyError(
                     f"per-sample gradient norms of clip groups {bad} are NaN, infinite or beyond "
                     f"{NORM_LIMIT:g} (overflowing): the loss "
