@@ -269,3 +269,14 @@ def test_warning_free_default_path():
         warnings.simplefilter("error")
         engine = private()
         train(engine, 2)
+
+
+@pytest.mark.parametrize("kwargs", [{"noise_allocation": "random"}, {"lr": "fast"},
+                                    {"thresholds": "adaptive", "quantile_budget": 2.0}])
+def test_refused_arguments_leave_the_model_unhooked(kwargs):
+    model = small_model()
+    with pytest.raises(ValueError):
+        private(model, **kwargs)
+    x, y = dataset().tensors
+    F.cross_entropy(model(x), y).backward()
+    assert all(p.grad is not None for p in model.parameters())  # ordinary autograd, no engine

@@ -14,10 +14,10 @@ from torch.utils.data import DataLoader
 
 from .autolr import DEFAULT_INTERVAL, AutoLearningRate, split_for_auto_lr
 from .clipping import ClipFunction
-from .data.poisson import StepSchedule, from_loader, steps_per_epoch
+from .data.poisson import StepSchedule, from_loader, sample_rate_of, steps_per_epoch
 from .engine import ClippingEngine
 from .grouping import ClipGroup, GroupSpec, make_groups, sensitivity
-from .optim import DPOptimizer, StepComponent, StepReport
+from .optim import DPOptimizer, StepReport
 from .privacy.accounting import check_accountant
 from .privacy.calibration import calibrate
 from .privacy.ledger import Ledger
@@ -267,19 +267,13 @@ def make_private(
 
     randomness = Randomness(seed, secure=secure_rng)
     schedule = StepSchedule()
+    num_examples, sample_rate = sample_rate_of(data_loader)
     if poisson_sampling:
         loader: Any = from_loader(data_loader, randomness, schedule, max_physical_batch_size)
-        num_examples, sample_rate = loader.batch_sampler.num_examples, loader.batch_sampler.sample_rate
     else:
         if max_physical_batch_size is not None:
             raise ValueError("max_physical_batch_size needs the Poisson loader (poisson_sampling=True)")
         loader = data_loader
-        num_examples = len(data_loader.dataset)
-        if not data_loader.batch_size:
-            raise ValueError("the data loader needs a batch_size to derive the sampling rate")
-        sample_rate = data_loader.batch_size / num_examples
-        if sample_rate > 1:
-            raise ValueError(f"batch_size exceeds the {num_examples} examples (sampling rate > 1)")
         warnings.warn(
             "poisson_sampling=False: the loader is not Poisson-sampled, so the reported ε is the "
             "Poisson approximation, not a proof of privacy", stacklevel=2)
@@ -300,10 +294,8 @@ def make_private(
 
     clip = ClipFunction(clipping, gamma=clip_gamma, r=psac_r)
     clip_groups = make_groups(model, groups, max_grad_norm)
-    clipping_engine = ClippingEngine(model, clip_groups, clip, loss_reduction)
     ledger = Ledger(poisson_approximation=not poisson_sampling)
     expected_batch_size = sample_rate * num_examples
-    components: list[StepComponent] = []
     gradient_sigma = noise_multiplier
     auto_lr = None
     if lr == "auto":
@@ -318,19 +310,17 @@ def make_private(
         raise ValueError(f"lr must be None (the optimizer's own) or 'auto', got {lr!r}")
     estimator, gradient_sigma = _quantile_estimator(quantile, clip_groups, gradient_sigma,
                                                     randomness, expected_batch_size, clip)
-    if estimator is not None:
-        components.append(estimator)
     release = GradientRelease(clip_groups, gradient_sigma, randomness, noise_allocation)
+    # Hooks go on last, so that a refused argument leaves the model as it was given.
+    clipping_engine = ClippingEngine(model, clip_groups, clip, loss_reduction)
     try:
         private_optimizer = DPOptimizer(optimizer, clipping_engine, release, ledger, sample_rate,
                                         expected_batch_size, schedule)
     except ValueError:
         clipping_engine.detach()
         raise
-    private_optimizer.components.extend(components)
-    if auto_lr is not None:
-        private_optimizer.components.append(auto_lr)
-        private_optimizer.closure_gives_per_sample_losses = True
+    private_optimizer.components = [c for c in (estimator, auto_lr) if c is not None]
+    private_optimizer.closure_gives_per_sample_losses = auto_lr is not None
     return DPEngine(model=model, optimizer=private_optimizer, data_loader=loader,
                     clipping_engine=clipping_engine, ledger=ledger, randomness=randomness,
                     schedule=schedule, groups=clip_groups, noise_multiplier=noise_multiplier,

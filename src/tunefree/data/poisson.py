@@ -135,23 +135,15 @@ def steps_per_epoch(sample_rate: float) -> int:
     return max(1, round(1 / sample_rate))
 
 
-def from_loader(loader: DataLoader, randomness: Randomness, schedule: StepSchedule,
-                max_physical_batch_size: int | None = None) -> PoissonDataLoader:
-    """The Poisson-sampled version of ``loader``: q = batch_size / len(dataset)."""
-    dataset = loader.dataset
-    if not isinstance(loader.sampler, (SequentialSampler, RandomSampler)):
-        raise ValueError(
-            f"the data loader samples with {type(loader.sampler).__name__}; tunefree replaces the "
-            "sampling by Poisson sampling (which its accounting assumes), so a custom or weighted "
-            "sampler would be silently ignored: pass a loader with batch_size and no sampler"
-        )
+def sample_rate_of(loader: DataLoader) -> tuple[int, float]:
+    """The private data set's size N and the sampling rate q = batch_size / N of ``loader``."""
     if loader.batch_size is None:
         raise ValueError(
             "the data loader has no batch_size (a custom batch_sampler?): tunefree derives the "
             "sampling rate q = batch_size / len(dataset) from it; pass a DataLoader with batch_size"
         )
     try:
-        num_examples = len(dataset)  # type: ignore[arg-type]
+        num_examples = len(loader.dataset)  # type: ignore[arg-type]
     except TypeError as error:
         raise ValueError("the private data set must have a length (an iterable data set cannot be "
                          "Poisson-sampled)") from error
@@ -163,6 +155,19 @@ def from_loader(loader: DataLoader, randomness: Randomness, schedule: StepSchedu
             f"batch_size {loader.batch_size} exceeds the {num_examples} examples: the sampling rate "
             f"would be {sample_rate:.3g} > 1; use a batch_size of at most {num_examples}"
         )
+    return num_examples, sample_rate
+
+
+def from_loader(loader: DataLoader, randomness: Randomness, schedule: StepSchedule,
+                max_physical_batch_size: int | None = None) -> PoissonDataLoader:
+    """The Poisson-sampled version of ``loader``: q = batch_size / len(dataset)."""
+    if not isinstance(loader.sampler, (SequentialSampler, RandomSampler)):
+        raise ValueError(
+            f"the data loader samples with {type(loader.sampler).__name__}; tunefree replaces the "
+            "sampling by Poisson sampling (which its accounting assumes), so a custom or weighted "
+            "sampler would be silently ignored: pass a loader with batch_size and no sampler"
+        )
+    num_examples, sample_rate = sample_rate_of(loader)
     sampler = PoissonBatchSampler(num_examples, sample_rate, steps_per_epoch(sample_rate),
                                   randomness, schedule, max_physical_batch_size)
     kwargs = {k: getattr(loader, k) for k in ("num_workers", "pin_memory", "timeout",
@@ -170,5 +175,4 @@ def from_loader(loader: DataLoader, randomness: Randomness, schedule: StepSchedu
     if loader.num_workers > 0:
         kwargs.update(prefetch_factor=loader.prefetch_factor,
                       persistent_workers=loader.persistent_workers)
-    return PoissonDataLoader(dataset, sampler, collate_fn=loader.collate_fn, **kwargs)
-
+    return PoissonDataLoader(loader.dataset, sampler, collate_fn=loader.collate_fn, **kwargs)
