@@ -81,7 +81,7 @@ def test_probes_leave_weights_and_optimizer_state_bit_identical():
     state_before = {k: {n: (t.clone() if torch.is_tensor(t) else t) for n, t in v.items()}
                     for k, v in engine.optimizer.original.state_dict()["state"].items()}
     auto = engine.optimizer.components[-1]
-    auto._probe(engine.optimizer, lambda: squared_errors(model, x, y))
+    auto._probe(engine.optimizer, lambda: squared_errors(model, x, y), len(y))
     for b, p in zip(before, model.parameters()):
         assert torch.equal(b, p)
     after = engine.optimizer.original.state_dict()["state"]
@@ -146,6 +146,20 @@ def test_missing_closure_and_wrong_losses_are_errors():
     engine.optimizer.zero_grad()
     with pytest.raises(ValueError, match="1-D tensor"):
         engine.optimizer.step(lambda: squared_errors(model, x, y).mean())
+
+
+@pytest.mark.parametrize("closure_losses,error,match", [
+    (lambda losses: losses[:4], ValueError, "4 losses for a step of 8"),
+    (lambda losses: torch.cat([losses[:-1], torch.tensor([math.nan], dtype=losses.dtype)]),
+     tunefree.PrivacyError, "NaN or infinite"),
+])
+def test_losses_that_break_the_sensitivity_bound_are_refused(closure_losses, error, match):
+    model, engine, _ = quadratic_engine()
+    x, y = engine.data_loader.dataset.tensors
+    engine.optimizer.zero_grad()
+    squared_errors(model, x, y).mean().backward()
+    with pytest.raises(error, match=match):
+        engine.optimizer.step(lambda: closure_losses(squared_errors(model, x, y)))
 
 
 def test_lr_auto_needs_the_planned_length():

@@ -29,6 +29,7 @@ from typing import Any
 import dp_accounting as dpa
 import torch
 
+from .engine import PrivacyError
 from .optim import DPOptimizer, StepComponent, StepReport
 from .privacy.accounting import epsilon_of, planned_event
 from .privacy.calibration import calibrate
@@ -115,13 +116,14 @@ class AutoLearningRate(StepComponent):
                     "lr='auto' refits the learning rate on this step and needs the batch's per-sample "
                     "losses: call optimizer.step(closure) with a closure returning them as a 1-D tensor "
                     "(e.g. lambda: F.cross_entropy(model(x), y, reduction='none'))")
-            losses = self._probe(optimizer, closure)
+            losses = self._probe(optimizer, closure, report.examples)
             self._update(losses, report.step)
             events = [self.loss_event()] * 3
         _set_lr(optimizer, self.state.lr)
         return events
 
-    def _probe(self, optimizer: DPOptimizer, closure: Callable[[], Any]) -> list[float]:
+    def _probe(self, optimizer: DPOptimizer, closure: Callable[[], Any], examples: int
+               ) -> list[float]:
         """Privatised mean losses at w − Δ, w and w + Δ (Δ the update at the current η)."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         saved = [p.detach().clone() for p in params]
@@ -135,7 +137,7 @@ class AutoLearningRate(StepComponent):
                 for sign in (-1, 0, +1):  # w − Δ, w, w + Δ: steps −η, 0, +η along −m
                     for p, w, d in zip(params, saved, update):
                         p.copy_(w + sign * d)
-                    private.append(self._privatise(_per_sample_losses(closure)))
+                    private.append(self._privatise(_per_sample_losses(closure, examples)))
         finally:
             with torch.no_grad():
                 for p, w in zip(params, saved):
@@ -232,13 +234,23 @@ def _set_lr(optimizer: DPOptimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def _per_sample_losses(closure: Callable[[], Any]) -> torch.Tensor:
+def _per_sample_losses(closure: Callable[[], Any], examples: int) -> torch.Tensor:
+    """The closure's losses, checked: one finite loss per example of the step's batch, or the
+    sensitivity R_l of the release would not hold."""
     losses = closure()
     if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
         raise ValueError(
             "with lr='auto' the closure must return the batch's per-sample losses as a 1-D tensor "
             f"(use reduction='none'); got {type(losses).__name__}"
             f"{'' if not isinstance(losses, torch.Tensor) else ' of shape ' + str(tuple(losses.shape))}")
+    if losses.numel() != examples:
+        raise ValueError(
+            f"the closure returned {losses.numel()} losses for a step of {examples} examples: it must "
+            "return one loss per example of the whole logical batch the gradient was computed on")
+    if not torch.isfinite(losses).all():
+        raise PrivacyError(
+            "a per-sample loss is NaN or infinite: its clipped value would be undefined, so nothing "
+            "is released; check the inputs or lower the learning rate")
     return losses
 
 
