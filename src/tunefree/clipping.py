@@ -11,7 +11,6 @@ All functions are pure: ``weights = fn(norms, threshold)`` with ``norms`` a 1-D 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,18 +63,15 @@ class ClipFunction:
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"clipping constant {label} must be a positive number, got {value}")
 
-    @property
-    def fn(self) -> Callable[[torch.Tensor, float], torch.Tensor]:
-        if self.name == "abadi":
-            return abadi
-        if self.name == "auto-v":
-            return auto_v
-        if self.name == "auto-s":
-            return lambda norms, threshold: auto_s(norms, threshold, self.gamma)
-        return lambda norms, threshold: psac(norms, threshold, self.r)
-
     def weights(self, norms: torch.Tensor, threshold: float) -> torch.Tensor:
         """Clip weights (float64) for per-sample ``norms`` under ``threshold`` (the group's
         sensitivity). Computed in float64 so that ``wᵢ·‖gᵢ‖ ≤ R`` holds to rounding even where a
         float32 weight would be subnormal."""
-        return self.fn(norms.to(torch.float64), threshold)
+        norms = norms.to(torch.float64)
+        if self.name == "abadi":
+            return abadi(norms, threshold)
+        if self.name == "auto-v":
+            return auto_v(norms, threshold)
+        if self.name == "auto-s":
+            return auto_s(norms, threshold, self.gamma)
+        return psac(norms, threshold, self.r)
