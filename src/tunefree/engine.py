@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .clipping import ClipFunction
 from .grouping import ClipGroup
 from .rules import Capture, LayerRule, Materialized, PerSampleGrad, rule_for
+from .rules.base import accumulation_dtype
 from .rules.generic import fallback_per_sample_grads
 
 # Modules whose statistics mix the examples of a batch, with the replacement to suggest.
@@ -320,7 +321,7 @@ class ClippingEngine:
             self._sq_norms.pop(p, None)
             accum = self.clipped_sum.get(p)
             if accum is None:
-                self.clipped_sum[p] = contribution.to(_accumulation_dtype(p)).reshape(p.shape)
+                self.clipped_sum[p] = contribution.to(accumulation_dtype(p.dtype)).reshape(p.shape)
             else:
                 accum.add_(contribution.reshape(p.shape))
         self.group_norms[group.name].append(norms.detach())
@@ -393,10 +394,6 @@ class ClippingEngine:
         self.clipped_sum, self.examples = {}, 0
         self.group_norms = defaultdict(list)
         return sums, examples, norms
-
-
-def _accumulation_dtype(p: nn.Parameter) -> torch.dtype:
-    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
 
 
 class _no_autocast:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..grouping import ClipGroup
+from ..rules.base import accumulation_dtype
 from .randomness import Randomness
 
 NOISE_ALLOCATIONS = ("global", "equal-budget", "weighted")
@@ -69,10 +70,7 @@ class GradientRelease:
             for p in group.params:
                 total = sums.get(p)
                 if total is None:
-                    total = torch.zeros(p.shape, device=p.device,
-                                        dtype=torch.float32 if p.dtype in (torch.float16,
-                                                                           torch.bfloat16)
-                                        else p.dtype)
+                    total = torch.zeros(p.shape, device=p.device, dtype=accumulation_dtype(p.dtype))
                 if std > 0:
                     total = total + std * self.randomness.normal(p.shape, p.device, total.dtype)
                 noisy[p] = total

@@ -21,6 +21,11 @@ def norm_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Clipped sums and noise of half-precision parameters are accumulated in float32."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def as_norm_precision(x: torch.Tensor) -> torch.Tensor:
     return x.to(norm_dtype(x.dtype))
 
