@@ -9,7 +9,8 @@ from models import MLP
 from torch import nn
 
 from tunefree.clipping import ClipFunction
-from tunefree.engine import ClippingEngine, PrivacyError
+from tunefree.engine import ClippingEngine
+from tunefree.errors import PrivacyError
 from tunefree.grouping import make_groups
 from tunefree.rules.factored import FactoredGrad
 

@@ -2,7 +2,7 @@
 
 from .api import DPEngine, Guarantee, make_private
 from .clipping import CLIP_FUNCTIONS
-from .engine import PrivacyError
+from .errors import PrivacyError
 from .grouping import GROUPINGS
 from .optim import DPOptimizer, StepReport
 from .privacy.calculator import epsilon, noise_multiplier

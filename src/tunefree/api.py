@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from .autolr import DEFAULT_INTERVAL, AutoLearningRate, split_for_auto_lr
 from .clipping import ClipFunction
-from .data.poisson import StepSchedule, from_loader, sample_rate_of, steps_per_epoch
+from .data.poisson import StepSchedule, from_loader, planned_steps, sample_rate_of
 from .engine import ClippingEngine
 from .grouping import ClipGroup, GroupSpec, make_groups, sensitivity
 from .optim import DPOptimizer, StepReport
@@ -154,20 +154,6 @@ def _check_delta(delta: float, num_examples: int | None) -> None:
         )
 
 
-def _planned_steps(epochs: float | None, steps: int | None, sample_rate: float) -> int | None:
-    if epochs is not None and steps is not None:
-        raise ValueError("give epochs or steps, not both")
-    if steps is not None:
-        if int(steps) != steps or steps < 1:
-            raise ValueError(f"steps must be a positive integer, got {steps}")
-        return int(steps)
-    if epochs is not None:
-        if not epochs > 0:
-            raise ValueError(f"epochs must be positive, got {epochs}")
-        return math.ceil(epochs * steps_per_epoch(sample_rate))
-    return None
-
-
 def make_private(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -278,7 +264,7 @@ def make_private(
             "poisson_sampling=False: the loader is not Poisson-sampled, so the reported ε is the "
             "Poisson approximation, not a proof of privacy", stacklevel=2)
     _check_delta(target_delta, num_examples)
-    planned = _planned_steps(epochs, steps, sample_rate)
+    planned = planned_steps(epochs, steps, sample_rate)
 
     if target_epsilon is not None:
         if not (target_epsilon > 0 and math.isfinite(target_epsilon)):

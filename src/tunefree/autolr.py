@@ -29,7 +29,7 @@ from typing import Any
 import dp_accounting as dpa
 import torch
 
-from .engine import PrivacyError
+from .errors import PrivacyError
 from .optim import DPOptimizer, StepComponent, StepReport
 from .privacy.accounting import epsilon_of, planned_event
 from .privacy.calibration import calibrate

@@ -25,9 +25,10 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .clipping import ClipFunction
+from .dtypes import accumulation_dtype
+from .errors import PrivacyError
 from .grouping import ClipGroup
 from .rules import Capture, LayerRule, Materialized, PerSampleGrad, rule_for
-from .rules.base import accumulation_dtype
 from .rules.generic import fallback_per_sample_grads
 
 # Modules whose statistics mix the examples of a batch, with the replacement to suggest.
@@ -39,10 +40,6 @@ SAMPLE_MIXING = {
 # A per-sample norm at or above this (or NaN) is an overflow: refused rather than clipped, since a
 # float32 clip weight R/‖g‖ would then be subnormal and the bound ‖w·g‖ ≤ R could round away.
 NORM_LIMIT = 1e30
-
-
-class PrivacyError(RuntimeError):
-    """Training would break the privacy guarantee; the message says how to fix it."""
 
 
 class _EnableGrad(torch.autograd.Function):

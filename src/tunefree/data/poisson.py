@@ -7,6 +7,7 @@ are cut into physical micro-batches; the optimizer steps once per logical batch.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -132,7 +133,25 @@ class PoissonDataLoader(DataLoader):
 
 
 def steps_per_epoch(sample_rate: float) -> int:
+    """Logical steps in one pass of the Poisson loader: ``round(1/q)``, at least one."""
     return max(1, round(1 / sample_rate))
+
+
+def planned_steps(epochs: float | None, steps: int | None, sample_rate: float) -> int | None:
+    """The planned number of logical steps from ``epochs`` (of ``round(1/q)`` steps each, the last
+    one rounded up) or ``steps``; ``None`` when neither is given. The one conversion used everywhere
+    (``make_private`` and the command line)."""
+    if epochs is not None and steps is not None:
+        raise ValueError("give epochs or steps, not both")
+    if steps is not None:
+        if isinstance(steps, bool) or int(steps) != steps or steps < 1:
+            raise ValueError(f"steps must be a positive integer, got {steps}")
+        return int(steps)
+    if epochs is not None:
+        if not (epochs > 0 and math.isfinite(epochs)):
+            raise ValueError(f"epochs must be a positive finite number, got {epochs}")
+        return math.ceil(epochs * steps_per_epoch(sample_rate))
+    return None
 
 
 def sample_rate_of(loader: DataLoader) -> tuple[int, float]:

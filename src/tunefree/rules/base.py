@@ -15,19 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-
-def norm_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Per-sample norms are accumulated in float32 or wider, whatever the model's precision."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Clipped sums and noise of half-precision parameters are accumulated in float32."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def as_norm_precision(x: torch.Tensor) -> torch.Tensor:
-    return x.to(norm_dtype(x.dtype))
+from ..dtypes import as_norm_precision
 
 
 class PerSampleGrad(ABC):

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Capture, LayerRule, PerSampleGrad, as_norm_precision
+from ..dtypes import as_norm_precision
+from .base import Capture, LayerRule, PerSampleGrad
 
 
 class EmbeddingGrad(PerSampleGrad):

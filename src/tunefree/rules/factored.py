@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import PerSampleGrad, as_norm_precision
+from ..dtypes import as_norm_precision
+from .base import PerSampleGrad
 
 
 def ghost_is_cheaper(positions: int, d_in: int, d_out: int) -> bool:

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Capture, LayerRule, Materialized, PerSampleGrad, as_norm_precision
+from ..dtypes import as_norm_precision
+from .base import Capture, LayerRule, Materialized, PerSampleGrad
 
 
 def _affine_grads(
