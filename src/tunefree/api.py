@@ -135,6 +135,7 @@ class DPEngine:
         self.schedule.load_state_dict(state["schedule"])
         for component, component_state in zip(self.optimizer.components, state["components"]):
             component.load_state_dict(component_state)
+        self.clipping_engine.set_thresholds({g.name: g.threshold for g in self.groups})
 
     def _fingerprint(self) -> dict[str, Any]:
         estimator = self.quantile_estimator

@@ -16,6 +16,8 @@ at once); all-layer groups at the end of the backward pass.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +121,8 @@ class ClippingEngine:
         self.backward_passes = 0
         self.group_norms: dict[str, list[torch.Tensor]] = defaultdict(list)
         self._recomputing = False
+        self._suspended = 0
+        self.thresholds: dict[str, float] = {g.name: g.threshold for g in groups}
         self._leaked: set[str] = set()
         self._reset_pass()
         self._attach()
@@ -155,7 +159,26 @@ class ClippingEngine:
 
     # ------------------------------------------------------------------ forward
     def _capturing(self) -> bool:
-        return torch.is_grad_enabled() and self.model.training and not self._recomputing
+        return (torch.is_grad_enabled() and self.model.training and not self._recomputing
+                and not self._suspended)
+
+    @contextmanager
+    def no_capture(self) -> Iterator[None]:
+        """Forward and backward passes inside this block are invisible to the engine: they book no
+        example and release nothing (e.g. the input gradient of an adversarial example). A backward
+        that reaches trainable parameters inside it still writes ordinary gradients, which the next
+        ``step()`` refuses."""
+        self._suspended += 1
+        try:
+            yield
+        finally:
+            self._suspended -= 1
+
+    def set_thresholds(self, thresholds: Mapping[str, float]) -> None:
+        """The clip threshold of each group (by name) for the following backward passes."""
+        if set(thresholds) != set(self.thresholds):
+            raise ValueError(f"thresholds must name exactly the clip groups {sorted(self.thresholds)}")
+        self.thresholds = {name: float(value) for name, value in thresholds.items()}
 
     def _new_forward(self) -> None:
         if self._capturing() and not self._in_backward:
@@ -241,7 +264,9 @@ class ClippingEngine:
         if use.received == 0:
             per_sample: dict[str, PerSampleGrad] = {}
         else:
-            batch = next(g for g in use.grads if g is not None).shape[0]
+            dims = use.unit.rule.output_batch_dims(use.unit.module, use.n_outputs) \
+                if use.unit.rule is not None else (0,) * use.n_outputs
+            batch = next(g.shape[dims[i]] for i, g in enumerate(use.grads) if g is not None)
             if self._batch is None:
                 self._batch = batch
             elif batch != self._batch:
@@ -312,7 +337,7 @@ class ClippingEngine:
                  for p in present)
         norms = sq.sqrt() * scale
         self._finite_checks.append((group.name, (norms < NORM_LIMIT).all()))
-        weights = self.clip.weights(norms, group.threshold) * scale
+        weights = self.clip.weights(norms, self.thresholds[group.name]) * scale
         for p in present:
             contribution = self._per_param.pop(p).weighted_sum(weights)
             self._sq_norms.pop(p, None)

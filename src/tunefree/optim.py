@@ -179,5 +179,6 @@ class DPOptimizer(torch.optim.Optimizer):
         for component in self.components:
             events += component.after_update(self, report, closure)
         self.ledger.record_step(self.sample_rate, events)
+        self.engine.set_thresholds({g.name: g.threshold for g in self.engine.groups})
         self.last_step = report
         return loss

@@ -76,6 +76,11 @@ class LayerRule(ABC):
     module_types: tuple[type[nn.Module], ...] = ()
     param_names: tuple[str, ...] = ("weight", "bias")
 
+    def output_batch_dims(self, module: nn.Module, num_outputs: int) -> tuple[int, ...]:
+        """The example dimension of each floating-point tensor output of ``module`` (in the order
+        ``tree_flatten`` gives them); dimension 0 unless the layer's layout says otherwise."""
+        return (0,) * num_outputs
+
     def check(self, module: nn.Module, name: str) -> None:  # noqa: B027 - most rules accept all
         """Raise a clear error when this module's configuration mixes examples."""
 
