@@ -144,7 +144,7 @@ class ClippingEngine:
                 lambda mod, args, kwargs, u=unit: self._pre_forward(u), with_kwargs=True))
             self._handles.append(m.register_forward_hook(
                 lambda mod, args, kwargs, out, u=unit: self._post_forward(u, args, kwargs, out),
-                with_kwargs=True, always_call=True))
+                with_kwargs=True, always_call=True, prepend=True))
         for name, p in self.model.named_parameters():
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(
@@ -442,7 +442,13 @@ def _capture(args: tuple, kwargs: dict) -> tuple[Capture, list[tuple[torch.Tenso
 
 
 def check_model(model: nn.Module) -> None:
-    """Refuse modules that mix examples, with the replacement to use."""
+    """Refuse compiled models and modules that mix examples, with the fix to use."""
+    if any(type(module).__name__ == "OptimizedModule" for module in model.modules()):
+        raise PrivacyError(
+            "the model (or one of its modules) was compiled with torch.compile before make_private; "
+            "compiled code bypasses the hooks that clip each example's gradient: call make_private "
+            "on the plain model"
+        )
     for name, module in model.named_modules():
         for kind, fix in SAMPLE_MIXING.items():
             if isinstance(module, kind):
