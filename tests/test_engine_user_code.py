@@ -46,3 +46,13 @@ def test_compiled_model_is_refused_at_construction(where):
         model[0] = torch.compile(model[0])
     with pytest.raises(PrivacyError, match="torch.compile before make_private"):
         ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"))
+
+
+def test_double_backward_is_refused_with_a_true_message():
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"))
+    x = torch.randn(5, 4, requires_grad=True)
+    loss = F.cross_entropy(model(x), torch.tensor([0, 1, 1, 0, 1]))
+    with pytest.raises(PrivacyError, match="create_graph=True.*gradient penalty"):
+        torch.autograd.grad(loss, x, create_graph=True)
+    engine.detach()

@@ -245,6 +245,12 @@ class ClippingEngine:
 
     # ------------------------------------------------------------------ backward
     def _on_grad(self, use: _Use, slot: int, grad: torch.Tensor) -> None:
+        if torch.is_grad_enabled():
+            raise PrivacyError(
+                f"a backward pass with create_graph=True reached layer '{use.unit.name}' (double "
+                "backward, e.g. a gradient penalty): tunefree clips each example's first-order gradient "
+                "and cannot bound the gradient of a gradient; train without the penalty term"
+            )
         if use.done:
             raise PrivacyError(
                 "a backward pass reached a forward pass that was superseded: tunefree computes "
