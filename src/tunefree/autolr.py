@@ -33,6 +33,7 @@ from .errors import PrivacyError
 from .optim import DPOptimizer, StepComponent, StepReport
 from .privacy.accounting import epsilon_of, planned_event
 from .privacy.calibration import calibrate
+from .privacy.mechanisms import LOSS_PRIVACY, release_loss_sum
 from .privacy.randomness import Randomness
 
 DEFAULT_INTERVAL = 5  # K: see benchmarks/RESULTS.md for the measurement behind it
@@ -44,7 +45,6 @@ DECAY = 0.5  # weight of earlier updates in the averaged slope and curvature
 GROWTH = 1.25  # factor on η when the fit cannot be resolved but the loss falls along the update
 MAX_RELATIVE_UPDATE = 0.05  # no unresolved growth once a step moves the weights by 5% of their norm
 LOSS_BOUND_FACTOR = 1.0  # R_l = this × the previous privatised mean loss
-LOSS_PRIVACY = ("gaussian", "laplace")
 
 
 @dataclass
@@ -149,13 +149,9 @@ class AutoLearningRate(StepComponent):
         bound = self.state.loss_bound
         losses = losses.detach().to(torch.float64)
         clipped = losses * (bound / losses.abs().clamp_min(bound))
-        scale = self.loss_noise * bound
-        if self.loss_privacy == "gaussian":
-            noise = self.randomness.normal(torch.Size([1]), torch.device("cpu"), torch.float64)
-        else:  # Laplace as the difference of two exponentials
-            u = self.randomness.normal(torch.Size([4]), torch.device("cpu"), torch.float64)
-            noise = (u[:2].pow(2).sum() - u[2:].pow(2).sum()).reshape(1) / 2
-        return float((clipped.sum() + scale * noise[0]) / self.expected_batch_size)
+        noisy, _ = release_loss_sum(float(clipped.sum()), bound, self.loss_noise, self.loss_privacy,
+                                    self.randomness)
+        return noisy / self.expected_batch_size
 
     # ------------------------------------------------------------------ the fit
     def noise_of_mean(self) -> float:

@@ -25,6 +25,7 @@ import torch
 
 from .grouping import ClipGroup
 from .optim import DPOptimizer, StepComponent, StepReport
+from .privacy.mechanisms import release_counts
 from .privacy.randomness import Randomness
 
 THRESHOLD_MODES = ("fixed", "adaptive")
@@ -169,17 +170,14 @@ class QuantileEstimator(StepComponent):
     def after_update(self, optimizer: DPOptimizer, report: StepReport,
                      closure: Callable[[], Any] | None) -> list[dpa.DpEvent]:
         """Release the counts against the estimates this step clipped with, then update them."""
-        counts = self.centred_counts(report)
-        if self.count_std > 0:
-            counts = counts + self.count_std * self.randomness.normal(
-                counts.shape, torch.device("cpu"), torch.float64)
+        counts, event = release_counts(self.centred_counts(report), self.count_std, self.randomness)
         fractions = (counts / self.expected_batch_size + 0.5).tolist()
         q, eta = self.settings.target_quantile, self.settings.learning_rate
         for g, fraction in zip(self.groups, fractions, strict=True):
             self.quantiles[g.name] *= math.exp(-eta * (fraction - q))
         self.unclipped_fractions = {g.name: f for g, f in zip(self.groups, fractions, strict=True)}
         self._set_thresholds()
-        return [self.event()]
+        return [event]
 
     def state_dict(self) -> dict[str, Any]:
         return {"quantiles": dict(self.quantiles), "unclipped_fractions": self.unclipped_fractions}

@@ -75,3 +75,35 @@ class GradientRelease:
                     total = total + std * self.randomness.normal(p.shape, p.device, total.dtype)
                 noisy[p] = total
         return noisy, dpa.GaussianDpEvent(self.noise_multiplier)
+
+
+def release_counts(centred_counts: torch.Tensor, count_std: float,
+                   randomness: Randomness) -> tuple[torch.Tensor, dpa.DpEvent]:
+    """Releases K centred clip counts (each of sensitivity ½) with Gaussian noise of standard
+    deviation ``count_std``; the event is one Gaussian of multiplier ``count_std/(½√K)``."""
+    if not (count_std >= 0 and math.isfinite(count_std)):
+        raise ValueError(f"count_std must be a finite number ≥ 0, got {count_std}")
+    counts = centred_counts.to(torch.float64)
+    if count_std > 0:
+        counts = counts + count_std * randomness.normal(counts.shape, torch.device("cpu"), torch.float64)
+    multiplier = 2 * count_std / math.sqrt(counts.numel())
+    return counts, dpa.GaussianDpEvent(multiplier)
+
+
+LOSS_PRIVACY = ("gaussian", "laplace")
+
+
+def release_loss_sum(clipped_sum: float, bound: float, noise_multiplier: float, kind: str,
+                     randomness: Randomness) -> tuple[float, dpa.DpEvent]:
+    """Releases a sum of losses clipped to ``|Lᵢ| ≤ bound`` with noise of scale ``noise_multiplier·bound``:
+    Gaussian (standard deviation) or Laplace (scale b, drawn as the difference of two exponentials,
+    each ½ of a χ² with two degrees of freedom)."""
+    if kind not in LOSS_PRIVACY:
+        raise ValueError(f"unknown loss_privacy {kind!r}: use one of {LOSS_PRIVACY}")
+    scale = noise_multiplier * bound
+    if kind == "gaussian":
+        noise = float(randomness.normal(torch.Size([1]), torch.device("cpu"), torch.float64)[0])
+        return clipped_sum + scale * noise, dpa.GaussianDpEvent(noise_multiplier)
+    u = randomness.normal(torch.Size([4]), torch.device("cpu"), torch.float64)
+    noise = float(u[:2].pow(2).sum() - u[2:].pow(2).sum()) / 2
+    return clipped_sum + scale * noise, dpa.LaplaceDpEvent(noise_multiplier)

@@ -1,0 +1,57 @@
+"""Every release is a mechanism in privacy/mechanisms.py, and its noise has the stated scale."""
+
+import math
+import pathlib
+import re
+
+import dp_accounting as dpa
+import torch
+
+from tunefree.privacy.mechanisms import release_counts, release_loss_sum
+from tunefree.privacy.randomness import Randomness
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "tunefree"
+# the one np.random use allowed is the public train/test split of datasets.py (a fixed seed, not noise)
+NOISE_DRAW = re.compile(r"randomness\.normal|torch\.randn|torch\.normal|\.normal_\(|Laplace\("
+                        r"|\.exponential_\(|torch\.rand\b|np\.random\.(?!default_rng\(SPLIT_SEED\))")
+
+
+def test_no_noise_is_drawn_outside_the_mechanisms():
+    allowed = {SRC / "privacy" / "mechanisms.py", SRC / "privacy" / "randomness.py"}
+    offenders = [f"{path.relative_to(SRC)}:{n}" for path in SRC.rglob("*.py") if path not in allowed
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if NOISE_DRAW.search(line)]
+    assert offenders == []
+
+
+def test_count_noise_has_the_stated_scale_and_event():
+    draws, std = 20000, 3.0
+    counts = torch.zeros(4, dtype=torch.float64)
+    samples = torch.stack([release_counts(counts, std, Randomness(seed=1 + i))[0] for i in range(draws // 4)])
+    assert abs(float(samples.std()) / std - 1) < 0.02
+    _, event = release_counts(counts, std, Randomness(seed=0))
+    assert event == dpa.GaussianDpEvent(2 * std / math.sqrt(4))
+
+
+def test_gaussian_loss_noise_has_the_stated_scale():
+    rng, bound, sigma = Randomness(seed=3), 2.0, 1.5
+    values = torch.tensor([release_loss_sum(0.0, bound, sigma, "gaussian", rng)[0] for _ in range(20000)])
+    assert abs(float(values.std()) / (sigma * bound) - 1) < 0.02
+    assert release_loss_sum(0.0, bound, sigma, "gaussian", rng)[1] == dpa.GaussianDpEvent(sigma)
+
+
+def test_laplace_loss_noise_has_the_stated_scale():
+    rng, bound, sigma = Randomness(seed=4), 2.0, 1.5
+    values = torch.tensor([release_loss_sum(0.0, bound, sigma, "laplace", rng)[0] for _ in range(20000)],
+                          dtype=torch.float64)
+    scale = sigma * bound  # Laplace(b): E|X| = b
+    assert abs(float(values.abs().mean()) / scale - 1) < 0.02
+    assert release_loss_sum(0.0, bound, sigma, "laplace", rng)[1] == dpa.LaplaceDpEvent(sigma)
+
+
+def test_seeded_releases_replay_and_secure_releases_differ():
+    counts = torch.zeros(3, dtype=torch.float64)
+    a = release_counts(counts, 1.0, Randomness(seed=7))[0]
+    assert torch.equal(a, release_counts(counts, 1.0, Randomness(seed=7))[0])
+    secure = [release_counts(counts, 1.0, Randomness(seed=7, secure=True))[0] for _ in range(2)]
+    assert not torch.equal(secure[0], secure[1])
+    assert not torch.equal(secure[0], a)
