@@ -73,7 +73,7 @@ def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: d
     if n < 2:
         raise ValueError("verify_example_independence needs a batch of at least 2 examples in dimension 0")
     units = [u for u in engine.units if any(p.requires_grad for p in u.direct.values())]
-    with engine.no_capture():
+    with torch.random.fork_rng(devices=[]), engine.no_capture():  # leaves the caller's RNG state as it was
         with torch.no_grad():
             base, _ = _forward(model, units, args, kwargs, seed)
             changed, _ = _forward(model, units, *_perturbed(args, kwargs, n), seed)
