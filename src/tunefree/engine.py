@@ -122,6 +122,8 @@ class ClippingEngine:
         self.group_norms: dict[str, list[torch.Tensor]] = defaultdict(list)
         self._recomputing = False
         self._suspended = 0
+        self.retain_inputs = False
+        self.retained_inputs: Capture | None = None
         self.thresholds: dict[str, float] = {g.name: g.threshold for g in groups}
         self._leaked: set[str] = set()
         self._reset_pass()
@@ -137,7 +139,7 @@ class ClippingEngine:
 
     def _attach(self) -> None:
         self._handles.append(self.model.register_forward_pre_hook(
-            lambda *_: self._new_forward(), prepend=True))
+            lambda mod, args, kwargs: self._new_forward(args, kwargs), prepend=True, with_kwargs=True))
         for unit in self.units:
             m = unit.module
             self._handles.append(m.register_forward_pre_hook(
@@ -180,8 +182,10 @@ class ClippingEngine:
             raise ValueError(f"thresholds must name exactly the clip groups {sorted(self.thresholds)}")
         self.thresholds = {name: float(value) for name, value in thresholds.items()}
 
-    def _new_forward(self) -> None:
+    def _new_forward(self, args: tuple, kwargs: dict) -> None:
         if self._capturing() and not self._in_backward:
+            if self.retain_inputs and self.retained_inputs is None:
+                self.retained_inputs = _capture(args, kwargs)[0]
             # Calls of a forward pass that never had a backward pass released nothing: forget them.
             for use in self._uses:
                 use.done = True

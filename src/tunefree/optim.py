@@ -15,11 +15,15 @@ from typing import Any
 
 import dp_accounting as dpa
 import torch
+from torch.utils._pytree import tree_flatten
 
 from .data.poisson import StepSchedule
 from .engine import ClippingEngine
+from .errors import PrivacyError
+from .independence import verify_example_independence
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
+from .rules import Capture
 
 
 class StepComponent:
@@ -90,6 +94,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._check_parameters()
+        self.verify_every: int | None = None
+        self.verified = False
+        engine.retain_inputs = True
 
     def _check_parameters(self) -> None:
         optimized = {p for group in self.param_groups for p in group["params"]}
@@ -150,6 +157,27 @@ class DPOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"DPOptimizer({self.original!r})"
 
+    # -- the example-independence check
+    def _verification_due(self, step: int) -> bool:
+        """Whether logical step ``step`` (1-based) checks example independence before its release."""
+        return not self.verified or (self.verify_every is not None and step % self.verify_every == 0)
+
+    def _verify_independence(self) -> None:
+        """Before a release that needs it, check on the step's first physical batch that no example's
+        activations or output gradients depend on another example (``tunefree.independence``). A batch
+        of fewer than two examples cannot mix, and waits for the next one. On failure the step's sums
+        are dropped: nothing of them is ever released."""
+        inputs = self.engine.retained_inputs
+        self.engine.retained_inputs = None
+        if inputs is not None and _examples_in(inputs) >= 2:
+            try:
+                verify_example_independence(self.engine.model, self.engine, inputs.args, inputs.kwargs)
+            except PrivacyError:
+                self.engine.pop_step()
+                raise
+            self.verified = True
+        self.engine.retain_inputs = self._verification_due(self.ledger.steps + 2)
+
     # -- the private step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step on privatised gradients (only at the end of a logical batch).
@@ -166,6 +194,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if not self.schedule.on_step():
             return loss
         self.engine.check_no_leak()
+        self._verify_independence()
         sums, examples, norms = self.engine.pop_step()
         noisy, event = self.release.release(sums)
         for p, total in noisy.items():
@@ -182,3 +211,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self.engine.set_thresholds({g.name: g.threshold for g in self.engine.groups})
         self.last_step = report
         return loss
+
+
+def _examples_in(inputs: Capture) -> int:
+    """Examples in a root call's inputs: dimension 0 of its first tensor with a dimension."""
+    leaves = tree_flatten((inputs.args, inputs.kwargs))[0]
+    return next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), 0)
