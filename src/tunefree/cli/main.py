@@ -143,6 +143,7 @@ def _train(args: argparse.Namespace) -> int:
 def _epsilon(args: argparse.Namespace) -> int:
     from .. import epsilon, noise_multiplier
     from ..data.poisson import steps_per_epoch
+    from ..privacy.calibration import MIN_NOISE_MULTIPLIER
 
     if not 0 < args.sample_rate <= 1:
         raise ValueError(f"--sample-rate must be in (0, 1], got {args.sample_rate}")
@@ -152,6 +153,10 @@ def _epsilon(args: argparse.Namespace) -> int:
                               "accountant": args.accountant}
     if args.noise_multiplier is not None:
         value = epsilon(noise_multiplier=args.noise_multiplier, **common)
+        if value == float("inf"):
+            print(f"epsilon inf: σ = {args.noise_multiplier} gives effectively no privacy "
+                  f"(below σ = {MIN_NOISE_MULTIPLIER} the calculator reports ∞)")
+            return 0
         print(f"epsilon {value:.6g} (σ = {args.noise_multiplier}, q = {args.sample_rate}, "
               f"{steps} steps, δ = {args.delta}, {args.accountant.upper()})")
     else:
