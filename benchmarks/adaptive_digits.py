@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from tunefree import datasets
-from tunefree.training import TrainConfig, train
+from tunefree.cli import datasets
+from tunefree.cli.training import TrainConfig, train
 
 VARIANTS = {
     "flat, fixed": {"groups": "all-layer", "thresholds": "fixed"},

@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import tunefree
-from tunefree import datasets, models
 from tunefree.autolr import planned_auto_lr_event
+from tunefree.cli import datasets, models
+from tunefree.cli.training import TrainConfig, default_delta, train
 from tunefree.privacy.accounting import epsilon_of
 from tunefree.privacy.calibration import calibrate
-from tunefree.training import TrainConfig, default_delta, train
 
 GRID = (0.001, 0.003, 0.01, 0.02, 0.03, 0.1)
 INTERVALS = (1, 5, 10)

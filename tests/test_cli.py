@@ -110,7 +110,7 @@ def test_debug_shows_the_traceback():
 def test_adaptive_per_layer_flags(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "--epochs", "1", "--groups", "per-layer", "--thresholds", "adaptive",
-                 "--target-quantile", "0.6", "--quiet", "--out", str(out), "--json",
+                 "--target-quantile", "0.6", "--seed", "0", "--quiet", "--out", str(out), "--json",
                  str(tmp_path / "r.json")]) == 0
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["config"]["thresholds"] == "adaptive"
@@ -125,7 +125,7 @@ def test_adaptive_per_layer_flags(tmp_path):
 
 def test_automatic_learning_rate(tmp_path):
     out = tmp_path / "run"
-    assert main(["train", "--epochs", "2", "--optimizer", "adamw", "--lr", "auto", "--quiet",
+    assert main(["train", "--epochs", "2", "--optimizer", "adamw", "--lr", "auto", "--quiet", "--seed", "0",
                  "--out", str(out), "--json", str(tmp_path / "r.json")]) == 0
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["config"]["lr"] == "auto" and result["config"]["optimizer"] == "adamw"
@@ -135,3 +135,37 @@ def test_automatic_learning_rate(tmp_path):
     assert all("loss_bound" in r and r["lr"] > 0 for r in steps)
     assert steps[0]["lr"] != steps[-1]["lr"]
     assert (out / "learning_rate.png").stat().st_size > 0
+
+
+def test_default_run_is_secure_and_a_seeded_run_says_the_seed_removes_the_noise(short_run, tmp_path, capsys):
+    _, out = short_run
+    seeded = json.loads((out / "result.json").read_text())
+    assert seeded["randomness"].startswith("seeded") and "remove the noise" in seeded["randomness"]
+    assert json.loads((out / "dir" / "report.json").read_text())["randomness"] == seeded["randomness"]
+    code = main(["train", "--dataset", "digits", "--epsilon", "3", "--epochs", "1",
+                 "--json", str(tmp_path / "r.json"), "--quiet"])
+    assert code == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["config"]["seed"] is None and result["randomness"] == "secure"
+    assert "randomness: secure" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--batch-size", "100000"], "larger than the"),
+    (["--target-quantile", "0.7"], "--target-quantile applies only to --thresholds adaptive"),
+])
+def test_refuses_silently_ignored_arguments(args, expected, capsys):
+    code = main(["train", "--dataset", "digits", "--epochs", "1", "--quiet", *args])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert expected in err and len(err.strip().splitlines()) == 1
+
+
+def test_calculator_is_bounded_for_tiny_noise_and_huge_targets(capsys):
+    common = ["--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5"]
+    assert main(["epsilon", "--noise-multiplier", "1e-3", *common]) == 0
+    assert "epsilon inf" in capsys.readouterr().out
+    assert main(["epsilon", "--target-epsilon", "1e6", *common]) == 0
+    sigma = float(re.search(r"noise multiplier ([0-9.e+-]+)", capsys.readouterr().out).group(1))
+    assert sigma == 0.3 and tunefree.epsilon(noise_multiplier=sigma, sample_rate=0.01, steps=100,
+                                             delta=1e-5) <= 1e6

@@ -10,8 +10,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tunefree import datasets
-from tunefree.datasets import DataError
+from tunefree.cli import datasets
+from tunefree.cli.datasets import DataError
 
 
 def write_idx(path, array, type_code=0x08, compress=False):

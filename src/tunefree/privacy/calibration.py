@@ -14,6 +14,9 @@ import dp_accounting as dpa
 from .accounting import REPORT_DISCRETIZATION, SEARCH_DISCRETIZATION, epsilon_of
 
 RELATIVE_TOLERANCE = 0.01
+# Below this noise level a run spends hundreds of ε (effectively no privacy) and its PLD takes
+# seconds to minutes and gigabytes to compute; the search and the calculator stop here.
+MIN_NOISE_MULTIPLIER = 0.3
 
 
 def calibrate(
@@ -22,7 +25,9 @@ def calibrate(
 ) -> float:
     """The noise level σ with ``(1 - tolerance)·target ≤ ε(planned(σ)) ≤ target``.
 
-    ``planned(σ)`` must spend less as σ grows. Raises if no finite σ reaches the target.
+    ``planned(σ)`` must spend less as σ grows. Raises if no finite σ reaches the target. A target so
+    loose that even ``MIN_NOISE_MULTIPLIER`` spends less returns that floor: the run then spends less
+    than the target, never more.
     """
     if not target_epsilon > 0:
         raise ValueError(f"target_epsilon must be positive, got {target_epsilon}")
@@ -37,9 +42,9 @@ def calibrate(
         if high > 1e6:
             raise ValueError(f"no noise level reaches epsilon={target_epsilon} at delta={delta}")
     while eps(low) <= target_epsilon:
-        high, low = low, low / 2
-        if low < 1e-4:
-            return high
+        if low <= MIN_NOISE_MULTIPLIER:
+            return low
+        high, low = low, max(low / 2, MIN_NOISE_MULTIPLIER)
     # ε(low) > target ≥ ε(high): shrink until ε(high) is within tolerance of the target.
     for _ in range(100):
         if eps(high) >= (1 - tolerance / 2) * target_epsilon:

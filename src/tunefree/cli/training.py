@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ..api import DPEngine, make_private
+from ..autolr import AutoLearningRate
 from . import datasets, models
-from .api import DPEngine, make_private
-from .autolr import AutoLearningRate
 from .report import RunDirectory, norm_statistics
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -55,12 +55,12 @@ class TrainConfig:
     clipping: str = "auto-s"
     groups: str = "all-layer"
     thresholds: str = "fixed"
-    target_quantile: float = 0.5
+    target_quantile: float | None = None
     optimizer: str = "adam"
     lr: float | str | None = None  # a number, "auto" (GeN-DP), or None for the default
     max_grad_norm: float = 1.0
     accountant: str = "pld"
-    seed: int = 0
+    seed: int | None = None
     out: str | None = None
     quiet: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # further make_private keywords
@@ -75,6 +75,14 @@ def default_delta(num_examples: int) -> float:
     return 1.0 / num_examples ** 1.1
 
 
+SEEDED_WARNING = "seeded (reproducible: anyone who knows the seed can remove the noise)"
+
+
+def randomness_label(seed: int | None) -> str:
+    """How the run's noise and sampling were drawn, as report.json and the printed result say it."""
+    return "secure" if seed is None else SEEDED_WARNING
+
+
 def check_config(config: TrainConfig) -> None:
     """Refuse a bad configuration before any data is touched."""
     if not (config.epsilon > 0 and math.isfinite(config.epsilon)):
@@ -85,6 +93,9 @@ def check_config(config: TrainConfig) -> None:
         raise ValueError(f"--epochs must be at least 1, got {config.epochs}")
     if config.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {config.batch_size}")
+    if config.target_quantile is not None and config.thresholds != "adaptive":
+        raise ValueError("--target-quantile applies only to --thresholds adaptive: drop it or add "
+                         "--thresholds adaptive")
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {config.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
     if config.lr not in (None, "auto") and not (float(config.lr) > 0 and math.isfinite(config.lr)):
@@ -146,15 +157,19 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
     check_config(config)
     data = data or datasets.load(config.dataset, config.label_column)
     delta = config.delta if config.delta is not None else default_delta(data.num_train)
-    torch.manual_seed(config.seed)
+    if data.num_train < config.batch_size:
+        raise ValueError(f"--batch-size {config.batch_size} is larger than the {data.num_train} training "
+                         f"examples: use --batch-size {data.num_train} or less")
+    if config.seed is not None:
+        torch.manual_seed(config.seed)  # initialisation only; the release's randomness is make_private's
     model = models.build(config.model, data.kind, data.input_shape, data.num_classes)
     optimizer = OPTIMIZERS[config.optimizer](model.parameters(), config.resolved_lr())
     engine = make_private(
-        model, optimizer, DataLoader(data.train, batch_size=min(config.batch_size, data.num_train)),
+        model, optimizer, DataLoader(data.train, batch_size=config.batch_size),
         target_epsilon=config.epsilon, target_delta=delta, epochs=config.epochs,
         clipping=config.clipping, groups=config.groups, max_grad_norm=config.max_grad_norm,
         thresholds=config.thresholds,
-        target_quantile=config.target_quantile if config.thresholds == "adaptive" else None,
+        target_quantile=config.target_quantile,
         lr="auto" if config.lr == "auto" else None,
         accountant=config.accountant, seed=config.seed, **config.extra)
     run = RunDirectory(config.out) if config.out else None
@@ -186,6 +201,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
         "noise_multiplier": engine.noise_multiplier, "steps": engine.steps,
         "sample_rate": engine.sample_rate, "train_seconds": train_seconds,
         "guarantee": str(engine.guarantee()),
+        "randomness": randomness_label(config.seed),
         "dataset": {"name": data.name, "train_examples": data.num_train,
                     "test_examples": len(data.test), "classes": data.num_classes},
         "config": {**asdict(config), "delta": delta,

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .clipping import CLIP_FUNCTIONS
-from .grouping import GROUPINGS
+from ..clipping import CLIP_FUNCTIONS
+from ..grouping import GROUPINGS
+from ..privacy.accounting import ACCOUNTANTS
 from .models import MODELS
-from .privacy.accounting import ACCOUNTANTS
 
 EXIT_USAGE = 2
 
@@ -87,8 +87,8 @@ def parser() -> argparse.ArgumentParser:
                        help="clip thresholds: fixed, or adaptive (each group tracks a private "
                             "quantile of its per-sample norms; default: fixed)")
     train.add_argument("--target-quantile", type=float, default=defaults.target_quantile,
-                       help="with --thresholds adaptive: the quantile each threshold tracks "
-                            f"(default: {defaults.target_quantile})")
+                       help="with --thresholds adaptive only: the quantile each threshold tracks "
+                            "(default: 0.5)")
     train.add_argument("--optimizer", choices=list(OPTIMIZERS), default=defaults.optimizer,
                        help=f"base optimizer (default: {defaults.optimizer})")
     train.add_argument("--lr", type=_learning_rate, default=None,
@@ -96,7 +96,9 @@ def parser() -> argparse.ArgumentParser:
                             "(HyFreeDP; default: chosen once per optimizer, see docs/cli.md)")
     train.add_argument("--accountant", choices=ACCOUNTANTS, default=defaults.accountant)
     train.add_argument("--seed", type=int, default=defaults.seed,
-                       help="seeds initialisation, sampling and noise (default: 0)")
+                       help="seed initialisation, sampling and noise for a reproducible run; anyone "
+                            "who knows the seed can remove the noise (default: none, the OS's secure "
+                            "source)")
     train.add_argument("--json", type=Path, help="write the result as JSON to this file")
     train.add_argument("--out", type=Path,
                        help="run directory for metrics.jsonl, report.json and plots")
@@ -131,15 +133,17 @@ def _train(args: argparse.Namespace) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"test accuracy {result['test_accuracy']:.4f} — {result['guarantee']}")
+    print(f"test accuracy {result['test_accuracy']:.4f} — {result['guarantee']}; "
+          f"randomness: {result['randomness']}")
     if args.out:
         print(f"run directory: {args.out}")
     return 0
 
 
 def _epsilon(args: argparse.Namespace) -> int:
-    from . import epsilon, noise_multiplier
-    from .data.poisson import steps_per_epoch
+    from .. import epsilon, noise_multiplier
+    from ..data.poisson import steps_per_epoch
+    from ..privacy.calibration import MIN_NOISE_MULTIPLIER
 
     if not 0 < args.sample_rate <= 1:
         raise ValueError(f"--sample-rate must be in (0, 1], got {args.sample_rate}")
@@ -149,6 +153,10 @@ def _epsilon(args: argparse.Namespace) -> int:
                               "accountant": args.accountant}
     if args.noise_multiplier is not None:
         value = epsilon(noise_multiplier=args.noise_multiplier, **common)
+        if value == float("inf"):
+            print(f"epsilon inf: σ = {args.noise_multiplier} gives effectively no privacy "
+                  f"(below σ = {MIN_NOISE_MULTIPLIER} the calculator reports ∞)")
+            return 0
         print(f"epsilon {value:.6g} (σ = {args.noise_multiplier}, q = {args.sample_rate}, "
               f"{steps} steps, δ = {args.delta}, {args.accountant.upper()})")
     else:

@@ -1,0 +1,7 @@
+"""``python -m tunefree.cli``."""
+
+import sys
+
+from .main import main
+
+sys.exit(main())
