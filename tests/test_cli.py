@@ -163,8 +163,8 @@ def test_refuses_silently_ignored_arguments(args, expected, capsys):
 
 def test_calculator_is_bounded_for_tiny_noise_and_huge_targets(capsys):
     common = ["--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5"]
-    assert main(["epsilon", "--noise-multiplier", "1e-3", *common]) == 0
-    assert "epsilon inf" in capsys.readouterr().out
+    assert main(["epsilon", "--noise-multiplier", "1e-3", *common]) == 0  # 38 GiB by PLD: RDP here
+    assert float(re.search(r"epsilon ([0-9.e+-]+)", capsys.readouterr().out).group(1)) > 1e4
     assert main(["epsilon", "--target-epsilon", "1e6", *common]) == 0
     sigma = float(re.search(r"noise multiplier ([0-9.e+-]+)", capsys.readouterr().out).group(1))
     assert sigma == 0.3 and tunefree.epsilon(noise_multiplier=sigma, sample_rate=0.01, steps=100,

@@ -11,7 +11,7 @@ from tunefree.privacy.mechanisms import release_counts, release_loss_sum
 from tunefree.privacy.randomness import Randomness
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "tunefree"
-# the one np.random use allowed is the public train/test split of datasets.py (a fixed seed, not noise)
+# the one np.random use allowed is the public train/test split of cli/datasets.py (a fixed seed, not noise)
 NOISE_DRAW = re.compile(r"randomness\.normal|torch\.randn|torch\.normal|\.normal_\(|Laplace\("
                         r"|\.exponential_\(|torch\.rand\b|np\.random\.(?!default_rng\(SPLIT_SEED\))")
 

@@ -113,7 +113,8 @@ def parser() -> argparse.ArgumentParser:
     eps.add_argument("--sample-rate", type=float, required=True, help="Poisson sampling rate q")
     length = eps.add_mutually_exclusive_group(required=True)
     length.add_argument("--steps", type=int, help="number of steps")
-    length.add_argument("--epochs", type=float, help="number of epochs (steps = epochs·round(1/q))")
+    length.add_argument("--epochs", type=float,
+                        help="number of epochs (steps = ⌈epochs·round(1/q)⌉, as in training)")
     eps.add_argument("--delta", type=_delta, required=True)
     eps.add_argument("--accountant", choices=ACCOUNTANTS, default="pld")
     return root
@@ -142,21 +143,15 @@ def _train(args: argparse.Namespace) -> int:
 
 def _epsilon(args: argparse.Namespace) -> int:
     from .. import epsilon, noise_multiplier
-    from ..data.poisson import steps_per_epoch
-    from ..privacy.calibration import MIN_NOISE_MULTIPLIER
+    from ..data.poisson import planned_steps
 
     if not 0 < args.sample_rate <= 1:
         raise ValueError(f"--sample-rate must be in (0, 1], got {args.sample_rate}")
-    steps = args.steps if args.steps is not None else round(
-        args.epochs * steps_per_epoch(args.sample_rate))
+    steps = planned_steps(args.epochs, args.steps, args.sample_rate)
     common: dict[str, Any] = {"sample_rate": args.sample_rate, "steps": steps, "delta": args.delta,
                               "accountant": args.accountant}
     if args.noise_multiplier is not None:
         value = epsilon(noise_multiplier=args.noise_multiplier, **common)
-        if value == float("inf"):
-            print(f"epsilon inf: σ = {args.noise_multiplier} gives effectively no privacy "
-                  f"(below σ = {MIN_NOISE_MULTIPLIER} the calculator reports ∞)")
-            return 0
         print(f"epsilon {value:.6g} (σ = {args.noise_multiplier}, q = {args.sample_rate}, "
               f"{steps} steps, δ = {args.delta}, {args.accountant.upper()})")
     else:

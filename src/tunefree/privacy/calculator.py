@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from .accounting import check_accountant, check_delta, epsilon_of, planned_event
-from .calibration import MIN_NOISE_MULTIPLIER, calibrate
+from .calibration import calibrate
 
 
 def _check_run(sample_rate: float, steps: int) -> None:
@@ -19,16 +19,13 @@ def epsilon(*, noise_multiplier: float, sample_rate: float, steps: int, delta: f
             accountant: str = "pld") -> float:
     """ε at ``delta`` of ``steps`` Poisson-sampled Gaussian releases with noise multiplier σ.
 
-    σ below ``MIN_NOISE_MULTIPLIER`` (0 included) gives ∞: effectively no privacy, and a bound whose
-    exact PLD would take minutes and gigabytes to compute.
+    Below σ = ``MIN_NOISE_SIGMA_FOR_PLD`` the PLD accountant is replaced by RDP (see ``epsilon_of``).
     """
     _check_run(sample_rate, steps)
     check_delta(delta)
     check_accountant(accountant)
     if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
         raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier}")
-    if noise_multiplier < MIN_NOISE_MULTIPLIER:
-        return math.inf
     return epsilon_of(planned_event(noise_multiplier, sample_rate, int(steps)), delta, accountant)
 
 
