@@ -110,3 +110,26 @@ def test_registered_clip_function_is_usable_by_name():
         del CLIP_FUNCTIONS["half"]
     with pytest.raises(ValueError, match="unknown clipping"):
         resolve(clipping="half")
+
+
+def test_registered_grouping_is_usable_by_name():
+    from torch import nn
+
+    from tunefree.grouping import GROUPINGS, make_groups, register_grouping
+
+    @register_grouping("weights-apart")
+    def weights_apart(model):
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        return {"weights": [n for n in names if n.endswith("weight")],
+                "rest": [n for n in names if not n.endswith("weight")]}
+
+    try:
+        assert resolve(groups="weights-apart").groups == "weights-apart"
+        groups = make_groups(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1)), "weights-apart", 2.0)
+        assert [g.name for g in groups] == ["weights", "rest"]
+        assert [g.param_names for g in groups] == [["0.weight", "1.weight"], ["0.bias", "1.bias"]]
+        assert all(math.isclose(g.threshold, 2.0 / math.sqrt(2)) for g in groups)
+    finally:
+        del GROUPINGS["weights-apart"]
+    with pytest.raises(ValueError, match="unknown groups"):
+        resolve(groups="weights-apart")
