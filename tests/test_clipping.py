@@ -50,3 +50,11 @@ def test_auto_v_normalises_and_psac_is_non_monotonic():
 def test_bad_clip_configuration_is_refused(bad):
     with pytest.raises(ValueError):
         ClipFunction(**bad)
+
+
+@pytest.mark.parametrize("name", list(CLIP_FUNCTIONS))
+def test_every_registered_function_bounds_the_clipped_norm(name):
+    norms = torch.tensor([0.0, 1e-30, 1.0, 1e30], dtype=torch.float64)
+    for threshold in (0.1, 1.0, 10.0):
+        clipped = ClipFunction(name).weights(norms, threshold) * norms
+        assert (clipped <= threshold * (1 + 4 * torch.finfo(torch.float64).eps)).all(), (name, clipped)

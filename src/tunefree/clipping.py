@@ -11,11 +11,26 @@ All functions are pure: ``weights = fn(norms, threshold)`` with ``norms`` a 1-D 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-CLIP_FUNCTIONS = ("abadi", "auto-v", "auto-s", "psac")
+WeightFunction = Callable[[torch.Tensor, float, "ClipFunction"], torch.Tensor]
+
+# The registry: clip function name → ``weights(norms, threshold, clip)``. Add one with
+# ``@register_clip_function("name")``; it must keep ``weights·norms ≤ threshold`` for every norm ≥ 0.
+CLIP_FUNCTIONS: dict[str, WeightFunction] = {}
+
+
+def register_clip_function(name: str) -> Callable[[WeightFunction], WeightFunction]:
+    """Decorator: make ``fn(norms, threshold, clip)`` usable as ``clipping=name``."""
+    def register(fn: WeightFunction) -> WeightFunction:
+        if name in CLIP_FUNCTIONS:
+            raise ValueError(f"clip function {name!r} is already registered")
+        CLIP_FUNCTIONS[name] = fn
+        return fn
+    return register
 
 # Below this norm AUTO-V treats the gradient as zero-sized: the weight stops growing, so wᵢ·‖gᵢ‖ < R still
 # holds and the weight stays finite in float32.
@@ -67,11 +82,10 @@ class ClipFunction:
         """Clip weights (float64) for per-sample ``norms`` under ``threshold`` (the group's
         sensitivity). Computed in float64 so that ``wᵢ·‖gᵢ‖ ≤ R`` holds to rounding even where a
         float32 weight would be subnormal."""
-        norms = norms.to(torch.float64)
-        if self.name == "abadi":
-            return abadi(norms, threshold)
-        if self.name == "auto-v":
-            return auto_v(norms, threshold)
-        if self.name == "auto-s":
-            return auto_s(norms, threshold, self.gamma)
-        return psac(norms, threshold, self.r)
+        return CLIP_FUNCTIONS[self.name](norms.to(torch.float64), threshold, self)
+
+
+register_clip_function("abadi")(lambda norms, threshold, clip: abadi(norms, threshold))
+register_clip_function("auto-v")(lambda norms, threshold, clip: auto_v(norms, threshold))
+register_clip_function("auto-s")(lambda norms, threshold, clip: auto_s(norms, threshold, clip.gamma))
+register_clip_function("psac")(lambda norms, threshold, clip: psac(norms, threshold, clip.r))

@@ -7,12 +7,26 @@ The total sensitivity of one example's clipped gradient is ``S = √(Σₖ Rₖ�
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
 
-GROUPINGS = ("all-layer", "per-layer", "per-param")
+Layout = Callable[[nn.Module], dict[str, list[str]]]
+
+# The registry: grouping name → ``layout(model)``, a dict from group name to parameter names. Add one
+# with ``@register_grouping("name")``; ``make_groups`` checks that every trainable parameter is in one group.
+GROUPINGS: dict[str, Layout] = {}
+
+
+def register_grouping(name: str) -> Callable[[Layout], Layout]:
+    """Decorator: make ``layout(model)`` usable as ``groups=name``."""
+    def register(layout: Layout) -> Layout:
+        if name in GROUPINGS:
+            raise ValueError(f"grouping {name!r} is already registered")
+        GROUPINGS[name] = layout
+        return layout
+    return register
 
 GroupSpec = str | Sequence[Sequence[str]] | Mapping[str, Sequence[str]]
 
@@ -45,19 +59,29 @@ def direct_owner(model: nn.Module) -> dict[nn.Parameter, str]:
     return owner
 
 
+@register_grouping("all-layer")
+def _all_layer(model: nn.Module) -> dict[str, list[str]]:
+    return {"all": list(trainable_parameters(model))}
+
+
+@register_grouping("per-layer")
+def _per_layer(model: nn.Module) -> dict[str, list[str]]:
+    owner = direct_owner(model)
+    layout: dict[str, list[str]] = {}
+    for name, p in trainable_parameters(model).items():
+        layout.setdefault(owner[p], []).append(name)
+    return layout
+
+
+@register_grouping("per-param")
+def _per_param(model: nn.Module) -> dict[str, list[str]]:
+    return {name: [name] for name in trainable_parameters(model)}
+
+
 def _layout(model: nn.Module, spec: GroupSpec) -> dict[str, list[str]]:
-    trainable = trainable_parameters(model)
     if isinstance(spec, str):
-        if spec == "all-layer":
-            return {"all": list(trainable)}
-        if spec == "per-param":
-            return {name: [name] for name in trainable}
-        if spec == "per-layer":
-            owner = direct_owner(model)
-            layout: dict[str, list[str]] = {}
-            for name, p in trainable.items():
-                layout.setdefault(owner[p], []).append(name)
-            return layout
+        if spec in GROUPINGS:
+            return GROUPINGS[spec](model)
         raise ValueError(
             f"unknown groups {spec!r}: use one of {', '.join(GROUPINGS)}, a list of lists of "
             "parameter names, or a dict from group name to parameter names"
