@@ -15,10 +15,11 @@ from .embedding import EmbeddingRule
 from .generic import fallback_per_sample_grads
 from .linear import LinearRule
 from .norms import GroupNormRule, InstanceNormRule, LayerNormRule, RMSNormRule
+from .recurrent import RecurrentRule
 
 RULES: tuple[LayerRule, ...] = (
     LinearRule(), ConvRule(), EmbeddingRule(), LayerNormRule(), GroupNormRule(), RMSNormRule(),
-    InstanceNormRule(),
+    InstanceNormRule(), RecurrentRule(),
 )
 
 
