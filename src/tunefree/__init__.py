@@ -4,11 +4,14 @@ from .api import DPEngine, Guarantee, make_private
 from .clipping import CLIP_FUNCTIONS
 from .errors import PrivacyError
 from .grouping import GROUPINGS
+from .independence import verify_example_independence
 from .optim import DPOptimizer, StepReport
+from .options import PSAC, Abadi, AdaptiveQuantile, AutoLR, AutoS, AutoV, Fixed
 from .privacy.calculator import epsilon, noise_multiplier
 
 __all__ = [
-    "CLIP_FUNCTIONS", "DPEngine", "DPOptimizer", "GROUPINGS", "Guarantee", "PrivacyError",
-    "StepReport", "epsilon", "make_private", "noise_multiplier",
+    "CLIP_FUNCTIONS", "DPEngine", "DPOptimizer", "GROUPINGS", "PSAC", "Abadi", "AdaptiveQuantile",
+    "AutoLR", "AutoS", "AutoV", "Fixed", "Guarantee", "PrivacyError", "StepReport", "epsilon",
+    "make_private", "noise_multiplier", "verify_example_independence",
 ]
 __version__ = "0.1.0"

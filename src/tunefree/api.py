@@ -12,13 +12,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .autolr import DEFAULT_INTERVAL, AutoLearningRate, split_for_auto_lr
+from .autolr import AutoLearningRate, split_for_auto_lr
 from .clipping import ClipFunction
 from .data.poisson import StepSchedule, from_loader, planned_steps, sample_rate_of
 from .engine import ClippingEngine
 from .grouping import ClipGroup, GroupSpec, make_groups, sensitivity
 from .optim import DPOptimizer, StepReport
-from .privacy.accounting import check_accountant
+from .options import AutoLR, Clipping, Thresholds, resolve_options
 from .privacy.calibration import calibrate
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
@@ -27,7 +27,6 @@ from .thresholds import (
     QuantileEstimator,
     QuantileSettings,
     planned_run,
-    quantile_settings,
     split_noise,
 )
 
@@ -165,7 +164,7 @@ def make_private(
     noise_multiplier: float | None = None,
     epochs: float | None = None,
     steps: int | None = None,
-    clipping: str = "auto-s",
+    clipping: str | Clipping = "auto-s",
     max_grad_norm: float | Mapping[str, float] = 1.0,
     groups: GroupSpec = "all-layer",
     loss_reduction: str = "mean",
@@ -174,17 +173,19 @@ def make_private(
     secure_rng: bool = False,
     poisson_sampling: bool = True,
     max_physical_batch_size: int | None = None,
-    clip_gamma: float = 0.01,
-    psac_r: float = 0.1,
+    physical_batch_size: int | None = None,
+    clip_gamma: float | None = None,
+    psac_r: float | None = None,
     noise_allocation: str = "global",
-    thresholds: str = "fixed",
+    thresholds: str | Thresholds = "fixed",
     target_quantile: float | None = None,
     quantile_lr: float | None = None,
     quantile_budget: float | None = None,
-    lr: str | None = None,
-    lr_update_interval: int = DEFAULT_INTERVAL,
-    loss_privacy: str = "gaussian",
-    gradient_noise_increase: float = 1.01,
+    lr: str | AutoLR | None = None,
+    lr_update_interval: int | None = None,
+    loss_privacy: str | None = None,
+    gradient_noise_increase: float | None = None,
+    verify_every: int | None = None,
 ) -> DPEngine:
     """Make ``model`` train with an (ε, δ)-DP guarantee, accounted exactly from every release.
 
@@ -198,11 +199,14 @@ def make_private(
             or ``steps``) spends at most this, within 1%.
         noise_multiplier: σ, instead of ``target_epsilon`` (0 disables privacy, for debugging: ε = ∞).
         epochs, steps: the planned length of training (one of them with ``target_epsilon``).
-        clipping: ``"auto-s"`` (default), ``"auto-v"``, ``"psac"`` or ``"abadi"``.
+        clipping: ``"auto-s"`` (default), ``"auto-v"``, ``"psac"``, ``"abadi"`` (or a name added with
+            ``tunefree.clipping.register_clip_function``), or typed: ``AutoS(gamma=0.01)``, ``AutoV()``,
+            ``PSAC(r=0.1)``, ``Abadi()``.
         max_grad_norm: the sensitivity R of one example's clipped gradient (split as R/√K over K
             groups), or for explicit groups a mapping group name → threshold. With AUTO-S/V, R only
             rescales the update, which a learning rate absorbs.
-        groups: ``"all-layer"``, ``"per-layer"``, ``"per-param"``, or explicit groups of parameter
+        groups: ``"all-layer"``, ``"per-layer"``, ``"per-param"`` (or a name added with
+            ``tunefree.grouping.register_grouping``), or explicit groups of parameter
             names (a list of lists, or a dict name → list).
         loss_reduction: ``"mean"`` or ``"sum"`` of the per-example losses over the batch.
         accountant: ``"pld"`` (tight, default) or ``"rdp"``.
@@ -210,30 +214,42 @@ def make_private(
         secure_rng: draw sampling and noise from the OS's cryptographically secure generator.
         poisson_sampling: ``False`` keeps the user's loader as is; the guarantee is then reported as
             the Poisson approximation it is.
-        max_physical_batch_size: cut logical batches into micro-batches of at most this many
+        physical_batch_size (alias ``max_physical_batch_size``): cut logical batches into
+            micro-batches of at most this many
             examples; the optimizer steps (and the ledger records) once per logical batch.
-        clip_gamma, psac_r: the stability constants of AUTO-S and PSAC (no effect on privacy).
+        clip_gamma, psac_r: legacy forms of ``AutoS(gamma)`` and ``PSAC(r)``, the stability constants
+            (no effect on privacy); valid only with that clipping.
         noise_allocation: how the gradient noise is spread over clip groups (``"global"``,
             ``"equal-budget"``, ``"weighted"``); the privacy cost is the same.
-        thresholds: ``"fixed"`` (``max_grad_norm`` throughout) or ``"adaptive"``: every step each
+        thresholds: ``"fixed"``/``Fixed()`` (``max_grad_norm`` throughout) or ``"adaptive"``/
+            ``AdaptiveQuantile(target=0.5, lr=0.3, budget=0.01)``: every step each
             group privately releases its count of examples below its estimate, which moves towards
             the ``target_quantile`` of the group's per-sample gradient norms (group-wise clipping
             paper, Algorithm 1); the estimates start at ``max_grad_norm``'s split. Abadi clipping
             clips at the estimates; AUTO-S/V and PSAC, whose thresholds only scale the update, take
             them as relative group scales at the constant total sensitivity of ``max_grad_norm``.
             σ (given or calibrated) is that of the step's joint release: the gradient gets σ/√(1−r).
+        target_quantile, quantile_lr, quantile_budget: legacy forms of ``AdaptiveQuantile``'s
+            fields, valid only with adaptive thresholds.
         target_quantile: q in (0, 1), the quantile of the norms each threshold tracks (default 0.5).
         quantile_lr: η, the geometric step of the update Cₖ ← Cₖ·exp(−η(b̃ₖ − q)) (default 0.3).
         quantile_budget: r in (0, 1), the fraction of the budget (of σ⁻², i.e. of Rényi-DP) spent on
             the count releases (default 0.01); the total stays ``target_epsilon``.
-        lr: ``None`` keeps the optimizer's learning rate (and any scheduler); ``"auto"`` sets it by
+        lr: ``None`` keeps the optimizer's learning rate (and any scheduler); ``"auto"`` or
+            ``AutoLR(interval=5, loss_privacy="gaussian", gradient_noise_increase=1.01)`` sets it by
             GeN-DP (HyFreeDP) every ``lr_update_interval`` steps from privatised losses of the current
             batch, which ``optimizer.step(closure)`` must supply (the closure returns per-sample
             losses; with ``max_physical_batch_size``, those of the whole logical batch). The
             gradient noise grows by ``gradient_noise_increase`` (γ) and the loss noise is solved so
             that the whole run, every release included, spends what plain DP-SGD at σ would;
             ``loss_privacy`` is ``"gaussian"`` (L2) or ``"laplace"`` (L1, accounted through a
-            dominating Gaussian).
+            dominating Gaussian). ``lr_update_interval``, ``loss_privacy`` and
+            ``gradient_noise_increase`` are legacy forms of ``AutoLR``'s fields, valid only with it.
+        verify_every: besides the check before the first release, re-check example independence
+            (``tunefree.independence``) every this many steps; ``None``: once.
+
+    Any option given where it has no effect, or together with its typed form, is refused with a
+    ``ValueError`` naming it.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -243,12 +259,18 @@ def make_private(
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters")
-    if (target_epsilon is None) == (noise_multiplier is None):
-        raise ValueError("give exactly one of target_epsilon and noise_multiplier")
-    check_accountant(accountant)
-    quantile = quantile_settings(thresholds, target_quantile, quantile_lr, quantile_budget)
-    if max_physical_batch_size is not None and max_physical_batch_size < 1:
-        raise ValueError(f"max_physical_batch_size must be ≥ 1, got {max_physical_batch_size}")
+    options = resolve_options(
+        target_delta=target_delta, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier,
+        epochs=epochs, steps=steps, clipping=clipping, max_grad_norm=max_grad_norm, groups=groups,
+        loss_reduction=loss_reduction, accountant=accountant, seed=seed, secure_rng=secure_rng,
+        poisson_sampling=poisson_sampling, max_physical_batch_size=max_physical_batch_size,
+        physical_batch_size=physical_batch_size, clip_gamma=clip_gamma, psac_r=psac_r,
+        noise_allocation=noise_allocation, thresholds=thresholds, target_quantile=target_quantile,
+        quantile_lr=quantile_lr, quantile_budget=quantile_budget, lr=lr,
+        lr_update_interval=lr_update_interval, loss_privacy=loss_privacy,
+        gradient_noise_increase=gradient_noise_increase, verify_every=verify_every)
+    quantile, max_physical_batch_size = options.quantile, options.physical_batch_size
+    auto = options.auto_lr
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
 
@@ -279,22 +301,20 @@ def make_private(
     if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
         raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier}")
 
-    clip = ClipFunction(clipping, gamma=clip_gamma, r=psac_r)
+    clip = options.clip
     clip_groups = make_groups(model, groups, max_grad_norm)
     ledger = Ledger(poisson_approximation=not poisson_sampling)
     expected_batch_size = sample_rate * num_examples
     gradient_sigma = noise_multiplier
     auto_lr = None
-    if lr == "auto":
+    if auto is not None:
         if planned is None:
             raise ValueError("lr='auto' splits the budget over the planned run: give epochs or steps")
         gradient_sigma, loss_sigma = split_for_auto_lr(
-            noise_multiplier, target_epsilon, sample_rate, planned, lr_update_interval, target_delta,
-            accountant, gradient_noise_increase, loss_privacy)
-        auto_lr = AutoLearningRate(lr_update_interval, loss_sigma, expected_batch_size, randomness,
-                                   loss_privacy)
-    elif lr is not None:
-        raise ValueError(f"lr must be None (the optimizer's own) or 'auto', got {lr!r}")
+            noise_multiplier, target_epsilon, sample_rate, planned, auto.interval, target_delta,
+            accountant, auto.gradient_noise_increase, auto.loss_privacy)
+        auto_lr = AutoLearningRate(auto.interval, loss_sigma, expected_batch_size, randomness,
+                                   auto.loss_privacy)
     estimator, gradient_sigma = _quantile_estimator(quantile, clip_groups, gradient_sigma,
                                                     randomness, expected_batch_size, clip)
     release = GradientRelease(clip_groups, gradient_sigma, randomness, noise_allocation)
@@ -307,6 +327,7 @@ def make_private(
         clipping_engine.detach()
         raise
     private_optimizer.components = [c for c in (estimator, auto_lr) if c is not None]
+    private_optimizer.verify_every = options.verify_every
     private_optimizer.closure_gives_per_sample_losses = auto_lr is not None
     return DPEngine(model=model, optimizer=private_optimizer, data_loader=loader,
                     clipping_engine=clipping_engine, ledger=ledger, randomness=randomness,

@@ -32,10 +32,9 @@ def _non_negative(value: Any) -> bool:
 
 
 def _fraction(option: str, value: Any) -> float:
-    value = _positive(option, value)
-    if not value < 1:
-        raise ValueError(f"{option} must be in (0, 1), got {value}")
-    return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(f"{option} must be in (0, 1), got {value!r}")
+    return float(value)
 
 
 def _count(option: str, value: Any) -> int:
@@ -145,6 +144,7 @@ class RunOptions:
     noise_allocation: str
     quantile: QuantileSettings | None
     auto_lr: AutoLR | None
+    verify_every: int | None = None
 
 
 def _refuse_irrelevant(given: dict[str, Any], applies_to: str) -> None:
@@ -189,6 +189,11 @@ def _quantile(thresholds: Any, target: Any, lr: Any, budget: Any) -> QuantileSet
             raise ValueError(f"unknown thresholds {thresholds!r}: use 'fixed', 'adaptive', Fixed() or "
                              "AdaptiveQuantile(...)")
         if thresholds == "adaptive":
+            for option, value, check in (("target_quantile", target, _fraction),
+                                         ("quantile_lr", lr, _positive),
+                                         ("quantile_budget", budget, _fraction)):
+                if value is not None:
+                    check(option, value)  # named as the caller gave it
             default = AdaptiveQuantile()
             thresholds = AdaptiveQuantile(default.target if target is None else target,
                                           default.lr if lr is None else lr,
@@ -256,6 +261,7 @@ def resolve_options(
     lr_update_interval: int | None = None,
     loss_privacy: str | None = None,
     gradient_noise_increase: float | None = None,
+    verify_every: int | None = None,
 ) -> RunOptions:
     """Validate ``make_private``'s keyword arguments into one :class:`RunOptions`.
 
@@ -278,7 +284,8 @@ def resolve_options(
         raise ValueError("give physical_batch_size only (max_physical_batch_size is its old name)")
     batch = physical_batch_size if max_physical_batch_size is None else max_physical_batch_size
     if batch is not None:
-        _count("physical_batch_size", batch)
+        _count("physical_batch_size" if physical_batch_size is not None else "max_physical_batch_size",
+               batch)
     if batch is not None and not poisson_sampling:
         raise ValueError("physical_batch_size needs the Poisson loader (poisson_sampling=True)")
     for option, flag in (("secure_rng", secure_rng), ("poisson_sampling", poisson_sampling)):
@@ -286,6 +293,8 @@ def resolve_options(
             raise TypeError(f"{option} must be True or False, got {flag!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise TypeError(f"seed must be an int or None, got {seed!r}")
+    if verify_every is not None:
+        _count("verify_every", verify_every)
     check_accountant(accountant)
     if isinstance(groups, str):
         _choice("groups", groups, GROUPINGS)
@@ -299,4 +308,5 @@ def resolve_options(
         noise_allocation=_choice("noise_allocation", noise_allocation, NOISE_ALLOCATIONS),
         quantile=_quantile(thresholds, target_quantile, quantile_lr, quantile_budget),
         auto_lr=_auto_lr(lr, lr_update_interval, loss_privacy, gradient_noise_increase),
+        verify_every=verify_every,
     )
