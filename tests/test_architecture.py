@@ -1,0 +1,103 @@
+"""The import graph of the library: layers point down only, no cycles, the application on top.
+
+Each module of ``src/tunefree`` has a layer; a module may import only from its own layer or below, and
+nothing below the command line (``tunefree.cli``) may import it. A new module must be given a layer here,
+which is the moment to decide where it belongs (docs/architecture.md draws the same picture).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "tunefree"
+
+LAYERS: dict[str, int] = {
+    "errors": 0, "dtypes": 0,
+    "clipping": 1, "grouping": 1, "rules": 1, "data": 1, "privacy": 1,
+    "engine": 2, "independence": 2,
+    "optim": 3,
+    "thresholds": 4, "autolr": 4,
+    "options": 5,
+    "api": 6,
+    "__init__": 7,
+    "cli": 8,
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts)
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[0]
+    if top not in LAYERS:
+        raise AssertionError(f"module tunefree.{module} has no layer: add it to LAYERS in {__file__}")
+    return LAYERS[top]
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The tunefree modules that ``path`` imports (relative and absolute imports)."""
+    package = _module_name(path).split(".")[:-1] if path.name != "__init__.py" else \
+        _module_name(path).split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1] if node.level > 1 else package
+                target = ".".join([*base, node.module] if node.module else base)
+            elif node.module and node.module.startswith("tunefree"):
+                target = node.module.removeprefix("tunefree").lstrip(".")
+            else:
+                continue
+            for alias in node.names:
+                candidate = f"{target}.{alias.name}" if target else alias.name
+                module_file = SRC.joinpath(*candidate.split("."))
+                found.add(candidate if module_file.with_suffix(".py").exists() or module_file.is_dir()
+                          else target)
+        elif isinstance(node, ast.Import):
+            found |= {a.name.removeprefix("tunefree.") for a in node.names
+                      if a.name.startswith("tunefree.")}
+    return {m for m in found if m}
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) for p in SRC.rglob("*.py")}
+
+
+def test_every_import_points_to_the_same_layer_or_below():
+    upward = [f"tunefree.{module} → tunefree.{target}" for module, targets in _graph().items()
+              for target in targets if _layer(target) > _layer(module)]
+    assert upward == []
+
+
+def test_the_import_graph_has_no_cycles():
+    graph = {m: {t.removesuffix(".__init__") for t in ts} for m, ts in _graph().items()}
+    graph = {m.removesuffix(".__init__"): ts for m, ts in graph.items()}
+    state: dict[str, int] = {}
+    cycle: list[str] = []
+
+    def visit(node: str, path: list[str]) -> bool:
+        state[node] = 1
+        for target in graph.get(node, ()):
+            if target == node:
+                continue
+            if state.get(target) == 1:
+                cycle.extend([*path, node, target])
+                return True
+            if target not in state and visit(target, [*path, node]):
+                return True
+        state[node] = 2
+        return False
+
+    for node in sorted(graph):
+        if node not in state and visit(node, []):
+            break
+    assert cycle == []
+
+
+def test_the_library_never_imports_the_command_line():
+    offenders = [m for m, targets in _graph().items() if not m.startswith("cli")
+                 and any(t.split(".")[0] == "cli" for t in targets)]
+    assert offenders == []
