@@ -38,6 +38,14 @@ def _perturbed(args: tuple, kwargs: dict, n: int, k: int) -> tuple[tuple, dict]:
     return tuple(change(a) for a in args), {key: change(v) for key, v in kwargs.items()}
 
 
+def _seed(seed: int) -> None:
+    """Seed the CPU generator and, if CUDA is in use, every CUDA generator (those the check forks). Unlike
+    ``torch.manual_seed`` this queues no seed for a CUDA that the caller has not initialised."""
+    torch.default_generator.manual_seed(seed)
+    if _rng_devices():
+        torch.cuda.manual_seed_all(seed)
+
+
 def _forward(model: nn.Module, units: list, args: tuple, kwargs: dict, seed: int) -> tuple[dict, object]:
     """One forward under a fixed seed; returns {unit name: (tensors, example dims)} and the model output."""
     records: dict[str, tuple[list[torch.Tensor], tuple[int, ...]]] = {}
@@ -52,7 +60,7 @@ def _forward(model: nn.Module, units: list, args: tuple, kwargs: dict, seed: int
 
     handles = [u.module.register_forward_hook(hook_for(u)) for u in units]
     try:
-        torch.manual_seed(seed)
+        _seed(seed)
         output = model(*args, **kwargs)
     finally:
         for h in handles:
@@ -77,7 +85,7 @@ def _unchanged_elsewhere(a: torch.Tensor, b: torch.Tensor, dim: int, n: int, k: 
 
 
 def _rng_devices() -> list[int]:
-    """CUDA devices whose RNG state the check must restore (``torch.manual_seed`` seeds them all)."""
+    """CUDA devices whose RNG state the check seeds and restores: all of them, once CUDA is initialised."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return []
     return list(range(torch.cuda.device_count()))
