@@ -24,6 +24,12 @@ def _floats(value: object) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
+def _pattern(like: torch.Tensor) -> torch.Tensor:
+    """A fixed, non-uniform tensor shaped like ``like``: the check's probe values (not noise)."""
+    index = torch.arange(like.numel(), device=like.device, dtype=like.dtype)
+    return torch.cos(index * 0.7 + 0.3).reshape(like.shape)
+
+
 def _perturbed(args: tuple, kwargs: dict, n: int, k: int) -> tuple[tuple, dict]:
     """Change example ``k`` of every batched tensor input: floats get noise, integers another row."""
     def change(t: object) -> object:
@@ -31,7 +37,7 @@ def _perturbed(args: tuple, kwargs: dict, n: int, k: int) -> tuple[tuple, dict]:
             return t
         t = t.detach().clone()
         if t.is_floating_point():
-            t[k] += torch.randn_like(t[k]) + 1.0
+            t[k] += _pattern(t[k]) + 1.0
         else:
             t[k] = t[(k + 1) % n]
         return t
@@ -120,7 +126,7 @@ def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: d
         if not outs or not batched:
             return
         for k in probes:
-            weights = [torch.randn_like(t) for t in batched]
+            weights = [_pattern(t) for t in batched]
             for w in weights:
                 w[k] = 0
             loss = sum((t * w).sum() for t, w in zip(batched, weights, strict=True))
