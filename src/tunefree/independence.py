@@ -101,7 +101,7 @@ def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: d
                                 seed: int = 0) -> None:
     """Raise PrivacyError unless example i's activations and output gradients at every trainable unit
     depend on example i alone. ``args``/``kwargs`` are one real batch's root-call inputs, examples in
-    dimension 0 (at least 2). Costs three forwards and two backwards, once."""
+    dimension 0 (at least 2). Costs four forwards (three without gradients) and two backwards, once."""
     kwargs = kwargs or {}
     n = next((t.shape[0] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim()),
              0)
