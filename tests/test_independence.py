@@ -78,3 +78,115 @@ def test_transformer_block_and_embedding_pass():
                           nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, batch_first=True)).train()
     verify_example_independence(model, engine_for(model), (torch.randint(0, 10, (3, 5)),), {})
     assert all(p.grad is None for p in model.parameters())
+
+
+class IntoFirst(nn.Module):
+    """Forward mixing that flows only into example 0: perturbing example 0 alone cannot see it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.out(torch.cat([h[:1] + h[1:].sum(0, keepdim=True), h[1:]]))
+
+
+def test_forward_mixing_into_the_first_example_only_is_refused():
+    model = IntoFirst()
+    with pytest.raises(PrivacyError, match="mixes examples in its forward: changing example 3"):
+        verify_example_independence(model, engine_for(model), (torch.randn(4, 3),), {})
+
+
+class MixIntoLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h):
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.cat([g[:-1], g[-1:] + g[:-1].sum(0, keepdim=True)])
+
+
+def test_backward_mixing_into_the_last_example_only_is_refused():
+    model = BackwardMix()
+    model.forward = lambda x: model.out(MixIntoLast.apply(model.fc(x)))
+    with pytest.raises(PrivacyError, match="mixes examples in its backward: example 3"):
+        verify_example_independence(model, engine_for(model), (torch.randn(4, 3),), {})
+
+
+def test_mixing_full_backward_hook_is_refused():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[1].register_full_backward_hook(lambda m, gin, gout: (gin[0] + gin[0].mean(0, keepdim=True),))
+    with pytest.raises(PrivacyError, match="mixes examples in its backward"):
+        verify_example_independence(model, engine_for(model), (torch.randn(4, 3),), {})
+
+
+class MixingFallback(nn.Module):
+    """A fallback unit (a bare nn.Parameter, no layer rule) whose forward mixes the examples."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, h):
+        h = h * self.scale
+        return h - h.mean(0)
+
+
+def test_mixing_fallback_module_is_refused_by_name():
+    model = nn.Sequential(nn.Linear(3, 4), MixingFallback(), nn.Linear(4, 2))
+    assert engine_for(model).units[1].rule is None  # the mixing module is a fallback unit
+    with pytest.raises(PrivacyError, match="module '1' mixes examples in its forward"):
+        verify_example_independence(model, engine_for(model), (torch.randn(4, 3),), {})
+
+
+def test_user_forward_hook_that_mixes_is_refused():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[0].register_forward_hook(lambda m, i, out: out - out.mean(0))
+    with pytest.raises(PrivacyError, match="module '0' mixes examples in its forward"):
+        verify_example_independence(model, engine_for(model), (torch.randn(4, 3),), {})
+
+
+class SharedTable(nn.Module):
+    """A fallback unit handed a shared [T, F] table: not batched, unchanged by any example."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, h, table):
+        return (h + table) * self.scale
+
+
+class WithTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.register_buffer("table", torch.randn(5, 4))
+        self.block = SharedTable()
+
+    def forward(self, x):
+        return self.block(self.fc(x), self.table).mean(1)
+
+
+@pytest.mark.parametrize("batch", [3, 5], ids=["B!=T", "B==T"])
+def test_shared_table_that_no_example_changes_passes(batch):
+    model = WithTable()
+    verify_example_independence(model, engine_for(model), (torch.randn(batch, 5, 3),), {})
+
+
+def test_batch_dependent_unbatched_input_is_refused():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    model.forward = lambda x: model[1](model[0](x).mean(0, keepdim=True).expand(2, -1)).mean(0) + 0 * x[:, :2]
+    with pytest.raises(PrivacyError, match="module '1' mixes examples in its forward"):
+        verify_example_independence(model, engine_for(model), (torch.randn(4, 3),), {})
+
+
+def test_rng_state_is_restored():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2)).train()
+    x = torch.randn(4, 3)
+    state = torch.get_rng_state()
+    verify_example_independence(model, engine_for(model), (x,), {})
+    assert torch.equal(torch.get_rng_state(), state)

@@ -2,7 +2,10 @@
 
 Per-sample clipping bounds one example's contribution only if nothing mixes examples: a batch statistic,
 a time-major layout, a custom ``autograd.Function`` or hook whose backward mixes. The check releases
-nothing: it runs inside ``engine.no_capture()``, writes no ``.grad`` and restores the RNG state.
+nothing: it runs inside ``engine.no_capture()``, writes no ``.grad`` and restores the RNG state (CPU and
+CUDA).
+
+It probes the first and the last example, so mixing that flows only into one end of the batch is seen.
 """
 
 from __future__ import annotations
@@ -21,22 +24,36 @@ def _floats(value: object) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def _perturbed(args: tuple, kwargs: dict, n: int) -> tuple[tuple, dict]:
-    """Change example 0 of every batched tensor input: floats get noise, integers example 1's row."""
+def _pattern(like: torch.Tensor) -> torch.Tensor:
+    """A fixed, non-uniform tensor shaped like ``like``: the check's probe values (not noise)."""
+    index = torch.arange(like.numel(), device=like.device, dtype=like.dtype)
+    return torch.cos(index * 0.7 + 0.3).reshape(like.shape)
+
+
+def _perturbed(args: tuple, kwargs: dict, n: int, k: int) -> tuple[tuple, dict]:
+    """Change example ``k`` of every batched tensor input: floats get noise, integers another row."""
     def change(t: object) -> object:
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n:
             return t
         t = t.detach().clone()
         if t.is_floating_point():
-            t[0] += torch.randn_like(t[0]) + 1.0
+            t[k] += _pattern(t[k]) + 1.0
         else:
-            t[0] = t[1]
+            t[k] = t[(k + 1) % n]
         return t
-    return tuple(change(a) for a in args), {k: change(v) for k, v in kwargs.items()}
+    return tuple(change(a) for a in args), {key: change(v) for key, v in kwargs.items()}
+
+
+def _seed(seed: int) -> None:
+    """Seed the CPU generator and, if CUDA is in use, every CUDA generator (those the check forks). Unlike
+    ``torch.manual_seed`` this queues no seed for a CUDA that the caller has not initialised."""
+    torch.default_generator.manual_seed(seed)
+    if _rng_devices():
+        torch.cuda.manual_seed_all(seed)
 
 
 def _forward(model: nn.Module, units: list, args: tuple, kwargs: dict, seed: int) -> tuple[dict, object]:
-    """One forward under a fixed seed; returns {unit name: (outputs, example dims)} and the model output."""
+    """One forward under a fixed seed; returns {unit name: (tensors, example dims)} and the model output."""
     records: dict[str, tuple[list[torch.Tensor], tuple[int, ...]]] = {}
 
     def hook_for(unit):
@@ -49,48 +66,75 @@ def _forward(model: nn.Module, units: list, args: tuple, kwargs: dict, seed: int
 
     handles = [u.module.register_forward_hook(hook_for(u)) for u in units]
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            output = model(*args, **kwargs)
+        _seed(seed)
+        output = model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
     return records, output
 
 
-def _others(t: torch.Tensor, dim: int) -> torch.Tensor:
-    return t.movedim(dim, 0)[1:]
+def _without(t: torch.Tensor, dim: int, k: int) -> torch.Tensor:
+    """Every example of ``t`` (examples in ``dim``) except example ``k``."""
+    t = t.movedim(dim, 0)
+    return torch.cat([t[:k], t[k + 1:]])
+
+
+def _unchanged_elsewhere(a: torch.Tensor, b: torch.Tensor, dim: int, n: int, k: int) -> bool:
+    """Whether changing example k left the other examples of ``a`` as they were. A tensor without the
+    batch in ``dim`` (a shared table, a mask) must not change at all."""
+    if a.shape != b.shape:
+        return False
+    if a.dim() <= dim or a.shape[dim] != n:
+        return torch.equal(a, b)
+    return torch.equal(_without(a, dim, k), _without(b, dim, k))
+
+
+def _rng_devices() -> list[int]:
+    """CUDA devices whose RNG state the check seeds and restores: all of them, once CUDA is initialised."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return []
+    return list(range(torch.cuda.device_count()))
 
 
 def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: dict | None = None,
                                 seed: int = 0) -> None:
     """Raise PrivacyError unless example i's activations and output gradients at every trainable unit
     depend on example i alone. ``args``/``kwargs`` are one real batch's root-call inputs, examples in
-    dimension 0 (at least 2). Costs two forwards and one backward."""
+    dimension 0 (at least 2). Costs four forwards (three without gradients) and two backwards, once."""
     kwargs = kwargs or {}
     n = next((t.shape[0] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim()),
              0)
     if n < 2:
         raise ValueError("verify_example_independence needs a batch of at least 2 examples in dimension 0")
     units = [u for u in engine.units if any(p.requires_grad for p in u.direct.values())]
-    with torch.random.fork_rng(devices=[]), engine.no_capture():  # leaves the caller's RNG state as it was
+    probes = (0, n - 1)
+    with torch.random.fork_rng(devices=_rng_devices()), engine.no_capture():
         with torch.no_grad():
             base, _ = _forward(model, units, args, kwargs, seed)
-            changed, _ = _forward(model, units, *_perturbed(args, kwargs, n), seed)
-        for name, (tensors, dims) in base.items():
-            for a, b, d in zip(tensors, changed[name][0], dims, strict=True):
-                if a.shape != b.shape or a.dim() <= d or a.shape[d] != n or not torch.equal(
-                        _others(a, d), _others(b, d)):
-                    raise PrivacyError(f"module {name!r} mixes examples in its forward: changing example 0 "
-                                       f"changed another example's activations. {_FIX}")
+            for k in probes:
+                changed, _ = _forward(model, units, *_perturbed(args, kwargs, n, k), seed)
+                for name, (tensors, dims) in base.items():
+                    for a, b, d in zip(tensors, changed[name][0], dims, strict=True):
+                        if not _unchanged_elsewhere(a, b, d, n, k):
+                            raise PrivacyError(
+                                f"module {name!r} mixes examples in its forward: changing example {k} "
+                                f"changed another example's activations. {_FIX}")
         records, output = _forward(model, units, args, kwargs, seed)
         outs = [(t, d) for name in records for t, d in zip(*records[name], strict=True) if t.requires_grad]
         batched = [t for t in _floats(output) if t.dim() and t.shape[0] == n]
-        loss = sum((t[1:] * torch.randn_like(t[1:])).sum() for t in batched)
-        if outs and torch.is_tensor(loss) and loss.requires_grad:
-            grads = torch.autograd.grad(loss, [t for t, _ in outs], allow_unused=True)
+        if not outs or not batched:
+            return
+        for k in probes:
+            weights = [_pattern(t) for t in batched]
+            for w in weights:
+                w[k] = 0
+            loss = sum((t * w).sum() for t, w in zip(batched, weights, strict=True))
+            if not loss.requires_grad:
+                return
+            grads = torch.autograd.grad(loss, [t for t, _ in outs], allow_unused=True, retain_graph=True)
             for (t, d), g in zip(outs, grads, strict=True):
-                if g is not None and g.movedim(d, 0)[0].abs().sum() != 0:
+                if g is not None and g.movedim(d, 0)[k].abs().sum() != 0:
                     name = next(nm for nm in records if any(t is x for x in records[nm][0]))
-                    raise PrivacyError(f"module {name!r} mixes examples in its backward: example 0 has zero "
-                                       f"loss weight but nonzero output gradients. {_FIX}")
+                    raise PrivacyError(f"module {name!r} mixes examples in its backward: example {k} has "
+                                       f"zero loss weight but nonzero output gradients. {_FIX}")
