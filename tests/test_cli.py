@@ -11,6 +11,7 @@ import pytest
 
 import tunefree
 from tunefree.cli import main
+from tunefree.data.poisson import planned_steps
 
 REPORT_KEYS = {"test_accuracy", "epsilon", "delta", "noise_multiplier", "steps", "train_seconds",
                "config"}
@@ -74,7 +75,9 @@ def test_epsilon_calculator(capsys):
     (["train", "--epsilon", "-1"], "must be positive"),
     (["train", "--delta", "2"], r"must be in \(0, 1\)"),
     (["train", "--delta", "0.01", "--epochs", "1"], "1/N"),
-    (["train", "--epochs", "0"], "at least 1"),
+    (["train", "--epochs", "0"], "must be positive"),
+    (["train", "--steps", "0"], "at least 1"),
+    (["train", "--steps", "2", "--epochs", "1"], "not allowed with"),
     (["train", "--lr", "fast", "--epochs", "1"], "expected a number"),
     (["epsilon", "--noise-multiplier", "1", "--sample-rate", "2", "--steps", "3", "--delta",
       "1e-5"], "sample-rate"),
@@ -169,3 +172,22 @@ def test_calculator_is_bounded_for_tiny_noise_and_huge_targets(capsys):
     sigma = float(re.search(r"noise multiplier ([0-9.e+-]+)", capsys.readouterr().out).group(1))
     assert sigma == 0.3 and tunefree.epsilon(noise_multiplier=sigma, sample_rate=0.01, steps=100,
                                              delta=1e-5) <= 1e6
+
+
+@pytest.mark.parametrize("length, planned", [(["--epochs", "1.5"], 5), (["--steps", "4"], 4)])
+def test_training_runs_exactly_the_planned_steps(tmp_path, length, planned):
+    # 431 of the 1,437 digits training examples: q ≈ 0.3, round(1/q) = 3 steps per epoch, so 1.5 epochs
+    # plan ⌈4.5⌉ = 5 steps, in make_private's calibration and in the loop alike.
+    out = tmp_path / "run"
+    assert main(["train", "--batch-size", "431", *length, "--quiet", "--out", str(out),
+                 "--json", str(tmp_path / "r.json")]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    epochs = 1.5 if length[0] == "--epochs" else None
+    steps = None if epochs else 4
+    assert planned_steps(epochs, steps, result["sample_rate"]) == planned
+    assert result["planned_steps"] == result["steps"] == planned  # the ledger's count of releases
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, planned + 1))
+    epoch_ends = [r["step"] for r in records if r["kind"] == "epoch"]
+    assert epoch_ends == [3, planned]  # one full epoch of 3 steps, then the partial last one
+    assert result["epsilon"] <= 3.0
