@@ -152,6 +152,8 @@ def _train(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(f"test accuracy {result['test_accuracy']:.4f} — {result['guarantee']}; "
           f"randomness: {result['randomness']}")
+    if result["note"]:
+        print(f"note: {result['note']}")
     if args.out:
         print(f"run directory: {args.out}")
     return 0
@@ -160,6 +162,8 @@ def _train(args: argparse.Namespace) -> int:
 def _epsilon(args: argparse.Namespace) -> int:
     from .. import epsilon, noise_multiplier
     from ..data.poisson import planned_steps
+    from ..privacy.calibration import MIN_NOISE_MULTIPLIER
+    from .training import loose_target_note
 
     if not 0 < args.sample_rate <= 1:
         raise ValueError(f"--sample-rate must be in (0, 1], got {args.sample_rate}")
@@ -174,6 +178,9 @@ def _epsilon(args: argparse.Namespace) -> int:
         value = noise_multiplier(target_epsilon=args.target_epsilon, **common)
         print(f"noise multiplier {value:.6g} (ε = {args.target_epsilon}, q = {args.sample_rate}, "
               f"{steps} steps, δ = {args.delta}, {args.accountant.upper()})")
+        if value <= MIN_NOISE_MULTIPLIER:  # the target is looser than the calibration's noise floor
+            spent = epsilon(noise_multiplier=value, **common)
+            print(f"note: {loose_target_note(args.target_epsilon, value, spent)}")
     return 0
 
 

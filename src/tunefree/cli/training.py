@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from ..api import DPEngine, make_private
 from ..autolr import AutoLearningRate
+from ..privacy.calibration import MIN_NOISE_MULTIPLIER
 from . import datasets, models
 from .report import RunDirectory, norm_statistics
 
@@ -84,6 +85,14 @@ SEEDED_WARNING = "seeded (reproducible: anyone who knows the seed can remove the
 def randomness_label(seed: int | None) -> str:
     """How the run's noise and sampling were drawn, as report.json and the printed result say it."""
     return "secure" if seed is None else SEEDED_WARNING
+
+
+def loose_target_note(target_epsilon: float, noise_multiplier: float, spent: float) -> str | None:
+    """What to tell a person whose target ε is so loose that calibration stopped at its noise floor."""
+    if noise_multiplier > MIN_NOISE_MULTIPLIER:
+        return None
+    return (f"the target ε = {target_epsilon:g} is looser than any useful noise: calibration stops at "
+            f"σ = {MIN_NOISE_MULTIPLIER}, where this run spends ε = {spent:.4g} < {target_epsilon:g}")
 
 
 def check_config(config: TrainConfig) -> None:
@@ -215,6 +224,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
         "sample_rate": engine.sample_rate, "train_seconds": train_seconds,
         "guarantee": str(engine.guarantee()),
         "randomness": randomness_label(config.seed),
+        "note": loose_target_note(config.epsilon, engine.noise_multiplier, epsilon),
         "dataset": {"name": data.name, "train_examples": data.num_train,
                     "test_examples": len(data.test), "classes": data.num_classes},
         "config": {**asdict(config), "delta": delta,
