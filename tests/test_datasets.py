@@ -47,6 +47,20 @@ def test_bad_idx_file_is_reported(tmp_path):
         datasets.load_idx(_with_train_only(tmp_path))
 
 
+
+@pytest.mark.parametrize("compress", [False, True])
+@pytest.mark.parametrize("payload, match", [
+    (bytes([0, 0, 8, 3, 0]), "the IDX header is cut short"),
+    (bytes([0, 0, 8, 3]) + struct.pack(">3I", 10 ** 6, 10 ** 3, 10 ** 3) + b"abc",
+     r"\(1000000000000 bytes\) but the file holds (only \d+ bytes|3 bytes of data)"),
+    (bytes([0, 0, 8, 1]) + struct.pack(">I", 2) + b"abc", r"\(2 bytes\) but the file holds more"),
+])
+def test_idx_header_claims_are_checked_before_allocating(tmp_path, compress, payload, match):
+    path = tmp_path / ("x.gz" if compress else "x")
+    path.write_bytes(gzip.compress(payload) if compress else payload)
+    with pytest.raises(DataError, match=match):
+        datasets.read_idx(path)
+
 def _with_train_only(directory):
     rng = np.random.default_rng(0)
     write_idx(directory / "train-images-idx3-ubyte", rng.integers(0, 256, (5, 4, 4)))
@@ -207,6 +221,18 @@ def test_test_labels_unseen_in_training_are_refused(tmp_path):
     write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.array([0, 7, 9, 7]))
     with pytest.raises(DataError, match=r"test labels \[7, 9\] never occur in the training split"):
         datasets.load(str(tmp_path))
+
+
+@pytest.mark.parametrize("name, content, match", [
+    ("empty.csv", b"", "empty.csv cannot be read as CSV"),
+    ("header.csv", b"a,label\n", "header.csv: the table holds no rows"),
+    ("quote.csv", b'a,label\n1,0\n2,"x\n', "quote.csv cannot be read as CSV"),
+    ("bad.parquet", b"garbage", "bad.parquet cannot be read as Parquet"),
+])
+def test_unreadable_tables_are_reported(tmp_path, name, content, match):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(DataError, match=match):
+        datasets.load(str(tmp_path / name))
 
 def test_hugging_face_directories(tmp_path):
     import datasets as hf

@@ -96,21 +96,38 @@ def load_digits_data() -> LoadedData:
 
 
 # ---------------------------------------------------------------------------- IDX (MNIST family)
+IDX_CHUNK_BYTES = 1 << 24
+
+
 def read_idx(path: Path) -> np.ndarray:
-    """An IDX file (plain or .gz) as a numpy array."""
+    """An IDX file (plain or .gz) as a numpy array. The header's claimed size is checked against the
+    file's size (plain) or against the bytes actually decompressed, read in chunks (.gz), before
+    anything of that size is allocated."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
-        data = f.read()
-    if len(data) < 4 or data[0] != 0 or data[1] != 0:
-        raise DataError(f"{path} is not an IDX file (bad magic number)")
-    dtypes = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
-    if data[2] not in dtypes:
-        raise DataError(f"{path}: unknown IDX element type {data[2]:#x}")
-    dims = struct.unpack(f">{data[3]}I", data[4: 4 + 4 * data[3]])
-    array = np.frombuffer(data, dtype=dtypes[data[2]], offset=4 + 4 * data[3])
-    if array.size != int(np.prod(dims)):
-        raise DataError(f"{path}: IDX header says {dims} but the file holds {array.size} values")
-    return array.reshape(dims)
+        magic = f.read(4)
+        if len(magic) < 4 or magic[0] != 0 or magic[1] != 0:
+            raise DataError(f"{path} is not an IDX file (bad magic number)")
+        dtypes = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+        if magic[2] not in dtypes:
+            raise DataError(f"{path}: unknown IDX element type {magic[2]:#x}")
+        header = f.read(4 * magic[3])
+        if len(header) < 4 * magic[3]:
+            raise DataError(f"{path}: the IDX header is cut short (expected {magic[3]} dimensions)")
+        dims = struct.unpack(f">{magic[3]}I", header)
+        dtype = np.dtype(dtypes[magic[2]])
+        claimed = math.prod(dims) * dtype.itemsize
+        if path.suffix != ".gz" and claimed > path.stat().st_size:
+            raise DataError(f"{path}: IDX header says {dims} ({claimed} bytes) but the file holds only "
+                            f"{path.stat().st_size} bytes")
+        chunks, read = [], 0
+        while read <= claimed and (chunk := f.read(IDX_CHUNK_BYTES)):
+            chunks.append(chunk)
+            read += len(chunk)
+    if read != claimed:
+        raise DataError(f"{path}: IDX header says {dims} ({claimed} bytes) but the file holds "
+                        f"{'more' if read > claimed else read} bytes of data")
+    return np.frombuffer(b"".join(chunks), dtype=dtype).reshape(dims)
 
 
 def _find(directory: Path, stem: str) -> Path:
@@ -270,19 +287,28 @@ def _table_arrays(frame, name: str, label_column: str) -> tuple[np.ndarray, np.n
 
 
 def _table(frame, name: str, label_column: str) -> LoadedData:
+    if len(frame) == 0:
+        raise DataError(f"{name}: the table holds no rows")
     return _make(name, "table", *_split(*_table_arrays(frame, name, label_column)))
+
+
+def _read_table(reader, path: Path, kind: str):
+    try:
+        return reader(path)
+    except Exception as error:  # pandas' and pyarrow's parse errors have many types
+        raise DataError(f"{path.name} cannot be read as {kind}: {error}") from error
 
 
 def load_csv(path: Path, label_column: str) -> LoadedData:
     import pandas as pd
 
-    return _table(pd.read_csv(path), path.name, label_column)
+    return _table(_read_table(pd.read_csv, path, "CSV"), path.name, label_column)
 
 
 def load_parquet(path: Path, label_column: str) -> LoadedData:
     import pandas as pd
 
-    return _table(pd.read_parquet(path), path.name, label_column)
+    return _table(_read_table(pd.read_parquet, path, "Parquet"), path.name, label_column)
 
 
 # ---------------------------------------------------------------------------- Hugging Face datasets
