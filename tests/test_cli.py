@@ -83,6 +83,8 @@ def test_epsilon_calculator(capsys):
     (["train", "--lr", "fast", "--epochs", "1"], "expected a number"),
     (["epsilon", "--noise-multiplier", "1", "--sample-rate", "2", "--steps", "3", "--delta",
       "1e-5"], "sample-rate"),
+    (["epsilon", "--noise-multiplier", "1", "--sample-rate", "0.01", "--steps", str(10 ** 30),
+      "--delta", "1e-5"], "too large"),
 ])
 def test_errors_are_one_line_without_traceback(tmp_path, capsys, argv, match):
     (tmp_path / "notes.txt").write_text("x")

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return _train(args) if args.command == "train" else _epsilon(args)
-    except (ValueError, OSError, RuntimeError) as error:
+    except (ValueError, OSError, RuntimeError, OverflowError, MemoryError) as error:
         if args.debug:
             raise
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
