@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import tunefree
 from tunefree.cli import main
+from tunefree.data.poisson import planned_steps
 
 REPORT_KEYS = {"test_accuracy", "epsilon", "delta", "noise_multiplier", "steps", "train_seconds",
                "config"}
@@ -74,10 +77,14 @@ def test_epsilon_calculator(capsys):
     (["train", "--epsilon", "-1"], "must be positive"),
     (["train", "--delta", "2"], r"must be in \(0, 1\)"),
     (["train", "--delta", "0.01", "--epochs", "1"], "1/N"),
-    (["train", "--epochs", "0"], "at least 1"),
+    (["train", "--epochs", "0"], "must be positive"),
+    (["train", "--steps", "0"], "at least 1"),
+    (["train", "--steps", "2", "--epochs", "1"], "not allowed with"),
     (["train", "--lr", "fast", "--epochs", "1"], "expected a number"),
     (["epsilon", "--noise-multiplier", "1", "--sample-rate", "2", "--steps", "3", "--delta",
       "1e-5"], "sample-rate"),
+    (["epsilon", "--noise-multiplier", "1", "--sample-rate", "0.01", "--steps", str(10 ** 30),
+      "--delta", "1e-5"], "too large"),
 ])
 def test_errors_are_one_line_without_traceback(tmp_path, capsys, argv, match):
     (tmp_path / "notes.txt").write_text("x")
@@ -166,6 +173,86 @@ def test_calculator_is_bounded_for_tiny_noise_and_huge_targets(capsys):
     assert main(["epsilon", "--noise-multiplier", "1e-3", *common]) == 0  # 38 GiB by PLD: RDP here
     assert float(re.search(r"epsilon ([0-9.e+-]+)", capsys.readouterr().out).group(1)) > 1e4
     assert main(["epsilon", "--target-epsilon", "1e6", *common]) == 0
-    sigma = float(re.search(r"noise multiplier ([0-9.e+-]+)", capsys.readouterr().out).group(1))
-    assert sigma == 0.3 and tunefree.epsilon(noise_multiplier=sigma, sample_rate=0.01, steps=100,
-                                             delta=1e-5) <= 1e6
+    printed = capsys.readouterr().out
+    sigma = float(re.search(r"noise multiplier ([0-9.e+-]+)", printed).group(1))
+    spent = tunefree.epsilon(noise_multiplier=sigma, sample_rate=0.01, steps=100, delta=1e-5)
+    assert sigma == 0.3 and spent <= 1e6
+    assert "note: the target ε = 1e+06 is looser than any useful noise" in printed
+    assert f"spends ε = {spent:.4g} < 1e+06" in printed
+
+
+@pytest.mark.parametrize("length, planned", [(["--epochs", "1.5"], 5), (["--steps", "4"], 4)])
+def test_training_runs_exactly_the_planned_steps(tmp_path, length, planned):
+    # 431 of the 1,437 digits training examples: q ≈ 0.3, round(1/q) = 3 steps per epoch, so 1.5 epochs
+    # plan ⌈4.5⌉ = 5 steps, in make_private's calibration and in the loop alike.
+    out = tmp_path / "run"
+    assert main(["train", "--batch-size", "431", *length, "--quiet", "--out", str(out),
+                 "--json", str(tmp_path / "r.json")]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    epochs = 1.5 if length[0] == "--epochs" else None
+    steps = None if epochs else 4
+    assert planned_steps(epochs, steps, result["sample_rate"]) == planned
+    assert result["planned_steps"] == result["steps"] == planned  # the ledger's count of releases
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, planned + 1))
+    epoch_ends = [r["step"] for r in records if r["kind"] == "epoch"]
+    assert epoch_ends == [3, planned]  # one full epoch of 3 steps, then the partial last one
+    assert result["epsilon"] <= 3.0
+
+
+def test_a_target_looser_than_any_useful_noise_ends_and_says_so(tmp_path, capsys):
+    assert main(["train", "--epsilon", "1e6", "--steps", "3", "--quiet",
+                 "--json", str(tmp_path / "r.json")]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["noise_multiplier"] == 0.3 and result["steps"] == 3
+    assert 0 < result["epsilon"] < 1e6
+    out = capsys.readouterr().out
+    assert "note: the target ε = 1e+06 is looser than any useful noise" in out
+    assert f"spends ε = {result['epsilon']:.4g} < 1e+06" in out
+    assert result["note"] in out
+
+
+def test_a_reachable_target_gets_no_note(short_run):
+    _, out = short_run
+    assert json.loads((out / "result.json").read_text())["note"] is None
+
+
+def _idx(path, array):
+    array = np.asarray(array, dtype=np.uint8)
+    path.write_bytes(bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+                     + array.tobytes())
+
+
+def _write_bad_data(directory, case):
+    """Local data with one defect; returns the --dataset argument."""
+    if case == "empty label cell":
+        (directory / "t.csv").write_text("a,label\n" + "".join(
+            f"{i},{'' if i == 5 else i % 2}\n" for i in range(20)))
+        return str(directory / "t.csv")
+    if case == "empty test split":
+        (directory / "t.csv").write_text("a,label\n1,0\n2,1\n3,0\n4,1\n")
+        return str(directory / "t.csv")
+    if case == "unseen test labels":
+        _idx(directory / "train-images-idx3-ubyte", np.zeros((6, 4, 4)))
+        _idx(directory / "train-labels-idx1-ubyte", np.arange(6) % 2)
+        _idx(directory / "t10k-images-idx3-ubyte", np.zeros((2, 4, 4)))
+        _idx(directory / "t10k-labels-idx1-ubyte", [1, 5])
+        return str(directory)
+    claim = b"\x80\x04}C\x04data\x8e" + struct.pack("<Q", 10 ** 12) + b"abcs."  # 10¹² bytes claimed
+    for name in ("data_batch_1", "test_batch"):
+        (directory / name).write_bytes(claim)
+    return str(directory)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("empty label cell", r"t.csv: column 'label' is empty in data row\(s\) \[6\]"),
+    ("empty test split", "the test split holds no examples"),
+    ("unseen test labels", r"test labels \[5\] never occur in the training split"),
+    ("huge pickle", "expected 1000000000000 bytes in a bytes8, but only 5 remain"),
+])
+def test_bad_data_is_one_line_error(tmp_path, capsys, case, match):
+    dataset = _write_bad_data(tmp_path, case)
+    assert main(["train", "--dataset", dataset, "--steps", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("tunefree: error: "), err
+    assert re.search(match, err), err

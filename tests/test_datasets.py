@@ -47,6 +47,20 @@ def test_bad_idx_file_is_reported(tmp_path):
         datasets.load_idx(_with_train_only(tmp_path))
 
 
+
+@pytest.mark.parametrize("compress", [False, True])
+@pytest.mark.parametrize("payload, match", [
+    (bytes([0, 0, 8, 3, 0]), "the IDX header is cut short"),
+    (bytes([0, 0, 8, 3]) + struct.pack(">3I", 10 ** 6, 10 ** 3, 10 ** 3) + b"abc",
+     r"\(1000000000000 bytes\) but the file holds (only \d+ bytes|3 bytes of data)"),
+    (bytes([0, 0, 8, 1]) + struct.pack(">I", 2) + b"abc", r"\(2 bytes\) but the file holds more"),
+])
+def test_idx_header_claims_are_checked_before_allocating(tmp_path, compress, payload, match):
+    path = tmp_path / ("x.gz" if compress else "x")
+    path.write_bytes(gzip.compress(payload) if compress else payload)
+    with pytest.raises(DataError, match=match):
+        datasets.read_idx(path)
+
 def _with_train_only(directory):
     rng = np.random.default_rng(0)
     write_idx(directory / "train-images-idx3-ubyte", rng.integers(0, 256, (5, 4, 4)))
@@ -74,6 +88,55 @@ def test_cifar_pickle_cannot_run_code(tmp_path):
     with pytest.raises(DataError, match="refusing to unpickle builtins.print"):
         datasets.load(str(tmp_path))
 
+
+
+class _Reconstructed:
+    """Pickles as numpy does (``_reconstruct`` then ``__setstate__``), with whatever claims we like."""
+
+    def __init__(self, shape, state=None):
+        self.shape, self.state = shape, state
+
+    def __reduce__(self):
+        from numpy.core.multiarray import _reconstruct
+
+        args = (_reconstruct, (np.ndarray, self.shape, b"B"))
+        return args if self.state is None else (*args, self.state)
+
+
+def _bytes8_claim(length):
+    """A pickle {b'data': <bytes8 that claims ``length`` bytes but holds 3>}, written opcode by opcode."""
+    return (b"\x80\x04}" + b"C\x04data" + b"\x8e" + struct.pack("<Q", length) + b"abc" + b"s.")
+
+
+@pytest.mark.parametrize("payload, match", [
+    (lambda: _bytes8_claim(10 ** 12), "expected 1000000000000 bytes in a bytes8, but only 5 remain"),
+    (lambda: pickle.dumps({b"data": _Reconstructed((10 ** 12,)), b"labels": [0]}, protocol=4),
+     r"an array claims 1000000000000 bytes but the file holds only \d+"),
+    (lambda: pickle.dumps({b"data": _Reconstructed((0,), (1, (10 ** 6, 10 ** 6), np.dtype("u1"), False,
+                                                          b"abc")), b"labels": [0]}, protocol=4),
+     r"an array claims 1000000000000 bytes but the file holds only \d+"),
+    (lambda: pickle.dumps({b"data": _Reconstructed((0,), (1, (10 ** 12,), np.dtype("O"), False,
+                                                          [1])), b"labels": [0]}, protocol=4),
+     "refusing an array of Python objects"),
+])
+def test_cifar_pickle_claiming_a_huge_array_is_refused_before_allocating(tmp_path, payload, match):
+    (tmp_path / "data_batch_1").write_bytes(payload())
+    (tmp_path / "test_batch").write_bytes(payload())
+    with pytest.raises(DataError, match=match):
+        datasets.load(str(tmp_path))
+
+
+@pytest.mark.parametrize("batch, match", [
+    ({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0]}, r"shape \[N, 3072\] with N = 1"),
+    ({b"data": np.zeros((1, 3072), np.float64), b"labels": [0]}, "must be uint8"),
+    ({b"data": [[0] * 3072], b"labels": [0]}, "needs a 'data' array"),
+    ({b"data": np.zeros((1, 3072), np.uint8), b"labels": [[0]]}, "whole numbers"),
+])
+def test_cifar_batch_of_the_wrong_shape_is_reported(tmp_path, batch, match):
+    (tmp_path / "data_batch_1").write_bytes(pickle.dumps(batch))
+    (tmp_path / "test_batch").write_bytes(pickle.dumps(batch))
+    with pytest.raises(DataError, match=match):
+        datasets.load(str(tmp_path))
 
 def _table(n=50):
     rng = np.random.default_rng(1)
@@ -119,6 +182,58 @@ def test_table_errors(tmp_path, problem, match):
         datasets.load(str(tmp_path / "t.csv"))
 
 
+
+@pytest.mark.parametrize("numeric_labels", [False, True])
+def test_empty_label_cell_is_refused_naming_column_and_row(tmp_path, numeric_labels):
+    labels = ["0", "1", "0", "", "1", "0", "1", "0", "1", ""] if numeric_labels else [
+        "yes", "no", "yes", "", "no", "yes", "no", "yes", "no", ""]
+    rows = [f"{i},{i * 2},{label}" for i, label in enumerate(labels)]
+    (tmp_path / "t.csv").write_text("a,b,target\n" + "\n".join(rows) + "\n")
+    with pytest.raises(DataError, match=r"t.csv: column 'target' is empty in data row\(s\) \[4, 10\]"):
+        datasets.load(str(tmp_path / "t.csv"), label_column="target")
+
+
+def test_missing_feature_is_refused_naming_column_and_row(tmp_path):
+    (tmp_path / "t.csv").write_text("a,b,label\n1,2,0\n3,,1\n5,6,0\n")
+    with pytest.raises(DataError, match="column 'b' is missing or infinite in data row 2"):
+        datasets.load(str(tmp_path / "t.csv"))
+
+
+def test_empty_test_split_is_refused(tmp_path):
+    # 2 examples per class: the held-out 20% rounds to none
+    (tmp_path / "t.csv").write_text("a,label\n1,0\n2,1\n3,0\n4,1\n")
+    with pytest.raises(DataError, match="the test split holds no examples"):
+        datasets.load(str(tmp_path / "t.csv"))
+    rng = np.random.default_rng(0)
+    write_idx(tmp_path / "train-images-idx3-ubyte", rng.integers(0, 256, (6, 4, 4)))
+    write_idx(tmp_path / "train-labels-idx1-ubyte", np.arange(6) % 2)
+    write_idx(tmp_path / "t10k-images-idx3-ubyte", np.zeros((0, 4, 4)))
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.zeros(0))
+    with pytest.raises(DataError, match="the test split holds no examples"):
+        datasets.load(str(tmp_path))
+
+
+def test_test_labels_unseen_in_training_are_refused(tmp_path):
+    rng = np.random.default_rng(0)
+    write_idx(tmp_path / "train-images-idx3-ubyte", rng.integers(0, 256, (6, 4, 4)))
+    write_idx(tmp_path / "train-labels-idx1-ubyte", np.arange(6) % 3)
+    write_idx(tmp_path / "t10k-images-idx3-ubyte", rng.integers(0, 256, (4, 4, 4)))
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.array([0, 7, 9, 7]))
+    with pytest.raises(DataError, match=r"test labels \[7, 9\] never occur in the training split"):
+        datasets.load(str(tmp_path))
+
+
+@pytest.mark.parametrize("name, content, match", [
+    ("empty.csv", b"", "empty.csv cannot be read as CSV"),
+    ("header.csv", b"a,label\n", "header.csv: the table holds no rows"),
+    ("quote.csv", b'a,label\n1,0\n2,"x\n', "quote.csv cannot be read as CSV"),
+    ("bad.parquet", b"garbage", "bad.parquet cannot be read as Parquet"),
+])
+def test_unreadable_tables_are_reported(tmp_path, name, content, match):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(DataError, match=match):
+        datasets.load(str(tmp_path / name))
+
 def test_hugging_face_directories(tmp_path):
     import datasets as hf
 
@@ -129,6 +244,13 @@ def test_hugging_face_directories(tmp_path):
     hf.DatasetDict({"train": images, "test": images.select(range(5))}).save_to_disk(tmp_path / "img")
     data = datasets.load(str(tmp_path / "img"))
     assert data.kind == "image" and data.input_shape == (1, 8, 8) and len(data.test) == 5
+    no_rows = images.filter(lambda example: False)
+    hf.DatasetDict({"train": images, "test": no_rows}).save_to_disk(tmp_path / "no_test")
+    with pytest.raises(DataError, match="the test split holds no examples"):
+        datasets.load(str(tmp_path / "no_test"))
+    hf.DatasetDict({"train": images, "test": images.select([])}).save_to_disk(tmp_path / "no_shard")
+    with pytest.raises(DataError, match="load_from_disk could not read it"):  # the library's IndexError
+        datasets.load(str(tmp_path / "no_shard"))
     table = hf.Dataset.from_pandas(_table().rename(columns={"target": "label"}))
     table.save_to_disk(tmp_path / "tab")
     data = datasets.load(str(tmp_path / "tab"))

@@ -9,7 +9,10 @@ release. The set of class labels is read from the data and treated as public.
 from __future__ import annotations
 
 import gzip
+import io
+import math
 import pickle
+import pickletools
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,13 +54,26 @@ def _split(x: np.ndarray, y: np.ndarray, test_fraction: float = 0.2) -> tuple[np
     return x[~test], y[~test], x[test], y[test]
 
 
-def _labels_to_indices(*label_arrays: np.ndarray) -> tuple[list[np.ndarray], int]:
-    classes = np.unique(np.concatenate(label_arrays))
-    return [np.searchsorted(classes, y) for y in label_arrays], len(classes)
+def _labels_to_indices(name: str, y_train: np.ndarray, y_test: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray, int]:
+    """Class indices of the labels; the classes are those of the training split."""
+    classes = np.unique(y_train)
+    unseen = np.setdiff1d(np.unique(y_test), classes)
+    if unseen.size:
+        raise DataError(f"{name}: test labels {unseen[:10].tolist()} never occur in the training split, "
+                        "so no model can predict them: drop those test examples or add training "
+                        "examples of those classes")
+    return np.searchsorted(classes, y_train), np.searchsorted(classes, y_test), len(classes)
 
 
 def _make(name: str, kind: str, x_train, y_train, x_test, y_test) -> LoadedData:
-    (y_train, y_test), num_classes = _labels_to_indices(np.asarray(y_train), np.asarray(y_test))
+    if len(y_train) == 0:
+        raise DataError(f"{name}: the training split holds no examples")
+    if len(y_test) == 0:
+        raise DataError(f"{name}: the test split holds no examples, so accuracy cannot be measured: "
+                        "supply a non-empty test split, or more data (the held-out 20% of each class "
+                        "rounds to zero below 3 examples per class)")
+    y_train, y_test, num_classes = _labels_to_indices(name, np.asarray(y_train), np.asarray(y_test))
     if num_classes < 2:
         raise DataError(f"{name}: the labels take a single value; classification needs at least two")
     return LoadedData(
@@ -80,21 +96,38 @@ def load_digits_data() -> LoadedData:
 
 
 # ---------------------------------------------------------------------------- IDX (MNIST family)
+IDX_CHUNK_BYTES = 1 << 24
+
+
 def read_idx(path: Path) -> np.ndarray:
-    """An IDX file (plain or .gz) as a numpy array."""
+    """An IDX file (plain or .gz) as a numpy array. The header's claimed size is checked against the
+    file's size (plain) or against the bytes actually decompressed, read in chunks (.gz), before
+    anything of that size is allocated."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
-        data = f.read()
-    if len(data) < 4 or data[0] != 0 or data[1] != 0:
-        raise DataError(f"{path} is not an IDX file (bad magic number)")
-    dtypes = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
-    if data[2] not in dtypes:
-        raise DataError(f"{path}: unknown IDX element type {data[2]:#x}")
-    dims = struct.unpack(f">{data[3]}I", data[4: 4 + 4 * data[3]])
-    array = np.frombuffer(data, dtype=dtypes[data[2]], offset=4 + 4 * data[3])
-    if array.size != int(np.prod(dims)):
-        raise DataError(f"{path}: IDX header says {dims} but the file holds {array.size} values")
-    return array.reshape(dims)
+        magic = f.read(4)
+        if len(magic) < 4 or magic[0] != 0 or magic[1] != 0:
+            raise DataError(f"{path} is not an IDX file (bad magic number)")
+        dtypes = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+        if magic[2] not in dtypes:
+            raise DataError(f"{path}: unknown IDX element type {magic[2]:#x}")
+        header = f.read(4 * magic[3])
+        if len(header) < 4 * magic[3]:
+            raise DataError(f"{path}: the IDX header is cut short (expected {magic[3]} dimensions)")
+        dims = struct.unpack(f">{magic[3]}I", header)
+        dtype = np.dtype(dtypes[magic[2]])
+        claimed = math.prod(dims) * dtype.itemsize
+        if path.suffix != ".gz" and claimed > path.stat().st_size:
+            raise DataError(f"{path}: IDX header says {dims} ({claimed} bytes) but the file holds only "
+                            f"{path.stat().st_size} bytes")
+        chunks, read = [], 0
+        while read <= claimed and (chunk := f.read(IDX_CHUNK_BYTES)):
+            chunks.append(chunk)
+            read += len(chunk)
+    if read != claimed:
+        raise DataError(f"{path}: IDX header says {dims} ({claimed} bytes) but the file holds "
+                        f"{'more' if read > claimed else read} bytes of data")
+    return np.frombuffer(b"".join(chunks), dtype=dtype).reshape(dims)
 
 
 def _find(directory: Path, stem: str) -> Path:
@@ -121,31 +154,87 @@ def load_idx(directory: Path) -> LoadedData:
 
 
 # ---------------------------------------------------------------------------- CIFAR-10
-class _NumpyOnlyUnpickler(pickle.Unpickler):
-    """Unpickles plain containers and numpy arrays only: a crafted file cannot run code."""
+class _BoundedArray(np.ndarray):
+    """An array being unpickled: its state may not claim more bytes than the file holds, nor objects."""
 
-    ALLOWED = {(package, name) for package in ("numpy.core.multiarray", "numpy._core.multiarray")
-               for name in ("_reconstruct", "scalar")} | {("numpy", "ndarray"), ("numpy", "dtype")}
+    byte_budget: int
+
+    def __setstate__(self, state) -> None:
+        shape, dtype = state[-4], state[-3]  # (version,) shape, dtype, is_fortran, raw data
+        _check_claim(shape, dtype, self.byte_budget)
+        super().__setstate__(state)
+
+
+def _check_claim(shape, dtype, byte_budget: int) -> None:
+    """Refuse an array whose claimed size exceeds ``byte_budget`` (the file's size), before allocating."""
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise DataError("refusing an array of Python objects: a CIFAR-10 batch holds numbers only")
+    claimed = math.prod(int(n) for n in shape) * dtype.itemsize
+    if claimed > byte_budget:
+        raise DataError(f"an array claims {claimed} bytes but the file holds only {byte_budget}: the "
+                        "file is corrupt or crafted")
+
+
+class _NumpyOnlyUnpickler(pickle.Unpickler):
+    """Unpickles plain containers and numpy arrays only: a crafted file cannot run code, nor make the
+    loader allocate more memory than the file's size."""
+
+    RECONSTRUCT = {(package, "_reconstruct") for package in ("numpy.core.multiarray",
+                                                             "numpy._core.multiarray")}
+    ALLOWED = {(package, "scalar") for package in ("numpy.core.multiarray", "numpy._core.multiarray")
+               } | {("numpy", "ndarray"), ("numpy", "dtype")}
+
+    def __init__(self, payload: bytes):
+        super().__init__(io.BytesIO(payload), encoding="bytes")
+        self.byte_budget = len(payload)
 
     def find_class(self, module: str, name: str):
+        if (module, name) in self.RECONSTRUCT:
+            return self._reconstruct
         if (module, name) in self.ALLOWED:
             return super().find_class(module, name)
         raise DataError(f"refusing to unpickle {module}.{name}: a CIFAR-10 batch holds only "
                         "arrays, lists and bytes")
 
+    def _reconstruct(self, subtype, shape, dtype) -> _BoundedArray:
+        if subtype is not np.ndarray:
+            raise DataError(f"refusing to rebuild a {subtype!r}: a CIFAR-10 batch holds plain arrays")
+        _check_claim(shape, dtype, self.byte_budget)
+        array = np.ndarray.__new__(_BoundedArray, shape, dtype)
+        array.byte_budget = self.byte_budget
+        return array
+
+
+def _check_lengths(payload: bytes) -> None:
+    """Walk the pickle's opcodes without building anything: a byte string that claims more bytes than
+    remain in the file is refused here, before the unpickler would allocate it."""
+    for _ in pickletools.genops(io.BytesIO(payload)):
+        pass
+
 
 def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    payload = path.read_bytes()
     try:
-        with open(path, "rb") as f:
-            batch = _NumpyOnlyUnpickler(f, encoding="bytes").load()
-    except (pickle.UnpicklingError, EOFError) as error:
+        _check_lengths(payload)
+        batch = _NumpyOnlyUnpickler(payload).load()
+    except DataError as error:
+        raise DataError(f"{path}: {error}") from error
+    except Exception as error:  # whatever a malformed pickle raises, it is not a CIFAR-10 batch
         raise DataError(f"{path} is not a CIFAR-10 python batch: {error}") from error
     if not isinstance(batch, dict):
         raise DataError(f"{path} is not a CIFAR-10 python batch (not a dict)")
     data, labels = batch.get(b"data"), batch.get(b"labels")
-    if data is None or labels is None:
-        raise DataError(f"{path} is not a CIFAR-10 python batch (no data/labels)")
-    return np.asarray(data, dtype=np.uint8).reshape(-1, 3, 32, 32), np.asarray(labels)
+    if not isinstance(data, np.ndarray) or not isinstance(labels, list):
+        raise DataError(f"{path} is not a CIFAR-10 python batch (needs a 'data' array and a "
+                        "'labels' list)")
+    if not all(isinstance(label, (int, np.integer)) for label in labels):
+        raise DataError(f"{path}: the labels must be whole numbers")
+    data = np.asarray(data)
+    if data.dtype != np.uint8 or data.ndim != 2 or data.shape != (len(labels), 3 * 32 * 32):
+        raise DataError(f"{path}: 'data' must be uint8 of shape [N, 3072] with N = {len(labels)} "
+                        f"labels, got {data.dtype} {data.shape}")
+    return data.reshape(-1, 3, 32, 32), np.asarray(labels, dtype=np.int64)
 
 
 def load_cifar10(directory: Path) -> LoadedData:
@@ -162,6 +251,17 @@ def load_cifar10(directory: Path) -> LoadedData:
 
 
 # ---------------------------------------------------------------------------- tables
+def _check_no_missing_labels(labels, name: str, label_column: str) -> None:
+    """Refuse empty label cells, naming the rows (counted from 1, after any header)."""
+    import pandas as pd
+
+    missing = np.flatnonzero(pd.isna(np.asarray(labels, dtype=object)))
+    if missing.size:
+        rows = (missing[:10] + 1).tolist()
+        raise DataError(f"{name}: column {label_column!r} is empty in data row(s) {rows} (counting from 1 "
+                        "after the header): fill in or drop those rows")
+
+
 def _table_arrays(frame, name: str, label_column: str) -> tuple[np.ndarray, np.ndarray]:
     """Numeric features and labels of a table."""
     if label_column not in frame.columns:
@@ -178,24 +278,37 @@ def _table_arrays(frame, name: str, label_column: str) -> tuple[np.ndarray, np.n
         raise DataError(f"{name}: no feature columns besides the label")
     x = features.to_numpy(dtype=np.float64)
     if not np.isfinite(x).all():
-        raise DataError(f"{name}: the features contain missing or infinite values; fill them first")
-    return x, frame[label_column].to_numpy()
+        row, column = np.argwhere(~np.isfinite(x))[0]
+        raise DataError(f"{name}: column {features.columns[column]!r} is missing or infinite in data row "
+                        f"{row + 1} (counting from 1 after the header): fill in or drop such rows")
+    labels = frame[label_column].to_numpy()
+    _check_no_missing_labels(labels, name, label_column)
+    return x, labels
 
 
 def _table(frame, name: str, label_column: str) -> LoadedData:
+    if len(frame) == 0:
+        raise DataError(f"{name}: the table holds no rows")
     return _make(name, "table", *_split(*_table_arrays(frame, name, label_column)))
+
+
+def _read_table(reader, path: Path, kind: str):
+    try:
+        return reader(path)
+    except Exception as error:  # pandas' and pyarrow's parse errors have many types
+        raise DataError(f"{path.name} cannot be read as {kind}: {error}") from error
 
 
 def load_csv(path: Path, label_column: str) -> LoadedData:
     import pandas as pd
 
-    return _table(pd.read_csv(path), path.name, label_column)
+    return _table(_read_table(pd.read_csv, path, "CSV"), path.name, label_column)
 
 
 def load_parquet(path: Path, label_column: str) -> LoadedData:
     import pandas as pd
 
-    return _table(pd.read_parquet(path), path.name, label_column)
+    return _table(_read_table(pd.read_parquet, path, "Parquet"), path.name, label_column)
 
 
 # ---------------------------------------------------------------------------- Hugging Face datasets
@@ -204,7 +317,12 @@ def load_hf(directory: Path, label_column: str) -> LoadedData:
     test splits); image columns (PIL images or arrays) or numeric feature columns."""
     import datasets
 
-    loaded = datasets.load_from_disk(str(directory))
+    try:
+        loaded = datasets.load_from_disk(str(directory))
+    except Exception as error:  # the library's own failures (e.g. a split saved empty: IndexError)
+        raise DataError(f"{directory}: datasets.load_from_disk could not read it "
+                        f"({type(error).__name__}: {error}); a split saved with no rows cannot be "
+                        "read back: drop it or add examples") from error
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:
             raise DataError(f"{directory}: the DatasetDict has no 'train' split ({list(loaded)})")
@@ -234,11 +352,18 @@ def load_hf(directory: Path, label_column: str) -> LoadedData:
             x = x.transpose(0, 3, 1, 2)
         return x / 255.0 if x.max() > 1.0 else x
 
-    x, y = images(train_frame), np.asarray(train_frame[label_column])
+    def labels(split) -> np.ndarray:
+        values = np.asarray(split[label_column])
+        _check_no_missing_labels(values, directory.name, label_column)
+        return values
+
+    if len(train_frame) == 0 or (test_frame is not None and len(test_frame) == 0):
+        raise DataError(f"{directory}: the {'train' if len(train_frame) == 0 else test_name} split holds "
+                        "no examples")
+    x, y = images(train_frame), labels(train_frame)
     if test_frame is None:
         return _make(directory.name, "image", *_split(x, y))
-    return _make(directory.name, "image", x, y, images(test_frame),
-                 np.asarray(test_frame[label_column]))
+    return _make(directory.name, "image", x, y, images(test_frame), labels(test_frame))
 
 
 # ---------------------------------------------------------------------------- dispatch

@@ -29,6 +29,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
 def _learning_rate(text: str) -> float | str:
     """A positive number, or ``auto`` where the automatic learning rate is available."""
     if text == "auto":
@@ -74,9 +84,13 @@ def parser() -> argparse.ArgumentParser:
                        help=f"privacy budget ε (default: {defaults.epsilon})")
     train.add_argument("--delta", type=_delta, default=None,
                        help="δ of the guarantee (default: 1/N^1.1 for N training examples)")
-    train.add_argument("--epochs", type=int, default=defaults.epochs,
-                       help=f"passes over the data (default: {defaults.epochs})")
-    train.add_argument("--batch-size", type=int, default=defaults.batch_size,
+    length = train.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=_positive_float, default=None,
+                        help="planned passes over the data, fractional allowed: the run takes "
+                             f"⌈epochs·round(1/q)⌉ steps (default: {defaults.epochs})")
+    length.add_argument("--steps", type=_positive_int, default=None,
+                        help="planned number of steps, instead of --epochs")
+    train.add_argument("--batch-size", type=_positive_int, default=defaults.batch_size,
                        help="expected batch size; the sampling rate is batch_size/N "
                             f"(default: {defaults.batch_size})")
     train.add_argument("--clipping", choices=CLIP_FUNCTIONS, default=defaults.clipping,
@@ -123,9 +137,11 @@ def parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace) -> int:
     from .training import TrainConfig, train
 
+    epochs = TrainConfig.epochs if args.epochs is None and args.steps is None else args.epochs
     config = TrainConfig(
         dataset=args.dataset, label_column=args.label_column, model=args.model,
-        epsilon=args.epsilon, delta=args.delta, epochs=args.epochs, batch_size=args.batch_size,
+        epsilon=args.epsilon, delta=args.delta, epochs=epochs, steps=args.steps,
+        batch_size=args.batch_size,
         clipping=args.clipping, groups=args.groups, thresholds=args.thresholds,
         target_quantile=args.target_quantile, optimizer=args.optimizer, lr=args.lr,
         accountant=args.accountant, seed=args.seed,
@@ -136,6 +152,8 @@ def _train(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(f"test accuracy {result['test_accuracy']:.4f} — {result['guarantee']}; "
           f"randomness: {result['randomness']}")
+    if result["note"]:
+        print(f"note: {result['note']}")
     if args.out:
         print(f"run directory: {args.out}")
     return 0
@@ -144,6 +162,8 @@ def _train(args: argparse.Namespace) -> int:
 def _epsilon(args: argparse.Namespace) -> int:
     from .. import epsilon, noise_multiplier
     from ..data.poisson import planned_steps
+    from ..privacy.calibration import MIN_NOISE_MULTIPLIER
+    from .training import loose_target_note
 
     if not 0 < args.sample_rate <= 1:
         raise ValueError(f"--sample-rate must be in (0, 1], got {args.sample_rate}")
@@ -158,6 +178,9 @@ def _epsilon(args: argparse.Namespace) -> int:
         value = noise_multiplier(target_epsilon=args.target_epsilon, **common)
         print(f"noise multiplier {value:.6g} (ε = {args.target_epsilon}, q = {args.sample_rate}, "
               f"{steps} steps, δ = {args.delta}, {args.accountant.upper()})")
+        if value <= MIN_NOISE_MULTIPLIER:  # the target is looser than the calibration's noise floor
+            spent = epsilon(noise_multiplier=value, **common)
+            print(f"note: {loose_target_note(args.target_epsilon, value, spent)}")
     return 0
 
 
@@ -165,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return _train(args) if args.command == "train" else _epsilon(args)
-    except (ValueError, OSError, RuntimeError) as error:
+    except (ValueError, OSError, RuntimeError, OverflowError, MemoryError) as error:
         if args.debug:
             raise
         message = str(error).splitlines()[0] if str(error) else type(error).__name__

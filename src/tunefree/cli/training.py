@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from ..api import DPEngine, make_private
 from ..autolr import AutoLearningRate
+from ..privacy.calibration import MIN_NOISE_MULTIPLIER
 from . import datasets, models
 from .report import RunDirectory, norm_statistics
 
@@ -43,14 +44,17 @@ DEFAULT_LR = {"sgd": 2.0, "momentum": 0.2, "adam": 0.02, "adamw": 0.02, "nadam":
 
 @dataclass
 class TrainConfig:
-    """Everything a run depends on. ``delta=None`` means 1/N^1.1 for N training examples."""
+    """Everything a run depends on. ``delta=None`` means 1/N^1.1 for N training examples. The run's
+    length is ``epochs`` (possibly fractional) or ``steps``: the noise is calibrated for, and training
+    runs, exactly ``planned_steps(epochs, steps, q)`` logical steps."""
 
     dataset: str = "digits"
     label_column: str = "label"
     model: str = "auto"
     epsilon: float = 3.0
     delta: float | None = None
-    epochs: int = 40
+    epochs: float | None = 40
+    steps: int | None = None
     batch_size: int = 256
     clipping: str = "auto-s"
     groups: str = "all-layer"
@@ -83,14 +87,28 @@ def randomness_label(seed: int | None) -> str:
     return "secure" if seed is None else SEEDED_WARNING
 
 
+def loose_target_note(target_epsilon: float, noise_multiplier: float, spent: float) -> str | None:
+    """What to tell a person whose target ε is so loose that calibration stopped at its noise floor."""
+    if noise_multiplier > MIN_NOISE_MULTIPLIER:
+        return None
+    return (f"the target ε = {target_epsilon:g} is looser than any useful noise: calibration stops at "
+            f"σ = {MIN_NOISE_MULTIPLIER}, where this run spends ε = {spent:.4g} < {target_epsilon:g}")
+
+
 def check_config(config: TrainConfig) -> None:
     """Refuse a bad configuration before any data is touched."""
     if not (config.epsilon > 0 and math.isfinite(config.epsilon)):
         raise ValueError(f"--epsilon must be a positive number, got {config.epsilon}")
     if config.delta is not None and not 0 < config.delta < 1:
         raise ValueError(f"--delta must be in (0, 1), got {config.delta}")
-    if config.epochs < 1:
-        raise ValueError(f"--epochs must be at least 1, got {config.epochs}")
+    if config.epochs is not None and config.steps is not None:
+        raise ValueError("give --epochs or --steps, not both")
+    if config.epochs is None and config.steps is None:
+        raise ValueError("give the length of the run: --epochs or --steps")
+    if config.epochs is not None and not (config.epochs > 0 and math.isfinite(config.epochs)):
+        raise ValueError(f"--epochs must be a positive number, got {config.epochs}")
+    if config.steps is not None and not (isinstance(config.steps, int) and config.steps >= 1):
+        raise ValueError(f"--steps must be at least 1, got {config.steps}")
     if config.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {config.batch_size}")
     if config.target_quantile is not None and config.thresholds != "adaptive":
@@ -166,17 +184,20 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
     optimizer = OPTIMIZERS[config.optimizer](model.parameters(), config.resolved_lr())
     engine = make_private(
         model, optimizer, DataLoader(data.train, batch_size=config.batch_size),
-        target_epsilon=config.epsilon, target_delta=delta, epochs=config.epochs,
+        target_epsilon=config.epsilon, target_delta=delta, epochs=config.epochs, steps=config.steps,
         clipping=config.clipping, groups=config.groups, max_grad_norm=config.max_grad_norm,
         thresholds=config.thresholds,
         target_quantile=config.target_quantile,
         lr="auto" if config.lr == "auto" else None,
         accountant=config.accountant, seed=config.seed, **config.extra)
     run = RunDirectory(config.out) if config.out else None
-    progress = Progress(config.epochs, len(engine.data_loader), config.quiet)
+    planned = engine.planned_steps
+    steps_per_epoch = len(engine.data_loader)
+    epochs = math.ceil(planned / steps_per_epoch)  # the last one partial when planned is not a multiple
+    progress = Progress(epochs, steps_per_epoch, config.quiet)
     started = time.perf_counter()
     epsilon = float("nan")
-    for epoch in range(1, config.epochs + 1):
+    for epoch in range(1, epochs + 1):
         totals = [0.0, 0, 0]
         for i, (x, y) in enumerate(engine.data_loader, start=1):
             loss_sum, correct, size = _step(engine, x, y)
@@ -185,11 +206,12 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
                 run.log(_step_record(engine, epoch, loss_sum, correct, size))
             seen = max(totals[2], 1)
             progress.update(epoch, i, totals[0] / seen, totals[1] / seen, epsilon)
+            if engine.steps >= planned:  # the planned run is over, possibly within an epoch
+                break
         epsilon = engine.epsilon()
         seen = max(totals[2], 1)
         test_accuracy = accuracy(model, data.test)
-        progress.update(epoch, len(engine.data_loader), totals[0] / seen, totals[1] / seen, epsilon,
-                        final=True)
+        progress.update(epoch, i, totals[0] / seen, totals[1] / seen, epsilon, final=True)
         if run:
             run.log({"kind": "epoch", "epoch": epoch, "step": engine.steps, "epsilon": epsilon,
                      "train_loss": totals[0] / seen, "train_accuracy": totals[1] / seen,
@@ -198,10 +220,11 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
     engine.detach()
     result = {
         "test_accuracy": test_accuracy, "epsilon": epsilon, "delta": delta,
-        "noise_multiplier": engine.noise_multiplier, "steps": engine.steps,
+        "noise_multiplier": engine.noise_multiplier, "steps": engine.steps, "planned_steps": planned,
         "sample_rate": engine.sample_rate, "train_seconds": train_seconds,
         "guarantee": str(engine.guarantee()),
         "randomness": randomness_label(config.seed),
+        "note": loose_target_note(config.epsilon, engine.noise_multiplier, epsilon),
         "dataset": {"name": data.name, "train_examples": data.num_train,
                     "test_examples": len(data.test), "classes": data.num_classes},
         "config": {**asdict(config), "delta": delta,
