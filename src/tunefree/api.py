@@ -22,7 +22,7 @@ from .privacy.accounting import check_accountant
 from .privacy.calibration import calibrate
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
-from .privacy.randomness import Randomness
+from .privacy.randomness import Randomness, run_randomness
 from .thresholds import (
     QuantileEstimator,
     QuantileSettings,
@@ -41,6 +41,7 @@ class Guarantee:
     steps: int
     accountant: str
     poisson_approximation: bool
+    seeded: bool = False  # a reproducible run: the guarantee holds only while the seed stays secret
 
     def __str__(self) -> str:
         text = (f"(ε = {self.epsilon:.4g}, δ = {self.delta:.3g})-DP after {self.steps} steps "
@@ -48,6 +49,9 @@ class Guarantee:
         if self.poisson_approximation:
             text += (" — assuming Poisson sampling, which the data loader does not do: this is the "
                      "Poisson approximation, not a proof")
+        if self.seeded:
+            text += (" — seeded run: anyone who knows the seed can remove the noise, and this "
+                     "guarantee with it; keep the seed secret")
         return text
 
 
@@ -109,7 +113,7 @@ class DPEngine:
     def guarantee(self, delta: float | None = None) -> Guarantee:
         delta = self.target_delta if delta is None else delta
         return Guarantee(self.epsilon(delta), delta, self.steps, self.accountant,
-                         self.ledger.poisson_approximation)
+                         self.ledger.poisson_approximation, seeded=not self.randomness.secure)
 
     def detach(self) -> nn.Module:
         """Remove every hook; the model is a plain module again and the private optimizer is done."""
@@ -118,7 +122,9 @@ class DPEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """The run's privacy state: ledger, randomness and position of the sampler. Save it with the
-        model's and the optimizer's state dicts; a resumed run continues the same guarantee."""
+        model's and the optimizer's state dicts; a resumed run continues the same guarantee. Of a
+        seeded run it holds the seed (``["randomness"]["randomness"]`` says so): whoever reads it can
+        remove the noise, so keep it as secret as the data."""
         return {"ledger": self.ledger.state_dict(), "randomness": self.randomness.state_dict(),
                 "schedule": self.schedule.state_dict(),
                 "components": [c.state_dict() for c in self.optimizer.components],
@@ -206,8 +212,10 @@ def make_private(
             names (a list of lists, or a dict name → list).
         loss_reduction: ``"mean"`` or ``"sum"`` of the per-example losses over the batch.
         accountant: ``"pld"`` (tight, default) or ``"rdp"``.
-        seed: seeds sampling and noise (reproducible, resumable); ``None`` draws one from the OS.
-        secure_rng: draw sampling and noise from the OS's cryptographically secure generator.
+        seed: ``None`` (default): sampling and noise are drawn from the OS's cryptographically
+            secure generator. An int asks for a reproducible run (replayable bit for bit) — and
+            anyone who knows it can remove the noise; the guarantee says so.
+        secure_rng: the secure default, said explicitly (refused together with ``seed``).
         poisson_sampling: ``False`` keeps the user's loader as is; the guarantee is then reported as
             the Poisson approximation it is.
         max_physical_batch_size: cut logical batches into micro-batches of at most this many
@@ -252,7 +260,7 @@ def make_private(
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
 
-    randomness = Randomness(seed, secure=secure_rng)
+    randomness = run_randomness(seed, secure_rng)
     schedule = StepSchedule()
     num_examples, sample_rate = sample_rate_of(data_loader)
     if poisson_sampling:
