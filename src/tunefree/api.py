@@ -316,6 +316,7 @@ def make_private(
         raise
     private_optimizer.components = [c for c in (estimator, auto_lr) if c is not None]
     private_optimizer.closure_gives_per_sample_losses = auto_lr is not None
+    private_optimizer.planned_steps = planned
     return DPEngine(model=model, optimizer=private_optimizer, data_loader=loader,
                     clipping_engine=clipping_engine, ledger=ledger, randomness=randomness,
                     schedule=schedule, groups=clip_groups, noise_multiplier=noise_multiplier,
