@@ -41,7 +41,7 @@ def step(engine, with_losses=False):
         x, y = next(batches)
         engine.optimizer.zero_grad()
         F.cross_entropy(engine.model(x), y).backward()
-        engine.optimizer.step((lambda: F.cross_entropy(engine.model(x), y, reduction="none"))
+        engine.optimizer.step((lambda x=x, y=y: F.cross_entropy(engine.model(x), y, reduction="none"))
                               if with_losses else None)
         if engine.schedule.ends_logical:
             return
@@ -116,7 +116,8 @@ def test_a_module_added_to_the_original_optimizer_after_make_private_is_refused(
     net.add_module("extra", nn.Linear(2, 2))
     optimizer.add_param_group({"params": net.extra.parameters()})
     weights = [p.detach().clone() for p in net.parameters()]
-    with pytest.raises(PrivacyError, match=r"extra\.weight.*not trainable at make_private.*make_private again"):
+    refusal = r"extra\.weight.*not trainable at make_private.*make_private again"
+    with pytest.raises(PrivacyError, match=refusal):
         step(engine)
     assert _unchanged(engine, weights)
 
