@@ -234,3 +234,16 @@ def test_training_past_the_planned_steps_warns_once():
         step(engine)
     assert len([w for w in caught if "planned" in str(w.message)]) == 1
     assert engine.steps == 4
+
+
+def test_probes_skip_hooks_even_with_a_scheduler_on_the_original_optimizer():
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    engine = private(net, optimizer, lr="auto", lr_update_interval=1, steps=4, noise_multiplier=0.0)
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=10)  # wraps optimizer.step on the instance
+    scheduler_step = vars(optimizer)["step"]
+    fired = []
+    optimizer.register_step_pre_hook(lambda *a: fired.append(1))
+    step(engine, with_losses=True)
+    step(engine, with_losses=True)
+    assert fired == [1, 1] and vars(optimizer)["step"] is scheduler_step

@@ -293,14 +293,18 @@ def _without_step_hooks(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Within it, ``optimizer.step()`` runs torch's bare step function, without the step hooks (the
     user's and torch's global ones): a component's trial steps (lr="auto" probes) are not real steps."""
     bare = getattr(type(optimizer).step, "__wrapped__", None)
-    if bare is None or "step" in vars(optimizer):
+    if bare is None:
         yield
         return
+    wrapped = vars(optimizer).get("step")  # e.g. an LR scheduler's step counter on the instance
     optimizer.step = types.MethodType(bare, optimizer)  # type: ignore[method-assign]
     try:
         yield
     finally:
-        del optimizer.step
+        if wrapped is None:
+            del optimizer.step
+        else:
+            optimizer.step = wrapped  # type: ignore[method-assign]
 
 
 def _examples_in(inputs: Capture) -> int:
