@@ -17,3 +17,8 @@ def test_readme_example_trains_privately_and_prints_epsilon(capsys):
     assert 0.99 * 3.0 <= engine.epsilon() <= 3.0
     assert f"ε = {engine.epsilon():.4g}" in printed
     assert engine.steps == 10 * round(1797 / 128)
+
+
+def test_readme_python_examples_do_not_teach_a_seed_for_a_private_run():
+    examples = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert examples and all("seed" not in code for code in examples)

@@ -22,7 +22,7 @@ from .options import AutoLR, Clipping, Thresholds, resolve_options
 from .privacy.calibration import calibrate
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
-from .privacy.randomness import Randomness
+from .privacy.randomness import Randomness, run_randomness
 from .thresholds import (
     QuantileEstimator,
     QuantileSettings,
@@ -40,6 +40,7 @@ class Guarantee:
     steps: int
     accountant: str
     poisson_approximation: bool
+    seeded: bool = False  # a reproducible run: the guarantee holds only while the seed stays secret
 
     def __str__(self) -> str:
         text = (f"(ε = {self.epsilon:.4g}, δ = {self.delta:.3g})-DP after {self.steps} steps "
@@ -47,6 +48,9 @@ class Guarantee:
         if self.poisson_approximation:
             text += (" — assuming Poisson sampling, which the data loader does not do: this is the "
                      "Poisson approximation, not a proof")
+        if self.seeded:
+            text += (" — seeded run: anyone who knows the seed can remove the noise, and this "
+                     "guarantee with it; keep the seed secret")
         return text
 
 
@@ -108,7 +112,7 @@ class DPEngine:
     def guarantee(self, delta: float | None = None) -> Guarantee:
         delta = self.target_delta if delta is None else delta
         return Guarantee(self.epsilon(delta), delta, self.steps, self.accountant,
-                         self.ledger.poisson_approximation)
+                         self.ledger.poisson_approximation, seeded=not self.randomness.secure)
 
     def detach(self) -> nn.Module:
         """Remove every hook; the model is a plain module again and the private optimizer is done."""
@@ -117,7 +121,9 @@ class DPEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """The run's privacy state: ledger, randomness and position of the sampler. Save it with the
-        model's and the optimizer's state dicts; a resumed run continues the same guarantee."""
+        model's and the optimizer's state dicts; a resumed run continues the same guarantee. Of a
+        seeded run it holds the seed (``["randomness"]["randomness"]`` says so): whoever reads it can
+        remove the noise, so keep it as secret as the data."""
         return {"ledger": self.ledger.state_dict(), "randomness": self.randomness.state_dict(),
                 "schedule": self.schedule.state_dict(),
                 "components": [c.state_dict() for c in self.optimizer.components],
@@ -210,8 +216,10 @@ def make_private(
             names (a list of lists, or a dict name → list).
         loss_reduction: ``"mean"`` or ``"sum"`` of the per-example losses over the batch.
         accountant: ``"pld"`` (tight, default) or ``"rdp"``.
-        seed: seeds sampling and noise (reproducible, resumable); ``None`` draws one from the OS.
-        secure_rng: draw sampling and noise from the OS's cryptographically secure generator.
+        seed: ``None`` (default): sampling and noise are drawn from the OS's cryptographically
+            secure generator. An int asks for a reproducible run (replayable bit for bit) — and
+            anyone who knows it can remove the noise; the guarantee says so.
+        secure_rng: the secure default, said explicitly (refused together with ``seed``).
         poisson_sampling: ``False`` keeps the user's loader as is; the guarantee is then reported as
             the Poisson approximation it is.
         physical_batch_size (alias ``max_physical_batch_size``): cut logical batches into
@@ -274,7 +282,7 @@ def make_private(
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
 
-    randomness = Randomness(seed, secure=secure_rng)
+    randomness = run_randomness(seed, secure_rng)
     schedule = StepSchedule()
     num_examples, sample_rate = sample_rate_of(data_loader)
     if poisson_sampling:
@@ -329,6 +337,7 @@ def make_private(
     private_optimizer.components = [c for c in (estimator, auto_lr) if c is not None]
     private_optimizer.verify_every = options.verify_every
     private_optimizer.closure_gives_per_sample_losses = auto_lr is not None
+    private_optimizer.planned_steps = planned
     return DPEngine(model=model, optimizer=private_optimizer, data_loader=loader,
                     clipping_engine=clipping_engine, ledger=ledger, randomness=randomness,
                     schedule=schedule, groups=clip_groups, noise_multiplier=noise_multiplier,

@@ -1,15 +1,20 @@
 """``DPOptimizer``: any ``torch.optim.Optimizer``, fed privatised gradients.
 
 At the end of each logical batch, ``step()`` takes the engine's clipped per-sample gradient sums, has the
-gradient mechanism add Gaussian noise, divides by the expected batch size ``q·N``, writes the result to
-``.grad`` and steps the wrapped optimizer; the releases of the step go into the ledger as one
-Poisson-sampled event. Physical micro-batches in between only accumulate clipped sums.
+gradient mechanism add Gaussian noise, records the release in the ledger, divides by the expected batch
+size ``q·N``, writes the result to ``.grad`` and steps the wrapped optimizer. Every release of the step
+joins the ledger's one Poisson-sampled event for it the moment it is made, so that no update is ever
+applied for a release the ledger lacks, whatever fails or interrupts the step. Physical micro-batches in
+between only accumulate clipped sums.
 """
 
 from __future__ import annotations
 
+import types
+import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +78,11 @@ class DPOptimizer(torch.optim.Optimizer):
         sample_rate: the Poisson sampling rate q of every logical batch.
         expected_batch_size: ``q·N``; the noisy sum is divided by it (never by the private batch size).
         schedule: logical-step bookkeeping shared with the Poisson loader.
+
+    ``planned_steps`` (set by ``make_private``; ``None`` for no plan) is the length of training the noise
+    was calibrated for: the first step beyond it warns that ε now grows past the target.
+    Step hooks (``register_step_pre_hook``/``register_step_post_hook``) fire once per logical step,
+    around the whole private step, as torch's do; micro-batch calls that only accumulate do not fire them.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: ClippingEngine,
@@ -87,6 +97,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self.last_step: StepReport | None = None
         self.components: list[StepComponent] = []
         self.closure_gives_per_sample_losses = False
+        self.planned_steps: int | None = None
+        self._warned_past_plan = False
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
         self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
@@ -94,6 +106,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._check_parameters()
+        self._trainable = frozenset(p for g in engine.groups for p in g.params)
         self.verify_every: int | None = None
         self.verified = False
         engine.retain_inputs = True
@@ -115,6 +128,24 @@ class DPOptimizer(torch.optim.Optimizer):
                 "never updated; add them to the optimizer or freeze them with requires_grad_(False) "
                 "before make_private"
             )
+
+    def _check_trainable_set(self) -> None:
+        """Before each step: the parameters the wrapped optimizer updates are still exactly those the
+        engine clips and noises. Anything else would be updated with a raw, unclipped, un-noised
+        gradient (added to the optimizer after make_private), or noised for nothing (frozen)."""
+        names = {p: n for n, p in self.engine.model.named_parameters()}
+        optimized = [p for group in self.param_groups for p in group["params"]]
+        added = [names.get(p, "a parameter outside the model") for p in optimized if p not in self._trainable]
+        frozen = sorted(names[p] for p in self._trainable if not p.requires_grad and p in names)
+        if not added and not frozen:
+            return
+        change = (f"the optimizer now updates {sorted(set(added))}, which were not trainable at "
+                  "make_private: they would get a raw, unclipped, un-noised gradient" if added else
+                  f"{frozen} were frozen after make_private: they would still be noised and updated")
+        raise PrivacyError(
+            f"{change}. The trainable parameters are fixed at make_private; to change them, call "
+            "make_private again with the new optimizer and carry the privacy spent over: "
+            "new_engine.ledger.load_state_dict(engine.ledger.state_dict())")
 
     # -- the wrapped optimizer's state, shared (LR schedulers edit param_groups in place)
     @property
@@ -187,30 +218,93 @@ class DPOptimizer(torch.optim.Optimizer):
         ``lr="auto"`` it instead returns the current batch's per-sample losses (a 1-D tensor) and
         tunefree evaluates it, without gradients, at the probe points of the learning-rate fit.
         """
+        self._check_trainable_set()
+        logical = self.schedule.ends_logical
+        if logical:
+            closure = self._run_pre_hooks(closure)
         loss = None
         if closure is not None and not self.closure_gives_per_sample_losses:
             with torch.enable_grad():
                 loss = closure()
         if not self.schedule.on_step():
             return loss
+        self._private_step(closure)
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, *self._hook_arguments(closure))
+        return loss
+
+    def _private_step(self, closure: Callable[[], Any] | None) -> None:
+        """Release, record, update: each release is in the ledger before anything uses it."""
+        self._warn_past_plan()
         self.engine.check_no_leak()
         self._verify_independence()
         sums, examples, norms = self.engine.pop_step()
         noisy, event = self.release.release(sums)
+        events = [event]
+        self.ledger.record_step(self.sample_rate, events)
         for p, total in noisy.items():
             p.grad = (total / self.expected_batch_size).to(p.dtype)
-        report = StepReport(step=self.ledger.steps + 1, examples=examples, group_norms=norms,
+        report = StepReport(step=self.ledger.steps, examples=examples, group_norms=norms,
                             thresholds={g.name: g.threshold for g in self.engine.groups})
-        events = [event]
-        for component in self.components:
-            events += component.before_update(self, report, closure)
+        with _without_step_hooks(self.original):
+            for component in self.components:
+                self._record(events, component.before_update(self, report, closure))
         self.original.step()
-        for component in self.components:
-            events += component.after_update(self, report, closure)
-        self.ledger.record_step(self.sample_rate, events)
+        with _without_step_hooks(self.original):
+            for component in self.components:
+                self._record(events, component.after_update(self, report, closure))
         self.engine.set_thresholds({g.name: g.threshold for g in self.engine.groups})
         self.last_step = report
-        return loss
+
+    def _record(self, events: list[dpa.DpEvent], more: list[dpa.DpEvent]) -> None:
+        """Join a component's releases to the step's ledger record."""
+        if more:
+            events += more
+            self.ledger.amend_last_step(self.sample_rate, events)
+
+    def _warn_past_plan(self) -> None:
+        if self.planned_steps is None or self._warned_past_plan or self.ledger.steps < self.planned_steps:
+            return
+        self._warned_past_plan = True
+        warnings.warn(
+            f"training past the planned {self.planned_steps} steps: the noise was calibrated for them, "
+            "so from this step on ε grows beyond the target (engine.epsilon() reports what is spent)",
+            UserWarning, stacklevel=4)
+
+    # -- step hooks, as torch.optim runs them (torch's wrapper does not run for this class)
+    def _hook_arguments(self, closure: Callable[[], Any] | None) -> tuple[tuple, dict[str, Any]]:
+        return ((self,) if closure is None else (self, closure)), {}
+
+    def _run_pre_hooks(self, closure: Callable[[], Any] | None) -> Callable[[], Any] | None:
+        """Run the step pre hooks; one may return new ``(args, kwargs)``, i.e. a new closure."""
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            result = hook(self, *self._hook_arguments(closure))
+            if result is None:
+                continue
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(f"a step pre hook must return None or (args, kwargs), got {result!r}")
+            args, kwargs = result
+            closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        return closure
+
+
+@contextmanager
+def _without_step_hooks(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Within it, ``optimizer.step()`` runs torch's bare step function, without the step hooks (the
+    user's and torch's global ones): a component's trial steps (lr="auto" probes) are not real steps."""
+    bare = getattr(type(optimizer).step, "__wrapped__", None)
+    if bare is None:
+        yield
+        return
+    wrapped = vars(optimizer).get("step")  # e.g. an LR scheduler's step counter on the instance
+    optimizer.step = types.MethodType(bare, optimizer)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if wrapped is None:
+            del optimizer.step
+        else:
+            optimizer.step = wrapped  # type: ignore[method-assign]
 
 
 def _examples_in(inputs: Capture) -> int:

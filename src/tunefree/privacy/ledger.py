@@ -33,10 +33,20 @@ class Ledger:
 
     def record_step(self, sample_rate: float, releases: list[dpa.DpEvent]) -> dpa.DpEvent:
         """Record the releases made on one Poisson-sampled batch as one sampled event."""
-        if not releases:
-            raise ValueError("a step must release something to be recorded")
-        inner = releases[0] if len(releases) == 1 else dpa.ComposedDpEvent(list(releases))
-        event = dpa.PoissonSampledDpEvent(sample_rate, inner)
+        event = _sampled(sample_rate, releases)
+        self.record(event)
+        return event
+
+    def amend_last_step(self, sample_rate: float, releases: list[dpa.DpEvent]) -> dpa.DpEvent:
+        """Replace the step recorded last by one with ``releases``: the step's first release is recorded
+        the moment it is made, and each later release of the same batch joins its sampled event."""
+        event = _sampled(sample_rate, releases)
+        if not self._runs or not isinstance(self._runs[-1][0], dpa.PoissonSampledDpEvent):
+            raise ValueError("no step was recorded to amend")
+        if self._runs[-1][1] == 1:
+            self._runs.pop()
+        else:
+            self._runs[-1][1] -= 1
         self.record(event)
         return event
 
@@ -72,6 +82,13 @@ class Ledger:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.poisson_approximation = state["poisson_approximation"]
         self._runs = [[from_dict(event), count] for event, count in state["runs"]]
+
+
+def _sampled(sample_rate: float, releases: list[dpa.DpEvent]) -> dpa.PoissonSampledDpEvent:
+    if not releases:
+        raise ValueError("a step must release something to be recorded")
+    inner = releases[0] if len(releases) == 1 else dpa.ComposedDpEvent(list(releases))
+    return dpa.PoissonSampledDpEvent(sample_rate, inner)
 
 
 def to_dict(event: dpa.DpEvent) -> dict[str, Any]:

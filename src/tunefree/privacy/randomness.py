@@ -1,10 +1,12 @@
 """One source of randomness per run: Poisson sampling and every noise draw derive from it.
 
-Seeded runs use ``torch.Generator`` streams derived from the run's seed (``numpy.random.SeedSequence``):
-the batch of logical step ``t`` comes from its own stream keyed by ``t`` (so loader prefetching never
-changes which examples a step sees, and resuming needs only the step count), and noise comes from one
-generator per device whose state is checkpointed. ``secure=True`` draws everything from the operating
-system's cryptographically secure generator (``os.urandom``) instead; such a run cannot be replayed.
+By default every random number comes from the operating system's cryptographically secure generator
+(``os.urandom``): nobody can replay the noise, and a resumed run continues from the ledger and the
+sampler's position. A seed is the user's explicit request for a reproducible run: sampling and noise then
+come from ``torch.Generator`` streams derived from it (``numpy.random.SeedSequence``) — the batch of
+logical step ``t`` from its own stream keyed by ``t`` (so loader prefetching never changes which examples
+a step sees), noise from one generator per device whose state is checkpointed, so that a resumed run
+continues bit for bit. Anyone who knows the seed can replay the noise and remove it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 
 _SAMPLING, _NOISE = 1, 2
+SEEDED_WARNING = "seeded (reproducible: anyone who knows the seed can remove the noise)"
 
 
 def _derive(seed: int, *key: int) -> int:
@@ -34,15 +37,21 @@ class Randomness:
     """Samples and noise for one run.
 
     Args:
-        seed: makes the run reproducible (and resumable bit for bit); ``None`` draws a seed from the OS.
-        secure: draw every random number from ``os.urandom`` (cryptographically secure), ignoring
-            ``seed``.
+        seed: ``None`` (default): every draw is secret, from ``os.urandom``. An int makes the run
+            reproducible (and resumable bit for bit) — and its noise removable by anyone who knows it.
+        secure: force secret draws even if ``seed`` is given (the seed is then unused;
+            :func:`run_randomness` refuses that pair from a user).
     """
 
     def __init__(self, seed: int | None = None, secure: bool = False):
-        self.secure = secure
-        self.seed = int.from_bytes(os.urandom(8), "little") >> 1 if seed is None else int(seed)
+        self.secure = secure or seed is None
+        self.seed = None if self.secure else int(seed)  # type: ignore[arg-type]
         self._noise: dict[str, torch.Generator] = {}
+
+    @property
+    def description(self) -> str:
+        """How this run draws its randomness, as reports and checkpoints say it."""
+        return "secure" if self.secure else SEEDED_WARNING
 
     def inclusion(self, step: int, num_examples: int, sample_rate: float) -> torch.Tensor:
         """Which examples logical step ``step`` includes: each independently with ``sample_rate``."""
@@ -72,11 +81,27 @@ class Randomness:
         return torch.randn(shape, generator=self._generator(device), device=device, dtype=dtype)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed, "secure": self.secure,
+        return {"seed": self.seed, "secure": self.secure, "randomness": self.description,
                 "noise": {k: g.get_state() for k, g in self._noise.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.seed, self.secure = state["seed"], state["secure"]
+        if state["secure"] != self.secure:
+            saved, here = ("secure", "seeded") if state["secure"] else ("seeded", "secure")
+            raise ValueError(
+                f"this checkpoint is of a {saved} run and this run is {here}: resume it as it was made "
+                f"({'without seed=' if state['secure'] else 'with seed= (the checkpoint seed is used)'})")
+        self.seed = state["seed"]
         self._noise = {}
         for key, generator_state in state["noise"].items():
             self._generator(torch.device(key)).set_state(generator_state)
+
+
+def run_randomness(seed: int | None, secure_rng: bool) -> Randomness:
+    """The randomness of a run from ``make_private``'s ``seed`` and ``secure_rng``: secret unless a seed
+    asks for a reproducible run; both together contradict each other and are refused."""
+    if secure_rng and seed is not None:
+        raise ValueError(
+            f"secure_rng=True and seed={seed!r} contradict each other: a seed makes the noise reproducible "
+            "by anyone who knows it. Drop seed for a secret run (the default) or drop secure_rng for a "
+            "reproducible one")
+    return Randomness(seed)
