@@ -79,14 +79,6 @@ def default_delta(num_examples: int) -> float:
     return 1.0 / num_examples ** 1.1
 
 
-SEEDED_WARNING = "seeded (reproducible: anyone who knows the seed can remove the noise)"
-
-
-def randomness_label(seed: int | None) -> str:
-    """How the run's noise and sampling were drawn, as report.json and the printed result say it."""
-    return "secure" if seed is None else SEEDED_WARNING
-
-
 def loose_target_note(target_epsilon: float, noise_multiplier: float, spent: float) -> str | None:
     """What to tell a person whose target ε is so loose that calibration stopped at its noise floor."""
     if noise_multiplier > MIN_NOISE_MULTIPLIER:
@@ -223,7 +215,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
         "noise_multiplier": engine.noise_multiplier, "steps": engine.steps, "planned_steps": planned,
         "sample_rate": engine.sample_rate, "train_seconds": train_seconds,
         "guarantee": str(engine.guarantee()),
-        "randomness": randomness_label(config.seed),
+        "randomness": engine.randomness.description,
         "note": loose_target_note(config.epsilon, engine.noise_multiplier, epsilon),
         "dataset": {"name": data.name, "train_examples": data.num_train,
                     "test_examples": len(data.test), "classes": data.num_classes},
