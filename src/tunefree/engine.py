@@ -184,12 +184,25 @@ class ClippingEngine:
 
     def _new_forward(self, args: tuple, kwargs: dict) -> None:
         if self._capturing() and not self._in_backward:
+            self._check_trainable_set()
             if self.retain_inputs and self.retained_inputs is None:
                 self.retained_inputs = _capture(args, kwargs)[0]
             # Calls of a forward pass that never had a backward pass released nothing: forget them.
             for use in self._uses:
                 use.done = True
             self._reset_pass()
+
+    def _check_trainable_set(self) -> None:
+        """The parameters that require grad must be exactly those clipped and noised since
+        make_private: a frozen one would still be noised and updated, a new one never clipped."""
+        for name, p in self.model.named_parameters():
+            if p.requires_grad != (p in self._group_of):
+                change = "stopped requiring grad" if p in self._group_of else "requires grad but was not"
+                raise PrivacyError(
+                    f"parameter {name!r} {change} trainable at make_private: the trainable set is fixed "
+                    "when make_private plans the run (its clip groups and noise); to change it, call "
+                    "make_private again on the model with the parameters frozen or unfrozen as wanted"
+                )
 
     def _pre_forward(self, unit: Unit) -> None:
         if not self._capturing():
