@@ -95,7 +95,7 @@ def test_batch_not_in_dimension_zero_is_an_error():
 
     model = SeqFirst()
     engine_for(model)
-    with pytest.raises(PrivacyError, match="batch in dimension 0"):
+    with pytest.raises(PrivacyError, match="examples are in dimension 1, not 0: use the batch-first"):
         model(torch.randn(5, 4, 3)).sum().backward()
 
 

@@ -19,7 +19,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -44,9 +44,21 @@ SAMPLE_MIXING = {
 NORM_LIMIT = 1e30
 
 
+class BatchSource(Protocol):
+    """Where the engine learns the batch by provenance (the Poisson loader's ``StepSchedule``):
+    ``batch_serial`` numbers the physical batches handed out (0: none yet), ``batch_examples`` is the
+    number of examples in the last one."""
+
+    batch_serial: int
+    batch_examples: int | None
+
+
 class _EnableGrad(torch.autograd.Function):
-    """Identity that makes a layer output part of the graph when nothing before it requires grad
-    (the first layer, whose parameters the engine has taken out of the graph)."""
+    """Identity on a layer output that ties it to the engine's anchor leaf. It makes the output part of
+    the graph when nothing before it requires grad (the first layer, whose parameters the engine has
+    taken out of the graph), and the anchor's node runs only in a backward pass over all leaves
+    (``loss.backward()``), never in ``torch.autograd.grad(loss, inputs)``: such a pass does not reach
+    the parameters and books nothing."""
 
     @staticmethod
     def forward(ctx, anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -89,8 +101,10 @@ class _Use:
     versions: list[tuple[torch.Tensor, int]]
     n_outputs: int
     grads: list[torch.Tensor | None]
+    anchor_node: Any  # the anchor's node in this call's graph (see _EnableGrad)
     received: int = 0
     done: bool = False
+    superseded: bool = False  # a later forward pass replaced this one before any backward
 
 
 class ClippingEngine:
@@ -102,6 +116,12 @@ class ClippingEngine:
         clip: the clip function; each group's clipped per-sample gradient has norm ≤ its threshold.
         loss_reduction: ``"mean"`` if the loss is the mean of the per-example losses over the batch,
             ``"sum"`` if it is their sum. Per-sample gradients are those of each example's own loss.
+
+    ``batch_source`` (set by ``make_private`` to the Poisson loader's schedule) gives the number of
+    examples of each physical batch: every captured layer call must show exactly that many at its
+    example dimension, and each physical batch may be booked by one backward pass only. Without it,
+    the examples are those of the model call (dimension 0 of its tensor inputs) and a logical step
+    books one backward pass.
     """
 
     def __init__(self, model: nn.Module, groups: list[ClipGroup], clip: ClipFunction,
@@ -118,7 +138,8 @@ class ClippingEngine:
         self._handles: list[Any] = []
         self.clipped_sum: dict[nn.Parameter, torch.Tensor] = {}
         self.examples = 0
-        self.backward_passes = 0
+        self.batch_source: BatchSource | None = None
+        self._booked_batches: set[int] = set()
         self.group_norms: dict[str, list[torch.Tensor]] = defaultdict(list)
         self._recomputing = False
         self._suspended = 0
@@ -189,8 +210,10 @@ class ClippingEngine:
                 self.retained_inputs = _capture(args, kwargs)[0]
             # Calls of a forward pass that never had a backward pass released nothing: forget them.
             for use in self._uses:
+                use.superseded = not use.done
                 use.done = True
             self._reset_pass()
+            self._call_examples = _root_examples(args, kwargs) if self._serial() == 0 else None
 
     def _check_trainable_set(self) -> None:
         """The parameters that require grad must be exactly those clipped and noised since
@@ -237,18 +260,17 @@ class ClippingEngine:
             return None
         capture, versions = _capture(args, kwargs)
         use = _Use(unit=unit, capture=capture, params=self._use_params(unit, frame),
-                   versions=versions, n_outputs=len(hooked), grads=[None] * len(hooked))
-        changed = False
+                   versions=versions, n_outputs=len(hooked), grads=[None] * len(hooked),
+                   anchor_node=None)
         for slot, i in enumerate(hooked):
-            if not leaves[i].requires_grad:
-                leaves[i] = _EnableGrad.apply(self._anchor, leaves[i])
-                changed = True
+            leaves[i] = _EnableGrad.apply(self._anchor, leaves[i])
             leaves[i].register_hook(lambda g, use=use, slot=slot: self._on_grad(use, slot, g))
+        use.anchor_node = leaves[hooked[0]].grad_fn.next_functions[0][0]
         for p in use.params.values():
             self._pending[p] += 1
             self._uses_of[p] += 1
         self._uses.append(use)
-        return tree_unflatten(leaves, spec) if changed else None
+        return tree_unflatten(leaves, spec)
 
     def _use_params(self, unit: Unit, frame: dict) -> dict[str, nn.Parameter]:
         if unit.rule is not None:
@@ -268,19 +290,61 @@ class ClippingEngine:
                 "backward, e.g. a gradient penalty): tunefree clips each example's first-order gradient "
                 "and cannot bound the gradient of a gradient; train without the penalty term"
             )
-        if use.done:
+        if not torch._C._will_engine_execute_node(use.anchor_node):
+            return  # torch.autograd.grad w.r.t. inputs (e.g. FGSM): does not reach the parameters
+        if use.superseded:
             raise PrivacyError(
                 "a backward pass reached a forward pass that was superseded: tunefree computes "
                 "per-example gradients of one batch per backward pass; concatenate the inputs into "
                 "one forward pass instead of several"
             )
+        if use.done:
+            raise PrivacyError(self._second_backward_message(f"layer '{use.unit.name}'"))
         if not self._in_backward:
+            self._book_batch()
             self._in_backward = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
         use.grads[slot] = grad
         use.received += 1
         if use.received == use.n_outputs:
             self._process(use)
+
+    def _serial(self) -> int:
+        return 0 if self.batch_source is None else self.batch_source.batch_serial
+
+    def _book_batch(self) -> None:
+        """One backward pass per physical batch (without a loader: per logical step)."""
+        serial = self._serial()
+        if serial in self._booked_batches:
+            what = "this batch" if serial else "this step (no private loader: one batch per step)"
+            raise PrivacyError(self._second_backward_message(what))
+        self._booked_batches.add(serial)
+
+    @staticmethod
+    def _second_backward_message(what: str) -> str:
+        return (f"a second backward pass reached {what}, whose examples were already booked: each "
+                "example may add one clipped gradient per step. Sum the losses into one backward "
+                "(loss = loss_a + loss_b; loss.backward()); for adversarial examples, compute input "
+                "gradients inside engine.no_capture() or with torch.autograd.grad(loss, inputs)")
+
+    def _expected_examples(self) -> int | None:
+        """The examples of the current batch by provenance: the loader's physical batch, else the
+        model call's; ``None`` when neither is known (a layer called outside the model)."""
+        if self._serial() != 0:
+            return self.batch_source.batch_examples
+        return self._call_examples
+
+    def _check_examples(self, use: _Use, dims: tuple[int, ...]) -> int:
+        present = [(g, dims[i]) for i, g in enumerate(use.grads) if g is not None]
+        expected = self._expected_examples() if self._batch is None else self._batch
+        if expected is None:
+            expected = present[0][0].shape[present[0][1]]
+        for grad, dim in present:
+            seen = grad.shape[dim] if grad.dim() > dim else None
+            if seen != expected:
+                raise PrivacyError(_batch_mismatch(use.unit.name, use.capture, grad, dim, expected))
+        self._batch = expected
+        return expected
 
     def _process(self, use: _Use) -> None:
         use.done = True
@@ -289,15 +353,7 @@ class ClippingEngine:
         else:
             dims = use.unit.rule.output_batch_dims(use.unit.module, use.n_outputs) \
                 if use.unit.rule is not None else (0,) * use.n_outputs
-            batch = next(g.shape[dims[i]] for i, g in enumerate(use.grads) if g is not None)
-            if self._batch is None:
-                self._batch = batch
-            elif batch != self._batch:
-                raise PrivacyError(
-                    f"layer '{use.unit.name}' saw a batch of {batch} while other layers saw "
-                    f"{self._batch}: tunefree needs the batch in dimension 0 of every layer's input "
-                    "and output (use batch_first=True)"
-                )
+            batch = self._check_examples(use, dims)
             for tensor, version in use.versions:
                 if tensor._version != version:
                     raise PrivacyError(
@@ -391,7 +447,6 @@ class ClippingEngine:
                     "inputs, or use float32/bfloat16 instead of float16)"
                 )
         self.examples += self._batch or 0
-        self.backward_passes += 1
         self._reset_pass()
 
     def _reset_pass(self) -> None:
@@ -405,6 +460,7 @@ class ClippingEngine:
         self._frames: list[dict] = []
         self._fallback_stack: list[dict] = []
         self._batch: int | None = None
+        self._call_examples: int | None = None
         self._in_backward = False
 
     # ------------------------------------------------------------------ results
@@ -438,6 +494,7 @@ class ClippingEngine:
         norms = {name: torch.cat(values) for name, values in self.group_norms.items()}
         self.clipped_sum, self.examples = {}, 0
         self.group_norms = defaultdict(list)
+        self._booked_batches = set()
         return sums, examples, norms
 
 
@@ -462,6 +519,38 @@ def _capture(args: tuple, kwargs: dict) -> tuple[Capture, list[tuple[torch.Tenso
     versions = [(x, x._version) for x in leaves if isinstance(x, torch.Tensor)]
     args, kwargs = tree_unflatten(leaves, spec)
     return Capture(args=args, kwargs=kwargs), versions
+
+
+def _root_examples(args: tuple, kwargs: dict) -> int | None:
+    """The examples of a model call: dimension 0 of its tensor inputs, which must agree."""
+    sizes = {tuple(t.shape): t.shape[0] for t in tree_flatten((args, kwargs))[0]
+             if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(set(sizes.values())) > 1:
+        raise PrivacyError(
+            f"the model was called with tensor inputs of shapes {sorted(sizes)}, whose dimension 0 "
+            "disagree: without the private loader tunefree takes the examples from dimension 0 of the "
+            "model's inputs; pass every input batch-first with one row per example (expand a tensor "
+            "shared by all examples, e.g. position ids (1, L) → (B, L), or build it inside the model)"
+        )
+    return next(iter(sizes.values()), None)
+
+
+def _batch_mismatch(layer: str, capture: Capture | None, grad: torch.Tensor, dim: int,
+                    expected: int) -> str:
+    inputs = [tuple(t.shape) for t in tree_flatten((capture.args, capture.kwargs))[0]
+              if isinstance(t, torch.Tensor)] if capture is not None else []
+    seen = grad.shape[dim] if grad.dim() > dim else None
+    if seen == 1 and expected != 1:
+        hint = ("a tensor with one row is broadcast over the batch (e.g. position ids of shape (1, L)): "
+                "expand it to one row per example, (B, ...), before the call")
+    elif expected in tuple(grad.shape):
+        hint = (f"the examples are in dimension {tuple(grad.shape).index(expected)}, not {dim}: use the "
+                "batch-first layout (batch_first=True, or permute the tensors to [B, ...])")
+    else:
+        hint = ("feed the model the batches the private loader hands out, with one row per example in "
+                "the example dimension of every tensor a layer works on")
+    return (f"layer '{layer}' (inputs of shapes {inputs}, output of shape {tuple(grad.shape)}) shows "
+            f"{seen} examples in its example dimension {dim}, but the batch holds {expected}: {hint}")
 
 
 def check_model(model: nn.Module) -> None:
