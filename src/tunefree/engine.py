@@ -214,6 +214,8 @@ class ClippingEngine:
                 use.done = True
             self._reset_pass()
             self._call_examples = _root_examples(args, kwargs) if self._serial() == 0 else None
+            self._batch_storages = _storages(tree_flatten((args, kwargs))[0])
+            self._model_storages = _storages([*self.model.parameters(), *self.model.buffers()])
 
     def _check_trainable_set(self) -> None:
         """The parameters that require grad must be exactly those clipped and noised since
@@ -259,6 +261,8 @@ class ClippingEngine:
         if not hooked:
             return None
         capture, versions = _capture(args, kwargs)
+        if unit.rule is None:
+            capture.from_batch = self._from_batch(args, kwargs)
         use = _Use(unit=unit, capture=capture, params=self._use_params(unit, frame),
                    versions=versions, n_outputs=len(hooked), grads=[None] * len(hooked),
                    anchor_node=None)
@@ -271,6 +275,15 @@ class ClippingEngine:
             self._uses_of[p] += 1
         self._uses.append(use)
         return tree_unflatten(leaves, spec)
+
+    def _from_batch(self, args: tuple, kwargs: dict) -> tuple[bool, ...]:
+        """For each input leaf: derived from the batch, i.e. downstream of hooked outputs (requires
+        grad) or sharing storage with the model call's inputs, and never a parameter or buffer."""
+        def derived(x: Any) -> bool:
+            if not isinstance(x, torch.Tensor) or _storage(x) in self._model_storages:
+                return False
+            return x.requires_grad or _storage(x) in self._batch_storages
+        return tuple(derived(x) for x in tree_flatten((args, kwargs))[0])
 
     def _use_params(self, unit: Unit, frame: dict) -> dict[str, nn.Parameter]:
         if unit.rule is not None:
@@ -461,6 +474,8 @@ class ClippingEngine:
         self._fallback_stack: list[dict] = []
         self._batch: int | None = None
         self._call_examples: int | None = None
+        self._batch_storages: set[int] = set()
+        self._model_storages: set[int] = set()
         self._in_backward = False
 
     # ------------------------------------------------------------------ results
@@ -519,6 +534,14 @@ def _capture(args: tuple, kwargs: dict) -> tuple[Capture, list[tuple[torch.Tenso
     versions = [(x, x._version) for x in leaves if isinstance(x, torch.Tensor)]
     args, kwargs = tree_unflatten(leaves, spec)
     return Capture(args=args, kwargs=kwargs), versions
+
+
+def _storage(x: torch.Tensor) -> int:
+    return x.untyped_storage().data_ptr()
+
+
+def _storages(leaves: list[Any]) -> set[int]:
+    return {_storage(x) for x in leaves if isinstance(x, torch.Tensor)}
 
 
 def _root_examples(args: tuple, kwargs: dict) -> int | None:
