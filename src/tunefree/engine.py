@@ -255,6 +255,12 @@ class ClippingEngine:
             p.requires_grad_(flag)
         if unit.rule is None:
             self._fallback_stack.pop()
+        if self._fallback_stack:
+            # Inside a fallback call, a unit that ran answers for its own parameters: any further read
+            # of them there (a tied head, F.linear(h, tok.weight)) must reach autograd, where the
+            # engine refuses it as a use outside their module, instead of being silently dropped.
+            for p in unit.direct.values():
+                p.requires_grad_(True)
         leaves, spec = tree_flatten(output)
         hooked = [i for i, leaf in enumerate(leaves)
                   if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
