@@ -10,7 +10,13 @@ them.
 
 A group is clipped as soon as all of its parameters are done: per-layer and per-parameter groups inside
 the backward pass, the moment their layer's output gradient arrives (then that layer's tensors are freed
-at once); all-layer groups at the end of the backward pass.
+at once); all-layer groups at the end of the backward pass. The clipped sums go into the step's
+``StepAccumulator``.
+
+The batch is known by provenance (the Poisson loader's count of each physical batch, else the model
+call's inputs), never guessed from shapes: every layer call must show exactly that many examples, and
+each batch is booked by one backward pass that reaches the parameters (an input-gradient pass books
+nothing). The trainable set is fixed when the engine is built.
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .accumulator import StepAccumulator
 from .clipping import ClipFunction
-from .dtypes import accumulation_dtype
 from .errors import PrivacyError
 from .grouping import ClipGroup
 from .rules import Capture, LayerRule, Materialized, PerSampleGrad, rule_for
@@ -107,6 +113,35 @@ class _Use:
     superseded: bool = False  # a later forward pass replaced this one before any backward
 
 
+@dataclass(eq=False)
+class _Frame:
+    """A unit call in progress in the forward pass."""
+
+    unit: Unit
+    saved: list[tuple[nn.Parameter, bool]]  # requires_grad flags to restore after the call
+    fired: set[Unit] = field(default_factory=set)  # units called inside it (for fallback units)
+
+
+@dataclass(eq=False)
+class _PassState:
+    """Everything the engine knows about the current forward/backward pass."""
+
+    uses: list[_Use] = field(default_factory=list)
+    pending: dict[nn.Parameter, int] = field(default_factory=lambda: defaultdict(int))
+    uses_of: dict[nn.Parameter, int] = field(default_factory=lambda: defaultdict(int))
+    per_param: dict[nn.Parameter, PerSampleGrad] = field(default_factory=dict)
+    sq_norms: dict[nn.Parameter, torch.Tensor] = field(default_factory=dict)
+    clipped_groups: set[str] = field(default_factory=set)
+    finite_checks: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    frames: list[_Frame] = field(default_factory=list)
+    fallback_stack: list[_Frame] = field(default_factory=list)
+    batch: int | None = None  # examples of this pass, once checked
+    call_examples: int | None = None  # examples of the model call (without a loader)
+    batch_storages: set[int] = field(default_factory=set)  # storages of the model call's inputs
+    model_storages: set[int] = field(default_factory=set)  # storages of parameters and buffers
+    in_backward: bool = False
+
+
 class ClippingEngine:
     """Hooks a model and produces, after each backward pass, the clipped per-sample gradient sums.
 
@@ -131,23 +166,19 @@ class ClippingEngine:
         self.model, self.groups, self.clip = model, groups, clip
         self.loss_reduction = loss_reduction
         self.units = build_units(model)
-        self._param_names = {p: n for n, p in model.named_parameters()}
         self._group_of = {p: g for g in groups for p in g.params}
         self._check_coverage()
         self._anchor = torch.zeros((), requires_grad=True)
         self._handles: list[Any] = []
-        self.clipped_sum: dict[nn.Parameter, torch.Tensor] = {}
-        self.examples = 0
+        self.accumulator = StepAccumulator()
         self.batch_source: BatchSource | None = None
-        self._booked_batches: set[int] = set()
-        self.group_norms: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self._pass = _PassState()
         self._recomputing = False
         self._suspended = 0
         self.retain_inputs = False
         self.retained_inputs: Capture | None = None
         self.thresholds: dict[str, float] = {g.name: g.threshold for g in groups}
         self._leaked: set[str] = set()
-        self._reset_pass()
         self._attach()
 
     # ------------------------------------------------------------------ set-up
@@ -204,18 +235,18 @@ class ClippingEngine:
         self.thresholds = {name: float(value) for name, value in thresholds.items()}
 
     def _new_forward(self, args: tuple, kwargs: dict) -> None:
-        if self._capturing() and not self._in_backward:
+        if self._capturing() and not self._pass.in_backward:
             self._check_trainable_set()
             if self.retain_inputs and self.retained_inputs is None:
                 self.retained_inputs = _capture(args, kwargs)[0]
             # Calls of a forward pass that never had a backward pass released nothing: forget them.
-            for use in self._uses:
+            for use in self._pass.uses:
                 use.superseded = not use.done
                 use.done = True
             self._reset_pass()
-            self._call_examples = _root_examples(args, kwargs) if self._serial() == 0 else None
-            self._batch_storages = _storages(tree_flatten((args, kwargs))[0])
-            self._model_storages = _storages([*self.model.parameters(), *self.model.buffers()])
+            self._pass.call_examples = _root_examples(args, kwargs) if self._serial() == 0 else None
+            self._pass.batch_storages = _storages(tree_flatten((args, kwargs))[0])
+            self._pass.model_storages = _storages([*self.model.parameters(), *self.model.buffers()])
 
     def _check_trainable_set(self) -> None:
         """The parameters that require grad must be exactly those clipped and noised since
@@ -232,30 +263,30 @@ class ClippingEngine:
     def _pre_forward(self, unit: Unit) -> None:
         if not self._capturing():
             return
-        if self._in_backward:
+        if self._pass.in_backward:
             raise PrivacyError(
                 "a forward pass ran inside the backward pass (activation checkpointing?); tunefree "
                 "captures each layer once per step: disable checkpointing for private training"
             )
-        for frame in self._fallback_stack:
-            frame["fired"].add(unit)
+        for frame in self._pass.fallback_stack:
+            frame.fired.add(unit)
         params = unit.subtree_params() if unit.rule is None else dict.fromkeys(unit.direct.values())
         saved = [(p, p.requires_grad) for p in params]
         for p in params:
             p.requires_grad_(False)
-        self._frames.append({"unit": unit, "saved": saved, "fired": set()})
+        self._pass.frames.append(_Frame(unit, saved))
         if unit.rule is None:
-            self._fallback_stack.append(self._frames[-1])
+            self._pass.fallback_stack.append(self._pass.frames[-1])
 
     def _post_forward(self, unit: Unit, args: tuple, kwargs: dict, output: Any) -> Any:
-        if not self._frames or self._frames[-1]["unit"] is not unit:
+        if not self._pass.frames or self._pass.frames[-1].unit is not unit:
             return None  # not capturing this call
-        frame = self._frames.pop()
-        for p, flag in frame["saved"]:
+        frame = self._pass.frames.pop()
+        for p, flag in frame.saved:
             p.requires_grad_(flag)
         if unit.rule is None:
-            self._fallback_stack.pop()
-        if self._fallback_stack:
+            self._pass.fallback_stack.pop()
+        if self._pass.fallback_stack:
             # Inside a fallback call, a unit that ran answers for its own parameters: any further read
             # of them there (a tied head, F.linear(h, tok.weight)) must reach autograd, where the
             # engine refuses it as a use outside their module, instead of being silently dropped.
@@ -277,27 +308,27 @@ class ClippingEngine:
             leaves[i].register_hook(lambda g, use=use, slot=slot: self._on_grad(use, slot, g))
         use.anchor_node = leaves[hooked[0]].grad_fn.next_functions[0][0]
         for p in use.params.values():
-            self._pending[p] += 1
-            self._uses_of[p] += 1
-        self._uses.append(use)
+            self._pass.pending[p] += 1
+            self._pass.uses_of[p] += 1
+        self._pass.uses.append(use)
         return tree_unflatten(leaves, spec)
 
     def _from_batch(self, args: tuple, kwargs: dict) -> tuple[bool, ...]:
         """For each input leaf: derived from the batch, i.e. downstream of hooked outputs (requires
         grad) or sharing storage with the model call's inputs, and never a parameter or buffer."""
         def derived(x: Any) -> bool:
-            if not isinstance(x, torch.Tensor) or _storage(x) in self._model_storages:
+            if not isinstance(x, torch.Tensor) or _storage(x) in self._pass.model_storages:
                 return False
-            return x.requires_grad or _storage(x) in self._batch_storages
+            return x.requires_grad or _storage(x) in self._pass.batch_storages
         return tuple(derived(x) for x in tree_flatten((args, kwargs))[0])
 
-    def _use_params(self, unit: Unit, frame: dict) -> dict[str, nn.Parameter]:
+    def _use_params(self, unit: Unit, frame: _Frame) -> dict[str, nn.Parameter]:
         if unit.rule is not None:
             return dict(unit.direct)
         names = {m: n for n, m in unit.module.named_modules()}
         params = dict(unit.direct)
         for child in unit.descendants:
-            if child not in frame["fired"]:
+            if child not in frame.fired:
                 params.update({f"{names[child.module]}.{n}": p for n, p in child.direct.items()})
         return params
 
@@ -319,9 +350,9 @@ class ClippingEngine:
             )
         if use.done:
             raise PrivacyError(self._second_backward_message(f"layer '{use.unit.name}'"))
-        if not self._in_backward:
+        if not self._pass.in_backward:
             self._book_batch()
-            self._in_backward = True
+            self._pass.in_backward = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
         use.grads[slot] = grad
         use.received += 1
@@ -334,10 +365,9 @@ class ClippingEngine:
     def _book_batch(self) -> None:
         """One backward pass per physical batch (without a loader: per logical step)."""
         serial = self._serial()
-        if serial in self._booked_batches:
+        if not self.accumulator.book_batch(serial):
             what = "this batch" if serial else "this step (no private loader: one batch per step)"
             raise PrivacyError(self._second_backward_message(what))
-        self._booked_batches.add(serial)
 
     @staticmethod
     def _second_backward_message(what: str) -> str:
@@ -351,18 +381,18 @@ class ClippingEngine:
         model call's; ``None`` when neither is known (a layer called outside the model)."""
         if self._serial() != 0:
             return self.batch_source.batch_examples
-        return self._call_examples
+        return self._pass.call_examples
 
     def _check_examples(self, use: _Use, dims: tuple[int, ...]) -> int:
         present = [(g, dims[i]) for i, g in enumerate(use.grads) if g is not None]
-        expected = self._expected_examples() if self._batch is None else self._batch
+        expected = self._expected_examples() if self._pass.batch is None else self._pass.batch
         if expected is None:
             expected = present[0][0].shape[present[0][1]]
         for grad, dim in present:
             seen = grad.shape[dim] if grad.dim() > dim else None
             if seen != expected:
                 raise PrivacyError(_batch_mismatch(use.unit.name, use.capture, grad, dim, expected))
-        self._batch = expected
+        self._pass.batch = expected
         return expected
 
     def _process(self, use: _Use) -> None:
@@ -386,7 +416,7 @@ class ClippingEngine:
                     per_sample = self._per_sample(use)
         with torch.no_grad():
             for p in use.params.values():
-                self._pending[p] -= 1
+                self._pass.pending[p] -= 1
             for name, p in use.params.items():
                 grad = per_sample.get(name)
                 if grad is not None:
@@ -410,52 +440,47 @@ class ClippingEngine:
             self._recomputing = False
 
     def _add_use(self, p: nn.Parameter, grad: PerSampleGrad) -> None:
-        if self._uses_of[p] == 1:
-            self._sq_norms[p] = grad.sq_norms()
+        if self._pass.uses_of[p] == 1:
+            self._pass.sq_norms[p] = grad.sq_norms()
             if not self._group_ready(self._group_of[p]):
                 grad.compact()
-            self._per_param[p] = grad
+            self._pass.per_param[p] = grad
         else:  # used more than once: the per-sample gradient is the sum over uses
-            total = self._per_param.get(p)
+            total = self._pass.per_param.get(p)
             value = grad.materialize()
-            self._per_param[p] = Materialized(value if total is None else total.grads + value)
+            self._pass.per_param[p] = Materialized(value if total is None else total.grads + value)
 
     def _group_ready(self, group: ClipGroup) -> bool:
-        return all(self._pending[p] == 0 for p in group.params)
+        return all(self._pass.pending[p] == 0 for p in group.params)
 
     def _clip_group(self, group: ClipGroup) -> None:
-        if group.name in self._clipped_groups:
+        if group.name in self._pass.clipped_groups:
             return
-        self._clipped_groups.add(group.name)
-        present = [p for p in group.params if p in self._per_param]
+        self._pass.clipped_groups.add(group.name)
+        present = [p for p in group.params if p in self._pass.per_param]
         if not present:
             return
-        scale = float(self._batch) if self.loss_reduction == "mean" else 1.0
-        sq = sum(self._sq_norms[p] if p in self._sq_norms else self._per_param[p].sq_norms()
+        scale = float(self._pass.batch) if self.loss_reduction == "mean" else 1.0
+        sq = sum(self._pass.sq_norms[p] if p in self._pass.sq_norms else self._pass.per_param[p].sq_norms()
                  for p in present)
         norms = sq.sqrt() * scale
-        self._finite_checks.append((group.name, (norms < NORM_LIMIT).all()))
+        self._pass.finite_checks.append((group.name, (norms < NORM_LIMIT).all()))
         weights = self.clip.weights(norms, self.thresholds[group.name]) * scale
         for p in present:
-            contribution = self._per_param.pop(p).weighted_sum(weights)
-            self._sq_norms.pop(p, None)
-            accum = self.clipped_sum.get(p)
-            if accum is None:
-                self.clipped_sum[p] = contribution.to(accumulation_dtype(p.dtype)).reshape(p.shape)
-            else:
-                accum.add_(contribution.reshape(p.shape))
-        self.group_norms[group.name].append(norms.detach())
+            self.accumulator.add(p, self._pass.per_param.pop(p).weighted_sum(weights))
+            self._pass.sq_norms.pop(p, None)
+        self.accumulator.add_norms(group.name, norms)
 
     def _end_of_backward(self) -> None:
         with torch.no_grad():
-            for use in self._uses:
+            for use in self._pass.uses:
                 if not use.done:
                     self._process(use)
             for group in self.groups:
                 self._clip_group(group)
-        if self._finite_checks:
-            finite = torch.stack([ok for _, ok in self._finite_checks]).cpu()
-            bad = [name for (name, _), ok in zip(self._finite_checks, finite.tolist()) if not ok]
+        if self._pass.finite_checks:
+            finite = torch.stack([ok for _, ok in self._pass.finite_checks]).cpu()
+            bad = [name for (name, _), ok in zip(self._pass.finite_checks, finite.tolist()) if not ok]
             if bad:
                 self._reset_pass()
                 self.pop_step()  # the logical step's sums are tainted: nothing of them may be released
@@ -465,29 +490,21 @@ class ClippingEngine:
                     "or the model overflowed for some example (lower the learning rate, check the "
                     "inputs, or use float32/bfloat16 instead of float16)"
                 )
-        self.examples += self._batch or 0
+        self.accumulator.add_examples(self._pass.batch or 0)
         self._reset_pass()
 
     def _reset_pass(self) -> None:
-        self._uses: list[_Use] = []
-        self._pending: dict[nn.Parameter, int] = defaultdict(int)
-        self._uses_of: dict[nn.Parameter, int] = defaultdict(int)
-        self._per_param: dict[nn.Parameter, PerSampleGrad] = {}
-        self._sq_norms: dict[nn.Parameter, torch.Tensor] = {}
-        self._clipped_groups: set[str] = set()
-        self._finite_checks: list[tuple[str, torch.Tensor]] = []
-        self._frames: list[dict] = []
-        self._fallback_stack: list[dict] = []
-        self._batch: int | None = None
-        self._call_examples: int | None = None
-        self._batch_storages: set[int] = set()
-        self._model_storages: set[int] = set()
-        self._in_backward = False
+        self._pass = _PassState()
+
+    @property
+    def captured_calls(self) -> int:
+        """Layer calls of the current forward pass captured and awaiting its backward pass."""
+        return len(self._pass.uses)
 
     # ------------------------------------------------------------------ results
     def _non_private_grad(self, name: str) -> None:
         self._leaked.add(name)
-        if self._uses:
+        if self._pass.uses:
             raise PrivacyError(
                 f"parameter {name!r} received an ordinary (non-private) gradient: it was used "
                 "outside the forward of the module that owns it (e.g. read as `module.weight` in "
@@ -510,13 +527,10 @@ class ClippingEngine:
         self._leaked.clear()
 
     def pop_step(self) -> tuple[dict[nn.Parameter, torch.Tensor], int, dict[str, torch.Tensor]]:
-        """Hand over the clipped sums, example count and per-group norms of the logical step."""
-        sums, examples = self.clipped_sum, self.examples
-        norms = {name: torch.cat(values) for name, values in self.group_norms.items()}
-        self.clipped_sum, self.examples = {}, 0
-        self.group_norms = defaultdict(list)
-        self._booked_batches = set()
-        return sums, examples, norms
+        """Hand over the clipped sums, example count and per-group norms of the logical step
+        (``accumulator.pop()`` as a tuple)."""
+        result = self.accumulator.pop()
+        return result.sums, result.examples, result.group_norms
 
 
 class _no_autocast:
