@@ -253,9 +253,10 @@ class ClippingEngine:
         make_private: a frozen one would still be noised and updated, a new one never clipped."""
         for name, p in self.model.named_parameters():
             if p.requires_grad != (p in self._group_of):
-                change = "stopped requiring grad" if p in self._group_of else "requires grad but was not"
+                change = ("was trainable at make_private but no longer requires grad" if p in self._group_of
+                          else "requires grad but was not trainable at make_private")
                 raise PrivacyError(
-                    f"parameter {name!r} {change} trainable at make_private: the trainable set is fixed "
+                    f"parameter {name!r} {change}: the trainable set is fixed "
                     "when make_private plans the run (its clip groups and noise); to change it, call "
                     "make_private again on the model with the parameters frozen or unfrozen as wanted"
                 )
@@ -557,7 +558,8 @@ def _capture(args: tuple, kwargs: dict) -> tuple[Capture, list[tuple[torch.Tenso
 
 
 def _storage(x: torch.Tensor) -> int:
-    return x.untyped_storage().data_ptr()
+    """The memory a tensor lives in (a tensor without strided storage is its own)."""
+    return x.untyped_storage().data_ptr() if x.layout == torch.strided else id(x)
 
 
 def _storages(leaves: list[Any]) -> set[int]:
