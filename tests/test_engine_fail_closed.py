@@ -95,7 +95,7 @@ def test_batch_not_in_dimension_zero_is_an_error():
 
     model = SeqFirst()
     engine_for(model)
-    with pytest.raises(PrivacyError, match="batch in dimension 0"):
+    with pytest.raises(PrivacyError, match="examples are in dimension 1, not 0: use the batch-first"):
         model(torch.randn(5, 4, 3)).sum().backward()
 
 
@@ -104,13 +104,13 @@ def test_evaluation_passes_store_nothing():
     engine = engine_for(model)
     with torch.no_grad():
         model(torch.randn(4, 6))
-    assert engine._uses == []
+    assert engine.captured_calls == 0
     model.eval()
     model(torch.randn(4, 6))
-    assert engine._uses == []
+    assert engine.captured_calls == 0
     model.train()
     model(torch.randn(4, 6))
-    assert len(engine._uses) == 2
+    assert engine.captured_calls == 2
 
 
 def test_forward_without_backward_is_forgotten_and_stale_backward_refused():
@@ -118,7 +118,7 @@ def test_forward_without_backward_is_forgotten_and_stale_backward_refused():
     engine = engine_for(model)
     first = model(torch.randn(4, 6))
     second = model(torch.randn(4, 6))
-    assert len(engine._uses) == 2  # only the second forward is kept
+    assert engine.captured_calls == 2  # only the second forward is kept
     with pytest.raises(PrivacyError, match="one batch per backward"):
         (first.sum() + second.sum()).backward()
 

@@ -328,6 +328,7 @@ def make_private(
     release = GradientRelease(clip_groups, gradient_sigma, randomness, noise_allocation)
     # Hooks go on last, so that a refused argument leaves the model as it was given.
     clipping_engine = ClippingEngine(model, clip_groups, clip, loss_reduction)
+    clipping_engine.batch_source = schedule  # the Poisson loader tells the engine each batch's examples
     try:
         private_optimizer = DPOptimizer(optimizer, clipping_engine, release, ledger, sample_rate,
                                         expected_batch_size, schedule)

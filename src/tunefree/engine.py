@@ -10,7 +10,13 @@ them.
 
 A group is clipped as soon as all of its parameters are done: per-layer and per-parameter groups inside
 the backward pass, the moment their layer's output gradient arrives (then that layer's tensors are freed
-at once); all-layer groups at the end of the backward pass.
+at once); all-layer groups at the end of the backward pass. The clipped sums go into the step's
+``StepAccumulator``.
+
+The batch is known by provenance (the Poisson loader's count of each physical batch, else the model
+call's inputs), never guessed from shapes: every layer call must show exactly that many examples, and
+each batch is booked by one backward pass that reaches the parameters (an input-gradient pass books
+nothing). The trainable set is fixed when the engine is built.
 """
 
 from __future__ import annotations
@@ -19,15 +25,15 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .accumulator import StepAccumulator
 from .clipping import ClipFunction
-from .dtypes import accumulation_dtype
 from .errors import PrivacyError
 from .grouping import ClipGroup
 from .rules import Capture, LayerRule, Materialized, PerSampleGrad, rule_for
@@ -44,9 +50,21 @@ SAMPLE_MIXING = {
 NORM_LIMIT = 1e30
 
 
+class BatchSource(Protocol):
+    """Where the engine learns the batch by provenance (the Poisson loader's ``StepSchedule``):
+    ``batch_serial`` numbers the physical batches handed out (0: none yet), ``batch_examples`` is the
+    number of examples in the last one."""
+
+    batch_serial: int
+    batch_examples: int | None
+
+
 class _EnableGrad(torch.autograd.Function):
-    """Identity that makes a layer output part of the graph when nothing before it requires grad
-    (the first layer, whose parameters the engine has taken out of the graph)."""
+    """Identity on a layer output that ties it to the engine's anchor leaf. It makes the output part of
+    the graph when nothing before it requires grad (the first layer, whose parameters the engine has
+    taken out of the graph), and the anchor's node runs only in a backward pass over all leaves
+    (``loss.backward()``), never in ``torch.autograd.grad(loss, inputs)``: such a pass does not reach
+    the parameters and books nothing."""
 
     @staticmethod
     def forward(ctx, anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -89,8 +107,39 @@ class _Use:
     versions: list[tuple[torch.Tensor, int]]
     n_outputs: int
     grads: list[torch.Tensor | None]
+    anchor_node: Any  # the anchor's node in this call's graph (see _EnableGrad)
     received: int = 0
     done: bool = False
+    superseded: bool = False  # a later forward pass replaced this one before any backward
+
+
+@dataclass(eq=False)
+class _Frame:
+    """A unit call in progress in the forward pass."""
+
+    unit: Unit
+    saved: list[tuple[nn.Parameter, bool]]  # requires_grad flags to restore after the call
+    fired: set[Unit] = field(default_factory=set)  # units called inside it (for fallback units)
+
+
+@dataclass(eq=False)
+class _PassState:
+    """Everything the engine knows about the current forward/backward pass."""
+
+    uses: list[_Use] = field(default_factory=list)
+    pending: dict[nn.Parameter, int] = field(default_factory=lambda: defaultdict(int))
+    uses_of: dict[nn.Parameter, int] = field(default_factory=lambda: defaultdict(int))
+    per_param: dict[nn.Parameter, PerSampleGrad] = field(default_factory=dict)
+    sq_norms: dict[nn.Parameter, torch.Tensor] = field(default_factory=dict)
+    clipped_groups: set[str] = field(default_factory=set)
+    finite_checks: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    frames: list[_Frame] = field(default_factory=list)
+    fallback_stack: list[_Frame] = field(default_factory=list)
+    batch: int | None = None  # examples of this pass, once checked
+    call_examples: int | None = None  # examples of the model call (without a loader)
+    batch_storages: set[int] = field(default_factory=set)  # storages of the model call's inputs
+    model_storages: set[int] = field(default_factory=set)  # storages of parameters and buffers
+    in_backward: bool = False
 
 
 class ClippingEngine:
@@ -102,6 +151,12 @@ class ClippingEngine:
         clip: the clip function; each group's clipped per-sample gradient has norm ≤ its threshold.
         loss_reduction: ``"mean"`` if the loss is the mean of the per-example losses over the batch,
             ``"sum"`` if it is their sum. Per-sample gradients are those of each example's own loss.
+
+    ``batch_source`` (set by ``make_private`` to the Poisson loader's schedule) gives the number of
+    examples of each physical batch: every captured layer call must show exactly that many at its
+    example dimension, and each physical batch may be booked by one backward pass only. Without it,
+    the examples are those of the model call (dimension 0 of its tensor inputs) and a logical step
+    books one backward pass.
     """
 
     def __init__(self, model: nn.Module, groups: list[ClipGroup], clip: ClipFunction,
@@ -111,22 +166,19 @@ class ClippingEngine:
         self.model, self.groups, self.clip = model, groups, clip
         self.loss_reduction = loss_reduction
         self.units = build_units(model)
-        self._param_names = {p: n for n, p in model.named_parameters()}
         self._group_of = {p: g for g in groups for p in g.params}
         self._check_coverage()
         self._anchor = torch.zeros((), requires_grad=True)
         self._handles: list[Any] = []
-        self.clipped_sum: dict[nn.Parameter, torch.Tensor] = {}
-        self.examples = 0
-        self.backward_passes = 0
-        self.group_norms: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self.accumulator = StepAccumulator()
+        self.batch_source: BatchSource | None = None
+        self._pass = _PassState()
         self._recomputing = False
         self._suspended = 0
         self.retain_inputs = False
         self.retained_inputs: Capture | None = None
         self.thresholds: dict[str, float] = {g.name: g.threshold for g in groups}
         self._leaked: set[str] = set()
-        self._reset_pass()
         self._attach()
 
     # ------------------------------------------------------------------ set-up
@@ -183,67 +235,101 @@ class ClippingEngine:
         self.thresholds = {name: float(value) for name, value in thresholds.items()}
 
     def _new_forward(self, args: tuple, kwargs: dict) -> None:
-        if self._capturing() and not self._in_backward:
+        if self._capturing() and not self._pass.in_backward:
+            self._check_trainable_set()
             if self.retain_inputs and self.retained_inputs is None:
                 self.retained_inputs = _capture(args, kwargs)[0]
             # Calls of a forward pass that never had a backward pass released nothing: forget them.
-            for use in self._uses:
+            for use in self._pass.uses:
+                use.superseded = not use.done
                 use.done = True
             self._reset_pass()
+            self._pass.call_examples = _root_examples(args, kwargs) if self._serial() == 0 else None
+            self._pass.batch_storages = _storages(tree_flatten((args, kwargs))[0])
+            self._pass.model_storages = _storages([*self.model.parameters(), *self.model.buffers()])
+
+    def _check_trainable_set(self) -> None:
+        """The parameters that require grad must be exactly those clipped and noised since
+        make_private: a frozen one would still be noised and updated, a new one never clipped."""
+        for name, p in self.model.named_parameters():
+            if p.requires_grad != (p in self._group_of):
+                change = ("was trainable at make_private but no longer requires grad" if p in self._group_of
+                          else "requires grad but was not trainable at make_private")
+                raise PrivacyError(
+                    f"parameter {name!r} {change}: the trainable set is fixed "
+                    "when make_private plans the run (its clip groups and noise); to change it, call "
+                    "make_private again on the model with the parameters frozen or unfrozen as wanted"
+                )
 
     def _pre_forward(self, unit: Unit) -> None:
         if not self._capturing():
             return
-        if self._in_backward:
+        if self._pass.in_backward:
             raise PrivacyError(
                 "a forward pass ran inside the backward pass (activation checkpointing?); tunefree "
                 "captures each layer once per step: disable checkpointing for private training"
             )
-        for frame in self._fallback_stack:
-            frame["fired"].add(unit)
+        for frame in self._pass.fallback_stack:
+            frame.fired.add(unit)
         params = unit.subtree_params() if unit.rule is None else dict.fromkeys(unit.direct.values())
         saved = [(p, p.requires_grad) for p in params]
         for p in params:
             p.requires_grad_(False)
-        self._frames.append({"unit": unit, "saved": saved, "fired": set()})
+        self._pass.frames.append(_Frame(unit, saved))
         if unit.rule is None:
-            self._fallback_stack.append(self._frames[-1])
+            self._pass.fallback_stack.append(self._pass.frames[-1])
 
     def _post_forward(self, unit: Unit, args: tuple, kwargs: dict, output: Any) -> Any:
-        if not self._frames or self._frames[-1]["unit"] is not unit:
+        if not self._pass.frames or self._pass.frames[-1].unit is not unit:
             return None  # not capturing this call
-        frame = self._frames.pop()
-        for p, flag in frame["saved"]:
+        frame = self._pass.frames.pop()
+        for p, flag in frame.saved:
             p.requires_grad_(flag)
         if unit.rule is None:
-            self._fallback_stack.pop()
+            self._pass.fallback_stack.pop()
+        if self._pass.fallback_stack:
+            # Inside a fallback call, a unit that ran answers for its own parameters: any further read
+            # of them there (a tied head, F.linear(h, tok.weight)) must reach autograd, where the
+            # engine refuses it as a use outside their module, instead of being silently dropped.
+            for p in unit.direct.values():
+                p.requires_grad_(True)
         leaves, spec = tree_flatten(output)
         hooked = [i for i, leaf in enumerate(leaves)
                   if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
         if not hooked:
             return None
         capture, versions = _capture(args, kwargs)
+        if unit.rule is None:
+            capture.from_batch = self._from_batch(args, kwargs)
         use = _Use(unit=unit, capture=capture, params=self._use_params(unit, frame),
-                   versions=versions, n_outputs=len(hooked), grads=[None] * len(hooked))
-        changed = False
+                   versions=versions, n_outputs=len(hooked), grads=[None] * len(hooked),
+                   anchor_node=None)
         for slot, i in enumerate(hooked):
-            if not leaves[i].requires_grad:
-                leaves[i] = _EnableGrad.apply(self._anchor, leaves[i])
-                changed = True
+            leaves[i] = _EnableGrad.apply(self._anchor, leaves[i])
             leaves[i].register_hook(lambda g, use=use, slot=slot: self._on_grad(use, slot, g))
+        use.anchor_node = leaves[hooked[0]].grad_fn.next_functions[0][0]
         for p in use.params.values():
-            self._pending[p] += 1
-            self._uses_of[p] += 1
-        self._uses.append(use)
-        return tree_unflatten(leaves, spec) if changed else None
+            self._pass.pending[p] += 1
+            self._pass.uses_of[p] += 1
+        self._pass.uses.append(use)
+        return tree_unflatten(leaves, spec)
 
-    def _use_params(self, unit: Unit, frame: dict) -> dict[str, nn.Parameter]:
+    def _from_batch(self, args: tuple, kwargs: dict) -> tuple[bool, ...]:
+        """For each input leaf: derived from the batch, i.e. downstream of hooked outputs (requires
+        grad) or sharing storage with the model call's inputs, and never a parameter or buffer."""
+        def derived(x: Any) -> bool:
+            if not isinstance(x, torch.Tensor) or _storage(x) in self._pass.model_storages:
+                return False
+            return x.requires_grad or _storage(x) in self._pass.batch_storages
+        return tuple(derived(x) for x in tree_flatten((args, kwargs))[0])
+
+    def _use_params(self, unit: Unit, frame: _Frame) -> dict[str, nn.Parameter]:
         if unit.rule is not None:
             return dict(unit.direct)
         names = {m: n for n, m in unit.module.named_modules()}
         params = dict(unit.direct)
         for child in unit.descendants:
-            if child not in frame["fired"]:
+            if child not in frame.fired:
                 params.update({f"{names[child.module]}.{n}": p for n, p in child.direct.items()})
         return params
 
@@ -255,19 +341,60 @@ class ClippingEngine:
                 "backward, e.g. a gradient penalty): tunefree clips each example's first-order gradient "
                 "and cannot bound the gradient of a gradient; train without the penalty term"
             )
-        if use.done:
+        if not torch._C._will_engine_execute_node(use.anchor_node):
+            return  # torch.autograd.grad w.r.t. inputs (e.g. FGSM): does not reach the parameters
+        if use.superseded:
             raise PrivacyError(
                 "a backward pass reached a forward pass that was superseded: tunefree computes "
                 "per-example gradients of one batch per backward pass; concatenate the inputs into "
                 "one forward pass instead of several"
             )
-        if not self._in_backward:
-            self._in_backward = True
+        if use.done:
+            raise PrivacyError(self._second_backward_message(f"layer '{use.unit.name}'"))
+        if not self._pass.in_backward:
+            self._book_batch()
+            self._pass.in_backward = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
         use.grads[slot] = grad
         use.received += 1
         if use.received == use.n_outputs:
             self._process(use)
+
+    def _serial(self) -> int:
+        return 0 if self.batch_source is None else self.batch_source.batch_serial
+
+    def _book_batch(self) -> None:
+        """One backward pass per physical batch (without a loader: per logical step)."""
+        serial = self._serial()
+        if not self.accumulator.book_batch(serial):
+            what = "this batch" if serial else "this step (no private loader: one batch per step)"
+            raise PrivacyError(self._second_backward_message(what))
+
+    @staticmethod
+    def _second_backward_message(what: str) -> str:
+        return (f"a second backward pass reached {what}, whose examples were already booked: each "
+                "example may add one clipped gradient per step. Sum the losses into one backward "
+                "(loss = loss_a + loss_b; loss.backward()); for adversarial examples, compute input "
+                "gradients inside engine.no_capture() or with torch.autograd.grad(loss, inputs)")
+
+    def _expected_examples(self) -> int | None:
+        """The examples of the current batch by provenance: the loader's physical batch, else the
+        model call's; ``None`` when neither is known (a layer called outside the model)."""
+        if self._serial() != 0:
+            return self.batch_source.batch_examples
+        return self._pass.call_examples
+
+    def _check_examples(self, use: _Use, dims: tuple[int, ...]) -> int:
+        present = [(g, dims[i]) for i, g in enumerate(use.grads) if g is not None]
+        expected = self._expected_examples() if self._pass.batch is None else self._pass.batch
+        if expected is None:
+            expected = present[0][0].shape[present[0][1]]
+        for grad, dim in present:
+            seen = grad.shape[dim] if grad.dim() > dim else None
+            if seen != expected:
+                raise PrivacyError(_batch_mismatch(use.unit.name, use.capture, grad, dim, expected))
+        self._pass.batch = expected
+        return expected
 
     def _process(self, use: _Use) -> None:
         use.done = True
@@ -276,15 +403,7 @@ class ClippingEngine:
         else:
             dims = use.unit.rule.output_batch_dims(use.unit.module, use.n_outputs) \
                 if use.unit.rule is not None else (0,) * use.n_outputs
-            batch = next(g.shape[dims[i]] for i, g in enumerate(use.grads) if g is not None)
-            if self._batch is None:
-                self._batch = batch
-            elif batch != self._batch:
-                raise PrivacyError(
-                    f"layer '{use.unit.name}' saw a batch of {batch} while other layers saw "
-                    f"{self._batch}: tunefree needs the batch in dimension 0 of every layer's input "
-                    "and output (use batch_first=True)"
-                )
+            batch = self._check_examples(use, dims)
             for tensor, version in use.versions:
                 if tensor._version != version:
                     raise PrivacyError(
@@ -298,7 +417,7 @@ class ClippingEngine:
                     per_sample = self._per_sample(use)
         with torch.no_grad():
             for p in use.params.values():
-                self._pending[p] -= 1
+                self._pass.pending[p] -= 1
             for name, p in use.params.items():
                 grad = per_sample.get(name)
                 if grad is not None:
@@ -322,52 +441,47 @@ class ClippingEngine:
             self._recomputing = False
 
     def _add_use(self, p: nn.Parameter, grad: PerSampleGrad) -> None:
-        if self._uses_of[p] == 1:
-            self._sq_norms[p] = grad.sq_norms()
+        if self._pass.uses_of[p] == 1:
+            self._pass.sq_norms[p] = grad.sq_norms()
             if not self._group_ready(self._group_of[p]):
                 grad.compact()
-            self._per_param[p] = grad
+            self._pass.per_param[p] = grad
         else:  # used more than once: the per-sample gradient is the sum over uses
-            total = self._per_param.get(p)
+            total = self._pass.per_param.get(p)
             value = grad.materialize()
-            self._per_param[p] = Materialized(value if total is None else total.grads + value)
+            self._pass.per_param[p] = Materialized(value if total is None else total.grads + value)
 
     def _group_ready(self, group: ClipGroup) -> bool:
-        return all(self._pending[p] == 0 for p in group.params)
+        return all(self._pass.pending[p] == 0 for p in group.params)
 
     def _clip_group(self, group: ClipGroup) -> None:
-        if group.name in self._clipped_groups:
+        if group.name in self._pass.clipped_groups:
             return
-        self._clipped_groups.add(group.name)
-        present = [p for p in group.params if p in self._per_param]
+        self._pass.clipped_groups.add(group.name)
+        present = [p for p in group.params if p in self._pass.per_param]
         if not present:
             return
-        scale = float(self._batch) if self.loss_reduction == "mean" else 1.0
-        sq = sum(self._sq_norms[p] if p in self._sq_norms else self._per_param[p].sq_norms()
+        scale = float(self._pass.batch) if self.loss_reduction == "mean" else 1.0
+        sq = sum(self._pass.sq_norms[p] if p in self._pass.sq_norms else self._pass.per_param[p].sq_norms()
                  for p in present)
         norms = sq.sqrt() * scale
-        self._finite_checks.append((group.name, (norms < NORM_LIMIT).all()))
+        self._pass.finite_checks.append((group.name, (norms < NORM_LIMIT).all()))
         weights = self.clip.weights(norms, self.thresholds[group.name]) * scale
         for p in present:
-            contribution = self._per_param.pop(p).weighted_sum(weights)
-            self._sq_norms.pop(p, None)
-            accum = self.clipped_sum.get(p)
-            if accum is None:
-                self.clipped_sum[p] = contribution.to(accumulation_dtype(p.dtype)).reshape(p.shape)
-            else:
-                accum.add_(contribution.reshape(p.shape))
-        self.group_norms[group.name].append(norms.detach())
+            self.accumulator.add(p, self._pass.per_param.pop(p).weighted_sum(weights))
+            self._pass.sq_norms.pop(p, None)
+        self.accumulator.add_norms(group.name, norms)
 
     def _end_of_backward(self) -> None:
         with torch.no_grad():
-            for use in self._uses:
+            for use in self._pass.uses:
                 if not use.done:
                     self._process(use)
             for group in self.groups:
                 self._clip_group(group)
-        if self._finite_checks:
-            finite = torch.stack([ok for _, ok in self._finite_checks]).cpu()
-            bad = [name for (name, _), ok in zip(self._finite_checks, finite.tolist()) if not ok]
+        if self._pass.finite_checks:
+            finite = torch.stack([ok for _, ok in self._pass.finite_checks]).cpu()
+            bad = [name for (name, _), ok in zip(self._pass.finite_checks, finite.tolist()) if not ok]
             if bad:
                 self._reset_pass()
                 self.pop_step()  # the logical step's sums are tainted: nothing of them may be released
@@ -377,27 +491,21 @@ class ClippingEngine:
                     "or the model overflowed for some example (lower the learning rate, check the "
                     "inputs, or use float32/bfloat16 instead of float16)"
                 )
-        self.examples += self._batch or 0
-        self.backward_passes += 1
+        self.accumulator.add_examples(self._pass.batch or 0)
         self._reset_pass()
 
     def _reset_pass(self) -> None:
-        self._uses: list[_Use] = []
-        self._pending: dict[nn.Parameter, int] = defaultdict(int)
-        self._uses_of: dict[nn.Parameter, int] = defaultdict(int)
-        self._per_param: dict[nn.Parameter, PerSampleGrad] = {}
-        self._sq_norms: dict[nn.Parameter, torch.Tensor] = {}
-        self._clipped_groups: set[str] = set()
-        self._finite_checks: list[tuple[str, torch.Tensor]] = []
-        self._frames: list[dict] = []
-        self._fallback_stack: list[dict] = []
-        self._batch: int | None = None
-        self._in_backward = False
+        self._pass = _PassState()
+
+    @property
+    def captured_calls(self) -> int:
+        """Layer calls of the current forward pass captured and awaiting its backward pass."""
+        return len(self._pass.uses)
 
     # ------------------------------------------------------------------ results
     def _non_private_grad(self, name: str) -> None:
         self._leaked.add(name)
-        if self._uses:
+        if self._pass.uses:
             raise PrivacyError(
                 f"parameter {name!r} received an ordinary (non-private) gradient: it was used "
                 "outside the forward of the module that owns it (e.g. read as `module.weight` in "
@@ -420,12 +528,10 @@ class ClippingEngine:
         self._leaked.clear()
 
     def pop_step(self) -> tuple[dict[nn.Parameter, torch.Tensor], int, dict[str, torch.Tensor]]:
-        """Hand over the clipped sums, example count and per-group norms of the logical step."""
-        sums, examples = self.clipped_sum, self.examples
-        norms = {name: torch.cat(values) for name, values in self.group_norms.items()}
-        self.clipped_sum, self.examples = {}, 0
-        self.group_norms = defaultdict(list)
-        return sums, examples, norms
+        """Hand over the clipped sums, example count and per-group norms of the logical step
+        (``accumulator.pop()`` as a tuple)."""
+        result = self.accumulator.pop()
+        return result.sums, result.examples, result.group_norms
 
 
 class _no_autocast:
@@ -449,6 +555,47 @@ def _capture(args: tuple, kwargs: dict) -> tuple[Capture, list[tuple[torch.Tenso
     versions = [(x, x._version) for x in leaves if isinstance(x, torch.Tensor)]
     args, kwargs = tree_unflatten(leaves, spec)
     return Capture(args=args, kwargs=kwargs), versions
+
+
+def _storage(x: torch.Tensor) -> int:
+    """The memory a tensor lives in (a tensor without strided storage is its own)."""
+    return x.untyped_storage().data_ptr() if x.layout == torch.strided else id(x)
+
+
+def _storages(leaves: list[Any]) -> set[int]:
+    return {_storage(x) for x in leaves if isinstance(x, torch.Tensor)}
+
+
+def _root_examples(args: tuple, kwargs: dict) -> int | None:
+    """The examples of a model call: dimension 0 of its tensor inputs, which must agree."""
+    sizes = {tuple(t.shape): t.shape[0] for t in tree_flatten((args, kwargs))[0]
+             if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(set(sizes.values())) > 1:
+        raise PrivacyError(
+            f"the model was called with tensor inputs of shapes {sorted(sizes)}, whose dimension 0 "
+            "disagree: without the private loader tunefree takes the examples from dimension 0 of the "
+            "model's inputs; pass every input batch-first with one row per example (expand a tensor "
+            "shared by all examples, e.g. position ids (1, L) → (B, L), or build it inside the model)"
+        )
+    return next(iter(sizes.values()), None)
+
+
+def _batch_mismatch(layer: str, capture: Capture | None, grad: torch.Tensor, dim: int,
+                    expected: int) -> str:
+    inputs = [tuple(t.shape) for t in tree_flatten((capture.args, capture.kwargs))[0]
+              if isinstance(t, torch.Tensor)] if capture is not None else []
+    seen = grad.shape[dim] if grad.dim() > dim else None
+    if seen == 1 and expected != 1:
+        hint = ("a tensor with one row is broadcast over the batch (e.g. position ids of shape (1, L)): "
+                "expand it to one row per example, (B, ...), before the call")
+    elif expected in tuple(grad.shape):
+        hint = (f"the examples are in dimension {tuple(grad.shape).index(expected)}, not {dim}: use the "
+                "batch-first layout (batch_first=True, or permute the tensors to [B, ...])")
+    else:
+        hint = ("feed the model the batches the private loader hands out, with one row per example in "
+                "the example dimension of every tensor a layer works on")
+    return (f"layer '{layer}' (inputs of shapes {inputs}, output of shape {tuple(grad.shape)}) shows "
+            f"{seen} examples in its example dimension {dim}, but the batch holds {expected}: {hint}")
 
 
 def check_model(model: nn.Module) -> None:

@@ -30,15 +30,19 @@ class StepSchedule:
     """Shared by the loader and the optimizer: where the training loop stands in logical steps.
 
     ``consumed`` counts logical batches handed to the loop; ``ends_logical`` says whether the last
-    physical batch handed out closed its logical batch (the optimizer steps only then).
+    physical batch handed out closed its logical batch (the optimizer steps only then). It is also the
+    engine's provenance of the batch: ``batch_serial`` numbers the physical batches handed out (0: none
+    yet) and ``batch_examples`` is the number of examples in the last one.
     """
 
     def __init__(self) -> None:
         self.consumed = 0
         self.ends_logical = True
         self._open = False
+        self.batch_serial = 0
+        self.batch_examples: int | None = None
 
-    def on_batch(self, first: bool, last: bool) -> None:
+    def on_batch(self, first: bool, last: bool, examples: int) -> None:
         if first:
             if self._open:
                 raise RuntimeError(
@@ -49,6 +53,8 @@ class StepSchedule:
             self.consumed += 1
             self._open = True
         self.ends_logical = last
+        self.batch_serial += 1
+        self.batch_examples = examples
 
     def on_step(self) -> bool:
         """Called by the optimizer; True when this call ends a logical batch (a real step)."""
@@ -83,7 +89,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self.num_examples, self.sample_rate = num_examples, sample_rate
         self.steps_per_epoch, self.randomness, self.schedule = steps_per_epoch, randomness, schedule
         self.max_physical_batch_size = max_physical_batch_size
-        self.boundaries: deque[tuple[bool, bool]] = deque()
+        self.boundaries: deque[tuple[bool, bool, int]] = deque()  # first, last, examples
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -98,7 +104,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
             chunk = self.max_physical_batch_size or max(len(indices), 1)
             chunks = [indices[i:i + chunk] for i in range(0, len(indices), chunk)] or [[]]
             for k, piece in enumerate(chunks):
-                self.boundaries.append((k == 0, k == len(chunks) - 1))
+                self.boundaries.append((k == 0, k == len(chunks) - 1, len(piece)))
                 yield piece
 
 
@@ -127,8 +133,8 @@ class PoissonDataLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         boundaries = self.batch_sampler.boundaries
         for batch in super().__iter__():
-            first, last = boundaries.popleft()
-            self.schedule.on_batch(first, last)
+            first, last, examples = boundaries.popleft()
+            self.schedule.on_batch(first, last, examples)
             yield batch
 
 

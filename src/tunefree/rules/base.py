@@ -58,10 +58,13 @@ class Materialized(PerSampleGrad):
 @dataclass
 class Capture:
     """What a module call left behind in the forward pass for its rule: positional and keyword
-    inputs as the module received them."""
+    inputs as the module received them. ``from_batch`` flags, for each leaf of
+    ``tree_flatten((args, kwargs))``, whether it is derived from the batch (downstream of the batch's
+    examples, never a parameter, buffer or constant); the engine fills it for fallback calls."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    from_batch: tuple[bool, ...] | None = None
 
 
 class LayerRule(ABC):

@@ -1,0 +1,65 @@
+"""``StepAccumulator``: what one logical step has booked so far.
+
+The engine writes into it after each backward pass (the clipped sums ``Σᵢ wᵢ gᵢ``, the number of examples
+and each clip group's per-sample norms); the optimizer pops it once per logical step and releases the sums
+through the gradient mechanism. It also enforces that each physical batch is booked by one backward pass
+only, so that no example adds more than one clipped gradient per step.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .dtypes import accumulation_dtype
+
+
+@dataclass
+class StepResult:
+    """A logical step's bookings: clipped sums per parameter, examples booked (a private number) and
+    each clip group's per-sample norms."""
+
+    sums: dict[nn.Parameter, torch.Tensor]
+    examples: int
+    group_norms: dict[str, torch.Tensor]
+
+
+class StepAccumulator:
+    """The clipped sums, booked example count and per-group norms of the current logical step."""
+
+    def __init__(self) -> None:
+        self._sums: dict[nn.Parameter, torch.Tensor] = {}
+        self._examples = 0
+        self._norms: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self._booked: set[int] = set()
+
+    def book_batch(self, serial: int) -> bool:
+        """Claim physical batch ``serial`` for a backward pass; False if it was already booked."""
+        if serial in self._booked:
+            return False
+        self._booked.add(serial)
+        return True
+
+    def add(self, p: nn.Parameter, contribution: torch.Tensor) -> None:
+        """Add a clipped, weighted per-sample gradient sum for ``p``."""
+        total = self._sums.get(p)
+        if total is None:
+            self._sums[p] = contribution.to(accumulation_dtype(p.dtype)).reshape(p.shape)
+        else:
+            total.add_(contribution.reshape(p.shape))
+
+    def add_norms(self, group: str, norms: torch.Tensor) -> None:
+        self._norms[group].append(norms.detach())
+
+    def add_examples(self, count: int) -> None:
+        self._examples += count
+
+    def pop(self) -> StepResult:
+        """Hand over the step's bookings and start a new step."""
+        result = StepResult(self._sums, self._examples,
+                            {name: torch.cat(values) for name, values in self._norms.items()})
+        self._sums, self._examples, self._norms, self._booked = {}, 0, defaultdict(list), set()
+        return result

@@ -1,0 +1,68 @@
+"""A parameter tied across modules and read inside a fallback unit: refused, or exact through modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from brute_force import clipped_sum, per_example_grads
+from torch import nn
+
+from tunefree.clipping import ClipFunction
+from tunefree.engine import ClippingEngine
+from tunefree.errors import PrivacyError
+from tunefree.grouping import make_groups
+
+
+class TiedByRead(nn.Module):
+    """A fallback unit (bare parameter) whose GPT-style head reads the embedding's weight directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(9, 4)
+        self.gain = nn.Parameter(torch.ones(4))
+
+    def forward(self, ids):
+        return F.linear(self.tok(ids).mean(1) * self.gain, self.tok.weight)
+
+
+class TiedByModule(TiedByRead):
+    """The fix the refusal suggests: the head is an nn.Linear sharing the embedding's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 9, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, ids):
+        return self.head(self.tok(ids).mean(1) * self.gain)
+
+
+def engine_for(model, clip):
+    groups = make_groups(model, "all-layer", 0.3)
+    return ClippingEngine(model, groups, clip), groups
+
+
+def test_a_tied_head_read_inside_a_fallback_unit_is_refused_with_the_fix():
+    model = TiedByRead()
+    engine_for(model, ClipFunction("abadi"))
+    ids = torch.randint(0, 9, (3, 5))
+    with pytest.raises(PrivacyError, match="'tok.weight'.*outside the forward.*nn.Linear sharing the weight"):
+        F.cross_entropy(model(ids), torch.tensor([1, 2, 3])).backward()
+
+
+def test_the_suggested_tied_module_inside_a_fallback_unit_matches_brute_force():
+    torch.manual_seed(0)
+    model = TiedByModule().double()
+    with torch.no_grad():
+        model.gain.copy_(torch.randn(4))
+    ids, y = torch.randint(0, 9, (4, 5)), torch.tensor([1, 2, 3, 0])
+    clip = ClipFunction("abadi")
+    engine, groups = engine_for(model, clip)
+    F.cross_entropy(model(ids), y).backward()
+    sums, examples, _ = engine.pop_step()
+    engine.detach()
+    expected, _ = clipped_sum(per_example_grads(model, F.cross_entropy, ids, y), groups, clip)
+    assert examples == 4
+    for p in (model.tok.weight, model.gain):
+        torch.testing.assert_close(sums[p], expected[p], rtol=1e-7, atol=1e-10)
