@@ -20,8 +20,8 @@ from tunefree.clipping import CLIP_FUNCTIONS, ClipFunction
 from tunefree.grouping import ClipGroup
 from tunefree.optim import StepReport
 from tunefree.privacy.mechanisms import GradientRelease
-from tunefree.privacy.randomness import Randomness
 from tunefree.privacy.plan import CountShare, Plan
+from tunefree.privacy.randomness import Randomness
 from tunefree.thresholds import QuantileEstimator, QuantileSettings
 
 
