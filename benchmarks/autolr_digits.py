@@ -14,6 +14,7 @@ import argparse
 import math
 import statistics
 import time
+from dataclasses import replace
 
 import dp_accounting as dpa
 import torch
@@ -21,11 +22,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import tunefree
-from tunefree.autolr import planned_auto_lr_event
 from tunefree.cli import datasets, models
 from tunefree.cli.training import TrainConfig, default_delta, train
 from tunefree.privacy.accounting import epsilon_of
 from tunefree.privacy.calibration import calibrate
+from tunefree.privacy.plan import LossShare, Plan
 
 GRID = (0.001, 0.003, 0.01, 0.02, 0.03, 0.1)
 INTERVALS = (1, 5, 10)
@@ -118,13 +119,13 @@ def main() -> None:
     sigma_g = 1.01 * sigma
     for k in INTERVALS:
         joint = runs[f"auto K={k}"][0]
-        sigma_l_joint = calibrate(lambda s, k=k: planned_auto_lr_event(sigma_g, s, q, steps, k),
+        plan = Plan(q, steps, n, delta, noise_multiplier=sigma, losses=LossShare(k))
+        sigma_l_joint = calibrate(lambda s, plan=plan: replace(plan, loss_noise=s).event(),
                                   args.epsilon, delta)
         sigma_l_separate = calibrate(lambda s, k=k: separate_accounting(sigma_g, s, q, steps, k),
                                      args.epsilon, delta)
         under = epsilon_of(separate_accounting(sigma_g, sigma_l_joint, q, steps, k), delta)
-        assert abs(joint["epsilon"] - epsilon_of(planned_auto_lr_event(
-            sigma_g, sigma_l_joint, q, steps, k), delta)) < 0.05
+        assert abs(joint["epsilon"] - replace(plan, loss_noise=sigma_l_joint).epsilon()) < 0.05
         print(f"| {k} | {sigma:.3f} | {sigma_g:.3f} | {sigma_l_joint:.2f} | {sigma_l_separate:.2f} "
               f"| {under:.3f} |")
 

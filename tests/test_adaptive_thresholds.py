@@ -20,8 +20,9 @@ from tunefree.clipping import CLIP_FUNCTIONS, ClipFunction
 from tunefree.grouping import ClipGroup
 from tunefree.optim import StepReport
 from tunefree.privacy.mechanisms import GradientRelease
+from tunefree.privacy.plan import CountShare, Plan
 from tunefree.privacy.randomness import Randomness
-from tunefree.thresholds import QuantileEstimator, QuantileSettings, split_noise
+from tunefree.thresholds import QuantileEstimator, QuantileSettings
 
 
 @pytest.fixture(autouse=True)
@@ -63,7 +64,8 @@ def run_steps(engine, steps: int, loss_fn=F.cross_entropy, before_step=None) -> 
 # ---------------------------------------------------------------- Proposition 3.1 and the ledger
 @pytest.mark.parametrize("sigma,budget,groups", [(0.8, 0.01, 1), (1.3, 0.1, 7), (4.0, 0.5, 120)])
 def test_proposition_3_1_identity(sigma, budget, groups):
-    gradient, count_std = split_noise(sigma, budget, groups)
+    plan = Plan(0.1, 10, 100, 1e-5, noise_multiplier=sigma, counts=CountShare(budget, groups))
+    gradient, count_std = plan.gradient_noise, plan.count_std
     # equation (3.1), and Remark 3.1: the counts cost the fraction r = Kσ²/(4σ_b²)
     assert gradient == pytest.approx((sigma ** -2 - groups / (2 * count_std) ** 2) ** -0.5,
                                      rel=1e-12)
@@ -336,7 +338,7 @@ def test_resumed_run_continues_identically():
     resumed.optimizer.load_state_dict(saved["optimizer"])
     resumed.load_state_dict(saved["engine"])
     assert resumed.clip_thresholds == at_save
-    estimates = saved["engine"]["components"][0]["quantiles"]
+    estimates = saved["engine"]["components"]["QuantileEstimator"]["quantiles"]
     assert resumed.quantile_estimator.quantiles == estimates
     run_steps(resumed, 7)
     assert resumed.clip_thresholds == first.clip_thresholds

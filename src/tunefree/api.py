@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -12,23 +11,18 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .autolr import AutoLearningRate, split_for_auto_lr
+from .autolr import AutoLearningRate
 from .clipping import ClipFunction
 from .data.poisson import StepSchedule, from_loader, planned_steps, sample_rate_of
 from .engine import ClippingEngine
 from .grouping import ClipGroup, GroupSpec, make_groups, sensitivity
 from .optim import DPOptimizer, StepReport
 from .options import AutoLR, Clipping, Thresholds, resolve_options
-from .privacy.calibration import calibrate
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
+from .privacy.plan import CountShare, LossShare, Plan, data_digest
 from .privacy.randomness import Randomness, run_randomness
-from .thresholds import (
-    QuantileEstimator,
-    QuantileSettings,
-    planned_run,
-    split_noise,
-)
+from .thresholds import QuantileEstimator, QuantileSettings
 
 
 @dataclass(frozen=True)
@@ -62,14 +56,31 @@ class DPEngine:
 
     def __init__(self, *, model: nn.Module, optimizer: DPOptimizer, data_loader: Any,
                  clipping_engine: ClippingEngine, ledger: Ledger, randomness: Randomness,
-                 schedule: StepSchedule, groups: list[ClipGroup], noise_multiplier: float,
-                 sample_rate: float, planned_steps: int | None, target_delta: float,
-                 accountant: str):
+                 schedule: StepSchedule, groups: list[ClipGroup], plan: Plan):
         self.model, self.optimizer, self.data_loader = model, optimizer, data_loader
         self.clipping_engine, self.ledger, self.randomness = clipping_engine, ledger, randomness
-        self.schedule, self.groups = schedule, groups
-        self.noise_multiplier, self.sample_rate = noise_multiplier, sample_rate
-        self.planned_steps, self.target_delta, self.accountant = planned_steps, target_delta, accountant
+        self.schedule, self.groups, self.plan = schedule, groups, plan
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ of the plan: each step's gradient (and count) release costs what plain DP-SGD at σ would."""
+        return self.plan.noise_multiplier
+
+    @property
+    def sample_rate(self) -> float:
+        return self.plan.sample_rate
+
+    @property
+    def planned_steps(self) -> int | None:
+        return self.plan.steps
+
+    @property
+    def target_delta(self) -> float:
+        return self.plan.delta
+
+    @property
+    def accountant(self) -> str:
+        return self.plan.accountant
 
     @property
     def steps(self) -> int:
@@ -120,33 +131,38 @@ class DPEngine:
         return self.model
 
     def state_dict(self) -> dict[str, Any]:
-        """The run's privacy state: ledger, randomness and position of the sampler. Save it with the
-        model's and the optimizer's state dicts; a resumed run continues the same guarantee. Of a
-        seeded run it holds the seed (``["randomness"]["randomness"]`` says so): whoever reads it can
-        remove the noise, so keep it as secret as the data."""
+        """The run's privacy state: ledger, randomness, position of the sampler, the step components'
+        state and the plan it belongs to. Save it with the model's and the optimizer's state dicts; a
+        resumed run continues the same guarantee. It holds a digest of a few examples and, of a seeded
+        run, the seed (``["randomness"]["randomness"]`` says so): whoever reads the seed can remove the
+        noise, so keep the state as private as the data."""
         return {"ledger": self.ledger.state_dict(), "randomness": self.randomness.state_dict(),
                 "schedule": self.schedule.state_dict(),
-                "components": [c.state_dict() for c in self.optimizer.components],
-                "fingerprint": self._fingerprint()}
+                "components": {name: c.state_dict() for name, c in self._components().items()},
+                "plan": self.plan.describe(), "fingerprint": self.plan.fingerprint()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state["fingerprint"] != self._fingerprint():
+        """Restore :meth:`state_dict`; a state of another plan (other noise, sampling, length, data
+        set, groups, clipping, thresholds or learning-rate policy) is refused, naming what differs."""
+        if state.get("fingerprint") != self.plan.fingerprint():
+            differences = self.plan.differences(state.get("plan", {}))
             raise ValueError(
-                "this checkpoint belongs to a run with other privacy settings "
-                f"({state['fingerprint']} ≠ {self._fingerprint()}); resume with the same settings"
-            )
+                "this checkpoint belongs to a run with other privacy settings; resume with the same "
+                "settings and the same data set. It differs in:\n  " + "\n  ".join(differences))
+        components = self._components()
+        if set(state["components"]) != set(components):
+            raise ValueError(
+                f"this checkpoint holds the state of the step components {sorted(state['components'])}, "
+                f"this run has {sorted(components)}; resume with the same settings")
         self.ledger.load_state_dict(state["ledger"])
         self.randomness.load_state_dict(state["randomness"])
         self.schedule.load_state_dict(state["schedule"])
-        for component, component_state in zip(self.optimizer.components, state["components"]):
-            component.load_state_dict(component_state)
+        for name, component in components.items():
+            component.load_state_dict(state["components"][name])
         self.clipping_engine.set_thresholds({g.name: g.threshold for g in self.groups})
 
-    def _fingerprint(self) -> dict[str, Any]:
-        estimator = self.quantile_estimator
-        return {"noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
-                "groups": [g.name for g in self.groups],
-                "quantile": None if estimator is None else vars(estimator.settings)}
+    def _components(self) -> dict[str, Any]:
+        return {type(c).__name__: c for c in self.optimizer.components}
 
 
 def _check_delta(delta: float, num_examples: int | None) -> None:
@@ -295,66 +311,66 @@ def make_private(
             "poisson_sampling=False: the loader is not Poisson-sampled, so the reported ε is the "
             "Poisson approximation, not a proof of privacy", stacklevel=2)
     _check_delta(target_delta, num_examples)
-    planned = planned_steps(epochs, steps, sample_rate)
-
-    if target_epsilon is not None:
-        if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
-            raise ValueError(f"target_epsilon must be a positive finite number, got {target_epsilon}")
-        if planned is None:
-            raise ValueError("target_epsilon needs the planned length of training: give epochs or steps")
-        budget = None if quantile is None else quantile.budget
-        noise_multiplier = calibrate(planned_run(budget, sample_rate, planned), target_epsilon,
-                                     target_delta, accountant)
-    assert noise_multiplier is not None
-    if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
-        raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier}")
 
     clip = options.clip
     clip_groups = make_groups(model, groups, max_grad_norm)
-    ledger = Ledger(poisson_approximation=not poisson_sampling)
-    expected_batch_size = sample_rate * num_examples
-    gradient_sigma = noise_multiplier
+    plan = Plan(
+        sample_rate=sample_rate, steps=planned_steps(epochs, steps, sample_rate),
+        num_examples=num_examples, delta=target_delta, accountant=accountant,
+        noise_multiplier=0.0 if noise_multiplier is None else noise_multiplier,
+        counts=None if quantile is None else CountShare(quantile.budget, len(clip_groups)),
+        losses=None if auto is None else LossShare(auto.interval, auto.loss_privacy,
+                                                   auto.gradient_noise_increase),
+        settings=_run_settings(clip, clip_groups, quantile, noise_allocation, loss_reduction,
+                               data_loader.dataset, num_examples),
+    ).solve(target_epsilon)
+    return _build_engine(plan, model, optimizer, loader, randomness, schedule, clip, clip_groups,
+                         quantile, noise_allocation, loss_reduction, poisson_sampling,
+                         options.verify_every)
+
+
+def _run_settings(clip: ClipFunction, groups: list[ClipGroup], quantile: QuantileSettings | None,
+                  noise_allocation: str, loss_reduction: str, dataset: Any, num_examples: int
+                  ) -> dict[str, Any]:
+    """What identifies the run beyond its noise, for the plan's fingerprint."""
+    return {"clipping": {"name": clip.name, "gamma": clip.gamma, "r": clip.r},
+            "groups": {g.name: [list(g.param_names), g.threshold] for g in groups},
+            "thresholds": "fixed" if quantile is None else vars(quantile),
+            "noise_allocation": noise_allocation, "loss_reduction": loss_reduction,
+            "data": data_digest(dataset, num_examples)}
+
+
+def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any,
+                  randomness: Randomness, schedule: StepSchedule, clip: ClipFunction,
+                  clip_groups: list[ClipGroup], quantile: QuantileSettings | None,
+                  noise_allocation: str, loss_reduction: str, poisson_sampling: bool,
+                  verify_every: int | None) -> DPEngine:
+    """The run's parts, with every noise read off the solved ``plan``."""
     auto_lr = None
-    if auto is not None:
-        if planned is None:
-            raise ValueError("lr='auto' splits the budget over the planned run: give epochs or steps")
-        gradient_sigma, loss_sigma = split_for_auto_lr(
-            noise_multiplier, target_epsilon, sample_rate, planned, auto.interval, target_delta,
-            accountant, auto.gradient_noise_increase, auto.loss_privacy)
-        auto_lr = AutoLearningRate(auto.interval, loss_sigma, expected_batch_size, randomness,
-                                   auto.loss_privacy)
-    estimator, gradient_sigma = _quantile_estimator(quantile, clip_groups, gradient_sigma,
-                                                    randomness, expected_batch_size, clip)
-    release = GradientRelease(clip_groups, gradient_sigma, randomness, noise_allocation)
+    if plan.losses is not None:
+        auto_lr = AutoLearningRate(plan.losses.interval, plan.loss_noise, plan.expected_batch_size,
+                                   randomness, plan.losses.privacy)
+    estimator = None
+    if quantile is not None:
+        # Normalising clip functions keep the initial total sensitivity; Abadi's clips at the estimates.
+        scale = None if clip.name == "abadi" else sensitivity(clip_groups)
+        estimator = QuantileEstimator(clip_groups, quantile, plan.count_std, randomness,
+                                      plan.expected_batch_size, scale)
+    release = GradientRelease(clip_groups, plan.gradient_noise, randomness, noise_allocation)
+    ledger = Ledger(poisson_approximation=not poisson_sampling)
     # Hooks go on last, so that a refused argument leaves the model as it was given.
     clipping_engine = ClippingEngine(model, clip_groups, clip, loss_reduction)
     clipping_engine.batch_source = schedule  # the Poisson loader tells the engine each batch's examples
     try:
-        private_optimizer = DPOptimizer(optimizer, clipping_engine, release, ledger, sample_rate,
-                                        expected_batch_size, schedule)
+        private_optimizer = DPOptimizer(optimizer, clipping_engine, release, ledger, plan.sample_rate,
+                                        plan.expected_batch_size, schedule)
     except ValueError:
         clipping_engine.detach()
         raise
     private_optimizer.components = [c for c in (estimator, auto_lr) if c is not None]
-    private_optimizer.verify_every = options.verify_every
+    private_optimizer.verify_every = verify_every
     private_optimizer.closure_gives_per_sample_losses = auto_lr is not None
-    private_optimizer.planned_steps = planned
+    private_optimizer.planned_steps = plan.steps
     return DPEngine(model=model, optimizer=private_optimizer, data_loader=loader,
                     clipping_engine=clipping_engine, ledger=ledger, randomness=randomness,
-                    schedule=schedule, groups=clip_groups, noise_multiplier=noise_multiplier,
-                    sample_rate=sample_rate, planned_steps=planned, target_delta=target_delta,
-                    accountant=accountant)
-
-
-def _quantile_estimator(settings: QuantileSettings | None, groups: list[ClipGroup],
-                        noise_multiplier: float, randomness: Randomness,
-                        expected_batch_size: float, clip: ClipFunction
-                        ) -> tuple[QuantileEstimator | None, float]:
-    """The estimator of adaptive thresholds (if any) and the gradient's share σ_new of the noise.
-    Normalising clip functions keep the initial total sensitivity; Abadi's clips at the estimates."""
-    if settings is None:
-        return None, noise_multiplier
-    gradient_noise, count_std = split_noise(noise_multiplier, settings.budget, len(groups))
-    scale = None if clip.name == "abadi" else sensitivity(groups)
-    return QuantileEstimator(groups, settings, count_std, randomness, expected_batch_size,
-                             scale), gradient_noise
+                    schedule=schedule, groups=clip_groups, plan=plan)

@@ -31,8 +31,6 @@ import torch
 
 from .errors import PrivacyError
 from .optim import DPOptimizer, StepComponent, StepReport
-from .privacy.accounting import epsilon_of, planned_event
-from .privacy.calibration import calibrate
 from .privacy.mechanisms import LOSS_PRIVACY, release_loss_sum
 from .privacy.randomness import Randomness
 
@@ -261,41 +259,3 @@ def _update_without_advancing(inner: torch.optim.Optimizer, params: list[torch.T
             p.copy_(w)
     inner.load_state_dict(state)
     return update
-
-
-def planned_auto_lr_event(gradient_sigma: float, loss_sigma: float, sample_rate: float, steps: int,
-                          interval: int, loss_privacy: str = "gaussian") -> dpa.DpEvent:
-    """The planned ledger of a run with lr='auto': on the ⌈T/K⌉ update steps the gradient and three
-    loss releases share one Poisson-sampled batch; the other steps release the gradient only."""
-    updates = math.ceil(steps / interval)
-    loss = (dpa.GaussianDpEvent(loss_sigma) if loss_privacy == "gaussian"
-            else dpa.LaplaceDpEvent(loss_sigma))
-    gradient = dpa.GaussianDpEvent(gradient_sigma)
-    parts = [dpa.SelfComposedDpEvent(
-        dpa.PoissonSampledDpEvent(sample_rate, dpa.ComposedDpEvent([gradient, loss, loss, loss])),
-        updates)]
-    if steps > updates:
-        parts.append(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(sample_rate, gradient),
-                                             steps - updates))
-    return dpa.ComposedDpEvent(parts)
-
-
-def split_for_auto_lr(noise_multiplier: float, target_epsilon: float | None, sample_rate: float,
-                      steps: int, interval: int, delta: float, accountant: str,
-                      increase: float = 1.01, loss_privacy: str = "gaussian"
-                      ) -> tuple[float, float]:
-    """HyFreeDP's Algorithm 2 in one accountant: the gradient noise is γσ and the loss noise σ_l is
-    solved on the whole planned ledger so that it spends ``target_epsilon`` (by default what plain
-    DP-SGD at σ spends), within 1% and never more."""
-    if not (increase > 1 and math.isfinite(increase)):
-        raise ValueError(f"gradient_noise_increase must be a number above 1, got {increase}")
-    if noise_multiplier == 0:
-        return 0.0, 0.0
-    gradient_sigma = increase * noise_multiplier
-    if target_epsilon is None:
-        target_epsilon = epsilon_of(planned_event(noise_multiplier, sample_rate, steps), delta,
-                                    accountant)
-    loss_sigma = calibrate(
-        lambda sigma: planned_auto_lr_event(gradient_sigma, sigma, sample_rate, steps, interval,
-                                            loss_privacy), target_epsilon, delta, accountant)
-    return gradient_sigma, loss_sigma

@@ -11,6 +11,7 @@ Budget split: the step's releases (gradient, K counts) share one Poisson-sampled
 they are one Gaussian mechanism of multiplier σ with ``σ⁻² = σ_new⁻² + K/(2σ_b)²``. A fraction r
 of the budget — of σ⁻², which is the share of Rényi-DP at every order — goes to the counts:
 ``σ_new = σ/√(1−r)`` and ``σ_b = σ·√K/(2√r)`` (count release multiplier ``2σ_b/√K = σ/√r``).
+The split is solved with the rest of the run's budget in ``privacy.plan``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from .optim import DPOptimizer, StepComponent, StepReport
 from .privacy.mechanisms import release_counts
 from .privacy.randomness import Randomness
 
-THRESHOLD_MODES = ("fixed", "adaptive")
 DEFAULT_TARGET_QUANTILE = 0.5
 DEFAULT_QUANTILE_LR = 0.3
 DEFAULT_QUANTILE_BUDGET = 0.01
@@ -41,71 +41,6 @@ class QuantileSettings:
     target_quantile: float = DEFAULT_TARGET_QUANTILE
     learning_rate: float = DEFAULT_QUANTILE_LR
     budget: float = DEFAULT_QUANTILE_BUDGET
-
-
-def quantile_settings(thresholds: str, target_quantile: float | None, quantile_lr: float | None,
-                      quantile_budget: float | None) -> QuantileSettings | None:
-    """Check ``make_private``'s threshold arguments; ``None`` for fixed thresholds."""
-    if thresholds not in THRESHOLD_MODES:
-        raise ValueError(f"unknown thresholds {thresholds!r}: use 'fixed' (max_grad_norm as given) "
-                         "or 'adaptive' (private quantile of each group's per-sample norms)")
-    given = {"target_quantile": target_quantile, "quantile_lr": quantile_lr,
-             "quantile_budget": quantile_budget}
-    if thresholds == "fixed":
-        named = [name for name, value in given.items() if value is not None]
-        if named:
-            raise ValueError(f"{', '.join(named)} only apply to thresholds='adaptive'; pass "
-                             "thresholds='adaptive' or drop them")
-        return None
-    settings = QuantileSettings(
-        DEFAULT_TARGET_QUANTILE if target_quantile is None else float(target_quantile),
-        DEFAULT_QUANTILE_LR if quantile_lr is None else float(quantile_lr),
-        DEFAULT_QUANTILE_BUDGET if quantile_budget is None else float(quantile_budget),
-    )
-    if not 0 < settings.target_quantile < 1:
-        raise ValueError(f"target_quantile must be in (0, 1), got {settings.target_quantile}")
-    if not (settings.learning_rate > 0 and math.isfinite(settings.learning_rate)):
-        raise ValueError(f"quantile_lr must be a positive number, got {settings.learning_rate}")
-    if not 0 < settings.budget < 1:
-        raise ValueError(f"quantile_budget (the fraction of the budget spent on the count "
-                         f"releases) must be in (0, 1), got {settings.budget}")
-    return settings
-
-
-def split_noise(noise_multiplier: float, budget: float, num_groups: int) -> tuple[float, float]:
-    """``(σ_new, σ_b)``: the gradient's noise multiplier and the counts' noise standard deviation,
-    whose joint release on one batch is the Gaussian mechanism of multiplier σ with a fraction
-    ``budget`` of it spent on the K counts (Proposition 3.1)."""
-    if not 0 < budget < 1:
-        raise ValueError(f"budget must be in (0, 1), got {budget}")
-    return (noise_multiplier / math.sqrt(1 - budget),
-            noise_multiplier * math.sqrt(num_groups) / (2 * math.sqrt(budget)))
-
-
-def count_noise_multiplier(count_std: float, num_groups: int) -> float:
-    """Noise multiplier of K counts of sensitivity ½ each with noise σ_b: ``σ_b/(½√K)``."""
-    return 2 * count_std / math.sqrt(num_groups)
-
-
-def planned_step_releases(noise_multiplier: float, budget: float | None) -> list[dpa.DpEvent]:
-    """The releases of one planned step at total multiplier σ: the gradient, then the counts."""
-    if budget is None:
-        return [dpa.GaussianDpEvent(noise_multiplier)]
-    gradient, count_std = split_noise(noise_multiplier, budget, 1)
-    counts = count_noise_multiplier(count_std, 1)  # σ/√r whatever K
-    return [dpa.GaussianDpEvent(gradient), dpa.GaussianDpEvent(counts)]
-
-
-def planned_run(budget: float | None, sample_rate: float, steps: int
-                ) -> Callable[[float], dpa.DpEvent]:
-    """σ ↦ the planned ledger of ``steps`` steps (the form ``calibrate`` solves on)."""
-
-    def planned(noise_multiplier: float) -> dpa.DpEvent:
-        releases = planned_step_releases(noise_multiplier, budget)
-        inner = releases[0] if len(releases) == 1 else dpa.ComposedDpEvent(releases)
-        return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(sample_rate, inner), steps)
-
-    return planned
 
 
 class QuantileEstimator(StepComponent):
@@ -147,9 +82,6 @@ class QuantileEstimator(StepComponent):
         for g in self.groups:
             estimate = self.quantiles[g.name]
             g.threshold = estimate if self.scale is None else self.scale * estimate / norm
-
-    def event(self) -> dpa.DpEvent:
-        return dpa.GaussianDpEvent(count_noise_multiplier(self.count_std, len(self.groups)))
 
     def centred_counts(self, report: StepReport) -> torch.Tensor:
         """``Σᵢ (1[‖gᵢₖ‖ ≤ Qₖ] − ½)`` of each group (a group without gradient this step has

@@ -1,0 +1,149 @@
+"""The planned run: calibration and budget splits solved once, the planned ledger against the recorded
+one, and the plan as the identity of a checkpoint."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from tunefree import make_private
+from tunefree.privacy.plan import CountShare, LossShare, Plan, data_digest
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def dataset(n: int = 200, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def engine_for(data: TensorDataset, **kwargs):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    kwargs = {"noise_multiplier": 1.0, "steps": 7, "seed": 0, "accountant": "rdp", **kwargs}
+    return make_private(model, optimizer, DataLoader(data, batch_size=20), target_delta=1e-4, **kwargs)
+
+
+def train(engine, steps: int) -> None:
+    batches = iter(engine.data_loader)
+    for _ in range(steps):
+        x, y = next(batches)
+        engine.optimizer.zero_grad()
+        F.cross_entropy(engine.model(x), y).backward()
+        engine.optimizer.step(lambda x=x, y=y: F.cross_entropy(engine.model(x), y, reduction="none"))
+
+
+COMPONENTS = {
+    "fixed thresholds, fixed lr": {},
+    "adaptive thresholds, fixed lr": {"counts": CountShare(0.1, 3)},
+    "fixed thresholds, lr=auto": {"losses": LossShare(4)},
+    "adaptive thresholds, lr=auto": {"counts": CountShare(0.1, 3), "losses": LossShare(4, "laplace")},
+}
+
+
+@pytest.mark.parametrize("components", COMPONENTS.values(), ids=COMPONENTS.keys())
+def test_solved_plan_spends_the_target_within_one_percent_never_above(components):
+    plan = Plan(sample_rate=0.05, steps=30, num_examples=1000, delta=1e-5, **components).solve(2.0)
+    assert plan.noise_multiplier > 0
+    assert (plan.loss_noise > 0) == ("losses" in components)
+    assert 0.99 * 2.0 <= plan.epsilon() <= 2.0
+
+
+def test_combined_plan_does_not_depend_on_the_order_its_components_are_declared_in():
+    base = Plan(sample_rate=0.05, steps=30, num_examples=1000, delta=1e-5, accountant="rdp")
+    counts, losses = CountShare(0.1, 3), LossShare(4)
+    first = replace(replace(base, counts=counts), losses=losses).solve(2.0)
+    second = replace(replace(base, losses=losses), counts=counts).solve(2.0)
+    assert first == second
+    # the count share stays inside the gradient's step, at γσ jointly (Proposition 3.1)
+    joint = (first.gradient_noise ** -2 + first.count_noise ** -2) ** -0.5
+    assert joint == pytest.approx(1.01 * first.noise_multiplier, rel=1e-12)
+    # σ is that of the run without the loss share; the losses take their share of the same target
+    assert first.noise_multiplier == replace(base, counts=counts).solve(2.0).noise_multiplier
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"thresholds": "adaptive", "groups": "per-layer", "lr": "auto",
+                                         "lr_update_interval": 3}], ids=["plain", "adaptive+auto"])
+def test_recorded_ledger_spends_what_the_plan_said(kwargs):
+    engine = engine_for(dataset(), **kwargs)
+    plan = engine.plan
+    assert engine.optimizer.release.noise_multiplier == plan.gradient_noise
+    for component in engine.optimizer.components:
+        noise = getattr(component, "count_std", None)
+        assert (plan.count_std if noise is not None else plan.loss_noise) == (
+            noise if noise is not None else component.loss_noise)
+    taken = 0
+    for step in (1, 4, plan.steps):  # midway too, the recorded ledger is the plan's first steps
+        train(engine, step - taken)
+        taken = step
+        assert engine.steps == step
+        assert engine.epsilon() == pytest.approx(plan.epsilon(step), rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- identity
+@pytest.mark.parametrize("change,named", [
+    ({"sample_rate": 0.06}, "sample_rate"), ({"steps": 31}, "steps"),
+    ({"num_examples": 1001}, "num_examples"), ({"noise_multiplier": 1.2}, "noise_multiplier"),
+    ({"counts": CountShare(0.2, 3)}, "counts"), ({"losses": LossShare(5)}, "losses"),
+    ({"loss_noise": 3.0}, "loss_noise"), ({"settings": {"clipping": "abadi"}}, "settings.clipping"),
+])
+def test_fingerprint_changes_with_every_part_of_the_plan(change, named):
+    plan = Plan(sample_rate=0.05, steps=30, num_examples=1000, delta=1e-5, noise_multiplier=1.1,
+                counts=CountShare(0.1, 3), losses=LossShare(4), loss_noise=2.0,
+                settings={"clipping": "auto-s"})
+    other = replace(plan, **change)
+    assert other.fingerprint() != plan.fingerprint()
+    assert named in [line.split(":")[0] for line in other.differences(plan.describe())]
+    assert replace(plan).fingerprint() == plan.fingerprint()
+
+
+def test_checkpoint_of_an_auto_lr_run_is_refused_by_a_fixed_lr_run():
+    auto = engine_for(dataset(), lr="auto")
+    train(auto, 2)
+    fixed = engine_for(dataset())
+    with pytest.raises(ValueError, match="other privacy settings(.|\n)*losses"):
+        fixed.load_state_dict(auto.state_dict())
+    assert fixed.steps == 0
+
+
+def test_component_states_are_restored_strictly():
+    engine = engine_for(dataset(), lr="auto")
+    train(engine, 2)
+    state = copy.deepcopy(engine.state_dict())
+    resumed = engine_for(dataset(), lr="auto")
+    resumed.load_state_dict(state)
+    assert resumed.steps == 2
+    state["components"] = {}
+    with pytest.raises(ValueError, match="step components"):
+        engine_for(dataset(), lr="auto").load_state_dict(state)
+
+
+@pytest.mark.parametrize("other,named", [(dataset(seed=1), "settings.data"),
+                                         (dataset(n=220), "num_examples")])
+def test_resuming_onto_another_data_set_is_refused(other, named):
+    engine = engine_for(dataset())
+    train(engine, 2)
+    elsewhere = engine_for(other)
+    with pytest.raises(ValueError, match=f"same data set(.|\n)*{named}"):
+        elsewhere.load_state_dict(engine.state_dict())
+
+
+def test_data_digest_reads_the_examples():
+    data = dataset()
+    assert data_digest(data, len(data)) == data_digest(dataset(), len(data))
+    last = TensorDataset(data.tensors[0].clone(), data.tensors[1].clone())
+    last.tensors[0][-1, 0] += 1.0
+    assert data_digest(last, len(data)) != data_digest(data, len(data))
