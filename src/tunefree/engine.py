@@ -258,7 +258,9 @@ class ClippingEngine:
                 raise PrivacyError(
                     f"parameter {name!r} {change}: the trainable set is fixed "
                     "when make_private plans the run (its clip groups and noise); to change it, call "
-                    "make_private again on the model with the parameters frozen or unfrozen as wanted"
+                    "make_private again on the model with the parameters frozen or unfrozen as wanted, "
+                    "and carry the budget spent so far over with "
+                    "new_engine.ledger.load_state_dict(engine.ledger.state_dict())"
                 )
 
     def _pre_forward(self, unit: Unit) -> None:
@@ -627,6 +629,13 @@ def build_units(model: nn.Module) -> list[Unit]:
         rule = rule_for(module, set(direct))
         if rule is not None:
             rule.check(module, name or "(root)")
+        elif module._forward_hooks or module._forward_pre_hooks:
+            raise PrivacyError(
+                f"module '{name or '(root)'}' ({type(module).__name__}) has forward hooks registered "
+                "before make_private, and no layer rule: tunefree re-runs such a module one example at "
+                "a time and cannot replay what a hook does to it; remove the hook, or register it on "
+                "a module that has no trainable parameters of its own (a parent or a wrapper)"
+            )
         units[module] = Unit(name=name or "(root)", module=module, rule=rule, direct=direct)
     for module, unit in units.items():
         if unit.rule is None:
