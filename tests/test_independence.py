@@ -137,9 +137,10 @@ class MixingFallback(nn.Module):
 
 def test_mixing_fallback_module_is_refused_by_name():
     model = nn.Sequential(nn.Linear(3, 4), MixingFallback(), nn.Linear(4, 2))
-    assert engine_for(model).units[1].rule is None  # the mixing module is a fallback unit
+    engine = engine_for(model)
+    assert engine.units[1].rule is None  # the mixing module is a fallback unit
     with pytest.raises(PrivacyError, match="module '1' mixes examples in its forward"):
-        verify_example_independence(model, engine_for(model), (torch.randn(4, 3),), {})
+        verify_example_independence(model, engine, (torch.randn(4, 3),), {})
 
 
 def test_user_forward_hook_that_mixes_is_refused():
