@@ -303,9 +303,7 @@ def make_private(
     num_examples, sample_rate = sample_rate_of(data_loader)
     if poisson_sampling:
         loader: Any = from_loader(data_loader, randomness, schedule, max_physical_batch_size)
-    else:
-        if max_physical_batch_size is not None:
-            raise ValueError("max_physical_batch_size needs the Poisson loader (poisson_sampling=True)")
+    else:  # resolve_options refused a physical batch size without the Poisson loader
         loader = data_loader
         warnings.warn(
             "poisson_sampling=False: the loader is not Poisson-sampled, so the reported ε is the "

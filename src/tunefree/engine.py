@@ -166,6 +166,7 @@ class ClippingEngine:
         self.model, self.groups, self.clip = model, groups, clip
         self.loss_reduction = loss_reduction
         self.units = build_units(model)
+        self._has_fallback = any(unit.rule is None for unit in self.units)
         self._group_of = {p: g for g in groups for p in g.params}
         self._check_coverage()
         self._anchor = torch.zeros((), requires_grad=True)
@@ -245,8 +246,10 @@ class ClippingEngine:
                 use.done = True
             self._reset_pass()
             self._pass.call_examples = _root_examples(args, kwargs) if self._serial() == 0 else None
-            self._pass.batch_storages = _storages(tree_flatten((args, kwargs))[0])
-            self._pass.model_storages = _storages([*self.model.parameters(), *self.model.buffers()])
+            if self._has_fallback:  # only the fallback needs to tell batch data from the model's own
+                self._pass.batch_storages = _storages(tree_flatten((args, kwargs))[0])
+                self._pass.model_storages = _storages([*self.model.parameters(),
+                                                       *self.model.buffers()])
 
     def _check_trainable_set(self) -> None:
         """The parameters that require grad must be exactly those clipped and noised since
