@@ -130,24 +130,26 @@ def test_update_divides_by_the_expected_batch_size():
     estimator = QuantileEstimator(groups, settings, 0.0, Randomness(0), expected_batch_size=8.0)
     norms = {"a": torch.tensor([0.5, 0.9, 1.0, 1.5, 3.0], dtype=torch.float64),
              "b": torch.tensor([0.1, 2.5, 4.0, 5.0, 9.0], dtype=torch.float64)}
-    events = estimator.after_update(None, StepReport(step=1, examples=5, group_norms=norms), None)
+    events = estimator.update(StepReport(step=1, examples=5, group_norms=norms))
+    thresholds = estimator.thresholds()
     # unclipped counts: a 3 of 5, b 1 of 5, unused 5 of 5 (no gradient: norm 0); b̃ = count/(q·N)
     # with the centring undone: ((count − 5/2) / 8 + 1/2)
     for g, start, unclipped in zip(groups, (1.0, 2.0, 0.5), (3, 1, 5), strict=True):
         fraction = (unclipped - 2.5) / 8 + 0.5
-        assert g.threshold == pytest.approx(start * math.exp(-0.3 * (fraction - 0.7)), rel=1e-12)
+        assert thresholds[g.name] == pytest.approx(start * math.exp(-0.3 * (fraction - 0.7)), rel=1e-12)
+        assert g.threshold == start, "the estimator never changes the groups themselves"
         assert estimator.unclipped_fractions[g.name] == pytest.approx(fraction, rel=1e-12)
     assert events == [dpa.GaussianDpEvent(0.0)]
 
     # with a scale: the same estimates, and thresholds at that constant total sensitivity
     groups = _groups({"a": 1.0, "b": 2.0, "unused": 0.5})
     scaled = QuantileEstimator(groups, settings, 0.0, Randomness(0), 8.0, scale=3.0)
-    assert math.hypot(*(g.threshold for g in groups)) == pytest.approx(3.0, rel=1e-12)
-    scaled.after_update(None, StepReport(step=1, examples=5, group_norms=norms), None)
+    assert math.hypot(*scaled.thresholds().values()) == pytest.approx(3.0, rel=1e-12)
+    scaled.update(StepReport(step=1, examples=5, group_norms=norms))
     assert scaled.quantiles == pytest.approx(estimator.quantiles, rel=1e-12)
     total = math.hypot(*estimator.quantiles.values())
-    for g in groups:
-        assert g.threshold == pytest.approx(3.0 * scaled.quantiles[g.name] / total, rel=1e-12)
+    for name, threshold in scaled.thresholds().items():
+        assert threshold == pytest.approx(3.0 * scaled.quantiles[name] / total, rel=1e-12)
 
 
 def test_count_noise_has_standard_deviation_sigma_b():
@@ -159,7 +161,7 @@ def test_count_noise_has_standard_deviation_sigma_b():
     exact = torch.tensor([(1 - 1) / expected_batch + 0.5, (2 - 1) / expected_batch + 0.5])
     draws = []
     for step in range(4000):
-        events = estimator.after_update(None, StepReport(step, 2, norms), None)
+        events = estimator.update(StepReport(step, 2, norms))
         draws.append(torch.tensor([estimator.unclipped_fractions[g.name] for g in groups]))
     assert events == [dpa.GaussianDpEvent(2 * count_std / math.sqrt(2))]
     noise = (torch.stack(draws) - exact) * expected_batch
@@ -267,7 +269,7 @@ def test_release_noise_per_group(allocation):
         sigma ** -2, rel=1e-12)
     samples = {g.name: [] for g in groups}
     for _ in range(20):
-        noisy, event = release.release({})
+        noisy, event = release.release({}, {g.name: g.threshold for g in groups})
         for g in groups:
             samples[g.name].append(noisy[g.params[0]])
     assert event == dpa.GaussianDpEvent(sigma)
@@ -297,7 +299,7 @@ def test_training_noise_per_group_follows_the_moving_thresholds(allocation):
 
     def record_thresholds():
         current["stds"] = algorithm_1_line_13(sigma / math.sqrt(1 - budget),
-                                              [g.threshold for g in engine.groups], sizes,
+                                              list(engine.clip_thresholds.values()), sizes,
                                               allocation)
 
     def step_and_collect():
@@ -311,6 +313,8 @@ def test_training_noise_per_group_follows_the_moving_thresholds(allocation):
         step_and_collect()
         thresholds_seen.append(engine.clip_thresholds["weights"])
     assert len(set(thresholds_seen)) == 30, "the thresholds must move every step"
+    assert {g.name: g.threshold for g in engine.groups} == {"weights": 0.4, "biases": 1.5}, (
+        "the moving thresholds are the engine's state; the configured groups never change")
     for name, values in standardized.items():
         z = torch.cat(values)
         assert abs(z.std().item() - 1) < 5 / math.sqrt(2 * z.numel()), name

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
+from tunefree.optim import UpdateControl
 from tunefree.privacy.accounting import dominating_gaussian, epsilon_of
 
 
@@ -81,7 +82,7 @@ def test_probes_leave_weights_and_optimizer_state_bit_identical():
     state_before = {k: {n: (t.clone() if torch.is_tensor(t) else t) for n, t in v.items()}
                     for k, v in engine.optimizer.original.state_dict()["state"].items()}
     auto = engine.optimizer.components[-1]
-    auto._probe(engine.optimizer, lambda: squared_errors(model, x, y), len(y))
+    auto._probe(UpdateControl(engine.optimizer.original), lambda: squared_errors(model, x, y), len(y))
     for b, p in zip(before, model.parameters()):
         assert torch.equal(b, p)
     after = engine.optimizer.original.state_dict()["state"]

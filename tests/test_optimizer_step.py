@@ -63,7 +63,7 @@ def _component(engine, kind):
 INJECTION_POINTS = {  # where step() calls out, and whether that point comes before the release
     "check_no_leak": (lambda e: (e.clipping_engine, "check_no_leak"), True),
     "independence check": (lambda e: (optim_module, "verify_example_independence"), True),
-    "pop_step": (lambda e: (e.clipping_engine, "pop_step"), True),
+    "accumulator pop": (lambda e: (e.optimizer.accumulator, "pop"), True),
     "gradient release": (lambda e: (e.optimizer.release, "release"), True),
     "thresholds before_update": (lambda e: (_component(e, "QuantileEstimator"), "before_update"), False),
     "auto lr before_update": (lambda e: (_component(e, "AutoLearningRate"), "before_update"), False),

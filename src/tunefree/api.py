@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .accumulator import StepAccumulator
 from .autolr import AutoLearningRate
 from .clipping import ClipFunction
 from .data.poisson import StepSchedule, from_loader, planned_steps, sample_rate_of
@@ -94,7 +95,7 @@ class DPEngine:
     @property
     def clip_thresholds(self) -> dict[str, float]:
         """Each clip group's current threshold, by group name."""
-        return {g.name: g.threshold for g in self.groups}
+        return dict(self.clipping_engine.thresholds)
 
     @property
     def quantile_estimator(self) -> QuantileEstimator | None:
@@ -159,7 +160,9 @@ class DPEngine:
         self.schedule.load_state_dict(state["schedule"])
         for name, component in components.items():
             component.load_state_dict(state["components"][name])
-        self.clipping_engine.set_thresholds({g.name: g.threshold for g in self.groups})
+        estimator = self.quantile_estimator
+        if estimator is not None:
+            self.clipping_engine.set_thresholds(estimator.thresholds())
 
     def _components(self) -> dict[str, Any]:
         return {type(c).__name__: c for c in self.optimizer.components}
@@ -357,11 +360,14 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
     release = GradientRelease(clip_groups, plan.gradient_noise, randomness, noise_allocation)
     ledger = Ledger(poisson_approximation=not poisson_sampling)
     # Hooks go on last, so that a refused argument leaves the model as it was given.
-    clipping_engine = ClippingEngine(model, clip_groups, clip, loss_reduction)
+    accumulator = StepAccumulator()  # the engine books into it, the optimizer releases from it
+    clipping_engine = ClippingEngine(model, clip_groups, clip, loss_reduction, accumulator)
     clipping_engine.batch_source = schedule  # the Poisson loader tells the engine each batch's examples
+    if estimator is not None:
+        clipping_engine.set_thresholds(estimator.thresholds())
     try:
         private_optimizer = DPOptimizer(optimizer, clipping_engine, release, ledger, plan.sample_rate,
-                                        plan.expected_batch_size, schedule)
+                                        plan.expected_batch_size, schedule, accumulator)
     except ValueError:
         clipping_engine.detach()
         raise

@@ -20,7 +20,6 @@ noise σ_l·R_l/(q·N) exceeds the loss changes between probes and only the safe
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ import dp_accounting as dpa
 import torch
 
 from .errors import PrivacyError
-from .optim import DPOptimizer, StepComponent, StepReport
+from .optim import StepComponent, StepContext, UpdateControl
 from .privacy.mechanisms import LOSS_PRIVACY, release_loss_sum
 from .privacy.randomness import Randomness
 
@@ -104,36 +103,34 @@ class AutoLearningRate(StepComponent):
         return dpa.LaplaceDpEvent(self.loss_noise)
 
     # ------------------------------------------------------------------ the step
-    def before_update(self, optimizer: DPOptimizer, report: StepReport,
-                      closure: Callable[[], Any] | None) -> list[dpa.DpEvent]:
+    def before_update(self, step: StepContext) -> list[dpa.DpEvent]:
         self.state.steps += 1
         events: list[dpa.DpEvent] = []
         if (self.state.steps - 1) % self.interval == 0:
-            if closure is None:
+            if step.closure is None:
                 raise ValueError(
                     "lr='auto' refits the learning rate on this step and needs the batch's per-sample "
                     "losses: call optimizer.step(closure) with a closure returning them as a 1-D tensor "
                     "(e.g. lambda: F.cross_entropy(model(x), y, reduction='none'))")
-            losses = self._probe(optimizer, closure, report.examples)
-            self._update(losses, report.step)
+            losses = self._probe(step.update, step.closure, step.report.examples)
+            self._update(losses, step.report.step)
             events = [self.loss_event()] * 3
-        _set_lr(optimizer, self.state.lr)
+        step.update.set_lr(self.state.lr)
         return events
 
-    def _probe(self, optimizer: DPOptimizer, closure: Callable[[], Any], examples: int
-               ) -> list[float]:
+    def _probe(self, update: UpdateControl, closure: Callable[[], Any], examples: int) -> list[float]:
         """Privatised mean losses at w − Δ, w and w + Δ (Δ the update at the current η)."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = update.params
         saved = [p.detach().clone() for p in params]
-        _set_lr(optimizer, self.state.lr)
-        update = _update_without_advancing(optimizer.original, params, saved)
-        self._relative_update = math.sqrt(sum(float(d.pow(2).sum()) for d in update)) / max(
+        update.set_lr(self.state.lr)
+        delta = update.trial_update()
+        self._relative_update = math.sqrt(sum(float(d.pow(2).sum()) for d in delta)) / max(
             math.sqrt(sum(float(w.pow(2).sum()) for w in saved)), 1e-12)
         private = []
         try:
             with torch.no_grad():
                 for sign in (-1, 0, +1):  # w − Δ, w, w + Δ: steps −η, 0, +η along −m
-                    for p, w, d in zip(params, saved, update):
+                    for p, w, d in zip(params, saved, delta):
                         p.copy_(w + sign * d)
                     private.append(self._privatise(_per_sample_losses(closure, examples)))
         finally:
@@ -223,11 +220,6 @@ class AutoLearningRate(StepComponent):
         self.state.steps, self.state.averages = state["steps"], dict(state["averages"])
 
 
-def _set_lr(optimizer: DPOptimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-
-
 def _per_sample_losses(closure: Callable[[], Any], examples: int) -> torch.Tensor:
     """The closure's losses, checked: one finite loss per example of the step's batch, or the
     sensitivity R_l of the release would not hold."""
@@ -246,16 +238,3 @@ def _per_sample_losses(closure: Callable[[], Any], examples: int) -> torch.Tenso
             "a per-sample loss is NaN or infinite: its clipped value would be undefined, so nothing "
             "is released; check the inputs or lower the learning rate")
     return losses
-
-
-def _update_without_advancing(inner: torch.optim.Optimizer, params: list[torch.Tensor],
-                              saved: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The update Δ the optimizer would apply now, leaving its state and the weights untouched."""
-    state = copy.deepcopy(inner.state_dict())
-    inner.step()
-    with torch.no_grad():
-        update = [p.detach() - w for p, w in zip(params, saved)]
-        for p, w in zip(params, saved):
-            p.copy_(w)
-    inner.load_state_dict(state)
-    return update

@@ -151,6 +151,9 @@ class ClippingEngine:
         clip: the clip function; each group's clipped per-sample gradient has norm ≤ its threshold.
         loss_reduction: ``"mean"`` if the loss is the mean of the per-example losses over the batch,
             ``"sum"`` if it is their sum. Per-sample gradients are those of each example's own loss.
+        accumulator: where each backward pass books its clipped sums (``make_private`` passes the one
+            the private optimizer releases from); a new one by default, for standalone use.
+        Each group's clip threshold starts at its configured ``threshold``; ``set_thresholds`` moves them.
 
     ``batch_source`` (set by ``make_private`` to the Poisson loader's schedule) gives the number of
     examples of each physical batch: every captured layer call must show exactly that many at its
@@ -160,7 +163,7 @@ class ClippingEngine:
     """
 
     def __init__(self, model: nn.Module, groups: list[ClipGroup], clip: ClipFunction,
-                 loss_reduction: str = "mean"):
+                 loss_reduction: str = "mean", accumulator: StepAccumulator | None = None):
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.model, self.groups, self.clip = model, groups, clip
@@ -171,7 +174,7 @@ class ClippingEngine:
         self._check_coverage()
         self._anchor = torch.zeros((), requires_grad=True)
         self._handles: list[Any] = []
-        self.accumulator = StepAccumulator()
+        self.accumulator = StepAccumulator() if accumulator is None else accumulator
         self.batch_source: BatchSource | None = None
         self._pass = _PassState()
         self._recomputing = False
@@ -489,7 +492,7 @@ class ClippingEngine:
             bad = [name for (name, _), ok in zip(self._pass.finite_checks, finite.tolist()) if not ok]
             if bad:
                 self._reset_pass()
-                self.pop_step()  # the logical step's sums are tainted: nothing of them may be released
+                self.accumulator.pop()  # the logical step's sums are tainted: nothing of them may be released
                 raise PrivacyError(
                     f"per-sample gradient norms of clip groups {bad} are NaN, infinite or beyond "
                     f"{NORM_LIMIT:g} (overflowing): the loss "
@@ -533,8 +536,9 @@ class ClippingEngine:
         self._leaked.clear()
 
     def pop_step(self) -> tuple[dict[nn.Parameter, torch.Tensor], int, dict[str, torch.Tensor]]:
-        """Hand over the clipped sums, example count and per-group norms of the logical step
-        (``accumulator.pop()`` as a tuple)."""
+        """Hand over the clipped sums, example count and per-group norms booked so far
+        (``accumulator.pop()`` as a tuple) — for standalone use of the engine; a private run's
+        optimizer pops the accumulator itself."""
         result = self.accumulator.pop()
         return result.sums, result.examples, result.group_norms
 

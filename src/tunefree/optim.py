@@ -10,6 +10,7 @@ between only accumulate clipped sums.
 
 from __future__ import annotations
 
+import copy
 import types
 import warnings
 from collections import OrderedDict
@@ -22,6 +23,7 @@ import dp_accounting as dpa
 import torch
 from torch.utils._pytree import tree_flatten
 
+from .accumulator import StepAccumulator
 from .data.poisson import StepSchedule
 from .engine import ClippingEngine
 from .errors import PrivacyError
@@ -33,16 +35,15 @@ from .rules import Capture
 
 class StepComponent:
     """A piece of the private step beyond the gradient release (adaptive thresholds, automatic
-    learning rate...). Every release it makes returns its DpEvent, which the optimizer records with the
-    gradient's in the step's single Poisson-sampled event."""
+    learning rate...). It sees the step through a :class:`StepContext`, never the optimizer itself.
+    Every release it makes returns its DpEvent, which the optimizer records with the gradient's in the
+    step's single Poisson-sampled event."""
 
-    def before_update(self, optimizer: DPOptimizer, report: StepReport,
-                      closure: Callable[[], Any] | None) -> list[dpa.DpEvent]:
+    def before_update(self, step: StepContext) -> list[dpa.DpEvent]:
         """After the noisy gradient is in ``.grad``, before the wrapped optimizer steps."""
         return []
 
-    def after_update(self, optimizer: DPOptimizer, report: StepReport,
-                     closure: Callable[[], Any] | None) -> list[dpa.DpEvent]:
+    def after_update(self, step: StepContext) -> list[dpa.DpEvent]:
         """After the wrapped optimizer stepped."""
         return []
 
@@ -52,6 +53,55 @@ class StepComponent:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - stateless by default
         """Restore :meth:`state_dict`."""
+
+
+class UpdateControl:
+    """What a step component may do to the update of the wrapped optimizer: read the parameters, set
+    the learning rate, and see the update it would make now without making it. Inside, the optimizer
+    runs without step hooks: a trial step is not a real step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self._optimizer = optimizer
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [p for group in self._optimizer.param_groups for p in group["params"]]
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of every parameter group (public: chosen from released values only)."""
+        for group in self._optimizer.param_groups:
+            group["lr"] = lr
+
+    def trial_update(self) -> list[torch.Tensor]:
+        """The update Δ the optimizer would apply now to each of :attr:`params`; its state and the
+        weights are left exactly as they were."""
+        params = self.params
+        saved = [p.detach().clone() for p in params]
+        state = copy.deepcopy(self._optimizer.state_dict())
+        with _without_step_hooks(self._optimizer):
+            self._optimizer.step()
+        with torch.no_grad():
+            update = [p.detach() - w for p, w in zip(params, saved)]
+            for p, w in zip(params, saved):
+                p.copy_(w)
+        self._optimizer.load_state_dict(state)
+        return update
+
+
+@dataclass
+class StepContext:
+    """One private step as a component sees it.
+
+    ``report`` says what the step released from; ``closure`` is the user's closure (with ``lr="auto"``,
+    the batch's per-sample losses); ``update`` controls the wrapped optimizer's update;
+    ``thresholds`` are those the step clipped with, and a component that adapts them sets
+    ``next_thresholds`` (by group name) for the steps that follow."""
+
+    report: StepReport
+    closure: Callable[[], Any] | None
+    update: UpdateControl
+    thresholds: dict[str, float]
+    next_thresholds: dict[str, float] | None = None
 
 
 @dataclass
@@ -78,6 +128,8 @@ class DPOptimizer(torch.optim.Optimizer):
         sample_rate: the Poisson sampling rate q of every logical batch.
         expected_batch_size: ``q·N``; the noisy sum is divided by it (never by the private batch size).
         schedule: logical-step bookkeeping shared with the Poisson loader.
+        accumulator: where the engine books the step's clipped sums; the optimizer pops it once per
+            logical step and releases what it holds.
 
     ``planned_steps`` (set by ``make_private``; ``None`` for no plan) is the length of training the noise
     was calibrated for: the first step beyond it warns that ε now grows past the target.
@@ -87,13 +139,13 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: ClippingEngine,
                  release: GradientRelease, ledger: Ledger, sample_rate: float,
-                 expected_batch_size: float, schedule: StepSchedule):
+                 expected_batch_size: float, schedule: StepSchedule, accumulator: StepAccumulator):
         if isinstance(optimizer, DPOptimizer):
             raise ValueError("the optimizer is already private; pass the original optimizer")
         self.original = optimizer
         self.engine, self.release, self.ledger = engine, release, ledger
         self.sample_rate, self.expected_batch_size = sample_rate, expected_batch_size
-        self.schedule = schedule
+        self.schedule, self.accumulator = schedule, accumulator
         self.last_step: StepReport | None = None
         self.components: list[StepComponent] = []
         self.closure_gives_per_sample_losses = False
@@ -204,7 +256,7 @@ class DPOptimizer(torch.optim.Optimizer):
             try:
                 verify_example_independence(self.engine.model, self.engine, inputs.args, inputs.kwargs)
             except PrivacyError:
-                self.engine.pop_step()
+                self.accumulator.pop()
                 raise
             self.verified = True
         self.engine.retain_inputs = self._verification_due(self.ledger.steps + 2)
@@ -238,22 +290,23 @@ class DPOptimizer(torch.optim.Optimizer):
         self._warn_past_plan()
         self.engine.check_no_leak()
         self._verify_independence()
-        sums, examples, norms = self.engine.pop_step()
-        noisy, event = self.release.release(sums)
+        booked = self.accumulator.pop()
+        thresholds = dict(self.engine.thresholds)
+        noisy, event = self.release.release(booked.sums, thresholds)
         events = [event]
         self.ledger.record_step(self.sample_rate, events)
         for p, total in noisy.items():
             p.grad = (total / self.expected_batch_size).to(p.dtype)
-        report = StepReport(step=self.ledger.steps, examples=examples, group_norms=norms,
-                            thresholds={g.name: g.threshold for g in self.engine.groups})
-        with _without_step_hooks(self.original):
-            for component in self.components:
-                self._record(events, component.before_update(self, report, closure))
+        report = StepReport(step=self.ledger.steps, examples=booked.examples,
+                            group_norms=booked.group_norms, thresholds=thresholds)
+        context = StepContext(report, closure, UpdateControl(self.original), thresholds)
+        for component in self.components:
+            self._record(events, component.before_update(context))
         self.original.step()
-        with _without_step_hooks(self.original):
-            for component in self.components:
-                self._record(events, component.after_update(self, report, closure))
-        self.engine.set_thresholds({g.name: g.threshold for g in self.engine.groups})
+        for component in self.components:
+            self._record(events, component.after_update(context))
+        if context.next_thresholds is not None:
+            self.engine.set_thresholds(context.next_thresholds)
         self.last_step = report
 
     def _record(self, events: list[dpa.DpEvent], more: list[dpa.DpEvent]) -> None:

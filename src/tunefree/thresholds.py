@@ -17,7 +17,7 @@ The split is solved with the rest of the run's budget in ``privacy.plan``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ import dp_accounting as dpa
 import torch
 
 from .grouping import ClipGroup
-from .optim import DPOptimizer, StepComponent, StepReport
+from .optim import StepComponent, StepContext, StepReport
 from .privacy.mechanisms import release_counts
 from .privacy.randomness import Randomness
 
@@ -45,7 +45,8 @@ class QuantileSettings:
 
 class QuantileEstimator(StepComponent):
     """Releases each group's count of examples below its quantile estimate Qₖ and moves Qₖ towards
-    the target quantile of the group's per-sample norms; sets the groups' thresholds from Qₖ.
+    the target quantile of the group's per-sample norms; returns the groups' next thresholds, made
+    from Qₖ (the groups themselves are never changed).
 
     With Abadi clipping the thresholds are the estimates, ``Cₖ = Qₖ`` (Algorithm 1). With the
     normalising clip functions (AUTO-S, AUTO-V, PSAC) a threshold only scales its group's update,
@@ -54,8 +55,7 @@ class QuantileEstimator(StepComponent):
     ``Cₖ = scale·Qₖ/‖Q‖``, so the learning rate keeps its meaning while the norms drift.
 
     Args:
-        groups: the clip groups; their ``threshold`` (read at clip time) is set here, and its value
-            at construction is the initial estimate Qₖ.
+        groups: the clip groups; each one's configured ``threshold`` is its initial estimate Qₖ.
         settings: target quantile q, learning rate η and budget fraction r.
         count_std: σ_b, the noise standard deviation of each group's count (0 only when privacy is
             off, for debugging).
@@ -75,13 +75,13 @@ class QuantileEstimator(StepComponent):
         self.scale = scale
         self.quantiles = {g.name: g.threshold for g in self.groups}
         self.unclipped_fractions: dict[str, float] | None = None
-        self._set_thresholds()
 
-    def _set_thresholds(self) -> None:
+    def thresholds(self) -> dict[str, float]:
+        """The clip threshold of each group (by name) that follows from the current estimates."""
+        if self.scale is None:
+            return dict(self.quantiles)
         norm = math.sqrt(sum(v ** 2 for v in self.quantiles.values()))
-        for g in self.groups:
-            estimate = self.quantiles[g.name]
-            g.threshold = estimate if self.scale is None else self.scale * estimate / norm
+        return {name: self.scale * estimate / norm for name, estimate in self.quantiles.items()}
 
     def centred_counts(self, report: StepReport) -> torch.Tensor:
         """``Σᵢ (1[‖gᵢₖ‖ ≤ Qₖ] − ½)`` of each group (a group without gradient this step has
@@ -99,16 +99,21 @@ class QuantileEstimator(StepComponent):
             counts[[k for k, _ in pairs]] += values
         return counts
 
-    def after_update(self, optimizer: DPOptimizer, report: StepReport,
-                     closure: Callable[[], Any] | None) -> list[dpa.DpEvent]:
-        """Release the counts against the estimates this step clipped with, then update them."""
+    def after_update(self, step: StepContext) -> list[dpa.DpEvent]:
+        """Release the counts against the estimates this step clipped with, update them, and set the
+        step's ``next_thresholds``."""
+        events = self.update(step.report)
+        step.next_thresholds = self.thresholds()
+        return events
+
+    def update(self, report: StepReport) -> list[dpa.DpEvent]:
+        """Release the counts of ``report``'s norms against the current estimates and move them."""
         counts, event = release_counts(self.centred_counts(report), self.count_std, self.randomness)
         fractions = (counts / self.expected_batch_size + 0.5).tolist()
         q, eta = self.settings.target_quantile, self.settings.learning_rate
         for g, fraction in zip(self.groups, fractions, strict=True):
             self.quantiles[g.name] *= math.exp(-eta * (fraction - q))
         self.unclipped_fractions = {g.name: f for g, f in zip(self.groups, fractions, strict=True)}
-        self._set_thresholds()
         return [event]
 
     def state_dict(self) -> dict[str, Any]:
@@ -119,4 +124,3 @@ class QuantileEstimator(StepComponent):
             raise ValueError("the checkpoint's quantile estimates are for other clip groups")
         self.quantiles = {name: float(state["quantiles"][name]) for name in self.quantiles}
         self.unclipped_fractions = state["unclipped_fractions"]
-        self._set_thresholds()

@@ -4,7 +4,7 @@ accounted as. The optimizer records the events of one step in the ledger as one 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import dp_accounting as dpa
 import torch
@@ -17,26 +17,25 @@ from .randomness import Randomness
 NOISE_ALLOCATIONS = ("global", "equal-budget", "weighted")
 
 
-def allocation_weights(groups: Sequence[ClipGroup], allocation: str) -> list[float]:
-    """γₖ of the group-wise clipping paper (Algorithm 1, line 13): global γₖ = 1, equal-budget
-    γₖ = Cₖ, weighted γₖ = Cₖ/√dₖ."""
+def allocation_weights(thresholds: Sequence[float], sizes: Sequence[int], allocation: str) -> list[float]:
+    """γₖ of the group-wise clipping paper (Algorithm 1, line 13) for groups of thresholds Cₖ and
+    dₖ coordinates: global γₖ = 1, equal-budget γₖ = Cₖ, weighted γₖ = Cₖ/√dₖ."""
     if allocation == "global":
-        return [1.0] * len(groups)
+        return [1.0] * len(thresholds)
     if allocation == "equal-budget":
-        return [g.threshold for g in groups]
+        return list(thresholds)
     if allocation == "weighted":
-        return [g.threshold / math.sqrt(g.size) for g in groups]
+        return [c / math.sqrt(d) for c, d in zip(thresholds, sizes)]
     raise ValueError(f"unknown noise_allocation {allocation!r}: use one of {NOISE_ALLOCATIONS}")
 
 
-def group_noise_stds(groups: Sequence[ClipGroup], noise_multiplier: float,
+def group_noise_stds(thresholds: Sequence[float], sizes: Sequence[int], noise_multiplier: float,
                      allocation: str = "global") -> list[float]:
     """Noise standard deviation σₖ = c·γₖ of each group, with c chosen so that the release is exactly
     a Gaussian mechanism of noise multiplier σ: ``Σₖ (Cₖ/σₖ)² = 1/σ²``. With γₖ = 1 every coordinate
     gets σ·S, S = √(Σₖ Cₖ²)."""
-    gammas = allocation_weights(groups, allocation)
-    scale = noise_multiplier * math.sqrt(sum((g.threshold / gamma) ** 2
-                                             for g, gamma in zip(groups, gammas)))
+    gammas = allocation_weights(thresholds, sizes, allocation)
+    scale = noise_multiplier * math.sqrt(sum((c / gamma) ** 2 for c, gamma in zip(thresholds, gammas)))
     return [scale * gamma for gamma in gammas]
 
 
@@ -44,8 +43,9 @@ class GradientRelease:
     """Releases the clipped gradient sums with Gaussian noise (the Gaussian mechanism of DP-SGD).
 
     Args:
-        groups: the clip groups; their thresholds are the sensitivity of each group's sum.
-        noise_multiplier: σ, the noise relative to the total sensitivity.
+        groups: the clip groups whose sums are released.
+        noise_multiplier: σ, the noise relative to the total sensitivity √(Σₖ Cₖ²) of the thresholds
+            each release is made with.
         randomness: the run's source of noise.
         allocation: how the noise is spread over groups (``"global"``, ``"equal-budget"``,
             ``"weighted"``); the privacy cost is that of σ whatever the choice.
@@ -55,18 +55,26 @@ class GradientRelease:
                  randomness: Randomness, allocation: str = "global"):
         if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
             raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier}")
-        allocation_weights(groups, allocation)  # validates the name
+        if allocation not in NOISE_ALLOCATIONS:
+            raise ValueError(f"unknown noise_allocation {allocation!r}: use one of {NOISE_ALLOCATIONS}")
         self.groups, self.noise_multiplier = list(groups), noise_multiplier
         self.randomness, self.allocation = randomness, allocation
 
-    def noise_stds(self) -> list[float]:
-        return group_noise_stds(self.groups, self.noise_multiplier, self.allocation)
+    def noise_stds(self, thresholds: Mapping[str, float]) -> list[float]:
+        """Each group's noise standard deviation when its sum was clipped at ``thresholds[name]``."""
+        return group_noise_stds([thresholds[g.name] for g in self.groups], [g.size for g in self.groups],
+                                self.noise_multiplier, self.allocation)
 
-    def release(self, sums: dict[nn.Parameter, torch.Tensor]
+    def release(self, sums: dict[nn.Parameter, torch.Tensor], thresholds: Mapping[str, float]
                 ) -> tuple[dict[nn.Parameter, torch.Tensor], dpa.DpEvent]:
-        """Noisy sums for every parameter of every group (a parameter without a sum gets noise only)."""
+        """Noisy sums for every parameter of every group (a parameter without a sum gets noise only).
+
+        ``thresholds`` are those the sums were clipped with (by group name): each group's sum has
+        sensitivity ``thresholds[name]``, and the noise is calibrated to them."""
+        if set(thresholds) != {g.name for g in self.groups}:
+            raise ValueError(f"thresholds must name exactly the clip groups {[g.name for g in self.groups]}")
         noisy = {}
-        for group, std in zip(self.groups, self.noise_stds()):
+        for group, std in zip(self.groups, self.noise_stds(thresholds)):
             for p in group.params:
                 total = sums.get(p)
                 if total is None:
