@@ -38,6 +38,22 @@ class TiedByModule(TiedByRead):
         return self.head(self.tok(ids).mean(1) * self.gain)
 
 
+class TiedReadFirst(TiedByRead):
+    """The same head, its weight read before the embedding module runs."""
+
+    def forward(self, ids):
+        head = self.tok.weight * 1.0
+        return F.linear(self.tok(ids).mean(1) * self.gain, head)
+
+
+class ReadNeverCalled(TiedByRead):
+    """The embedding's weight only read directly, its module never called: the fallback owns it."""
+
+    def forward(self, ids):
+        h = F.embedding(ids, self.tok.weight).mean(1) * self.gain
+        return F.linear(h, self.tok.weight)
+
+
 def engine_for(model, clip):
     groups = make_groups(model, "all-layer", 0.3)
     return ClippingEngine(model, groups, clip), groups
@@ -64,5 +80,26 @@ def test_the_suggested_tied_module_inside_a_fallback_unit_matches_brute_force():
     engine.detach()
     expected, _ = clipped_sum(per_example_grads(model, F.cross_entropy, ids, y), groups, clip)
     assert examples == 4
+    for p in (model.tok.weight, model.gain):
+        torch.testing.assert_close(sums[p], expected[p], rtol=1e-7, atol=1e-10)
+
+
+def test_a_tied_weight_read_before_its_module_runs_is_refused_at_the_forward():
+    model = TiedReadFirst()
+    engine_for(model, ClipFunction("abadi"))
+    with pytest.raises(PrivacyError, match="'tok.weight'.*outside the forward.*nn.Linear sharing the weight"):
+        model(torch.randint(0, 9, (3, 5)))
+
+
+def test_a_weight_whose_module_never_runs_belongs_to_the_fallback_and_matches_brute_force():
+    torch.manual_seed(1)
+    model = ReadNeverCalled().double()
+    ids, y = torch.randint(0, 9, (4, 5)), torch.tensor([1, 2, 3, 0])
+    clip = ClipFunction("abadi")
+    engine, groups = engine_for(model, clip)
+    F.cross_entropy(model(ids), y).backward()
+    sums, _, _ = engine.pop_step()
+    engine.detach()
+    expected, _ = clipped_sum(per_example_grads(model, F.cross_entropy, ids, y), groups, clip)
     for p in (model.tok.weight, model.gain):
         torch.testing.assert_close(sums[p], expected[p], rtol=1e-7, atol=1e-10)

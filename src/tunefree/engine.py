@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .accumulator import StepAccumulator
@@ -120,6 +121,7 @@ class _Frame:
     unit: Unit
     saved: list[tuple[nn.Parameter, bool]]  # requires_grad flags to restore after the call
     fired: set[Unit] = field(default_factory=set)  # units called inside it (for fallback units)
+    reads: _ParameterReads | None = None  # parameters its own code reads (for fallback units)
 
 
 @dataclass(eq=False)
@@ -140,6 +142,7 @@ class _PassState:
     batch_storages: set[int] = field(default_factory=set)  # storages of the model call's inputs
     model_storages: set[int] = field(default_factory=set)  # storages of parameters and buffers
     in_backward: bool = False
+    in_hook: bool = False  # the engine's own forward hooks are running (not the model's code)
 
 
 class ClippingEngine:
@@ -270,6 +273,24 @@ class ClippingEngine:
                 )
 
     def _pre_forward(self, unit: Unit) -> None:
+        with self._engine_hook():
+            self._enter_unit(unit)
+
+    def _post_forward(self, unit: Unit, args: tuple, kwargs: dict, output: Any) -> Any:
+        with self._engine_hook():
+            return self._leave_unit(unit, args, kwargs, output)
+
+    @contextmanager
+    def _engine_hook(self) -> Iterator[None]:
+        """Marks the engine's own work in a forward hook, which reads parameters for no model output."""
+        state = self._pass
+        state.in_hook = True
+        try:
+            yield
+        finally:
+            state.in_hook = False
+
+    def _enter_unit(self, unit: Unit) -> None:
         if not self._capturing():
             return
         if self._pass.in_backward:
@@ -285,9 +306,12 @@ class ClippingEngine:
             p.requires_grad_(False)
         self._pass.frames.append(_Frame(unit, saved))
         if unit.rule is None:
-            self._pass.fallback_stack.append(self._pass.frames[-1])
+            frame = self._pass.frames[-1]
+            frame.reads = _ParameterReads(self._pass, set(params))
+            frame.reads.__enter__()
+            self._pass.fallback_stack.append(frame)
 
-    def _post_forward(self, unit: Unit, args: tuple, kwargs: dict, output: Any) -> Any:
+    def _leave_unit(self, unit: Unit, args: tuple, kwargs: dict, output: Any) -> Any:
         if not self._pass.frames or self._pass.frames[-1].unit is not unit:
             return None  # not capturing this call
         frame = self._pass.frames.pop()
@@ -295,6 +319,7 @@ class ClippingEngine:
             p.requires_grad_(flag)
         if unit.rule is None:
             self._pass.fallback_stack.pop()
+            self._check_reads(frame)
         if self._pass.fallback_stack:
             # Inside a fallback call, a unit that ran answers for its own parameters: any further read
             # of them there (a tied head, F.linear(h, tok.weight)) must reach autograd, where the
@@ -321,6 +346,21 @@ class ClippingEngine:
             self._pass.uses_of[p] += 1
         self._pass.uses.append(use)
         return tree_unflatten(leaves, spec)
+
+    def _check_reads(self, frame: _Frame) -> None:
+        """A fallback unit's own code read a parameter of a unit it also called: that read's share
+        of the gradient would reach neither the unit's rule nor the fallback's re-run, and is refused."""
+        frame.reads.__exit__(None, None, None)
+        fired = {p: name for u in frame.fired for name, p in u.direct.items()}
+        lost = [p for p in frame.reads.seen if p in fired]
+        if lost:
+            names = {p: n for n, p in self.model.named_parameters()}
+            raise PrivacyError(
+                f"parameter {names.get(lost[0], fired[lost[0]])!r} is used outside the forward of the "
+                f"module that owns it, in the forward of {type(frame.unit.module).__name__} (handled "
+                "by tunefree's generic fallback), which also calls that module: that use's share of "
+                "the gradient would be lost. Use the parameter only through its module (for a tied "
+                "output head, an nn.Linear sharing the weight)")
 
     def _from_batch(self, args: tuple, kwargs: dict) -> tuple[bool, ...]:
         """For each input leaf: derived from the batch, i.e. downstream of hooked outputs (requires
@@ -532,15 +572,47 @@ class ClippingEngine:
                 "with model.train() and let the private optimizer produce the gradients"
             )
 
-    def clear_leaks(self) -> None:
-        self._leaked.clear()
-
     def pop_step(self) -> tuple[dict[nn.Parameter, torch.Tensor], int, dict[str, torch.Tensor]]:
         """Hand over the clipped sums, example count and per-group norms booked so far
         (``accumulator.pop()`` as a tuple) — for standalone use of the engine; a private run's
         optimizer pops the accumulator itself."""
         result = self.accumulator.pop()
         return result.sums, result.examples, result.group_norms
+
+
+# Tensor methods and attributes that read a parameter's metadata or switch its flags, not its values.
+_NOT_A_READ = frozenset({
+    "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "ndim", "layout", "data", "size",
+    "dim", "numel", "requires_grad_", "detach", "data_ptr", "untyped_storage", "element_size", "stride",
+    "is_floating_point", "is_complex", "is_contiguous", "__hash__", "__repr__", "__format__", "__len__",
+})
+
+
+class _ParameterReads(TorchFunctionMode):
+    """While a fallback unit's forward runs: which of ``watched`` (its subtree's parameters) its own
+    code reads with gradients enabled — not inside a captured unit's forward, which answers for its
+    own parameters, nor in the engine's own hooks (``state.in_hook``)."""
+
+    def __init__(self, state: _PassState, watched: set[nn.Parameter]):
+        super().__init__()
+        self.state, self.watched = state, watched
+        self.seen: set[nn.Parameter] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        frames = self.state.frames
+        if (torch.is_grad_enabled() and not self.state.in_hook and frames and frames[-1].unit.rule is None
+                and _method_name(func) not in _NOT_A_READ):
+            for leaf in tree_flatten((args, kwargs))[0]:
+                if isinstance(leaf, nn.Parameter) and leaf in self.watched:
+                    self.seen.add(leaf)
+        return func(*args, **kwargs)
+
+
+def _method_name(func: Any) -> str:
+    """``torch.Tensor.shape.__get__`` → ``shape``; a function's own name otherwise."""
+    name = resolve_name(func) or ""
+    return name.removeprefix("torch.Tensor.").removesuffix(".__get__")
 
 
 class _no_autocast:
