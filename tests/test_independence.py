@@ -1,5 +1,6 @@
 import pytest
 import torch
+from mixing_models import CenterMix, FunctionMix, TimeMajorLinear, fallback_mix, hook_mix
 from torch import nn
 
 from tunefree.clipping import ClipFunction
@@ -9,31 +10,11 @@ from tunefree.grouping import make_groups
 from tunefree.independence import verify_example_independence
 
 
-class CenterMix(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, 4)
-        self.out = nn.Linear(4, 2)
-
-    def forward(self, x):
-        h = self.fc(x)
-        return self.out(h - h.mean(0))
-
-
-class TimeMajor(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, 3)
-
-    def forward(self, x):  # x [B, T, F] is treated as [T, B, F] by a mean over dim 1
-        return self.fc(x.transpose(0, 1)).mean(1)
-
-
 def engine_for(model):
     return ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("abadi"), "sum")
 
 
-@pytest.mark.parametrize(("model", "shape"), [(CenterMix(), (4, 3)), (TimeMajor(), (4, 4, 3))])
+@pytest.mark.parametrize(("model", "shape"), [(CenterMix(), (4, 3)), (TimeMajorLinear(), (4, 4, 3))])
 def test_forward_mixing_is_refused(model, shape):
     x = torch.randn(*shape)
     with pytest.raises(PrivacyError, match="mixes examples"):
@@ -47,28 +28,8 @@ def test_clean_mlp_with_dropout_passes_and_leaves_no_grad():
     assert model.training
 
 
-class MixGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h):
-        return h.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g + g.mean(0, keepdim=True)
-
-
-class BackwardMix(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, 4)
-        self.out = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.out(MixGrad.apply(self.fc(x)))
-
-
 def test_backward_mixing_custom_function_is_refused():
-    model = BackwardMix()
+    model = FunctionMix()
     with pytest.raises(PrivacyError, match="backward"):
         verify_example_independence(model, engine_for(model), (torch.randn(4, 3),), {})
 
@@ -110,33 +71,20 @@ class MixIntoLast(torch.autograd.Function):
 
 
 def test_backward_mixing_into_the_last_example_only_is_refused():
-    model = BackwardMix()
+    model = FunctionMix()
     model.forward = lambda x: model.out(MixIntoLast.apply(model.fc(x)))
     with pytest.raises(PrivacyError, match="mixes examples in its backward: example 3"):
         verify_example_independence(model, engine_for(model), (torch.randn(4, 3),), {})
 
 
 def test_mixing_full_backward_hook_is_refused():
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
-    model[1].register_full_backward_hook(lambda m, gin, gout: (gin[0] + gin[0].mean(0, keepdim=True),))
+    model = hook_mix()
     with pytest.raises(PrivacyError, match="mixes examples in its backward"):
         verify_example_independence(model, engine_for(model), (torch.randn(4, 3),), {})
 
 
-class MixingFallback(nn.Module):
-    """A fallback unit (a bare nn.Parameter, no layer rule) whose forward mixes the examples."""
-
-    def __init__(self):
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(4))
-
-    def forward(self, h):
-        h = h * self.scale
-        return h - h.mean(0)
-
-
 def test_mixing_fallback_module_is_refused_by_name():
-    model = nn.Sequential(nn.Linear(3, 4), MixingFallback(), nn.Linear(4, 2))
+    model = fallback_mix()
     engine = engine_for(model)
     assert engine.units[1].rule is None  # the mixing module is a fallback unit
     with pytest.raises(PrivacyError, match="module '1' mixes examples in its forward"):

@@ -7,6 +7,7 @@ can be wrong without exceeding R, match the brute force (or leave a frozen param
 
 import pytest
 import torch
+from mixing_models import CenterMix, FunctionMix, TimeMajorLinear, fallback_mix, hook_mix
 from neighbour import (
     StepContext,
     brute_force_release,
@@ -123,28 +124,6 @@ def test_clean_model_stays_within_R_and_matches_brute_force(factory, shape, inte
 
 
 # --------------------------------------------------------------------- example-mixing computations
-class CenterMix(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, 4)
-        self.out = nn.Linear(4, 2)
-
-    def forward(self, x):
-        h = self.fc(x)
-        return self.out(h - h.mean(0))
-
-
-class TimeMajorLinear(nn.Module):
-    """Reads x [B, T, F] as time-major [T, B, F] (T == B) and pools over its 'time' dimension."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, 2)
-
-    def forward(self, x):
-        return self.fc(x.transpose(0, 1)).mean(1)
-
-
 @pytest.mark.parametrize(("factory", "shape"), [(CenterMix, (5, 3)), (TimeMajorLinear, (4, 4, 3))])
 def test_example_mixing_is_refused_or_bounded(factory, shape):
     x, y = data(shape)
@@ -174,48 +153,7 @@ def test_batch_second_attention_is_exact_or_refused(encoder_layer, steps):
     exact_or_refused(lambda: TimeMajorAttention(encoder_layer), x, y)
 
 
-class FallbackMix(nn.Module):
-    """A fallback unit (a bare nn.Parameter) whose forward mixes the examples."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, 4)
-        self.scale = nn.Parameter(torch.ones(4))
-        self.out = nn.Linear(4, 2)
-
-    def forward(self, x):
-        h = self.fc(x) * self.scale
-        return self.out(h + h.sum(0))
-
-
-class MixBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h):
-        return h.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g + 3 * g.sum(0, keepdim=True)
-
-
-class FunctionMix(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, 4)
-        self.out = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.out(MixBackward.apply(self.fc(x)))
-
-
-def hook_mix():
-    """A full-backward hook whose returned input gradient mixes the examples."""
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
-    model[1].register_full_backward_hook(lambda m, gin, gout: (gin[0] + 3 * gin[0].sum(0, keepdim=True),))
-    return model
-
-
-@pytest.mark.parametrize("factory", [FallbackMix, FunctionMix, hook_mix],
+@pytest.mark.parametrize("factory", [fallback_mix, FunctionMix, hook_mix],
                          ids=["fallback-forward", "function-backward", "full-backward-hook"])
 def test_mixing_module_function_or_hook_is_refused_or_bounded(factory):
     x, y = data((4, 3))
