@@ -55,3 +55,20 @@ def test_seeded_releases_replay_and_secure_releases_differ():
     secure = [release_counts(counts, 1.0, Randomness(seed=7, secure=True))[0] for _ in range(2)]
     assert not torch.equal(secure[0], secure[1])
     assert not torch.equal(secure[0], a)
+
+
+def test_secure_normals_are_standard_and_independent_across_shapes_and_pairs():
+    """One secure draw for several shapes (odd total, so Box-Muller's pairs are split unevenly): each
+    coordinate is N(0, 1) and the cosine and sine halves of the pairs are uncorrelated."""
+    shapes = [torch.Size([301, 67]), torch.Size([5]), torch.Size([2, 3, 4])]
+    draws = Randomness().normals(shapes, torch.device("cpu"), torch.float64)
+    assert [d.shape for d in draws] == shapes
+    z = torch.cat([d.flatten() for d in draws])
+    n = z.numel()
+    assert abs(float(z.mean())) < 5 / math.sqrt(n)
+    assert abs(float(z.std()) - 1) < 5 / math.sqrt(2 * n)
+    half = n // 2
+    correlation = float((z[:half] * z[(n + 1) // 2:(n + 1) // 2 + half]).mean())
+    assert abs(correlation) < 5 / math.sqrt(half)
+    kurtosis = float((z ** 4).mean())  # 3 for a normal; uniform-ish or heavy tails would miss it
+    assert abs(kurtosis - 3) < 0.15

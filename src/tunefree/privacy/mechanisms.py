@@ -73,15 +73,19 @@ class GradientRelease:
         sensitivity ``thresholds[name]``, and the noise is calibrated to them."""
         if set(thresholds) != {g.name for g in self.groups}:
             raise ValueError(f"thresholds must name exactly the clip groups {[g.name for g in self.groups]}")
-        noisy = {}
+        noisy, to_noise = {}, {}
         for group, std in zip(self.groups, self.noise_stds(thresholds)):
             for p in group.params:
                 total = sums.get(p)
                 if total is None:
                     total = torch.zeros(p.shape, device=p.device, dtype=accumulation_dtype(p.dtype))
-                if std > 0:
-                    total = total + std * self.randomness.normal(p.shape, p.device, total.dtype)
                 noisy[p] = total
+                if std > 0:
+                    to_noise.setdefault((total.device, total.dtype), []).append((p, std))
+        for (device, dtype), entries in to_noise.items():  # one draw per device and precision
+            draws = self.randomness.normals([p.shape for p, _ in entries], device, dtype)
+            for (p, std), noise in zip(entries, draws):
+                noisy[p] = noisy[p] + std * noise
         return noisy, dpa.GaussianDpEvent(self.noise_multiplier)
 
 

@@ -33,6 +33,14 @@ def _secure_uniform(count: int) -> torch.Tensor:
     return torch.from_numpy((raw.astype(np.float64) + 0.5) / float(2**53))
 
 
+def _secure_normal(count: int) -> torch.Tensor:
+    """``count`` standard normals (float64) from ``os.urandom``: Box-Muller, both of each pair used."""
+    half = (count + 1) // 2
+    radius = torch.sqrt(-2 * torch.log(_secure_uniform(half)))
+    angle = 2 * math.pi * _secure_uniform(half)
+    return torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[:count]
+
+
 class Randomness:
     """Samples and noise for one run.
 
@@ -73,12 +81,18 @@ class Randomness:
 
     def normal(self, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """Standard normal noise of ``shape``."""
-        if self.secure:
-            count = math.prod(shape)
-            u1, u2 = _secure_uniform(count), _secure_uniform(count)
-            z = torch.sqrt(-2 * torch.log(u1)) * torch.cos(2 * math.pi * u2)  # Box-Muller
-            return z.reshape(shape).to(device=device, dtype=dtype)
-        return torch.randn(shape, generator=self._generator(device), device=device, dtype=dtype)
+        return self.normals([shape], device, dtype)[0]
+
+    def normals(self, shapes: list[torch.Size], device: torch.device, dtype: torch.dtype
+                ) -> list[torch.Tensor]:
+        """Independent standard normal noise of each shape; secure draws are made in one piece (one
+        read of the OS generator and one transfer to ``device`` for all of them)."""
+        if not self.secure:
+            generator = self._generator(device)
+            return [torch.randn(shape, generator=generator, device=device, dtype=dtype) for shape in shapes]
+        sizes = [math.prod(shape) for shape in shapes]
+        z = _secure_normal(sum(sizes)).to(device=device, dtype=dtype)
+        return [chunk.reshape(shape) for chunk, shape in zip(z.split(sizes), shapes)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "secure": self.secure, "randomness": self.description,
