@@ -10,6 +10,8 @@ It probes the first and the last example, so mixing that flows only into one end
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -52,26 +54,47 @@ def _seed(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def _forward(model: nn.Module, units: list, args: tuple, kwargs: dict, seed: int) -> tuple[dict, object]:
-    """One forward under a fixed seed; returns {unit name: (tensors, example dims)} and the model output."""
-    records: dict[str, tuple[list[torch.Tensor], tuple[int, ...]]] = {}
+Visit = Callable[[str, list[torch.Tensor], tuple[int, ...]], None]
 
+
+def _forward(model: nn.Module, units: list, args: tuple, kwargs: dict, seed: int, visit: Visit) -> object:
+    """One forward under a fixed seed; ``visit(unit name, tensors, example dims)`` sees each call of a
+    trainable unit (its float inputs and outputs) as it happens. Returns the model output."""
     def hook_for(unit):
         def hook(module, inputs, output):
             outs = _floats(output)
             rule = unit.rule
             dims = rule.output_batch_dims(module, len(outs)) if rule is not None else (0,) * len(outs)
-            records[unit.name] = (_floats(inputs) + outs, (0,) * len(_floats(inputs)) + tuple(dims))
+            visit(unit.name, _floats(inputs) + outs, (0,) * len(_floats(inputs)) + tuple(dims))
         return hook
 
     handles = [u.module.register_forward_hook(hook_for(u)) for u in units]
     try:
         _seed(seed)
-        output = model(*args, **kwargs)
+        return model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
-    return records, output
+
+
+def _record(records: dict[str, list]) -> Visit:
+    """A visit that keeps every call's tensors, by unit name in call order."""
+    return lambda name, tensors, dims: records.setdefault(name, []).append((tensors, dims))
+
+
+def _compare(base: dict[str, list], n: int, k: int) -> Visit:
+    """A visit that checks each call against the same call of ``base`` as it happens (so that no second
+    set of activations is ever held): only example ``k`` may differ."""
+    calls: dict[str, int] = {}
+
+    def visit(name: str, tensors: list[torch.Tensor], dims: tuple[int, ...]) -> None:
+        index = calls[name] = calls.get(name, -1) + 1
+        same = index < len(base.get(name, [])) and len(tensors) == len(base[name][index][0]) and all(
+            _unchanged_elsewhere(a, b, d, n, k) for a, b, d in zip(base[name][index][0], tensors, dims))
+        if not same:
+            raise PrivacyError(f"module {name!r} mixes examples in its forward: changing example {k} "
+                               f"changed another example's activations. {_FIX}")
+    return visit
 
 
 def _without(t: torch.Tensor, dim: int, k: int) -> torch.Tensor:
@@ -111,17 +134,15 @@ def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: d
     probes = (0, n - 1)
     with torch.random.fork_rng(devices=_rng_devices()), engine.no_capture():
         with torch.no_grad():
-            base, _ = _forward(model, units, args, kwargs, seed)
+            base: dict[str, list] = {}
+            _forward(model, units, args, kwargs, seed, _record(base))
             for k in probes:
-                changed, _ = _forward(model, units, *_perturbed(args, kwargs, n, k), seed)
-                for name, (tensors, dims) in base.items():
-                    for a, b, d in zip(tensors, changed[name][0], dims, strict=True):
-                        if not _unchanged_elsewhere(a, b, d, n, k):
-                            raise PrivacyError(
-                                f"module {name!r} mixes examples in its forward: changing example {k} "
-                                f"changed another example's activations. {_FIX}")
-        records, output = _forward(model, units, args, kwargs, seed)
-        outs = [(t, d) for name in records for t, d in zip(*records[name], strict=True) if t.requires_grad]
+                _forward(model, units, *_perturbed(args, kwargs, n, k), seed, _compare(base, n, k))
+            del base  # held no longer than the forward checks need it
+        records: dict[str, list] = {}
+        output = _forward(model, units, args, kwargs, seed, _record(records))
+        outs = [(t, d, name) for name, calls in records.items() for tensors, dims in calls
+                for t, d in zip(tensors, dims, strict=True) if t.requires_grad]
         batched = [t for t in _floats(output) if t.dim() and t.shape[0] == n]
         if not outs or not batched:
             return
@@ -132,9 +153,9 @@ def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: d
             loss = sum((t * w).sum() for t, w in zip(batched, weights, strict=True))
             if not loss.requires_grad:
                 return
-            grads = torch.autograd.grad(loss, [t for t, _ in outs], allow_unused=True, retain_graph=True)
-            for (t, d), g in zip(outs, grads, strict=True):
+            grads = torch.autograd.grad(loss, [t for t, _, _ in outs], allow_unused=True, retain_graph=True)
+            for (_, d, name), g in zip(outs, grads, strict=True):
                 if g is not None and g.movedim(d, 0)[k].abs().sum() != 0:
-                    name = next(nm for nm in records if any(t is x for x in records[nm][0]))
                     raise PrivacyError(f"module {name!r} mixes examples in its backward: example {k} has "
                                        f"zero loss weight but nonzero output gradients. {_FIX}")
+            del grads  # one probe's gradients at a time
