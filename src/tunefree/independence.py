@@ -146,6 +146,7 @@ def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: d
         batched = [t for t in _floats(output) if t.dim() and t.shape[0] == n]
         if not outs or not batched:
             return
+        params = [p for u in units for p in u.direct.values() if p.requires_grad]
         for k in probes:
             weights = [_pattern(t) for t in batched]
             for w in weights:
@@ -153,9 +154,20 @@ def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: d
             loss = sum((t * w).sum() for t, w in zip(batched, weights, strict=True))
             if not loss.requires_grad:
                 return
-            grads = torch.autograd.grad(loss, [t for t, _, _ in outs], allow_unused=True, retain_graph=True)
-            for (_, d, name), g in zip(outs, grads, strict=True):
-                if g is not None and g.movedim(d, 0)[k].abs().sum() != 0:
-                    raise PrivacyError(f"module {name!r} mixes examples in its backward: example {k} has "
-                                       f"zero loss weight but nonzero output gradients. {_FIX}")
-            del grads  # one probe's gradients at a time
+            # Each output gradient is checked as the backward computes it, and dropped: only gradients
+            # the size of the parameters are ever held, as in training (returned, never written to .grad).
+            handles = [t.register_hook(_zero_at(k, d, name)) for t, d, name in outs]
+            try:
+                torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True)
+            finally:
+                for handle in handles:
+                    handle.remove()
+
+
+def _zero_at(k: int, dim: int, name: str) -> Callable[[torch.Tensor], None]:
+    """A gradient hook refusing any nonzero gradient at example ``k`` of unit ``name``'s tensor."""
+    def check(grad: torch.Tensor) -> None:
+        if grad.movedim(dim, 0)[k].abs().sum() != 0:
+            raise PrivacyError(f"module {name!r} mixes examples in its backward: example {k} has "
+                               f"zero loss weight but nonzero output gradients. {_FIX}")
+    return check
