@@ -139,3 +139,24 @@ def test_rng_state_is_restored():
     state = torch.get_rng_state()
     verify_example_independence(model, engine_for(model), (x,), {})
     assert torch.equal(torch.get_rng_state(), state)
+
+
+class WeakMix(nn.Module):
+    """Mixes the examples with a weight far below float32's resolution of the activations' sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 64)
+        self.out = nn.Linear(64, 2)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.out(h + 1e-6 * h[:, :1].mean(0))
+
+
+def test_weak_mixing_is_still_refused():
+    """The forward check keeps a projection of each example's activations, not the activations: a mixing
+    weight of 1e-6 still changes the other examples' projections."""
+    model = WeakMix()
+    with pytest.raises(PrivacyError, match="module 'out' mixes examples in its forward"):
+        verify_example_independence(model, engine_for(model), (torch.randn(4, 3) * 100,), {})

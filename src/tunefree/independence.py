@@ -11,6 +11,7 @@ It probes the first and the last example, so mixing that flows only into one end
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -82,35 +83,58 @@ def _record(records: dict[str, list]) -> Visit:
     return lambda name, tensors, dims: records.setdefault(name, []).append((tensors, dims))
 
 
+def _record_fingerprints(records: dict[str, list], n: int) -> Visit:
+    """A visit that keeps every call's fingerprints (not its activations), by unit name in call order."""
+    def visit(name: str, tensors: list[torch.Tensor], dims: tuple[int, ...]) -> None:
+        records.setdefault(name, []).append([_fingerprint(t, d, n) for t, d in zip(tensors, dims)])
+    return visit
+
+
 def _compare(base: dict[str, list], n: int, k: int) -> Visit:
-    """A visit that checks each call against the same call of ``base`` as it happens (so that no second
-    set of activations is ever held): only example ``k`` may differ."""
+    """A visit that checks each call against the same call of ``base`` as it happens: only example
+    ``k`` may differ."""
     calls: dict[str, int] = {}
 
     def visit(name: str, tensors: list[torch.Tensor], dims: tuple[int, ...]) -> None:
         index = calls[name] = calls.get(name, -1) + 1
-        same = index < len(base.get(name, [])) and len(tensors) == len(base[name][index][0]) and all(
-            _unchanged_elsewhere(a, b, d, n, k) for a, b, d in zip(base[name][index][0], tensors, dims))
+        same = index < len(base.get(name, [])) and len(tensors) == len(base[name][index]) and all(
+            _unchanged_elsewhere(a, _fingerprint(t, d, n), k)
+            for a, t, d in zip(base[name][index], tensors, dims))
         if not same:
             raise PrivacyError(f"module {name!r} mixes examples in its forward: changing example {k} "
                                f"changed another example's activations. {_FIX}")
     return visit
 
 
-def _without(t: torch.Tensor, dim: int, k: int) -> torch.Tensor:
-    """Every example of ``t`` (examples in ``dim``) except example ``k``."""
-    t = t.movedim(dim, 0)
-    return torch.cat([t[:k], t[k + 1:]])
+@dataclass(frozen=True)
+class _Fingerprint:
+    """What the forward checks keep of one tensor instead of the tensor: its shape and a projection of
+    each example's values (of the whole tensor if it has no example dimension) on a fixed pattern,
+    accumulated in float64. A deterministic forward reproduces it bit for bit; a changed row changes its
+    projection (a change cancelling exactly against the pattern is a measure-zero coincidence)."""
+
+    shape: tuple[int, ...]
+    batched: bool
+    rows: torch.Tensor
 
 
-def _unchanged_elsewhere(a: torch.Tensor, b: torch.Tensor, dim: int, n: int, k: int) -> bool:
-    """Whether changing example k left the other examples of ``a`` as they were. A tensor without the
-    batch in ``dim`` (a shared table, a mask) must not change at all."""
-    if a.shape != b.shape:
+def _fingerprint(t: torch.Tensor, dim: int, n: int) -> _Fingerprint:
+    batched = t.dim() > dim and t.shape[dim] == n
+    flat = t.detach().movedim(dim, 0).reshape(n, -1) if batched else t.detach().reshape(1, -1)
+    pattern = _pattern(flat[0]) + 2.0  # nowhere near zero
+    return _Fingerprint(tuple(t.shape), batched, (flat * pattern).sum(1, dtype=torch.float64))
+
+
+def _unchanged_elsewhere(a: _Fingerprint, b: _Fingerprint, k: int) -> bool:
+    """Whether changing example k left the other examples as they were. A tensor without the batch in
+    its example dimension (a shared table, a mask) must not change at all."""
+    if a.shape != b.shape or a.batched != b.batched:
         return False
-    if a.dim() <= dim or a.shape[dim] != n:
-        return torch.equal(a, b)
-    return torch.equal(_without(a, dim, k), _without(b, dim, k))
+    if not a.batched:
+        return torch.equal(a.rows, b.rows)
+    keep = torch.ones(a.rows.numel(), dtype=torch.bool, device=a.rows.device)
+    keep[k] = False
+    return torch.equal(a.rows[keep], b.rows[keep])
 
 
 def _rng_devices() -> list[int]:
@@ -135,10 +159,9 @@ def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: d
     with torch.random.fork_rng(devices=_rng_devices()), engine.no_capture():
         with torch.no_grad():
             base: dict[str, list] = {}
-            _forward(model, units, args, kwargs, seed, _record(base))
+            _forward(model, units, args, kwargs, seed, _record_fingerprints(base, n))
             for k in probes:
                 _forward(model, units, *_perturbed(args, kwargs, n, k), seed, _compare(base, n, k))
-            del base  # held no longer than the forward checks need it
         records: dict[str, list] = {}
         output = _forward(model, units, args, kwargs, seed, _record(records))
         outs = [(t, d, name) for name, calls in records.items() for tensors, dims in calls
