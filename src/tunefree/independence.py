@@ -78,11 +78,6 @@ def _forward(model: nn.Module, units: list, args: tuple, kwargs: dict, seed: int
             h.remove()
 
 
-def _record(records: dict[str, list]) -> Visit:
-    """A visit that keeps every call's tensors, by unit name in call order."""
-    return lambda name, tensors, dims: records.setdefault(name, []).append((tensors, dims))
-
-
 def _record_fingerprints(records: dict[str, list], n: int) -> Visit:
     """A visit that keeps every call's fingerprints (not its activations), by unit name in call order."""
     def visit(name: str, tensors: list[torch.Tensor], dims: tuple[int, ...]) -> None:
@@ -106,6 +101,9 @@ def _compare(base: dict[str, list], n: int, k: int) -> Visit:
     return visit
 
 
+_CHUNK = 1 << 20  # elements multiplied at once by a fingerprint
+
+
 @dataclass(frozen=True)
 class _Fingerprint:
     """What the forward checks keep of one tensor instead of the tensor: its shape and a projection of
@@ -120,9 +118,12 @@ class _Fingerprint:
 
 def _fingerprint(t: torch.Tensor, dim: int, n: int) -> _Fingerprint:
     batched = t.dim() > dim and t.shape[dim] == n
-    flat = t.detach().movedim(dim, 0).reshape(n, -1) if batched else t.detach().reshape(1, -1)
+    flat = t.detach().movedim(dim, 0).flatten(1) if batched else t.detach().reshape(1, -1)
     pattern = _pattern(flat[0]) + 2.0  # nowhere near zero
-    return _Fingerprint(tuple(t.shape), batched, (flat * pattern).sum(1, dtype=torch.float64))
+    rows = max(1, _CHUNK // max(1, flat.shape[1]))  # a few rows at a time: no copy of the whole tensor
+    projection = torch.cat([(flat[i:i + rows] * pattern).sum(1, dtype=torch.float64)
+                            for i in range(0, flat.shape[0], rows)])
+    return _Fingerprint(tuple(t.shape), batched, projection)
 
 
 def _unchanged_elsewhere(a: _Fingerprint, b: _Fingerprint, k: int) -> bool:
@@ -162,34 +163,48 @@ def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: d
             _forward(model, units, args, kwargs, seed, _record_fingerprints(base, n))
             for k in probes:
                 _forward(model, units, *_perturbed(args, kwargs, n, k), seed, _compare(base, n, k))
-        records: dict[str, list] = {}
-        output = _forward(model, units, args, kwargs, seed, _record(records))
-        outs = [(t, d, name) for name, calls in records.items() for tensors, dims in calls
-                for t, d in zip(tensors, dims, strict=True) if t.requires_grad]
-        batched = [t for t in _floats(output) if t.dim() and t.shape[0] == n]
-        if not outs or not batched:
-            return
-        params = [p for u in units for p in u.direct.values() if p.requires_grad]
-        for k in probes:
-            weights = [_pattern(t) for t in batched]
-            for w in weights:
-                w[k] = 0
-            loss = sum((t * w).sum() for t, w in zip(batched, weights, strict=True))
-            if not loss.requires_grad:
+        # Output gradients are checked by hooks as the backward computes them, and dropped; the hooks hold
+        # no activation, so only what autograd itself saves is kept, as in training.
+        probe = _Probe()
+        handles: list = []
+        try:
+            output = _forward(model, units, args, kwargs, seed, _hook_gradients(probe, handles))
+            batched = [t for t in _floats(output) if t.dim() and t.shape[0] == n and t.requires_grad]
+            params = [p for u in units for p in u.direct.values() if p.requires_grad]
+            if not handles or not batched:
                 return
-            # Each output gradient is checked as the backward computes it, and dropped: only gradients
-            # the size of the parameters are ever held, as in training (returned, never written to .grad).
-            handles = [t.register_hook(_zero_at(k, d, name)) for t, d, name in outs]
-            try:
-                torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True)
-            finally:
-                for handle in handles:
-                    handle.remove()
+            for k in probes:
+                weights = [_pattern(t) for t in batched]  # the loss Σ w·output, example k weighted 0
+                for w in weights:
+                    w[k] = 0
+                probe.example = k
+                torch.autograd.grad(batched, params, grad_outputs=weights, allow_unused=True,
+                                    retain_graph=k != probes[-1])  # returned, dropped: never in .grad
+                del weights
+        finally:
+            for handle in handles:
+                handle.remove()
 
 
-def _zero_at(k: int, dim: int, name: str) -> Callable[[torch.Tensor], None]:
-    """A gradient hook refusing any nonzero gradient at example ``k`` of unit ``name``'s tensor."""
+@dataclass
+class _Probe:
+    """The example whose loss weight is zero in the current gradient probe."""
+
+    example: int = 0
+
+
+def _hook_gradients(probe: _Probe, handles: list) -> Visit:
+    """A visit that hooks every unit tensor on the gradient path with a check of its gradient."""
+    def visit(name: str, tensors: list[torch.Tensor], dims: tuple[int, ...]) -> None:
+        handles.extend(t.register_hook(_zero_at(probe, d, name)) for t, d in zip(tensors, dims)
+                       if t.requires_grad)
+    return visit
+
+
+def _zero_at(probe: _Probe, dim: int, name: str) -> Callable[[torch.Tensor], None]:
+    """A gradient hook refusing any nonzero gradient at the probed example of unit ``name``'s tensor."""
     def check(grad: torch.Tensor) -> None:
+        k = probe.example
         if grad.movedim(dim, 0)[k].abs().sum() != 0:
             raise PrivacyError(f"module {name!r} mixes examples in its backward: example {k} has "
                                f"zero loss weight but nonzero output gradients. {_FIX}")
