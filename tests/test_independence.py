@@ -160,3 +160,10 @@ def test_weak_mixing_is_still_refused():
     model = WeakMix()
     with pytest.raises(PrivacyError, match="module 'out' mixes examples in its forward"):
         verify_example_independence(model, engine_for(model), (torch.randn(4, 3) * 100,), {})
+
+
+def test_backward_mixing_names_the_example_of_the_whole_batch():
+    model = FunctionMix()
+    model.forward = lambda x: model.out(MixIntoLast.apply(model.fc(x)))
+    with pytest.raises(PrivacyError, match="mixes examples in its backward: example 9 has"):
+        verify_example_independence(model, engine_for(model), (torch.randn(10, 3),), {})
