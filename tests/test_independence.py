@@ -167,3 +167,22 @@ def test_backward_mixing_names_the_example_of_the_whole_batch():
     model.forward = lambda x: model.out(MixIntoLast.apply(model.fc(x)))
     with pytest.raises(PrivacyError, match="mixes examples in its backward: example 9 has"):
         verify_example_independence(model, engine_for(model), (torch.randn(10, 3),), {})
+
+
+class SharedMaskInput(nn.Module):
+    """Takes a shared [T, T] mask as an input: with T == n it looks batched, and cutting it breaks the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x, mask):
+        return self.fc(x) @ mask  # x [n, T], mask [T, T]
+
+
+def test_gradient_probes_fall_back_to_the_whole_batch_when_a_cut_input_breaks_the_model():
+    model = SharedMaskInput()
+    engine = engine_for(model)
+    verify_example_independence(model, engine, (torch.randn(8, 6), torch.ones(6, 6)), {})
+    n_equals_t = (torch.randn(6, 6), torch.tril(torch.ones(6, 6)))  # the cut mask is [4, 6]: matmul fails
+    verify_example_independence(model, engine, n_equals_t, {})
