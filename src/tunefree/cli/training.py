@@ -58,7 +58,8 @@ class TrainConfig:
     runs, exactly ``planned_steps(epochs, steps, q)`` logical steps. ``schema`` is the path of a table's
     public schema (category sets, value ranges); ``numeric_scaling`` is ``"private"`` (numeric columns
     with no public range are standardised by an accounted private estimate) or ``"none"`` (fed as
-    they are). ``hidden`` sizes the default MLP's hidden layers (``None``: one of 128)."""
+    they are). ``hidden`` sizes the default MLP's hidden layers (``None``: one of 128). The papers'
+    knobs (``KNOBS`` and ``noise_allocation``) are the ``make_private`` keywords of the same names."""
 
     dataset: str = "digits"
     label_column: str = "label"
