@@ -154,7 +154,8 @@ def test_default_run_is_secure_and_a_seeded_run_says_the_seed_removes_the_noise(
     assert code == 0
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["config"]["seed"] is None and result["randomness"] == "secure"
-    assert "randomness: secure" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "randomness: secure" in out and result["delta_choice"] in out
 
 
 @pytest.mark.parametrize("args, expected", [

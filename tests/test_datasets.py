@@ -9,8 +9,9 @@ import struct
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
-from tunefree.cli import datasets
+from tunefree.cli import datasets, tables
 from tunefree.cli.datasets import DataError
 
 
@@ -163,7 +164,6 @@ def test_parquet(tmp_path):
 
 @pytest.mark.parametrize("problem,match", [
     ("missing_label", "label column 'label' not found"),
-    ("text_feature", "not numeric"),
     ("nan", "missing or infinite"),
     ("one_class", "single value"),
 ])
@@ -171,8 +171,6 @@ def test_table_errors(tmp_path, problem, match):
     frame = _table().rename(columns={"target": "label"})
     if problem == "missing_label":
         frame = frame.drop(columns=["label"])
-    elif problem == "text_feature":
-        frame["c"] = "x"
     elif problem == "nan":
         frame.loc[3, "a"] = np.nan
     else:
@@ -193,10 +191,64 @@ def test_empty_label_cell_is_refused_naming_column_and_row(tmp_path, numeric_lab
         datasets.load(str(tmp_path / "t.csv"), label_column="target")
 
 
-def test_missing_feature_is_refused_naming_column_and_row(tmp_path):
-    (tmp_path / "t.csv").write_text("a,b,label\n1,2,0\n3,,1\n5,6,0\n")
-    with pytest.raises(DataError, match="column 'b' is missing or infinite in data row 2"):
+@pytest.mark.parametrize("column", ["b", "colour"])
+def test_missing_feature_is_refused_naming_column_and_row(tmp_path, column):
+    (tmp_path / "t.csv").write_text("a,b,colour,label\n1,2,red,0\n3,4,blue,1\n5,6,red,0\n")
+    frame = pd.read_csv(tmp_path / "t.csv")
+    frame.loc[1, column] = None
+    frame.to_csv(tmp_path / "t.csv", index=False)
+    with pytest.raises(DataError, match=f"column '{column}' is missing or infinite in data row 2"):
         datasets.load(str(tmp_path / "t.csv"))
+
+
+def _mixed(n=40):
+    rng = np.random.default_rng(3)
+    return pd.DataFrame({"colour": rng.choice(["red", "blue"], n), "size": rng.normal(size=n) * 50,
+                         "member": rng.choice([True, False], n), "label": np.arange(n) % 2})
+
+
+def test_text_and_bool_columns_are_one_hot_and_numeric_ones_left_for_scaling(tmp_path):
+    frame = _mixed()
+    frame.to_csv(tmp_path / "t.csv", index=False)
+    data = datasets.load(str(tmp_path / "t.csv"))
+    assert data.feature_names == ("colour=blue", "colour=red", "size", "member=False", "member=True")
+    assert data.to_scale == (2,)  # no public range: the private standardisation's job
+    assert data.categories_from_data == ("colour",)  # bool's set {False, True} is known without the data
+    x = torch.cat([data.train.tensors[0], data.test.tensors[0]])
+    assert (x[:, [0, 1]].sum(1) == 1).all() and (x[:, [3, 4]].sum(1) == 1).all()
+    assert sorted(x[:, 2].tolist()) == pytest.approx(sorted(frame["size"].tolist()))  # raw, unscaled
+    reds = x[:, 1] == 1
+    assert int(reds.sum()) == int((frame["colour"] == "red").sum())
+
+
+def test_json_lines_load_like_csv(tmp_path):
+    frame = _mixed()
+    frame.to_csv(tmp_path / "t.csv", index=False)
+    frame.to_json(tmp_path / "t.jsonl", orient="records", lines=True)
+    from_csv, from_jsonl = datasets.load(str(tmp_path / "t.csv")), datasets.load(str(tmp_path / "t.jsonl"))
+    assert from_jsonl.feature_names == from_csv.feature_names
+    assert torch.allclose(from_jsonl.train.tensors[0], from_csv.train.tensors[0])
+
+
+def test_a_schema_declares_categories_and_ranges(tmp_path):
+    _mixed().to_parquet(tmp_path / "t.parquet")
+    schema = tables.Schema.from_dict({"categorical": {"colour": ["red", "green", "blue"]},
+                                      "numeric": {"size": [-500, 500]}})
+    data = datasets.load(str(tmp_path / "t.parquet"), schema=schema)
+    assert data.feature_names[:4] == ("colour=red", "colour=green", "colour=blue", "size")
+    assert data.to_scale == () and data.categories_from_data == ()
+    raw = datasets.load(str(tmp_path / "t.parquet"))
+    size = raw.feature_names.index("size")
+    assert torch.allclose(data.train.tensors[0][:, 3], raw.train.tensors[0][:, size] / 500)
+    assert (data.train.tensors[0][:, 1] == 0).all()  # "green" is declared but never occurs
+
+
+def test_a_column_neither_numeric_nor_text_is_refused(tmp_path):
+    frame = _mixed()
+    frame["when"] = pd.Timestamp("2020-01-01")
+    frame.to_parquet(tmp_path / "t.parquet")
+    with pytest.raises(DataError, match="column 'when' has type datetime64.*neither numeric nor text"):
+        datasets.load(str(tmp_path / "t.parquet"))
 
 
 def test_empty_test_split_is_refused(tmp_path):

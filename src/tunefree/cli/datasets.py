@@ -3,7 +3,9 @@
 Every loader returns a :class:`LoadedData`: train and test tensors and what the default model needs to
 know (image shape or feature count, number of classes). Pixel values are scaled by their known range
 (public knowledge); no statistic is computed from the private data, since that would be an unaccounted
-release. The set of class labels is read from the data and treated as public.
+release. The set of class labels is read from the data and treated as public. Table features are
+encoded by ``tables.py`` (one-hot categories, numeric columns by a public range or left for the
+accounted private standardisation of ``scaling.py``).
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-FORMATS = ("digits", "idx", "cifar10", "csv", "parquet", "hf")
+from . import tables
+from .tables import DataError
+
+FORMATS = ("digits", "idx", "cifar10", "csv", "jsonl", "parquet", "hf")
 SPLIT_SEED = 0  # the train/test split is fixed, independent of the training seed
 
 
-class DataError(ValueError):
-    """The data cannot be loaded; the message says what to do."""
 
 
 @dataclass
@@ -37,6 +40,9 @@ class LoadedData:
     test: TensorDataset
     num_classes: int
     input_shape: tuple[int, ...]  # (C, H, W) for images, (features,) for tables
+    feature_names: tuple[str, ...] = ()  # tables: one per feature ("colour=red" for a one-hot indicator)
+    to_scale: tuple[int, ...] = ()  # tables: numeric features with no public range, still raw
+    categories_from_data: tuple[str, ...] = ()  # tables: columns whose category set was read from the data
 
     @property
     def num_train(self) -> int:
@@ -66,7 +72,7 @@ def _labels_to_indices(name: str, y_train: np.ndarray, y_test: np.ndarray
     return np.searchsorted(classes, y_train), np.searchsorted(classes, y_test), len(classes)
 
 
-def _make(name: str, kind: str, x_train, y_train, x_test, y_test) -> LoadedData:
+def _make(name: str, kind: str, x_train, y_train, x_test, y_test, **table: tuple) -> LoadedData:
     if len(y_train) == 0:
         raise DataError(f"{name}: the training split holds no examples")
     if len(y_test) == 0:
@@ -82,7 +88,7 @@ def _make(name: str, kind: str, x_train, y_train, x_test, y_test) -> LoadedData:
                             torch.as_tensor(y_train, dtype=torch.long)),
         test=TensorDataset(torch.as_tensor(x_test, dtype=torch.float32),
                            torch.as_tensor(y_test, dtype=torch.long)),
-        num_classes=num_classes, input_shape=tuple(x_train.shape[1:]),
+        num_classes=num_classes, input_shape=tuple(x_train.shape[1:]), **table,
     )
 
 
@@ -262,34 +268,33 @@ def _check_no_missing_labels(labels, name: str, label_column: str) -> None:
                         "after the header): fill in or drop those rows")
 
 
-def _table_arrays(frame, name: str, label_column: str) -> tuple[np.ndarray, np.ndarray]:
-    """Numeric features and labels of a table."""
+def _feature_frame(frame, name: str, label_column: str):
+    """The feature columns of a table and its labels, both checked for missing values."""
     if label_column not in frame.columns:
         raise DataError(f"{name}: label column {label_column!r} not found; columns are "
                         f"{list(frame.columns)[:20]} — pass --label-column")
-    features = frame.drop(columns=[label_column])
-    from pandas.api.types import is_numeric_dtype
-
-    non_numeric = [c for c in features.columns if not is_numeric_dtype(features[c])]
-    if non_numeric:
-        raise DataError(f"{name}: columns {non_numeric[:10]} are not numeric; encode them as "
-                        "numbers first")
-    if features.shape[1] == 0:
-        raise DataError(f"{name}: no feature columns besides the label")
-    x = features.to_numpy(dtype=np.float64)
-    if not np.isfinite(x).all():
-        row, column = np.argwhere(~np.isfinite(x))[0]
-        raise DataError(f"{name}: column {features.columns[column]!r} is missing or infinite in data row "
-                        f"{row + 1} (counting from 1 after the header): fill in or drop such rows")
     labels = frame[label_column].to_numpy()
     _check_no_missing_labels(labels, name, label_column)
-    return x, labels
+    features = frame.drop(columns=[label_column])
+    if features.shape[1] == 0:
+        raise DataError(f"{name}: no feature columns besides the label")
+    tables.check_no_missing(features, name)
+    return features, labels
 
 
-def _table(frame, name: str, label_column: str) -> LoadedData:
+def _encoded(name: str, train, y_train, test, y_test, schema: tables.Schema | None) -> LoadedData:
+    features = tables.encode(train, test, name, schema)
+    return _make(name, "table", features.train, y_train, features.test, y_test,
+                 feature_names=tuple(features.names), to_scale=tuple(features.to_scale),
+                 categories_from_data=tuple(features.categories_from_data))
+
+
+def _table(frame, name: str, label_column: str, schema: tables.Schema | None = None) -> LoadedData:
     if len(frame) == 0:
         raise DataError(f"{name}: the table holds no rows")
-    return _make(name, "table", *_split(*_table_arrays(frame, name, label_column)))
+    features, labels = _feature_frame(frame, name, label_column)
+    train_rows, y_train, test_rows, y_test = _split(np.arange(len(frame)), labels)
+    return _encoded(name, features.iloc[train_rows], y_train, features.iloc[test_rows], y_test, schema)
 
 
 def _read_table(reader, path: Path, kind: str):
@@ -299,20 +304,30 @@ def _read_table(reader, path: Path, kind: str):
         raise DataError(f"{path.name} cannot be read as {kind}: {error}") from error
 
 
-def load_csv(path: Path, label_column: str) -> LoadedData:
+def load_csv(path: Path, label_column: str, schema: tables.Schema | None = None) -> LoadedData:
     import pandas as pd
 
-    return _table(_read_table(pd.read_csv, path, "CSV"), path.name, label_column)
+    return _table(_read_table(pd.read_csv, path, "CSV"), path.name, label_column, schema)
 
 
-def load_parquet(path: Path, label_column: str) -> LoadedData:
+def load_json_lines(path: Path, label_column: str, schema: tables.Schema | None = None) -> LoadedData:
+    """A JSON-lines file: one JSON object per line, one key per column."""
     import pandas as pd
 
-    return _table(_read_table(pd.read_parquet, path, "Parquet"), path.name, label_column)
+    def read(file: Path):
+        return pd.read_json(file, lines=True, dtype=False)
+
+    return _table(_read_table(read, path, "JSON lines"), path.name, label_column, schema)
+
+
+def load_parquet(path: Path, label_column: str, schema: tables.Schema | None = None) -> LoadedData:
+    import pandas as pd
+
+    return _table(_read_table(pd.read_parquet, path, "Parquet"), path.name, label_column, schema)
 
 
 # ---------------------------------------------------------------------------- Hugging Face datasets
-def load_hf(directory: Path, label_column: str) -> LoadedData:
+def load_hf(directory: Path, label_column: str, schema: tables.Schema | None = None) -> LoadedData:
     """A ``datasets`` directory written by ``save_to_disk`` (a Dataset or a DatasetDict with train and
     test splits); image columns (PIL images or arrays) or numeric feature columns."""
     import datasets
@@ -337,11 +352,11 @@ def load_hf(directory: Path, label_column: str) -> LoadedData:
     image_column = next((c for c in ("image", "img", "pixel_values")
                          if c in train_frame.column_names), None)
     if image_column is None:
-        train = _table_arrays(train_frame.to_pandas(), directory.name, label_column)
         if test_frame is None:
-            return _make(directory.name, "table", *_split(*train))
-        test = _table_arrays(test_frame.to_pandas(), directory.name, label_column)
-        return _make(directory.name, "table", *train, *test)
+            return _table(train_frame.to_pandas(), directory.name, label_column, schema)
+        train, y_train = _feature_frame(train_frame.to_pandas(), directory.name, label_column)
+        test, y_test = _feature_frame(test_frame.to_pandas(), directory.name, label_column)
+        return _encoded(directory.name, train, y_train, test, y_test, schema)
 
     def images(split) -> np.ndarray:
         arrays = [np.asarray(img, dtype=np.float64) for img in split[image_column]]
@@ -374,7 +389,7 @@ def detect_format(spec: str) -> str:
     path = Path(spec)
     if not path.exists():
         raise DataError(f"dataset {spec!r} not found: give 'digits' or a path to local data "
-                        "(an MNIST IDX directory, cifar-10-batches-py, a .csv or .parquet file, or a "
+                        "(an MNIST IDX directory, cifar-10-batches-py, a .csv, .jsonl or .parquet file, or a "
                         "Hugging Face save_to_disk directory)")
     if path.is_dir():
         names = {p.name for p in path.iterdir()}
@@ -391,12 +406,17 @@ def detect_format(spec: str) -> str:
         return "csv"
     if suffixes.endswith(".parquet") or suffixes.endswith(".pq"):
         return "parquet"
-    raise DataError(f"{path}: unknown file format {path.suffix!r}; use .csv or .parquet")
+    if suffixes.endswith((".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")):
+        return "jsonl"
+    raise DataError(f"{path}: unknown file format {path.suffix!r}; use .csv, .jsonl or .parquet")
 
 
-def load(spec: str, label_column: str = "label") -> LoadedData:
-    """Load ``--dataset``: ``digits`` or a local path in one of the supported formats."""
+def load(spec: str, label_column: str = "label", schema: tables.Schema | None = None) -> LoadedData:
+    """Load ``--dataset``: ``digits`` or a local path in one of the supported formats. ``schema``
+    declares public category sets and value ranges of a table's columns (see ``tables.py``)."""
     fmt = detect_format(spec)
+    if schema is not None and fmt not in ("csv", "jsonl", "parquet", "hf"):
+        raise DataError(f"--schema describes the columns of a table, and {spec} is {fmt} data: drop it")
     if fmt == "digits":
         return load_digits_data()
     path = Path(spec)
@@ -405,7 +425,9 @@ def load(spec: str, label_column: str = "label") -> LoadedData:
     if fmt == "cifar10":
         return load_cifar10(path)
     if fmt == "csv":
-        return load_csv(path, label_column)
+        return load_csv(path, label_column, schema)
+    if fmt == "jsonl":
+        return load_json_lines(path, label_column, schema)
     if fmt == "parquet":
-        return load_parquet(path, label_column)
-    return load_hf(path, label_column)
+        return load_parquet(path, label_column, schema)
+    return load_hf(path, label_column, schema)

@@ -14,6 +14,7 @@ from typing import Any
 from ..clipping import CLIP_FUNCTIONS
 from ..grouping import GROUPINGS
 from ..privacy.accounting import ACCOUNTANTS
+from ..privacy.mechanisms import NOISE_ALLOCATIONS
 from .models import MODELS
 
 EXIT_USAGE = 2
@@ -46,6 +47,24 @@ def _learning_rate(text: str) -> float | str:
     return _positive_float(text)
 
 
+def _fraction(text: str) -> float:
+    value = _positive_float(text)
+    if not value < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
+    return value
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    """Comma-separated layer widths, e.g. ``256,256``."""
+    try:
+        widths = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected widths like 256,256, got {text!r}") from None
+    if any(width < 1 for width in widths):
+        raise argparse.ArgumentTypeError(f"every width must be at least 1, got {text}")
+    return widths
+
+
 def _delta(text: str) -> float:
     value = _positive_float(text)
     if not value < 1:
@@ -61,7 +80,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    from .training import OPTIMIZERS, TrainConfig
+    from .training import NUMERIC_SCALINGS, OPTIMIZERS, TrainConfig
 
     defaults = TrainConfig()
     root = _Parser(
@@ -78,12 +97,22 @@ def parser() -> argparse.ArgumentParser:
                             "save_to_disk directory (default: digits)")
     train.add_argument("--label-column", default=defaults.label_column,
                        help="label column of a table or HF data set (default: label)")
+    train.add_argument("--schema", type=Path, default=None,
+                       help="a table's public schema (JSON): category sets and value ranges of its "
+                            "columns, so that nothing about them is read from the private rows")
+    train.add_argument("--numeric-scaling", choices=NUMERIC_SCALINGS, default=defaults.numeric_scaling,
+                       help="numeric table columns with no range in --schema: private (standardised by "
+                            "an estimate that spends 5%% of ε and δ, in the ledger) or none (fed as "
+                            "they are) (default: private)")
     train.add_argument("--model", choices=MODELS, default=defaults.model,
                        help="auto: a CNN for images of 24 pixels or more a side, an MLP otherwise")
+    train.add_argument("--hidden", type=_widths, default=None,
+                       help="hidden layer widths of the MLP, e.g. 256,256 (default: 128)")
     train.add_argument("--epsilon", type=_positive_float, default=defaults.epsilon,
                        help=f"privacy budget ε (default: {defaults.epsilon})")
     train.add_argument("--delta", type=_delta, default=None,
-                       help="δ of the guarantee (default: 1/N^1.1 for N training examples)")
+                       help="δ of the guarantee (default: 1/N^1.1 for N training examples; the output "
+                            "says which δ and why)")
     length = train.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=_positive_float, default=None,
                         help="planned passes over the data, fractional allowed: the run takes "
@@ -103,11 +132,27 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--target-quantile", type=float, default=defaults.target_quantile,
                        help="with --thresholds adaptive only: the quantile each threshold tracks "
                             "(default: 0.5)")
+    train.add_argument("--quantile-lr", type=_positive_float, default=None,
+                       help="with --thresholds adaptive only: η of the update C ← C·exp(−η(b̃ − q)) "
+                            "(default: 0.3)")
+    train.add_argument("--quantile-budget", type=_fraction, default=None,
+                       help="with --thresholds adaptive only: the share of the budget spent on the "
+                            "count releases; ε stays --epsilon (default: 0.01)")
+    train.add_argument("--clip-gamma", type=_positive_float, default=None,
+                       help="with --clipping auto-s only: γ of g/(‖g‖ + γ) (default: 0.01)")
+    train.add_argument("--psac-r", type=_positive_float, default=None,
+                       help="with --clipping psac only: r of DP-PSAC (default: 0.1)")
+    train.add_argument("--noise-allocation", choices=NOISE_ALLOCATIONS, default=defaults.noise_allocation,
+                       help="how the noise is spread over clip groups; same privacy (default: global)")
     train.add_argument("--optimizer", choices=list(OPTIMIZERS), default=defaults.optimizer,
                        help=f"base optimizer (default: {defaults.optimizer})")
     train.add_argument("--lr", type=_learning_rate, default=None,
                        help="learning rate, or 'auto' to set it privately during training "
                             "(HyFreeDP; default: chosen once per optimizer, see docs/cli.md)")
+    train.add_argument("--lr-update-interval", type=_positive_int, default=None,
+                       help="with --lr auto only: K, steps between learning-rate updates (default: 5)")
+    train.add_argument("--loss-privacy", choices=("gaussian", "laplace"), default=None,
+                       help="with --lr auto only: noise of the privatised losses (default: gaussian)")
     train.add_argument("--accountant", choices=ACCOUNTANTS, default=defaults.accountant)
     train.add_argument("--seed", type=int, default=defaults.seed,
                        help="seed initialisation, sampling and noise for a reproducible run; anyone "
@@ -139,11 +184,15 @@ def _train(args: argparse.Namespace) -> int:
 
     epochs = TrainConfig.epochs if args.epochs is None and args.steps is None else args.epochs
     config = TrainConfig(
-        dataset=args.dataset, label_column=args.label_column, model=args.model,
+        dataset=args.dataset, label_column=args.label_column, model=args.model, hidden=args.hidden,
+        schema=str(args.schema) if args.schema else None, numeric_scaling=args.numeric_scaling,
         epsilon=args.epsilon, delta=args.delta, epochs=epochs, steps=args.steps,
         batch_size=args.batch_size,
         clipping=args.clipping, groups=args.groups, thresholds=args.thresholds,
-        target_quantile=args.target_quantile, optimizer=args.optimizer, lr=args.lr,
+        target_quantile=args.target_quantile, quantile_lr=args.quantile_lr,
+        quantile_budget=args.quantile_budget, clip_gamma=args.clip_gamma, psac_r=args.psac_r,
+        noise_allocation=args.noise_allocation, lr_update_interval=args.lr_update_interval,
+        loss_privacy=args.loss_privacy, optimizer=args.optimizer, lr=args.lr,
         accountant=args.accountant, seed=args.seed,
         out=str(args.out) if args.out else None, quiet=args.quiet)
     result = train(config)
@@ -152,6 +201,9 @@ def _train(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(f"test accuracy {result['test_accuracy']:.4f} — {result['guarantee']}; "
           f"randomness: {result['randomness']}")
+    print(result["delta_choice"])
+    for note in result["data_notes"]:
+        print(f"note: {note}")
     if result["note"]:
         print(f"note: {result['note']}")
     if args.out:

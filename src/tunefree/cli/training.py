@@ -11,18 +11,19 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, TextIO
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from ..api import DPEngine, make_private
 from ..autolr import AutoLearningRate
+from ..options import resolve_options
 from ..privacy.calibration import MIN_NOISE_MULTIPLIER
-from . import datasets, models
+from . import datasets, models, scaling, tables
 from .report import RunDirectory, norm_statistics
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -42,11 +43,23 @@ DEFAULT_LR = {"sgd": 2.0, "momentum": 0.2, "adam": 0.02, "adamw": 0.02, "nadam":
               "radam": 0.02, "adagrad": 0.2}
 
 
+NUMERIC_SCALINGS = ("private", "none")
+# The papers' knobs: each is the make_private keyword of the same name; make_private (resolve_options)
+# refuses one given where it has no effect. Their command-line flags, for its messages.
+KNOBS = {"clip_gamma": "--clip-gamma", "psac_r": "--psac-r", "target_quantile": "--target-quantile",
+         "quantile_lr": "--quantile-lr", "quantile_budget": "--quantile-budget",
+         "lr_update_interval": "--lr-update-interval", "loss_privacy": "--loss-privacy"}
+
+
 @dataclass
 class TrainConfig:
     """Everything a run depends on. ``delta=None`` means 1/N^1.1 for N training examples. The run's
     length is ``epochs`` (possibly fractional) or ``steps``: the noise is calibrated for, and training
-    runs, exactly ``planned_steps(epochs, steps, q)`` logical steps."""
+    runs, exactly ``planned_steps(epochs, steps, q)`` logical steps. ``schema`` is the path of a table's
+    public schema (category sets, value ranges); ``numeric_scaling`` is ``"private"`` (numeric columns
+    with no public range are standardised by an accounted private estimate) or ``"none"`` (fed as
+    they are). ``hidden`` sizes the default MLP's hidden layers (``None``: one of 128). The papers'
+    knobs (``KNOBS`` and ``noise_allocation``) are the ``make_private`` keywords of the same names."""
 
     dataset: str = "digits"
     label_column: str = "label"
@@ -60,6 +73,16 @@ class TrainConfig:
     groups: str = "all-layer"
     thresholds: str = "fixed"
     target_quantile: float | None = None
+    quantile_lr: float | None = None
+    quantile_budget: float | None = None
+    clip_gamma: float | None = None
+    psac_r: float | None = None
+    noise_allocation: str = "global"
+    lr_update_interval: int | None = None
+    loss_privacy: str | None = None
+    schema: str | None = None
+    numeric_scaling: str = "private"
+    hidden: tuple[int, ...] | None = None
     optimizer: str = "adam"
     lr: float | str | None = None  # a number, "auto" (GeN-DP), or None for the default
     max_grad_norm: float = 1.0
@@ -77,6 +100,19 @@ class TrainConfig:
 
 def default_delta(num_examples: int) -> float:
     return 1.0 / num_examples ** 1.1
+
+
+def delta_choice(delta: float | None, num_examples: int) -> tuple[float, str]:
+    """δ of the run and how it was chosen, as the output states it."""
+    if delta is not None:
+        return delta, f"δ = {delta:.3g}, given by --delta"
+    value = default_delta(num_examples)
+    return value, (f"δ = 1/N^1.1 = {value:.3g} for N = {num_examples} training examples, the default "
+                   f"(below 1/N = {1 / num_examples:.3g}, as a guarantee needs; --delta sets it)")
+
+
+def _knobs(config: TrainConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in KNOBS}
 
 
 def loose_target_note(target_epsilon: float, noise_multiplier: float, spent: float) -> str | None:
@@ -106,6 +142,22 @@ def check_config(config: TrainConfig) -> None:
     if config.target_quantile is not None and config.thresholds != "adaptive":
         raise ValueError("--target-quantile applies only to --thresholds adaptive: drop it or add "
                          "--thresholds adaptive")
+    if config.numeric_scaling not in NUMERIC_SCALINGS:
+        raise ValueError(f"--numeric-scaling must be one of {', '.join(NUMERIC_SCALINGS)}, "
+                         f"got {config.numeric_scaling!r}")
+    if config.hidden is not None and (not config.hidden or any(
+            isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in config.hidden)):
+        raise ValueError(f"--hidden takes layer widths of at least 1, e.g. 256,256; got {config.hidden}")
+    try:  # make_private's own check of the knobs, before any data is touched
+        resolve_options(target_delta=0.5, target_epsilon=config.epsilon, epochs=config.epochs,
+                        steps=config.steps, clipping=config.clipping, groups=config.groups,
+                        thresholds=config.thresholds, noise_allocation=config.noise_allocation,
+                        lr="auto" if config.lr == "auto" else None, **_knobs(config))
+    except (TypeError, ValueError) as error:
+        message = str(error)
+        for keyword, flag in KNOBS.items():
+            message = message.replace(keyword, flag)
+        raise ValueError(message) from error
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {config.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
     if config.lr not in (None, "auto") and not (float(config.lr) > 0 and math.isfinite(config.lr)):
@@ -125,23 +177,50 @@ def accuracy(model: nn.Module, data, batch_size: int = 1024) -> float:
 
 
 class Progress:
-    """One line per epoch on stderr: a bar with loss, accuracy and ε spent so far."""
+    """Progress of the run on ``stream`` (stderr): on a terminal, a bar redrawn in place with loss,
+    accuracy and the ε spent so far, one line per epoch; anywhere else (a log file, a pipe) plain lines,
+    one every tenth of the run or every 10 seconds, whichever comes first, and one at the end."""
 
-    def __init__(self, epochs: int, steps_per_epoch: int, quiet: bool):
-        self.epochs, self.steps, self.quiet = epochs, steps_per_epoch, quiet
+    PARTS = 10  # a line every tenth of the run
+    EVERY_SECONDS = 10.0
 
-    def update(self, epoch: int, step: int, loss: float, acc: float, epsilon: float,
+    def __init__(self, epochs: int, steps_per_epoch: int, total_steps: int, quiet: bool,
+                 stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic):
+        self.epochs, self.steps, self.total, self.quiet = epochs, steps_per_epoch, total_steps, quiet
+        self.stream = sys.stderr if stream is None else stream
+        self.interactive = self.stream.isatty()
+        self.clock = clock
+        self.last_line = clock()
+        self.next_part = 1
+
+    def update(self, epoch: int, step_in_epoch: int, step: int, loss: float, acc: float, epsilon: float,
                final: bool = False) -> None:
+        """Report after logical step ``step`` (``step_in_epoch`` within ``epoch``); ``final`` at the end
+        of an epoch, once ε is known."""
         if self.quiet:
             return
-        filled = int(20 * step / max(self.steps, 1))
-        bar = "#" * filled + "." * (20 - filled)
         eps = "   -  " if math.isnan(epsilon) else f"{epsilon:6.3f}"
-        sys.stderr.write(f"\repoch {epoch:3d}/{self.epochs} [{bar}] loss {loss:6.4f} "
-                         f"acc {acc:5.3f} ε {eps}")
-        if final:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+        figures = f"loss {loss:6.4f} acc {acc:5.3f} ε {eps}"
+        if self.interactive:
+            filled = int(20 * step_in_epoch / max(self.steps, 1))
+            bar = "#" * filled + "." * (20 - filled)
+            self.stream.write(f"\repoch {epoch:3d}/{self.epochs} [{bar}] {figures}" + ("\n" if final else ""))
+            self.stream.flush()
+            return
+        now = self.clock()
+        if step >= self.total:
+            due = final  # the last line waits for the last ε
+        else:
+            due = (step * self.PARTS >= self.next_part * self.total
+                   or now - self.last_line >= self.EVERY_SECONDS)
+        if not due:
+            return
+        self.stream.write(f"step {step}/{self.total} ({100 * step / max(self.total, 1):3.0f}%) "
+                          f"epoch {epoch:3d}/{self.epochs} {figures}\n")
+        self.stream.flush()
+        self.last_line = now
+        while self.next_part * self.total <= step * self.PARTS:
+            self.next_part += 1
 
 
 def _step(engine: DPEngine, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
@@ -162,31 +241,70 @@ def _step(engine: DPEngine, x: torch.Tensor, y: torch.Tensor) -> tuple[float, in
     return float(loss.detach()) * len(y), int((logits.argmax(1) == y).sum()), len(y)
 
 
+def _standardise(data: datasets.LoadedData, config: TrainConfig, delta: float
+                 ) -> tuple[datasets.LoadedData, scaling.Standardisation | None]:
+    """Standardise the numeric columns that have no public range, by the accounted private estimate."""
+    if not data.to_scale or config.numeric_scaling == "none":
+        return data, None
+    sigma = scaling.noise_for_share(config.epsilon, delta, config.accountant)
+    scaling.check_enough_rows(data.num_train, len(data.to_scale), sigma, config.epsilon)
+    x_train, y_train = data.train.tensors
+    x_test, y_test = data.test.tensors
+    released = scaling.release(x_train, data.to_scale, sigma, scaling.secret_randomness(config.seed))
+    return replace(data, train=TensorDataset(released.apply(x_train), y_train),
+                   test=TensorDataset(released.apply(x_test), y_test)), released
+
+
+def _data_notes(data: datasets.LoadedData, config: TrainConfig,
+                released: scaling.Standardisation | None) -> list[str]:
+    """What the output must say about how a table's features were made from the private rows."""
+    notes = []
+    if data.categories_from_data:
+        notes.append(f"the category sets of columns {list(data.categories_from_data)} were read from the "
+                     "data and are treated as public, like the class labels (a category only one person has "
+                     "reveals them): declare them in --schema to avoid this")
+    scaled = [data.feature_names[i] for i in data.to_scale]
+    if released is not None:
+        notes.append(f"numeric columns {scaled} were standardised by a private estimate that spent "
+                     f"{scaling.SHARE:.0%} of ε and of δ (2 Gaussian releases, σ = "
+                     f"{released.noise_multiplier:.3g}), recorded in the ledger; declare their ranges in "
+                     "--schema to spend nothing on it")
+    elif scaled:
+        notes.append(f"numeric columns {scaled} reach the model unscaled (--numeric-scaling none)")
+    return notes
+
+
 def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[str, Any]:
     """Run private training as configured; returns the result (also written to ``config.out``)."""
     check_config(config)
-    data = data or datasets.load(config.dataset, config.label_column)
-    delta = config.delta if config.delta is not None else default_delta(data.num_train)
+    schema = tables.Schema.load(config.schema) if config.schema else None
+    data = data or datasets.load(config.dataset, config.label_column, schema)
+    delta, delta_text = delta_choice(config.delta, data.num_train)
     if data.num_train < config.batch_size:
         raise ValueError(f"--batch-size {config.batch_size} is larger than the {data.num_train} training "
                          f"examples: use --batch-size {data.num_train} or less")
     if config.seed is not None:
         torch.manual_seed(config.seed)  # initialisation only; the release's randomness is make_private's
-    model = models.build(config.model, data.kind, data.input_shape, data.num_classes)
+    model = models.build(config.model, data.kind, data.input_shape, data.num_classes, config.hidden)
+    data, released = _standardise(data, config, delta)  # after every refusal that needs no release
+    share = 0.0 if released is None else scaling.SHARE  # what the standardisation took of ε and δ
     optimizer = OPTIMIZERS[config.optimizer](model.parameters(), config.resolved_lr())
     engine = make_private(
         model, optimizer, DataLoader(data.train, batch_size=config.batch_size),
-        target_epsilon=config.epsilon, target_delta=delta, epochs=config.epochs, steps=config.steps,
+        target_epsilon=(1 - share) * config.epsilon, target_delta=(1 - share) * delta,
+        epochs=config.epochs, steps=config.steps,
         clipping=config.clipping, groups=config.groups, max_grad_norm=config.max_grad_norm,
-        thresholds=config.thresholds,
-        target_quantile=config.target_quantile,
-        lr="auto" if config.lr == "auto" else None,
-        accountant=config.accountant, seed=config.seed, **config.extra)
+        thresholds=config.thresholds, lr="auto" if config.lr == "auto" else None,
+        accountant=config.accountant, seed=config.seed,
+        **{"noise_allocation": config.noise_allocation, **_knobs(config), **config.extra})
+    if released is not None:
+        for event in released.events():  # before the first step: the ledger holds every release
+            engine.ledger.record(event)
     run = RunDirectory(config.out) if config.out else None
     planned = engine.planned_steps
     steps_per_epoch = len(engine.data_loader)
     epochs = math.ceil(planned / steps_per_epoch)  # the last one partial when planned is not a multiple
-    progress = Progress(epochs, steps_per_epoch, config.quiet)
+    progress = Progress(epochs, steps_per_epoch, planned, config.quiet)
     started = time.perf_counter()
     epsilon = float("nan")
     for epoch in range(1, epochs + 1):
@@ -197,13 +315,13 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
             if run:
                 run.log(_step_record(engine, epoch, loss_sum, correct, size))
             seen = max(totals[2], 1)
-            progress.update(epoch, i, totals[0] / seen, totals[1] / seen, epsilon)
+            progress.update(epoch, i, engine.steps, totals[0] / seen, totals[1] / seen, epsilon)
             if engine.steps >= planned:  # the planned run is over, possibly within an epoch
                 break
-        epsilon = engine.epsilon()
+        epsilon = engine.epsilon(delta)
         seen = max(totals[2], 1)
         test_accuracy = accuracy(model, data.test)
-        progress.update(epoch, i, totals[0] / seen, totals[1] / seen, epsilon, final=True)
+        progress.update(epoch, i, engine.steps, totals[0] / seen, totals[1] / seen, epsilon, final=True)
         if run:
             run.log({"kind": "epoch", "epoch": epoch, "step": engine.steps, "epsilon": epsilon,
                      "train_loss": totals[0] / seen, "train_accuracy": totals[1] / seen,
@@ -211,12 +329,16 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
     train_seconds = time.perf_counter() - started
     engine.detach()
     result = {
-        "test_accuracy": test_accuracy, "epsilon": epsilon, "delta": delta,
+        "test_accuracy": test_accuracy, "epsilon": epsilon, "delta": delta, "delta_choice": delta_text,
         "noise_multiplier": engine.noise_multiplier, "steps": engine.steps, "planned_steps": planned,
         "sample_rate": engine.sample_rate, "train_seconds": train_seconds,
-        "guarantee": str(engine.guarantee()),
+        "guarantee": str(engine.guarantee(delta)),
         "randomness": engine.randomness.description,
         "note": loose_target_note(config.epsilon, engine.noise_multiplier, epsilon),
+        "data_notes": _data_notes(data, config, released),
+        "standardisation": None if released is None else {
+            "columns": [data.feature_names[i] for i in released.columns], "share": scaling.SHARE,
+            "noise_multiplier": released.noise_multiplier},
         "dataset": {"name": data.name, "train_examples": data.num_train,
                     "test_examples": len(data.test), "classes": data.num_classes},
         "config": {**asdict(config), "delta": delta,

@@ -1,0 +1,125 @@
+"""Standardising numeric table columns by a private estimate, accounted in the run's ledger.
+
+A column's scale and centre computed from the private training rows would be a release, so they are
+estimated with the Gaussian mechanism, in two releases over the d columns to standardise:
+
+1. the magnitude: per column, a histogram of ⌈log₂|x|⌉ (bins 2^-20 … 2^40); one example adds one count
+   to one bin of each column, so the release has L2 sensitivity √d and gets noise σ·√d. The bound
+   Bⱼ = 2^k of the largest bin whose noisy count stands clear of the noise (> 4σ√d), or twice the
+   noisy mode if none does (a small table);
+2. the moments: uⱼ = clip(xⱼ/Bⱼ, −1, 1); Σuⱼ and Σuⱼ² over the rows, L2 sensitivity √(2d), noise σ·√(2d).
+
+Each release is a Gaussian mechanism of noise multiplier σ: two ``GaussianDpEvent(σ)`` go into the ledger
+before the first training step. σ is calibrated so that the two spend ``SHARE`` of ε at ``SHARE`` of δ,
+and training is calibrated on the rest: (1 − SHARE)·ε at (1 − SHARE)·δ. By composition the whole run is
+(ε, δ)-DP, and the ledger (which composes the events exactly) reports what it spent. The number of
+training rows N is public, as it is for the sampling rate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import dp_accounting as dpa
+import numpy as np
+import torch
+
+from ..privacy.calculator import noise_multiplier as calibrated_noise
+from ..privacy.randomness import Randomness
+
+SHARE = 0.05  # the fraction of ε and of δ spent on the standardisation
+LOG2_RANGE = (-20, 40)  # magnitude bins: |x| ≤ 2^-20, (2^-20, 2^-19], …, (2^39, 2^40] and beyond
+CLEAR_OF_NOISE = 4.0  # a bin "holds data" when its noisy count exceeds this many noise deviations
+MIN_STD = 1e-3  # the smallest standard deviation (of x/B) divided by: a constant column stays bounded
+RELEASES = 2
+
+
+def noise_for_share(epsilon: float, delta: float, accountant: str) -> float:
+    """σ of each of the two releases, so that together they spend ``SHARE``·ε at ``SHARE``·δ."""
+    return calibrated_noise(target_epsilon=SHARE * epsilon, sample_rate=1.0, steps=RELEASES,
+                            delta=SHARE * delta, accountant=accountant)
+
+
+@dataclass(frozen=True)
+class Standardisation:
+    """The released scaling of some feature columns: x ↦ (clip(x/B, −1, 1) − mean)/std. Everything here is
+    a differentially private output (post-processing of the two noisy releases)."""
+
+    columns: tuple[int, ...]
+    bound: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    noise_multiplier: float
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with the standardised columns replaced (a new tensor)."""
+        out = x.clone()
+        u = torch.clamp(x[:, list(self.columns)] / self.bound, -1.0, 1.0)
+        out[:, list(self.columns)] = ((u - self.mean) / self.std).to(x.dtype)
+        return out
+
+    def events(self) -> list[dpa.DpEvent]:
+        """What the ledger must record for the two releases."""
+        return [dpa.GaussianDpEvent(self.noise_multiplier)] * RELEASES
+
+
+def minimum_rows(columns: int, noise_multiplier: float) -> int:
+    """The fewest training rows with which a bin holding a quarter of them stands clear of the noise: below
+    it the release could not tell the columns' magnitude, whatever the data (a rule on public numbers)."""
+    return math.ceil(4 * CLEAR_OF_NOISE * noise_multiplier * math.sqrt(columns))
+
+
+def check_enough_rows(rows: int, columns: int, noise_multiplier: float, epsilon: float) -> None:
+    """Refuse, before any release, a table too small for the private standardisation to say anything."""
+    needed = minimum_rows(columns, noise_multiplier)
+    if rows < needed:
+        raise ValueError(
+            f"{rows} training rows are too few to standardise {columns} numeric column(s) privately at "
+            f"ε = {epsilon:g} (it needs {needed}): declare their ranges in --schema (public, free), or pass "
+            "--numeric-scaling none to feed them to the model as they are")
+
+
+def _magnitude_bins(x: torch.Tensor) -> torch.Tensor:
+    low, high = LOG2_RANGE
+    magnitude = x.abs().clamp_min(2.0 ** (low - 1))
+    return torch.ceil(torch.log2(magnitude)).clamp(low, high).long() - low
+
+
+def release(x: torch.Tensor, columns: list[int] | tuple[int, ...], noise_multiplier: float,
+            randomness: Randomness) -> Standardisation:
+    """Privately estimate the scaling of ``columns`` of the training features ``x`` (rows are examples)."""
+    if not columns:
+        raise ValueError("no columns to standardise")
+    if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
+        raise ValueError(f"the standardisation needs noise: σ must be positive, got {noise_multiplier}")
+    values = x[:, list(columns)].to(torch.float64)
+    rows, d = values.shape
+    bins = LOG2_RANGE[1] - LOG2_RANGE[0] + 1
+    histogram = torch.zeros(d, bins, dtype=torch.float64)
+    histogram.scatter_add_(1, _magnitude_bins(values).T, torch.ones(d, rows, dtype=torch.float64))
+    noise = noise_multiplier * math.sqrt(d)
+    histogram += noise * randomness.normal(histogram.shape, torch.device("cpu"), torch.float64)
+    exponents = []
+    for counts in histogram:
+        clear = torch.nonzero(counts > CLEAR_OF_NOISE * noise).flatten()
+        top = int(clear[-1]) if len(clear) else min(int(counts.argmax()) + 1, bins - 1)
+        exponents.append(top + LOG2_RANGE[0])
+    bound = torch.tensor([2.0 ** k for k in exponents], dtype=torch.float64)
+
+    u = torch.clamp(values / bound, -1.0, 1.0)
+    sums = torch.cat([u.sum(0), (u * u).sum(0)])
+    sums += noise_multiplier * math.sqrt(2 * d) * randomness.normal(sums.shape, torch.device("cpu"),
+                                                                    torch.float64)
+    mean = (sums[:d] / rows).clamp(-1.0, 1.0)
+    variance = sums[d:] / rows - mean ** 2
+    std = variance.clamp_min(MIN_STD ** 2).sqrt()
+    return Standardisation(tuple(columns), bound, mean, std, noise_multiplier)
+
+
+def secret_randomness(seed: int | None) -> Randomness:
+    """The standardisation's own noise source: secure by default; for a seeded run, a stream derived
+    from the seed that no other release of the run draws from."""
+    if seed is None:
+        return Randomness()
+    return Randomness(int(np.random.SeedSequence([seed, 0x5CA1E]).generate_state(1, np.uint64)[0] >> 1))

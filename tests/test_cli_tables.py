@@ -1,0 +1,325 @@
+"""`tunefree train` on real tables: the accounted private standardisation, the schema, the papers' knobs
+on the command line, --hidden, progress lines in logs, the plots and the statement of δ."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+
+import dp_accounting as dpa
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from tunefree.cli import main, models, report, scaling
+from tunefree.cli import training as training_module
+from tunefree.cli.training import Progress
+from tunefree.privacy.accounting import epsilon_of, planned_event
+
+
+class ConstantNoise:
+    """A stand-in for the run's randomness whose every normal draw is 1: the noise added is its scale."""
+
+    def normal(self, shape, device, dtype):
+        return torch.ones(shape, device=device, dtype=dtype)
+
+
+def _exact_standardisation(x: torch.Tensor):
+    """The scaling the mechanism estimates, computed without noise: B = 2^⌈log₂ max|x|⌉ per column."""
+    bound = 2.0 ** torch.ceil(torch.log2(x.abs().max(0).values))
+    u = x / bound
+    return bound, u.mean(0), u.std(0, unbiased=False)
+
+
+def test_standardisation_with_vanishing_noise_is_the_exact_one():
+    torch.manual_seed(0)
+    x = torch.stack([torch.randn(400) * 300 + 50, torch.rand(400) * 0.01, torch.randn(400)], 1).double()
+    released = scaling.release(x, [0, 1, 2], 1e-9, scaling.secret_randomness(3))
+    bound, mean, std = _exact_standardisation(x)
+    assert torch.equal(released.bound, bound)
+    torch.testing.assert_close(released.mean, mean, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(released.std, std, rtol=1e-6, atol=1e-9)
+    z = released.apply(x)
+    torch.testing.assert_close(z.mean(0), torch.zeros(3, dtype=z.dtype), atol=1e-6, rtol=0)
+    torch.testing.assert_close(z.std(0, unbiased=False), torch.ones(3, dtype=z.dtype), atol=1e-6, rtol=0)
+
+
+def test_standardisation_noise_is_calibrated_to_each_release_sensitivity():
+    # Histogram: one example moves one count in each of d columns (L2 √d); moments: (u, u²) per column,
+    # each in [-1, 1] (L2 √(2d)). With every normal draw 1, the noise added is exactly σ√d and σ√(2d).
+    x = torch.tensor([[3.0, -0.25], [1.5, 0.5], [-2.0, 0.125], [0.75, -0.5]] * 25, dtype=torch.float64)
+    sigma, d, n = 0.5, 2, 100
+    released = scaling.release(x, [0, 1], sigma, ConstantNoise())
+    assert released.bound.tolist() == [4.0, 0.5]  # the empty bins' noise (σ√d) stays below 4σ√d
+    u = torch.clamp(x / released.bound, -1, 1)
+    mean = u.mean(0) + sigma * math.sqrt(2 * d) / n
+    second = (u * u).mean(0) + sigma * math.sqrt(2 * d) / n
+    torch.testing.assert_close(released.mean, mean)
+    torch.testing.assert_close(released.std, (second - mean ** 2).sqrt())
+    assert released.events() == [dpa.GaussianDpEvent(sigma)] * 2
+
+
+def test_standardisation_budget_is_its_share_of_epsilon_and_delta():
+    sigma = scaling.noise_for_share(3.0, 1e-5, "pld")
+    spent = epsilon_of(dpa.ComposedDpEvent([dpa.GaussianDpEvent(sigma)] * 2), scaling.SHARE * 1e-5)
+    assert 0.99 * scaling.SHARE * 3.0 <= spent <= scaling.SHARE * 3.0
+
+
+def test_a_table_too_small_to_standardise_privately_is_refused_before_any_release():
+    sigma = scaling.noise_for_share(3.0, 1e-3, "rdp")
+    needed = scaling.minimum_rows(2, sigma)
+    assert needed == math.ceil(16 * sigma * math.sqrt(2))
+    scaling.check_enough_rows(needed, 2, sigma, 3.0)
+    with pytest.raises(ValueError, match=r"too few to standardise 2 numeric column\(s\).*--schema"):
+        scaling.check_enough_rows(needed - 1, 2, sigma, 3.0)
+
+
+def _table(path, rows=1200, seed=0):
+    rng = np.random.default_rng(seed)
+    age = rng.integers(18, 90, rows)
+    colour = rng.choice(["red", "green", "blue"], rows)
+    income = rng.lognormal(10, 1, rows)
+    label = ((age > 50) ^ (colour == "red")).astype(int)
+    pd.DataFrame({"age": age, "colour": colour, "income": income, "label": label}).to_csv(path, index=False)
+    return path
+
+
+def _run(tmp_path, *args):
+    code = main(["train", "--steps", "3", "--batch-size", "200", "--quiet", "--seed", "0",
+                 "--accountant", "rdp", "--json", str(tmp_path / "r.json"), *args])
+    return code, (json.loads((tmp_path / "r.json").read_text()) if code == 0 else None)
+
+
+def test_a_table_with_categories_trains_and_every_release_is_in_the_ledger(tmp_path, capsys):
+    code, result = _run(tmp_path, "--dataset", str(_table(tmp_path / "t.csv")))
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "category sets of columns ['colour'] were read from the data and are treated as public" in out
+    assert "numeric columns ['age', 'income'] were standardised by a private estimate" in out
+    standardisation = result["standardisation"]
+    assert standardisation["columns"] == ["age", "income"] and standardisation["share"] == scaling.SHARE
+    # The reported ε is the ledger's: the 3 training steps composed with the 2 standardisation releases.
+    delta, q = result["delta"], result["sample_rate"]
+    training = planned_event(result["noise_multiplier"], q, 3)
+    releases = [dpa.GaussianDpEvent(standardisation["noise_multiplier"])] * 2
+    expected = epsilon_of(dpa.ComposedDpEvent([training, *releases]), delta, "rdp")
+    assert result["epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert result["epsilon"] > epsilon_of(training, delta, "rdp")
+    assert result["epsilon"] <= 3.0
+
+
+def test_a_public_schema_spends_nothing_on_the_encoding(tmp_path, capsys):
+    (tmp_path / "schema.json").write_text(json.dumps({
+        "categorical": {"colour": ["red", "green", "blue", "violet"]},
+        "numeric": {"age": [0, 120], "income": [0, 1e7]}}))
+    code, result = _run(tmp_path, "--dataset", str(_table(tmp_path / "t.csv")),
+                        "--schema", str(tmp_path / "schema.json"))
+    assert code == 0 and result["standardisation"] is None and result["data_notes"] == []
+    assert "note:" not in capsys.readouterr().out
+    # the whole budget goes to training: ε is that of the training steps alone
+    training = planned_event(result["noise_multiplier"], result["sample_rate"], 3)
+    assert result["epsilon"] == pytest.approx(epsilon_of(training, result["delta"], "rdp"), rel=1e-9)
+
+
+def test_numeric_scaling_none_feeds_the_columns_raw_and_hidden_sizes_the_mlp(tmp_path, capsys):
+    code, result = _run(tmp_path, "--dataset", str(_table(tmp_path / "t.csv")), "--numeric-scaling", "none",
+                        "--hidden", "16,8")
+    assert code == 0 and result["standardisation"] is None and result["config"]["hidden"] == [16, 8]
+    assert "numeric columns ['age', 'income'] reach the model unscaled" in capsys.readouterr().out
+
+
+def test_a_small_table_is_refused_with_the_ways_out(tmp_path, capsys):
+    code, _ = _run(tmp_path, "--dataset", str(_table(tmp_path / "t.csv", rows=300)))
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "too few to standardise 2 numeric column(s)" in err and "--numeric-scaling none" in err
+
+
+@pytest.mark.parametrize("schema, match", [
+    ({"categorical": {"colour": ["red", "green"]}}, "column 'colour' holds 'blue', which is not among"),
+    ({"numeric": {"age": [20, 60]}}, r"column 'age' holds \d+, outside its declared range \[20, 60\]"),
+    ({"numeric": {"height": [0, 3]}}, r"the schema names columns \['height'\]"),
+    ({"numeric": {"colour": [0, 1]}}, "'colour' is declared numeric in the schema but holds categorical"),
+    ({"numeric": {"age": [5, 1]}}, "must be \\[low, high\\] with low < high"),
+    ({"ranges": {}}, "a schema is an object with the keys"),
+])
+def test_schema_mismatches_are_one_line_errors(tmp_path, capsys, schema, match):
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    code, _ = _run(tmp_path, "--dataset", str(_table(tmp_path / "t.csv", rows=100)),
+                   "--schema", str(tmp_path / "schema.json"), "--numeric-scaling", "none")
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert re.search(match, err), err
+
+
+# ---------------------------------------------------------------------------- the papers' knobs
+class _Captured(Exception):
+    pass
+
+
+KNOB_RUNS = [
+    (["--clip-gamma", "0.05"], {"clip_gamma": 0.05}),
+    (["--clipping", "psac", "--psac-r", "0.2"], {"clipping": "psac", "psac_r": 0.2}),
+    (["--noise-allocation", "weighted", "--groups", "per-layer"], {"noise_allocation": "weighted"}),
+    (["--thresholds", "adaptive", "--target-quantile", "0.7", "--quantile-lr", "0.1",
+      "--quantile-budget", "0.05"],
+     {"thresholds": "adaptive", "target_quantile": 0.7, "quantile_lr": 0.1, "quantile_budget": 0.05}),
+    (["--lr", "auto", "--lr-update-interval", "3", "--loss-privacy", "laplace"],
+     {"lr": "auto", "lr_update_interval": 3, "loss_privacy": "laplace"}),
+]
+
+
+@pytest.mark.parametrize("flags, keywords", KNOB_RUNS)
+def test_each_knob_reaches_make_private_as_its_keyword(monkeypatch, flags, keywords):
+    seen = {}
+
+    def capture(*args, **kwargs):
+        seen.update(kwargs)
+        raise _Captured
+
+    monkeypatch.setattr(training_module, "make_private", capture)
+    with pytest.raises(_Captured):
+        main(["train", "--steps", "1", "--quiet", *flags])
+    assert {k: seen[k] for k in keywords} == keywords
+    untouched = set(training_module.KNOBS) - set(keywords)
+    assert all(seen[k] is None for k in untouched)
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--clipping", "abadi", "--clip-gamma", "0.1"], "--clip-gamma only apply to clipping='auto-s'"),
+    (["--psac-r", "0.1"], "--psac-r only apply to clipping='psac'"),
+    (["--quantile-lr", "0.1"], "--quantile-lr only apply to thresholds='adaptive'"),
+    (["--quantile-budget", "0.1"], "--quantile-budget only apply to thresholds='adaptive'"),
+    (["--lr-update-interval", "3"], "--lr-update-interval only apply to lr='auto'"),
+    (["--loss-privacy", "laplace"], "--loss-privacy only apply to lr='auto'"),
+    (["--quantile-budget", "1.5"], r"must be in \(0, 1\)"),
+    (["--hidden", "256,0"], "every width must be at least 1"),
+    (["--hidden", "wide"], "expected widths like 256,256"),
+    (["--model", "linear", "--hidden", "64"], "--hidden sizes the MLP, and this run's model is the linear"),
+])
+def test_irrelevant_or_bad_flags_are_refused_in_one_line(capsys, flags, match):
+    try:
+        code = main(["train", "--steps", "1", "--quiet", *flags])
+    except SystemExit as usage_error:  # argparse's own checks
+        code = usage_error.code
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert re.search(match, err), err
+
+
+def test_hidden_sizes_the_mlp():
+    model = models.build("auto", "table", (7,), 3, hidden=(256, 32))
+    widths = [(m.in_features, m.out_features) for m in model if isinstance(m, torch.nn.Linear)]
+    assert widths == [(7, 256), (256, 32), (32, 3)]
+    default = models.build("mlp", "table", (7,), 3)
+    assert [(m.in_features, m.out_features) for m in default if isinstance(m, torch.nn.Linear)] == [
+        (7, 128), (128, 3)]
+
+
+# ---------------------------------------------------------------------------- progress
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_progress_in_a_log_is_plain_lines_every_tenth_or_ten_seconds():
+    stream, clock = io.StringIO(), _Clock()
+    progress = Progress(epochs=2, steps_per_epoch=50, total_steps=100, quiet=False, stream=stream,
+                        clock=clock)
+    for step in range(1, 101):
+        clock.now += 0.1
+        if step == 33:
+            clock.now += 10.0  # a slow step: a line at once, whatever the fraction
+        epoch, within = (step - 1) // 50 + 1, (step - 1) % 50 + 1
+        progress.update(epoch, within, step, 0.5, 0.9, float("nan") if epoch == 1 else 1.0)
+        if within == 50:
+            progress.update(epoch, within, step, 0.5, 0.9, 1.0 if epoch == 1 else 2.0, final=True)
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue()
+    steps = [int(line.split()[1].split("/")[0]) for line in lines]
+    assert steps == [10, 20, 30, 33, 40, 50, 60, 70, 80, 90, 100]
+    assert lines[-1].startswith("step 100/100 (100%) epoch   2/2") and lines[-1].endswith("ε  2.000")
+
+
+def test_progress_on_a_terminal_redraws_a_bar():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    progress = Progress(epochs=1, steps_per_epoch=4, total_steps=4, quiet=False, stream=stream)
+    for step in range(1, 5):
+        progress.update(1, step, step, 0.5, 0.9, float("nan"))
+    progress.update(1, 4, 4, 0.5, 0.9, 1.5, final=True)
+    text = stream.getvalue()
+    assert text.count("\r") == 5 and text.endswith("ε  1.500\n") and "[#####" in text
+
+
+# ---------------------------------------------------------------------------- plots
+def test_moving_average_against_a_direct_mean():
+    values = [float(v) for v in np.random.default_rng(0).normal(size=37)]
+    for window in (1, 4, 10):
+        direct = [float(np.mean(values[max(0, i - window + 1):i + 1])) for i in range(len(values))]
+        assert report.moving_average(values, window) == pytest.approx(direct)
+    assert len(report.moving_average(values)) == len(values)
+
+
+def _records(steps: int, auto_lr: bool):
+    rng = np.random.default_rng(0)
+    records = []
+    for t in range(1, steps + 1):
+        record = {"kind": "step", "step": t, "loss": float(rng.random()), "train_accuracy": 0.5,
+                  "lr": 0.01 * (1 + t / steps) if auto_lr else 0.02,
+                  "groups": {"a long clip group name": {
+                      "clip_fraction": float(rng.random()), "threshold": 1.0,
+                      "norm_quantiles": {"q10": 0.5, "q50": 1.0 + float(rng.random()), "q90": 3.0}}}}
+        if auto_lr:
+            record["loss_bound"] = 2.0
+        records.append(record)
+    records.append({"kind": "epoch", "step": steps, "epsilon": 1.0, "train_loss": 0.5, "test_accuracy": 0.9})
+    return records
+
+
+def _inside_figure(fig) -> bool:
+    fig.canvas.draw()
+    renderer, box = fig.canvas.get_renderer(), fig.bbox
+    for ax in fig.axes:
+        for text in (ax.yaxis.label, ax.xaxis.label, ax.title):
+            extent = text.get_window_extent(renderer)
+            if text.get_text() and not (extent.x0 >= box.x0 and extent.x1 <= box.x1
+                                        and extent.y0 >= box.y0 and extent.y1 <= box.y1):
+                return False
+    return True
+
+
+def test_learning_rate_plot_has_no_empty_panel_when_the_lr_is_fixed():
+    fixed = report.learning_rate_figure(_records(20, auto_lr=False))
+    assert len(fixed.axes) == 1 and fixed.axes[0].get_title() == "fixed learning rate 0.02"
+    auto = report.learning_rate_figure(_records(20, auto_lr=True))
+    assert len(auto.axes) == 2 and all(ax.lines for ax in auto.axes)
+
+
+def test_plot_labels_fit_and_long_runs_are_smoothed():
+    records = _records(10_000, auto_lr=False)
+    for figure in report.FIGURES.values():
+        assert _inside_figure(figure(records)), figure.__name__
+    loss_axes = report.loss_accuracy_figure(records).axes[0]
+    raw, smoothed = loss_axes.lines[:2]
+    assert "moving average of 200" in smoothed.get_label()
+    assert np.std(smoothed.get_ydata()) < 0.3 * np.std(raw.get_ydata())
+
+
+# ---------------------------------------------------------------------------- δ
+def test_the_default_delta_is_stated_with_how_it_was_chosen(tmp_path, capsys):
+    code, result = _run(tmp_path)
+    n = result["dataset"]["train_examples"]
+    assert code == 0 and result["delta"] == pytest.approx(1 / n ** 1.1)
+    stated = f"δ = 1/N^1.1 = {1 / n ** 1.1:.3g} for N = {n} training examples, the default"
+    assert result["delta_choice"].startswith(stated) and stated in capsys.readouterr().out
+    assert training_module.delta_choice(1e-5, n) == (1e-5, "δ = 1e-05, given by --delta")
