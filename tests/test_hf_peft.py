@@ -12,6 +12,7 @@ from test_hf_models import ENCODER, V, causal_lm_loss, classification_loss, text
 from tunefree.clipping import ClipFunction
 from tunefree.engine import ClippingEngine
 from tunefree.grouping import make_groups
+from tunefree.independence import verify_example_independence
 from tunefree.rules.linear import LinearRule
 
 
@@ -68,3 +69,15 @@ def test_lora_is_exact(name, grouping):
     for n, p in model.named_parameters():
         if n in frozen:
             assert p.grad is None and (p.detach() == frozen[n].to(p.dtype)).all()
+
+
+def test_lora_dropout_passes_the_independence_check_and_writes_no_ordinary_gradient():
+    model = peft.get_peft_model(gpt2(), peft.LoraConfig(r=2, target_modules=["c_attn"], lora_dropout=0.5,
+                                                        fan_in_fan_out=True, init_lora_weights=False)).train()
+    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"))
+    batch = text_batch()
+    causal_lm_loss(model, batch).mean().backward()
+    sums, examples, norms = engine.pop_step()
+    verify_example_independence(model, engine, (), batch)
+    assert examples == 3 and norms["all"].gt(0).all() and len(sums) == 4
+    assert all(p.grad is None for p in model.parameters())
