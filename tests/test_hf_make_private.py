@@ -76,3 +76,30 @@ def test_an_unused_pooler_gets_a_zero_clipped_sum_plus_the_full_noise(sigma):
         std = sigma * 1.0 / (16 * engine.sample_rate)
         weight = grads["dense.weight"]
         assert weight.abs().gt(0).all() and 0.8 < weight.std().item() / std < 1.2
+
+
+def test_generate_and_save_pretrained_are_unaffected_after_private_steps(tmp_path):
+    config = hf.GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=16, bos_token_id=0,
+                           eos_token_id=0, pad_token_id=0)
+    model = hf.GPT2LMHeadModel(config).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [{"input_ids": row["input_ids"]} for row in dataset()]
+    engine = tunefree.make_private(model, optimizer, DataLoader(data, batch_size=8), target_delta=1e-2,
+                                   noise_multiplier=1.0, steps=1, seed=0)
+    for batch in engine.data_loader:
+        engine.optimizer.zero_grad()
+        if len(batch["input_ids"]):
+            logits = model(**batch).logits
+            loss = nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), batch["input_ids"][:, 1:],
+                                               reduction="none").sum(1).mean()
+            loss.backward()
+        engine.optimizer.step()
+        break
+    model.eval()
+    prompt = torch.tensor([[3, 4, 5]])
+    generated = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    model.save_pretrained(tmp_path)
+    reloaded = hf.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    assert generated.shape == (1, 7)
+    assert torch.equal(reloaded.generate(prompt, max_new_tokens=4, do_sample=False), generated)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))

@@ -340,6 +340,9 @@ class ClippingEngine:
             self._pass.fallback_stack.append(self._pass.frames[-1])
 
     def _post_forward(self, unit: Unit, args: tuple, kwargs: dict, output: Any) -> Any:
+        capturing = bool(self._pass.frames) and self._pass.frames[-1].unit is unit
+        if not capturing and self._broadcast is None:
+            return None  # e.g. evaluation, generate()
         leaves, spec = tree_flatten(output)
         hooked = [i for i, leaf in enumerate(leaves)
                   if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
@@ -349,8 +352,8 @@ class ClippingEngine:
             # output gradient has a row per example. Broadcasting downstream is unchanged.
             for i in hooked:
                 leaves[i] = leaves[i].expand(shared, *leaves[i].shape[1:])
-        if not self._pass.frames or self._pass.frames[-1].unit is not unit:
-            return None if shared is None else tree_unflatten(leaves, spec)  # not capturing this call
+        if not capturing:
+            return None if shared is None else tree_unflatten(leaves, spec)
         frame = self._pass.frames.pop()
         for p, flag in frame.saved:
             p.requires_grad_(flag)
