@@ -170,7 +170,7 @@ def test_backward_mixing_names_the_example_of_the_whole_batch():
 
 
 class SharedMaskInput(nn.Module):
-    """Takes a shared [T, T] mask as an input: with T == n it looks batched, and cutting it breaks the model."""
+    """Takes a shared [T, T] mask as an input: with T == n it looks batched; cutting it breaks the model."""
 
     def __init__(self):
         super().__init__()

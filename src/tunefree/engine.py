@@ -124,6 +124,15 @@ class _Frame:
     reads: _ParameterReads | None = None  # parameters its own code reads (for fallback units)
 
 
+@dataclass(frozen=True)
+class _Broadcast:
+    """The model call in progress, for expanding shared inputs: its examples and the storages of its
+    tensor inputs (a tensor sharing one of them holds example data and is never expanded)."""
+
+    examples: int
+    call_storages: set[int]
+
+
 @dataclass(eq=False)
 class _PassState:
     """Everything the engine knows about the current forward/backward pass."""
@@ -182,6 +191,7 @@ class ClippingEngine:
         self._pass = _PassState()
         self._recomputing = False
         self._suspended = 0
+        self._broadcast: _Broadcast | None = None
         self.retain_inputs = False
         self.retained_inputs: Capture | None = None
         self.thresholds: dict[str, float] = {g.name: g.threshold for g in groups}
@@ -199,6 +209,8 @@ class ClippingEngine:
     def _attach(self) -> None:
         self._handles.append(self.model.register_forward_pre_hook(
             lambda mod, args, kwargs: self._new_forward(args, kwargs), prepend=True, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(
+            lambda mod, args, out: self._end_forward(), always_call=True))
         for unit in self.units:
             m = unit.module
             self._handles.append(m.register_forward_pre_hook(
@@ -256,6 +268,49 @@ class ClippingEngine:
                 self._pass.batch_storages = _storages(tree_flatten((args, kwargs))[0])
                 self._pass.model_storages = _storages([*self.model.parameters(),
                                                        *self.model.buffers()])
+        self._broadcast = self._broadcast_for(args, kwargs)
+
+    def _broadcast_for(self, args: tuple, kwargs: dict) -> _Broadcast | None:
+        """How to expand shared inputs in this model call: to the batch's examples by provenance, or,
+        inside ``no_capture()`` (the independence check), to the call's own examples when its inputs
+        agree; ``None`` when there is nothing to expand (no gradient, one example)."""
+        if not (torch.is_grad_enabled() and self.model.training) or self._recomputing \
+                or self._pass.in_backward:
+            return None
+        leaves = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        if self._capturing():
+            examples = self._expected_examples()
+        else:
+            sizes = {x.shape[0] for x in leaves if x.dim() > 0}
+            examples = sizes.pop() if len(sizes) == 1 else None
+        if examples is None or examples == 1:
+            return None
+        return _Broadcast(examples, _storages(leaves))
+
+    def _end_forward(self) -> None:
+        self._broadcast = None
+
+    def _shared_examples(self, unit: Unit, args: tuple, kwargs: dict,
+                         outputs: list[torch.Tensor]) -> int | None:
+        """The examples to expand this call's outputs to, when the call is shared by all examples: its
+        outputs have one row in the example dimension while the batch has another number, no input is
+        computed with gradients, and every input sharing memory with the model call's inputs has one row
+        per example (e.g. position ids (1, L) from a buffer or ``arange``, or BART's positions built
+        from the shape of the decoder ids). The independence check refuses a shared output that
+        depends on an example's values. ``None`` otherwise."""
+        broadcast = self._broadcast
+        if broadcast is None or not outputs:
+            return None
+        if unit.rule is not None and not unit.rule.expands_shared_inputs:
+            return None
+        if any(out.dim() == 0 or out.shape[0] != 1 for out in outputs):
+            return None
+        for x in tree_flatten((args, kwargs))[0]:
+            if isinstance(x, torch.Tensor) and (x.requires_grad or (
+                    _storage(x) in broadcast.call_storages
+                    and (x.dim() == 0 or x.shape[0] != broadcast.examples))):
+                return None
+        return broadcast.examples
 
     def _check_trainable_set(self) -> None:
         """The parameters that require grad must be exactly those clipped and noised since
@@ -312,8 +367,20 @@ class ClippingEngine:
             self._pass.fallback_stack.append(frame)
 
     def _leave_unit(self, unit: Unit, args: tuple, kwargs: dict, output: Any) -> Any:
-        if not self._pass.frames or self._pass.frames[-1].unit is not unit:
-            return None  # not capturing this call
+        capturing = bool(self._pass.frames) and self._pass.frames[-1].unit is unit
+        if not capturing and self._broadcast is None:
+            return None  # e.g. evaluation, generate()
+        leaves, spec = tree_flatten(output)
+        hooked = [i for i, leaf in enumerate(leaves)
+                  if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
+        shared = self._shared_examples(unit, args, kwargs, [leaves[i] for i in hooked])
+        if shared is not None:
+            # A call shared by all examples: make its broadcast over the batch explicit, so that its
+            # output gradient has a row per example. Broadcasting downstream is unchanged.
+            for i in hooked:
+                leaves[i] = leaves[i].expand(shared, *leaves[i].shape[1:])
+        if not capturing:
+            return None if shared is None else tree_unflatten(leaves, spec)
         frame = self._pass.frames.pop()
         for p, flag in frame.saved:
             p.requires_grad_(flag)
@@ -326,12 +393,9 @@ class ClippingEngine:
             # engine refuses it as a use outside their module, instead of being silently dropped.
             for p in unit.direct.values():
                 p.requires_grad_(True)
-        leaves, spec = tree_flatten(output)
-        hooked = [i for i, leaf in enumerate(leaves)
-                  if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
         if not hooked:
             return None
-        capture, versions = _capture(args, kwargs)
+        capture, versions = _capture(args, kwargs, expand_to=shared if unit.rule is not None else None)
         if unit.rule is None:
             capture.from_batch = self._from_batch(args, kwargs)
         use = _Use(unit=unit, capture=capture, params=self._use_params(unit, frame),
@@ -629,11 +693,17 @@ class _no_autocast:
         return self._ctx.__exit__(*exc)
 
 
-def _capture(args: tuple, kwargs: dict) -> tuple[Capture, list[tuple[torch.Tensor, int]]]:
-    """The call's inputs, detached, with their version counters to detect later in-place edits."""
+def _capture(args: tuple, kwargs: dict, expand_to: int | None = None
+             ) -> tuple[Capture, list[tuple[torch.Tensor, int]]]:
+    """The call's inputs, detached, with their version counters to detect later in-place edits.
+    ``expand_to``: the call is shared by all examples; its one-row inputs are expanded to that many
+    rows, as a layer rule needs one row per example (the fallback passes shared inputs whole)."""
     leaves, spec = tree_flatten((args, kwargs))
     leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
     versions = [(x, x._version) for x in leaves if isinstance(x, torch.Tensor)]
+    if expand_to is not None:
+        leaves = [x.expand(expand_to, *x.shape[1:])
+                  if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == 1 else x for x in leaves]
     args, kwargs = tree_unflatten(leaves, spec)
     return Capture(args=args, kwargs=kwargs), versions
 

@@ -13,13 +13,14 @@ from .base import Capture, LayerRule, Materialized, PerSampleGrad
 from .conv import ConvRule
 from .embedding import EmbeddingRule
 from .generic import fallback_per_sample_grads
+from .hf_conv1d import HFConv1DRule
 from .linear import LinearRule
 from .norms import GroupNormRule, InstanceNormRule, LayerNormRule, RMSNormRule
 from .recurrent import RecurrentRule
 
 RULES: tuple[LayerRule, ...] = (
     LinearRule(), ConvRule(), EmbeddingRule(), LayerNormRule(), GroupNormRule(), RMSNormRule(),
-    InstanceNormRule(), RecurrentRule(),
+    InstanceNormRule(), RecurrentRule(), HFConv1DRule(),
 )
 
 

@@ -74,10 +74,14 @@ class LayerRule(ABC):
     A rule serves modules of ``module_types`` (``isinstance``) that keep the base class's ``forward``;
     ``param_names`` lists the parameters it knows how to handle. A module with other trainable
     parameters, or an overridden ``forward``, goes to the generic fallback instead.
+    ``expands_shared_inputs``: the engine may expand an input shared by all examples (one row in
+    dimension 0, no example data) to one row per example; False for layers whose inputs do not all
+    carry the examples in dimension 0.
     """
 
     module_types: tuple[type[nn.Module], ...] = ()
     param_names: tuple[str, ...] = ("weight", "bias")
+    expands_shared_inputs: bool = True
 
     def output_batch_dims(self, module: nn.Module, num_outputs: int) -> tuple[int, ...]:
         """The example dimension of each floating-point tensor output of ``module`` (in the order

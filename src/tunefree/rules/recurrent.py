@@ -31,6 +31,7 @@ class RecurrentRule(LayerRule):
     layout, with or without an initial state."""
 
     module_types = (nn.RNN, nn.GRU, nn.LSTM)
+    expands_shared_inputs = False  # the initial state is [layers, B, H]: examples in dimension 1
     param_names = _recurrent_param_names()
 
     def output_batch_dims(self, module: nn.Module, num_outputs: int) -> tuple[int, ...]:
