@@ -51,7 +51,8 @@ SMOOTHING = 0.5  # weight of the new estimate in the geometric average with the 
 DECAY = 0.5  # weight of earlier updates in the averaged slope and curvature
 GROWTH = 1.25  # factor on η when the fit cannot be resolved but the loss falls along the update
 MAX_RELATIVE_UPDATE = 0.05  # no unresolved growth once a step moves the weights by 5% of their norm
-DIFFERENCE_BOUND_FACTOR = 4.0  # R_d = this × the larger privatised mean difference (scaled to the new η)
+DIFFERENCE_BOUND_FACTOR = 4.0  # R_d ≥ this × the larger privatised mean difference (scaled to the new η)
+DIFFERENCE_SIGNAL_TO_NOISE = 4.0  # R_d as large as keeps the mean difference this many noise deviations up
 
 
 @dataclass
@@ -278,13 +279,20 @@ class AutoLearningRate(StepComponent):
         """The clipping bound of the next update, from this one's released values (post-processing).
 
         Losses: R_l = Σ_k L̃^(k), the sum of the three privatised mean losses (Section 4.1, "to avoid
-        the clipping bias"). Differences: R_d = 4 × the larger privatised mean difference, times
-        (new η / η) since differences grow with the step. A bound that is not positive and finite
+        the clipping bias"). Differences: per-sample differences spread far wider than their mean, so
+        R_d is the largest bound at which the larger privatised mean difference d stays 4 noise
+        deviations above the noise (σ_l·R_d/(q·N) = |d|/4), and at least 4|d|; both scaled by
+        new η / η, since differences grow with the step. A bound that is not positive and finite
         (noise) keeps the current one."""
         if self.probes == "losses":
             bound = sum(values)
         else:
-            bound = DIFFERENCE_BOUND_FACTOR * max(abs(values[0]), abs(values[2])) * new_lr / lr
+            largest = max(abs(values[0]), abs(values[2]))
+            factor = DIFFERENCE_BOUND_FACTOR
+            if self.loss_noise > 0:
+                widest = self.expected_batch_size / (DIFFERENCE_SIGNAL_TO_NOISE * self.loss_noise)
+                factor = max(factor, widest)
+            bound = factor * largest * new_lr / lr
         return bound if bound > 0 and math.isfinite(bound) else self.state.loss_bound
 
     # ------------------------------------------------------------------ checkpoints
