@@ -321,9 +321,9 @@ def make_private(
         noise_multiplier=0.0 if noise_multiplier is None else noise_multiplier,
         counts=None if quantile is None else CountShare(quantile.budget, len(clip_groups)),
         losses=None if auto is None else LossShare(auto.interval, auto.loss_privacy,
-                                                   auto.gradient_noise_increase),
+                                                   auto.gradient_noise_increase, auto.releases_per_update),
         settings=_run_settings(clip, clip_groups, quantile, noise_allocation, loss_reduction,
-                               data_loader.dataset, num_examples),
+                               data_loader.dataset, num_examples, auto),
     ).solve(target_epsilon)
     return _build_engine(plan, model, optimizer, loader, randomness, schedule, clip, clip_groups,
                          quantile, noise_allocation, loss_reduction, poisson_sampling,
@@ -331,10 +331,12 @@ def make_private(
 
 
 def _run_settings(clip: ClipFunction, groups: list[ClipGroup], quantile: QuantileSettings | None,
-                  noise_allocation: str, loss_reduction: str, dataset: Any, num_examples: int
-                  ) -> dict[str, Any]:
+                  noise_allocation: str, loss_reduction: str, dataset: Any, num_examples: int,
+                  auto: AutoLR | None = None) -> dict[str, Any]:
     """What identifies the run beyond its noise, for the plan's fingerprint."""
-    return {"clipping": {"name": clip.name, "gamma": clip.gamma, "r": clip.r},
+    learning_rate = {} if auto is None else {
+        "auto_lr": {"mode": auto.mode, "probes": auto.probes, "initial_lr": auto.initial_lr}}
+    return {**learning_rate, "clipping": {"name": clip.name, "gamma": clip.gamma, "r": clip.r},
             "groups": {g.name: [list(g.param_names), g.threshold] for g in groups},
             "thresholds": "fixed" if quantile is None else vars(quantile),
             "noise_allocation": noise_allocation, "loss_reduction": loss_reduction,
@@ -349,8 +351,11 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
     """The run's parts, with every noise read off the solved ``plan``."""
     auto_lr = None
     if plan.losses is not None:
+        policy = plan.settings.get("auto_lr", {})
         auto_lr = AutoLearningRate(plan.losses.interval, plan.loss_noise, plan.expected_batch_size,
-                                   randomness, plan.losses.privacy)
+                                   randomness, plan.losses.privacy, **policy)
+        if auto_lr.releases_per_update != plan.losses.releases:
+            raise ValueError("the plan's loss share does not match the learning-rate probes")
     estimator = None
     if quantile is not None:
         # Normalising clip functions keep the initial total sensitivity; Abadi's clips at the estimates.

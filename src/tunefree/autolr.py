@@ -2,20 +2,28 @@
 values along the optimizer's private update, at a small share of the privacy budget.
 
 Every ``interval`` steps, after the noisy gradient is in ``.grad``: the update ``Δ = −η·m`` the wrapped
-optimizer would make is computed without advancing its state; the closure's per-sample losses at
-``w``, ``w + Δ`` and ``w − Δ`` (the current Poisson batch) are clipped at ``R_l``, summed, noised with
-standard deviation ``σ_l·R_l`` and divided by the expected batch size; the quadratic through the three
-privatised means gives the GeN learning rate ``b/a`` (Bu & Xu 2024), which sets η for this and the next
-steps. The weights and the optimizer state are left exactly as they were. The loss releases share the
-gradient's sampled batch and are recorded with it as one event.
+optimizer would make is computed without advancing its state; the per-sample losses at ``w − Δ``, ``w``
+and ``w + Δ`` on the current Poisson batch are privatised, and the quadratic through the three values
+gives the GeN learning rate ``b/a`` (Bu & Xu 2024). The weights and the optimizer state are left exactly
+as they were. The releases share the gradient's sampled batch and are recorded with it as one event.
 
-Safeguards (each documented in :meth:`AutoLearningRate.propose`): slope and curvature are averaged over
-updates by inverse noise variance; a non-finite privatised loss keeps η; a loss that rises significantly
-along the update halves η; a fit the loss noise cannot resolve grows η by 1.25 while the averaged slope
-is positive and a step moves the weights by less than 5% of their norm, and keeps it otherwise; a
-resolved fit is clamped to [η/2, 2η] and averaged geometrically with η. On small data sets (digits) the
-noise σ_l·R_l/(q·N) exceeds the loss changes between probes and only the safeguards act
-(benchmarks/RESULTS.md).
+Two mechanisms (``probes``):
+
+- ``"losses"`` (the paper, equation 7): each point's losses are clipped to ``|Lᵢ| ≤ R_l``, summed,
+  noised with standard deviation ``σ_l·R_l`` and divided by q·N: three releases. ``R_l`` for the next
+  update is the sum of the three privatised losses (the paper's stated practice, "to avoid the clipping
+  bias"), which is post-processing.
+- ``"differences"``: the per-sample differences ``Lᵢ(w ± Δ) − Lᵢ(w)`` are clipped to ``R_d`` and
+  released the same way: two releases, with a bound R_d far below R_l; ``L(w)`` itself is never
+  released. R_d follows the released differences (see :meth:`AutoLearningRate._next_bound`).
+
+Two rules (``mode``): ``"paper"`` sets η to the fitted ``b/a`` (Algorithm 1, line 11) and keeps η only
+when that value is undefined (``a ≤ 0``, ``b ≤ 0`` or a non-finite loss — the paper does not say what to
+do then); ``"safeguarded"`` adds the safeguards documented in :meth:`AutoLearningRate.propose`.
+
+``L(w)`` is taken from the training forward when the caller hands its per-sample losses over with
+:meth:`AutoLearningRate.record_training_losses` (Algorithm 1, line 2); otherwise the closure is
+evaluated at ``w`` as well.
 """
 
 from __future__ import annotations
@@ -33,24 +41,27 @@ from .optim import StepComponent, StepContext, UpdateControl
 from .privacy.mechanisms import LOSS_PRIVACY, release_loss_sum
 from .privacy.randomness import Randomness
 
+MODES = ("safeguarded", "paper")
+PROBES = ("losses", "differences")
 DEFAULT_INTERVAL = 5  # K: see benchmarks/RESULTS.md for the measurement behind it
 INITIAL_LR = 1e-4  # the paper's initial η (Section 5)
-INITIAL_LOSS_BOUND = 1.0  # the paper's initial loss clipping threshold R_l
+INITIAL_LOSS_BOUND = 1.0  # the paper's initial loss clipping threshold R_l (also the first R_d)
 SIGNIFICANCE = 2.0  # a fitted slope or curvature counts when it exceeds this many noise deviations
 SMOOTHING = 0.5  # weight of the new estimate in the geometric average with the previous η
 DECAY = 0.5  # weight of earlier updates in the averaged slope and curvature
 GROWTH = 1.25  # factor on η when the fit cannot be resolved but the loss falls along the update
 MAX_RELATIVE_UPDATE = 0.05  # no unresolved growth once a step moves the weights by 5% of their norm
-LOSS_BOUND_FACTOR = 1.0  # R_l = this × the previous privatised mean loss
+DIFFERENCE_BOUND_FACTOR = 4.0  # R_d ≥ this × the larger privatised mean difference (scaled to the new η)
+DIFFERENCE_SIGNAL_TO_NOISE = 4.0  # R_d as large as keeps the mean difference this many noise deviations up
 
 
 @dataclass
 class Fit:
-    """One learning-rate update: the three privatised losses, the fitted quadratic and the outcome."""
+    """One learning-rate update: the privatised values, the fitted quadratic and the outcome."""
 
     step: int
     lr_before: float
-    losses: tuple[float, float, float]  # privatised mean losses at w − Δ, w, w + Δ
+    losses: tuple[float, float, float]  # privatised mean losses at w − Δ, w, w + Δ (differences: L(w) = 0)
     slope: float  # b = Gᵀm
     curvature: float  # a = mᵀHm
     estimate: float  # b/a, the raw GeN learning rate (nan when undefined)
@@ -73,108 +84,162 @@ class AutoLearningRate(StepComponent):
 
     Args:
         interval: K, the learning rate is refitted every K steps (the first step included).
-        loss_noise: σ_l, the noise of each loss release relative to the clipping threshold R_l
+        loss_noise: σ_l, the noise of each release relative to its clipping bound (R_l or R_d)
             (Gaussian standard deviation, or Laplace scale for ``loss_privacy="laplace"``).
-        expected_batch_size: q·N; the noisy loss sums are divided by it.
+        expected_batch_size: q·N; the noisy sums are divided by it.
         randomness: the run's source of noise.
         loss_privacy: ``"gaussian"`` (L2 clipping, the default) or ``"laplace"`` (L1, Table 1).
+        initial_lr: η before the first fit (public: chosen without data).
+        mode: ``"paper"`` (η = the fitted b/a) or ``"safeguarded"``.
+        probes: ``"losses"`` (three releases per update) or ``"differences"`` (two).
     """
 
     def __init__(self, interval: int, loss_noise: float, expected_batch_size: float,
                  randomness: Randomness, loss_privacy: str = "gaussian",
-                 initial_lr: float = INITIAL_LR):
+                 initial_lr: float = INITIAL_LR, mode: str = "safeguarded", probes: str = "losses"):
         if int(interval) != interval or interval < 1:
             raise ValueError(f"lr_update_interval must be a positive integer, got {interval}")
         if loss_privacy not in LOSS_PRIVACY:
             raise ValueError(f"loss_privacy must be one of {LOSS_PRIVACY}, got {loss_privacy!r}")
+        if mode not in MODES:
+            raise ValueError(f"AutoLR mode must be one of {MODES}, got {mode!r}")
+        if probes not in PROBES:
+            raise ValueError(f"AutoLR probes must be one of {PROBES}, got {probes!r}")
+        if not (initial_lr > 0 and math.isfinite(initial_lr)):
+            raise ValueError(f"initial_lr must be a positive finite number, got {initial_lr}")
         self.interval, self.loss_noise = int(interval), loss_noise
         self.expected_batch_size, self.randomness = expected_batch_size, randomness
-        self.loss_privacy = loss_privacy
+        self.loss_privacy, self.mode, self.probes = loss_privacy, mode, probes
         self.state = AutoLRState(lr=initial_lr)
         self._relative_update = 0.0
+        self._training_losses: list[torch.Tensor] = []
 
     @property
     def lr(self) -> float:
         return self.state.lr
+
+    @property
+    def releases_per_update(self) -> int:
+        """Private values released at each learning-rate update: 3 losses or 2 differences."""
+        return 3 if self.probes == "losses" else 2
 
     def loss_event(self) -> dpa.DpEvent:
         if self.loss_privacy == "gaussian":
             return dpa.GaussianDpEvent(self.loss_noise)
         return dpa.LaplaceDpEvent(self.loss_noise)
 
+    def record_training_losses(self, losses: torch.Tensor) -> None:
+        """Hand over the per-sample losses of the training forward at ``w`` (of one physical batch;
+        call once per micro-batch), so that the update reuses them as ``L(w)`` instead of running the
+        closure at ``w`` again. They are released (or used) only as the update's ``L(w)``."""
+        if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
+            raise ValueError("record_training_losses takes the per-sample losses as a 1-D tensor "
+                             "(use reduction='none')")
+        self._training_losses.append(losses.detach())
+
     # ------------------------------------------------------------------ the step
     def before_update(self, step: StepContext) -> list[dpa.DpEvent]:
         self.state.steps += 1
         events: list[dpa.DpEvent] = []
+        training, self._training_losses = self._training_losses, []
         if (self.state.steps - 1) % self.interval == 0:
             if step.closure is None:
                 raise ValueError(
                     "lr='auto' refits the learning rate on this step and needs the batch's per-sample "
                     "losses: call optimizer.step(closure) with a closure returning them as a 1-D tensor "
                     "(e.g. lambda: F.cross_entropy(model(x), y, reduction='none'))")
-            losses = self._probe(step.update, step.closure, step.report.examples)
-            self._update(losses, step.report.step)
-            events = [self.loss_event()] * 3
+            here = None
+            if training:
+                here = _checked(torch.cat(training), step.report.examples, "record_training_losses")
+            values = self._probe(step.update, step.closure, step.report.examples, here)
+            self._update(values, step.report.step)
+            events = [self.loss_event()] * self.releases_per_update
         step.update.set_lr(self.state.lr)
         return events
 
-    def _probe(self, update: UpdateControl, closure: Callable[[], Any], examples: int) -> list[float]:
-        """Privatised mean losses at w − Δ, w and w + Δ (Δ the update at the current η)."""
+    def _probe(self, update: UpdateControl, closure: Callable[[], Any], examples: int,
+               here: torch.Tensor | None = None) -> list[float]:
+        """Privatised mean values at w − Δ, w and w + Δ (Δ the update at the current η): losses, or
+        differences to ``L(w)`` (whose own value is then 0 and not released). ``here`` is ``L(w)``
+        per sample from the training forward, if handed over."""
         params = update.params
         saved = [p.detach().clone() for p in params]
         update.set_lr(self.state.lr)
         delta = update.trial_update()
         self._relative_update = math.sqrt(sum(float(d.pow(2).sum()) for d in delta)) / max(
             math.sqrt(sum(float(w.pow(2).sum()) for w in saved)), 1e-12)
-        private = []
         try:
             with torch.no_grad():
-                for sign in (-1, 0, +1):  # w − Δ, w, w + Δ: steps −η, 0, +η along −m
+                def losses_at(sign: int) -> torch.Tensor:  # w + sign·Δ
                     for p, w, d in zip(params, saved, delta):
                         p.copy_(w + sign * d)
-                    private.append(self._privatise(_per_sample_losses(closure, examples)))
+                    return _checked(closure(), examples, "the closure")
+
+                if here is None:
+                    here = losses_at(0)
+                back, forward = losses_at(-1), losses_at(+1)
         finally:
             with torch.no_grad():
                 for p, w in zip(params, saved):
                     p.copy_(w)
-        return private
+        if self.probes == "differences":
+            return [self._privatise(back - here), 0.0, self._privatise(forward - here)]
+        return [self._privatise(back), self._privatise(here), self._privatise(forward)]
 
-    def _privatise(self, losses: torch.Tensor) -> float:
-        """Clip each loss to |Lᵢ| ≤ R_l, sum, add noise σ_l·R_l, divide by q·N (equation 7)."""
+    def _privatise(self, values: torch.Tensor) -> float:
+        """Clip each value to |vᵢ| ≤ R, sum, add noise σ_l·R, divide by q·N (equation 7)."""
         bound = self.state.loss_bound
-        losses = losses.detach().to(torch.float64)
-        clipped = losses * (bound / losses.abs().clamp_min(bound))
+        values = values.detach().to(torch.float64)
+        clipped = values * (bound / values.abs().clamp_min(bound))
         noisy, _ = release_loss_sum(float(clipped.sum()), bound, self.loss_noise, self.loss_privacy,
                                     self.randomness)
         return noisy / self.expected_batch_size
 
     # ------------------------------------------------------------------ the fit
     def noise_of_mean(self) -> float:
-        """Standard deviation of one privatised mean loss (public: σ_l, R_l and q·N)."""
+        """Standard deviation of one privatised mean value (public: σ_l, the bound and q·N)."""
         factor = 1.0 if self.loss_privacy == "gaussian" else math.sqrt(2.0)
         return factor * self.loss_noise * self.state.loss_bound / self.expected_batch_size
 
+    @staticmethod
+    def quadratic(values: list[float], lr: float) -> tuple[float, float]:
+        """Slope b and curvature a of ``L(w − x·m) ≈ L(w) − b·x + a·x²/2`` through the values at
+        x = −η, 0, +η (w − Δ, w, w + Δ with Δ = −η·m): equation 6 with three points."""
+        back, here, forward = values
+        return (back - forward) / (2 * lr), (back + forward - 2 * here) / lr ** 2
+
+    def propose_paper(self, values: list[float], lr: float) -> tuple[float, float, float, float, str]:
+        """Algorithm 1, lines 9-11: η = b/a. Where b/a is no minimiser (a ≤ 0 or b ≤ 0) or a value is
+        not finite, the paper gives no rule and η is kept."""
+        if not all(math.isfinite(v) for v in values):
+            return math.nan, math.nan, math.nan, lr, "non-finite loss: keep"
+        slope, curvature = self.quadratic(values, lr)
+        if curvature > 0 and slope > 0:
+            return slope, curvature, slope / curvature, slope / curvature, "fit"
+        return slope, curvature, math.nan, lr, "no minimiser along the update: keep"
+
     def propose(self, losses: list[float], lr: float, relative_update: float = 0.0
                 ) -> tuple[float, float, float, float, str]:
-        """The new η from privatised losses at (w − Δ, w, w + Δ), i.e. at steps x = −η, 0, +η of
-        ``L(w − x·m) ≈ L(w) − b·x + a·x²/2`` (Δ = −η·m), with the safeguards:
+        """The safeguarded new η from privatised values at (w − Δ, w, w + Δ), i.e. at steps
+        x = −η, 0, +η (see :meth:`quadratic`):
 
         - a non-finite loss: keep η;
         - the slope b and curvature a are averaged with those of earlier updates, each weighted by the
-          inverse of its noise variance (known from σ_l, R_l, q·N and η) with a decay, so that noise
-          averages out while the estimate follows the landscape;
+          inverse of its noise variance (known from σ_l, the bound, q·N and η) with a decay, so that
+          noise averages out while the estimate follows the landscape;
         - slope significantly negative (the loss rises along the update): halve η;
-        - slope or curvature not resolved from the noise: the probes are too close to tell, grow η;
+        - slope or curvature not resolved from the noise: the probes are too close to tell; grow η by
+          1.25 while the slope is positive and a step moves the weights by less than 5% of their
+          norm, keep it otherwise;
         - otherwise η_GeN = b/a, clamped to [η/2, 2η] and averaged geometrically with η.
         """
-        back, here, forward = losses
         if not all(math.isfinite(v) for v in losses):
             return math.nan, math.nan, math.nan, lr, "non-finite loss: keep"
         noise = self.noise_of_mean()
-        slope = (back - forward) / (2 * lr)
-        curvature = (back + forward - 2 * here) / lr ** 2
+        slope, curvature = self.quadratic(losses, lr)
+        second_difference = 6 if self.probes == "losses" else 2  # var(L₋ + L₊ − 2L₀) / n²; L₀ = 0 exact
         slope_var = (noise / (math.sqrt(2) * lr)) ** 2
-        curvature_var = (noise * math.sqrt(6) / lr ** 2) ** 2
+        curvature_var = second_difference * (noise / lr ** 2) ** 2
         slope, slope_sd = self._average("slope", slope, slope_var)
         curvature, curvature_sd = self._average("curvature", curvature, curvature_var)
         estimate = slope / curvature if curvature > 0 and slope > 0 else math.nan
@@ -198,17 +263,37 @@ class AutoLearningRate(StepComponent):
         self.state.averages[name] = (weight_sum, weighted)
         return weighted / weight_sum, weight_sum ** -0.5
 
-    def _update(self, losses: list[float], step: int) -> None:
+    def _update(self, values: list[float], step: int) -> None:
         state = self.state
-        slope, curvature, estimate, new_lr, decision = self.propose(losses, state.lr,
-                                                                    self._relative_update)
-        state.history.append(Fit(step, state.lr, tuple(losses), slope, curvature, estimate, new_lr,
+        if self.mode == "paper":
+            slope, curvature, estimate, new_lr, decision = self.propose_paper(values, state.lr)
+        else:
+            slope, curvature, estimate, new_lr, decision = self.propose(values, state.lr,
+                                                                        self._relative_update)
+        state.history.append(Fit(step, state.lr, tuple(values), slope, curvature, estimate, new_lr,
                                  decision, state.loss_bound))
+        state.loss_bound = self._next_bound(values, state.lr, new_lr)
         state.lr = new_lr
-        # R_l for the next update from this one's privatised loss at w (post-processing, Algorithm 1
-        # line 8), kept positive if noise drove it below zero.
-        if math.isfinite(losses[1]):
-            state.loss_bound = max(LOSS_BOUND_FACTOR * losses[1], 1e-3 * state.loss_bound)
+
+    def _next_bound(self, values: list[float], lr: float, new_lr: float) -> float:
+        """The clipping bound of the next update, from this one's released values (post-processing).
+
+        Losses: R_l = Σ_k L̃^(k), the sum of the three privatised mean losses (Section 4.1, "to avoid
+        the clipping bias"). Differences: per-sample differences spread far wider than their mean, so
+        R_d is the largest bound at which the larger privatised mean difference d stays 4 noise
+        deviations above the noise (σ_l·R_d/(q·N) = |d|/4), and at least 4|d|; both scaled by
+        new η / η, since differences grow with the step. A bound that is not positive and finite
+        (noise) keeps the current one."""
+        if self.probes == "losses":
+            bound = sum(values)
+        else:
+            largest = max(abs(values[0]), abs(values[2]))
+            factor = DIFFERENCE_BOUND_FACTOR
+            if self.loss_noise > 0:
+                widest = self.expected_batch_size / (DIFFERENCE_SIGNAL_TO_NOISE * self.loss_noise)
+                factor = max(factor, widest)
+            bound = factor * largest * new_lr / lr
+        return bound if bound > 0 and math.isfinite(bound) else self.state.loss_bound
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -220,21 +305,20 @@ class AutoLearningRate(StepComponent):
         self.state.steps, self.state.averages = state["steps"], dict(state["averages"])
 
 
-def _per_sample_losses(closure: Callable[[], Any], examples: int) -> torch.Tensor:
-    """The closure's losses, checked: one finite loss per example of the step's batch, or the
-    sensitivity R_l of the release would not hold."""
-    losses = closure()
+def _checked(losses: Any, examples: int, source: str) -> torch.Tensor:
+    """Per-sample losses, checked: one finite loss per example of the step's batch, or the
+    sensitivity of the release would not hold."""
     if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
         raise ValueError(
-            "with lr='auto' the closure must return the batch's per-sample losses as a 1-D tensor "
+            f"with lr='auto' {source} must give the batch's per-sample losses as a 1-D tensor "
             f"(use reduction='none'); got {type(losses).__name__}"
             f"{'' if not isinstance(losses, torch.Tensor) else ' of shape ' + str(tuple(losses.shape))}")
     if losses.numel() != examples:
         raise ValueError(
-            f"the closure returned {losses.numel()} losses for a step of {examples} examples: it must "
-            "return one loss per example of the whole logical batch the gradient was computed on")
+            f"{source} gave {losses.numel()} losses for a step of {examples} examples: it must "
+            "give one loss per example of the whole logical batch the gradient was computed on")
     if not torch.isfinite(losses).all():
         raise PrivacyError(
             "a per-sample loss is NaN or infinite: its clipped value would be undefined, so nothing "
             "is released; check the inputs or lower the learning rate")
-    return losses
+    return losses.detach()

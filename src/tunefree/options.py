@@ -98,11 +98,20 @@ class AdaptiveQuantile:
 @dataclass(frozen=True)
 class AutoLR:
     """Learning rate set by GeN-DP every ``interval`` steps from privatised losses; the gradient noise
-    grows by ``gradient_noise_increase`` (> 1) so that the whole run spends what plain DP-SGD would."""
+    grows by ``gradient_noise_increase`` (> 1) so that the whole run spends what plain DP-SGD would.
+
+    ``mode``: ``"paper"`` sets η to the fitted value (HyFreeDP, Algorithm 1), ``"safeguarded"`` adds
+    the safeguards of ``tunefree.autolr``. ``probes``: ``"losses"`` releases three clipped losses per
+    update (the paper), ``"differences"`` two clipped per-sample loss differences Lᵢ(w ± Δ) − Lᵢ(w).
+    ``initial_lr`` is η before the first fit (the paper's 10⁻⁴). None of them changes ε: every release
+    is accounted on the plan."""
 
     interval: int = 5
     loss_privacy: str = "gaussian"
     gradient_noise_increase: float = 1.01
+    mode: str = "safeguarded"
+    probes: str = "losses"
+    initial_lr: float = 1e-4
 
     def __post_init__(self) -> None:
         _count("AutoLR.interval", self.interval)
@@ -112,6 +121,16 @@ class AutoLR:
         if _positive("AutoLR.gradient_noise_increase", self.gradient_noise_increase) <= 1:
             raise ValueError("AutoLR.gradient_noise_increase must be > 1 (it pays for the loss releases), "
                              f"got {self.gradient_noise_increase}")
+        if self.mode not in ("safeguarded", "paper"):
+            raise ValueError(f"AutoLR.mode must be 'safeguarded' or 'paper', got {self.mode!r}")
+        if self.probes not in ("losses", "differences"):
+            raise ValueError(f"AutoLR.probes must be 'losses' or 'differences', got {self.probes!r}")
+        _positive("AutoLR.initial_lr", self.initial_lr)
+
+    @property
+    def releases_per_update(self) -> int:
+        """Values released at each learning-rate update: three losses or two differences."""
+        return 3 if self.probes == "losses" else 2
 
 
 Clipping = AutoS | AutoV | PSAC | Abadi

@@ -6,7 +6,8 @@ step releases the noisy gradient sum and, depending on the run's components:
 - adaptive thresholds (``CountShare``): K clip counts, spending a fraction r of the step's budget
   (group-wise clipping paper, Prop. 3.1): the gradient gets ``σ/√(1−r)``, the counts ``σ/√r``, and
   together they are one Gaussian mechanism of multiplier σ;
-- ``lr="auto"`` (``LossShare``): every K-th step, three privatised losses of noise σ_l; the gradient
+- ``lr="auto"`` (``LossShare``): every K-th step, three privatised losses (or two loss differences) of
+  noise σ_l; the gradient
   noise grows by γ and σ_l is solved so that the whole run spends what the run without them would
   (HyFreeDP, Algorithm 2).
 
@@ -52,13 +53,14 @@ class CountShare:
 
 @dataclass(frozen=True)
 class LossShare:
-    """``lr="auto"``: every ``interval``-th step (the first included) releases three losses with
-    ``privacy`` noise (``"gaussian"`` or ``"laplace"``); the gradient noise is multiplied by
-    ``increase`` (γ > 1) to leave room for them in the budget."""
+    """``lr="auto"``: every ``interval``-th step (the first included) releases ``releases`` values
+    (three losses, or two loss differences) with ``privacy`` noise (``"gaussian"`` or ``"laplace"``);
+    the gradient noise is multiplied by ``increase`` (γ > 1) to leave room for them in the budget."""
 
     interval: int
     privacy: str = "gaussian"
     increase: float = 1.01
+    releases: int = LOSS_RELEASES_PER_UPDATE
 
     def __post_init__(self) -> None:
         if isinstance(self.interval, bool) or int(self.interval) != self.interval or self.interval < 1:
@@ -67,6 +69,8 @@ class LossShare:
             raise ValueError(f"loss_privacy must be 'gaussian' or 'laplace', got {self.privacy!r}")
         if not (self.increase > 1 and math.isfinite(self.increase)):
             raise ValueError(f"gradient_noise_increase must be a number above 1, got {self.increase}")
+        if isinstance(self.releases, bool) or not isinstance(self.releases, int) or self.releases < 1:
+            raise ValueError(f"releases per learning-rate update must be a positive int, got {self.releases}")
 
     def updates(self, steps: int) -> int:
         """Steps among the first ``steps`` that release losses: ⌈T/K⌉."""
@@ -144,7 +148,7 @@ class Plan:
         the losses (on a learning-rate update step), the counts."""
         releases = [dpa.GaussianDpEvent(self.gradient_noise)]
         if self.losses is not None and self.losses.releases_on(step):
-            releases += [self.loss_event()] * LOSS_RELEASES_PER_UPDATE
+            releases += [self.loss_event()] * self.losses.releases
         if self.counts is not None:
             releases.append(dpa.GaussianDpEvent(self.count_noise))
         return releases
