@@ -31,7 +31,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.autolr import AutoLearningRate
 
 SGD_GRID = (0.1, 0.3, 1.0, 3.0, 10.0)
 ADAMW_GRID = (0.001, 0.003, 0.01, 0.03, 0.1)
@@ -137,8 +136,7 @@ def run(task: Task, method: str, lr: float | None, sigma: float | None, seed: in
         engine = tunefree.make_private(model, optimizer, loader, noise_multiplier=sigma, target_delta=DELTA,
                                        steps=steps, lr=auto, seed=seed)
         loader, optimizer = engine.data_loader, engine.optimizer
-    component = None if engine is None else next(
-        (c for c in engine.optimizer.components if isinstance(c, AutoLearningRate)), None)
+    component = None if engine is None else engine.auto_lr
     start, taken = time.perf_counter(), 0
     while taken < steps:
         for x, y in loader:

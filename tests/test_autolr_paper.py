@@ -44,7 +44,7 @@ def paper_engine(auto: tunefree.AutoLR, noise_multiplier=0.0, steps=4):
 
 
 def auto_component(engine):
-    return next(c for c in engine.optimizer.components if isinstance(c, tunefree.autolr.AutoLearningRate))
+    return engine.auto_lr
 
 
 def one_step(model, engine, reuse=False):

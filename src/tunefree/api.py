@@ -104,6 +104,12 @@ class DPEngine:
         return next((c for c in components if isinstance(c, QuantileEstimator)), None)
 
     @property
+    def auto_lr(self) -> AutoLearningRate | None:
+        """The automatic learning rate of ``lr="auto"`` (``None`` with a fixed learning rate); e.g.
+        ``engine.auto_lr.record_training_losses(losses)`` hands it L(w) from the training forward."""
+        return next((c for c in self.optimizer.components if isinstance(c, AutoLearningRate)), None)
+
+    @property
     def clip_fractions(self) -> dict[str, float] | None:
         """Each group's fraction of examples whose norm exceeded its quantile estimate (the
         clipped fraction, for Abadi clipping) at the last step, as privately released by adaptive
