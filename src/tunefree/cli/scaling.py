@@ -22,11 +22,13 @@ import math
 from dataclasses import dataclass
 
 import dp_accounting as dpa
-import numpy as np
 import torch
 
 from ..privacy.calculator import noise_multiplier as calibrated_noise
-from ..privacy.randomness import Randomness
+from ..privacy.mechanisms import release_gaussian
+from ..privacy.randomness import Randomness, side_randomness
+
+STANDARDISATION_STREAM = 0x5CA1E
 
 SHARE = 0.05  # the fraction of ε and of δ spent on the standardisation
 LOG2_RANGE = (-20, 40)  # magnitude bins: |x| ≤ 2^-20, (2^-20, 2^-19], …, (2^39, 2^40] and beyond
@@ -98,8 +100,8 @@ def release(x: torch.Tensor, columns: list[int] | tuple[int, ...], noise_multipl
     bins = LOG2_RANGE[1] - LOG2_RANGE[0] + 1
     histogram = torch.zeros(d, bins, dtype=torch.float64)
     histogram.scatter_add_(1, _magnitude_bins(values).T, torch.ones(d, rows, dtype=torch.float64))
-    noise = noise_multiplier * math.sqrt(d)
-    histogram += noise * randomness.normal(histogram.shape, torch.device("cpu"), torch.float64)
+    noise = noise_multiplier * math.sqrt(d)  # each example adds 1 to one bin of each of the d columns
+    histogram, _ = release_gaussian(histogram, math.sqrt(d), noise_multiplier, randomness)
     exponents = []
     for counts in histogram:
         clear = torch.nonzero(counts > CLEAR_OF_NOISE * noise).flatten()
@@ -109,8 +111,7 @@ def release(x: torch.Tensor, columns: list[int] | tuple[int, ...], noise_multipl
 
     u = torch.clamp(values / bound, -1.0, 1.0)
     sums = torch.cat([u.sum(0), (u * u).sum(0)])
-    sums += noise_multiplier * math.sqrt(2 * d) * randomness.normal(sums.shape, torch.device("cpu"),
-                                                                    torch.float64)
+    sums, _ = release_gaussian(sums, math.sqrt(2 * d), noise_multiplier, randomness)  # |u|, u² ≤ 1
     mean = (sums[:d] / rows).clamp(-1.0, 1.0)
     variance = sums[d:] / rows - mean ** 2
     std = variance.clamp_min(MIN_STD ** 2).sqrt()
@@ -120,6 +121,4 @@ def release(x: torch.Tensor, columns: list[int] | tuple[int, ...], noise_multipl
 def secret_randomness(seed: int | None) -> Randomness:
     """The standardisation's own noise source: secure by default; for a seeded run, a stream derived
     from the seed that no other release of the run draws from."""
-    if seed is None:
-        return Randomness()
-    return Randomness(int(np.random.SeedSequence([seed, 0x5CA1E]).generate_state(1, np.uint64)[0] >> 1))
+    return side_randomness(seed, STANDARDISATION_STREAM)

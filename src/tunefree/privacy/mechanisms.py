@@ -102,6 +102,17 @@ def release_counts(centred_counts: torch.Tensor, count_std: float,
     return counts, dpa.GaussianDpEvent(multiplier)
 
 
+def release_gaussian(values: torch.Tensor, sensitivity: float, noise_multiplier: float,
+                     randomness: Randomness) -> tuple[torch.Tensor, dpa.DpEvent]:
+    """Releases ``values`` (float64, CPU), whose L2 sensitivity is ``sensitivity``, with Gaussian noise of
+    standard deviation ``noise_multiplier·sensitivity``: one Gaussian event of that multiplier."""
+    if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
+        raise ValueError(f"noise_multiplier must be a positive finite number, got {noise_multiplier}")
+    values = values.to(torch.float64)
+    noise = randomness.normal(values.shape, torch.device("cpu"), torch.float64)
+    return values + noise_multiplier * sensitivity * noise, dpa.GaussianDpEvent(noise_multiplier)
+
+
 LOSS_PRIVACY = ("gaussian", "laplace")
 
 

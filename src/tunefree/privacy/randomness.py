@@ -119,3 +119,10 @@ def run_randomness(seed: int | None, secure_rng: bool) -> Randomness:
             "by anyone who knows it. Drop seed for a secret run (the default) or drop secure_rng for a "
             "reproducible one")
     return Randomness(seed)
+
+
+def side_randomness(seed: int | None, stream: int) -> Randomness:
+    """A source for a release made outside the training run (e.g. the CLI's private standardisation):
+    secure when ``seed`` is ``None``; otherwise a stream derived from the seed and ``stream`` that no other
+    release of the run draws from."""
+    return Randomness() if seed is None else Randomness(_derive(int(seed), stream))
