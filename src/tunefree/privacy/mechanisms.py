@@ -71,18 +71,27 @@ class GradientRelease:
 
         ``thresholds`` are those the sums were clipped with (by group name): each group's sum has
         sensitivity ``thresholds[name]``, and the noise is calibrated to them."""
+        noisy = {p: self.noisy_sum(p, sums.get(p), std) for p, std in self.param_stds(thresholds)}
+        return noisy, self.event()
+
+    def param_stds(self, thresholds: Mapping[str, float]) -> list[tuple[nn.Parameter, float]]:
+        """Every parameter of every group, in group order, with its group's noise standard deviation."""
         if set(thresholds) != {g.name for g in self.groups}:
             raise ValueError(f"thresholds must name exactly the clip groups {[g.name for g in self.groups]}")
-        noisy = {}
-        for group, std in zip(self.groups, self.noise_stds(thresholds)):
-            for p in group.params:
-                total = sums.get(p)
-                if total is None:
-                    total = torch.zeros(p.shape, device=p.device, dtype=accumulation_dtype(p.dtype))
-                if std > 0:
-                    total = total + std * self.randomness.normal(p.shape, p.device, total.dtype)
-                noisy[p] = total
-        return noisy, dpa.GaussianDpEvent(self.noise_multiplier)
+        return [(p, std) for group, std in zip(self.groups, self.noise_stds(thresholds))
+                for p in group.params]
+
+    def noisy_sum(self, p: nn.Parameter, total: torch.Tensor | None, std: float) -> torch.Tensor:
+        """``total`` (zeros if ``None``) plus Gaussian noise of standard deviation ``std``."""
+        if total is None:
+            total = torch.zeros(p.shape, device=p.device, dtype=accumulation_dtype(p.dtype))
+        if std > 0:
+            total = total + std * self.randomness.normal(p.shape, p.device, total.dtype)
+        return total
+
+    def event(self) -> dpa.DpEvent:
+        """What one release costs: a Gaussian mechanism of multiplier σ on the total sensitivity."""
+        return dpa.GaussianDpEvent(self.noise_multiplier)
 
 
 def release_counts(centred_counts: torch.Tensor, count_std: float,
