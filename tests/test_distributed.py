@@ -7,6 +7,7 @@ test compares the ranks with each other and with the same run in this process.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import math
 import socket
@@ -189,6 +190,15 @@ def test_ranks_end_every_step_bit_identical_with_one_ledger(training):
     assert first["epsilon"] == second["epsilon"]
 
 
+def test_every_rank_saves_the_same_checkpoint(training):
+    """Seeded: rank 1 keeps its noise stream where rank 0's is, so either checkpoint resumes the run."""
+    first, second = (copy.deepcopy(rank["state_after_2"]) for rank in training)
+    noise_states = [state["randomness"].pop("noise") for state in (first, second)]
+    assert noise_states[0].keys() == noise_states[1].keys() == {"cpu"}
+    assert torch.equal(noise_states[0]["cpu"], noise_states[1]["cpu"])
+    assert first == second
+
+
 def test_epsilon_of_two_ranks_equals_one_process(training):
     single = _private(_model(), SIGMA)
     _train(single, STEPS)
@@ -215,19 +225,20 @@ def test_noisy_run_matches_one_process_with_the_same_seed(training):
         torch.testing.assert_close(training[0]["noisy_weights"][name], weight, rtol=0, atol=1e-5)
 
 
-def test_a_two_rank_checkpoint_resumes_in_one_process(training):
+@pytest.mark.parametrize("source", [0, 1])
+def test_a_two_rank_checkpoint_resumes_in_one_process(training, source):
     """The sampler re-partitions exactly (step t's union batch does not depend on the world size), so a
-    checkpoint of rank 0 resumes in any world size; its fingerprint does not hold the world size."""
-    rank0 = training[0]
+    checkpoint of either rank resumes in any world size; its fingerprint does not hold the world size."""
+    saved = training[source]
     model = _model()
-    model.load_state_dict({f"{k}": v for k, v in rank0["weights_after_2"].items()})
+    model.load_state_dict(saved["weights_after_2"])
     resumed = _private(model, SIGMA)
-    resumed.optimizer.load_state_dict(rank0["optimizer_after_2"])
-    resumed.load_state_dict(rank0["state_after_2"])
+    resumed.optimizer.load_state_dict(saved["optimizer_after_2"])
+    resumed.load_state_dict(saved["state_after_2"])
     _train(resumed, STEPS - 2)
-    assert resumed.ledger.state_dict() == rank0["ledger"]
+    assert resumed.ledger.state_dict() == saved["ledger"]
     for name, weight in _weights(resumed).items():
-        torch.testing.assert_close(rank0["noisy_weights"][name], weight, rtol=0, atol=1e-5)
+        torch.testing.assert_close(saved["noisy_weights"][name], weight, rtol=0, atol=1e-5)
 
 
 def test_sums_are_communicated_once_in_the_parameters_dtype(training):

@@ -127,7 +127,7 @@ class DistributedRelease(GradientRelease):
         stds = dict(self.param_stds(thresholds))
         in_flight = []
         for bucket in self.buckets:
-            parts = [self.noisy_sum(p, sums.get(p), stds[p] if self.adds_noise else 0.0) for p in bucket]
+            parts = [self._part(p, sums.get(p), stds[p]) for p in bucket]
             flat = torch.cat([t.reshape(-1) for t in parts])
             in_flight.append((bucket, flat, dist.all_reduce(flat, group=self.parallel.group, async_op=True)))
         noisy = {}
@@ -136,6 +136,17 @@ class DistributedRelease(GradientRelease):
             for p, piece in zip(bucket, flat.split([p.numel() for p in bucket])):
                 noisy[p] = piece.view(p.shape)
         return noisy, self.event()
+
+    def _part(self, p: nn.Parameter, total: torch.Tensor | None, std: float) -> torch.Tensor:
+        """This rank's share of the release of ``p``: its sum, plus the noise on rank 0. The other ranks
+        of a seeded run draw the same noise and drop it, so that every rank's noise stream (and so its
+        checkpoint) stays where rank 0's is: a checkpoint of any rank resumes the run without replaying
+        noise already used."""
+        if self.adds_noise:
+            return self.noisy_sum(p, total, std)
+        if std > 0 and not self.randomness.secure:
+            self.randomness.normal(p.shape, p.device, accumulation_dtype(p.dtype))
+        return self.noisy_sum(p, total, 0.0)
 
     def bytes_per_step(self) -> int:
         """Bytes each rank contributes to the all-reduce of one step (the size of the sums)."""
