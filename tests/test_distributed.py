@@ -210,6 +210,7 @@ def test_noise_is_added_once_in_total(training):
     """Total variance σ²S², not W·σ²S² (every rank adding noise) nor σ²S²/W; identical on both ranks."""
     first, second = training
     assert torch.equal(first["noise"], second["noise"])
+    assert (first["noise"] != 0).all()  # each rank noises its own slice: together, every coordinate
     noise = first["noise"].double()
     expected = (SIGMA * first["sensitivity"]) ** 2
     ratio = noise.var().item() / expected

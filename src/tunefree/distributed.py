@@ -2,13 +2,14 @@
 
 Each rank Poisson-samples its shard of the data set (``data.poisson``), clips its own examples and books
 their clipped sums as in one process. At the step, :class:`DistributedRelease` adds the Gaussian noise
-on rank 0 only, from rank 0's randomness (secret unless seeded), and all-reduces the sums in flat
-buckets launched asynchronously, so that every rank receives ``Σ (clipped sums of all ranks) + one
-noise draw``: the release of one process on the union batch, with total noise variance σ²S² whatever
-the world size. Each example sits on one rank, so the sensitivity is that of one process, and every rank
-records the same event in its ledger. DDP's own gradient synchronisation is switched off while tunefree
-owns the model: the engine takes the parameters out of autograd's graph, so DDP has no raw gradient to
-reduce; the clipped sums are reduced here instead. DDP still broadcasts rank 0's weights at wrapping.
+of every coordinate on exactly one rank (secret: each rank its own slice; seeded: rank 0) and all-reduces
+the sums in flat buckets launched asynchronously, so that every rank receives ``Σ (clipped sums of all
+ranks) + one noise draw``: the release of one process on the union batch, with total noise variance
+σ²S² whatever the world size. Each example sits on one rank, so the sensitivity is that of one process,
+and every rank records the same event in its ledger. DDP's own gradient synchronisation is switched off
+while tunefree owns the model: the engine takes the parameters out of autograd's graph, so DDP has no
+raw gradient to reduce; the clipped sums are reduced here instead. DDP still broadcasts rank 0's
+weights at wrapping.
 """
 
 from __future__ import annotations
@@ -97,14 +98,20 @@ def _buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn.
 
 
 class DistributedRelease(GradientRelease):
-    """The gradient release of a data-parallel run: the noise is added once in total (on rank 0, from
-    its randomness) and the sums of every rank are all-reduced, in flat buckets launched asynchronously
-    (rank 0 draws the noise of a bucket while the previous ones travel). Every rank gets the same noisy
-    sum and the same event as one process releasing the union batch.
+    """The gradient release of a data-parallel run: every coordinate gets its noise from exactly one
+    rank, and the sums of every rank are all-reduced, in flat buckets launched asynchronously (the
+    noise of a bucket is drawn while the previous ones travel). Every rank gets the same noisy sum, and
+    the same event, as one process releasing the union batch: total noise variance σ²S² whatever the
+    world size.
+
+    Who draws the noise: with secret randomness, each rank draws it for its own 1/W slice of every
+    bucket from its own ``os.urandom`` (the noise work scales out); a seeded run draws all of it on
+    rank 0, from the run's one noise stream in the one-process order (the same noise as one process
+    with that seed), and the other ranks draw the same and drop it, so that every rank's stream, and
+    so its checkpoint, stays where rank 0's is.
 
     Args:
-        groups, noise_multiplier, randomness, allocation: as for :class:`GradientRelease` (only rank
-            0's ``randomness`` draws noise).
+        groups, noise_multiplier, randomness, allocation: as for :class:`GradientRelease`.
         parallel: the run's process group, rank and world size.
         bucket_bytes: the size of one all-reduce.
     """
@@ -115,10 +122,6 @@ class DistributedRelease(GradientRelease):
         self.parallel = parallel
         self.buckets = _buckets([p for g in self.groups for p in g.params], bucket_bytes)
 
-    @property
-    def adds_noise(self) -> bool:
-        return self.parallel.rank == 0
-
     def release(self, sums: dict[nn.Parameter, torch.Tensor], thresholds: Mapping[str, float]
                 ) -> tuple[dict[nn.Parameter, torch.Tensor], dpa.DpEvent]:
         """The noisy sum of every rank's clipped sums (identical on every rank). A rank that fails or
@@ -127,8 +130,12 @@ class DistributedRelease(GradientRelease):
         stds = dict(self.param_stds(thresholds))
         in_flight = []
         for bucket in self.buckets:
-            parts = [self._part(p, sums.get(p), stds[p]) for p in bucket]
-            flat = torch.cat([t.reshape(-1) for t in parts])
+            flat = torch.cat([self.noisy_sum(p, sums.get(p), 0.0).reshape(-1) for p in bucket])
+            if any(stds[p] > 0 for p in bucket):
+                if self.randomness.secure:
+                    self._add_slice_noise(bucket, flat, stds)
+                else:
+                    self._add_seeded_noise(bucket, flat, stds)
             in_flight.append((bucket, flat, dist.all_reduce(flat, group=self.parallel.group, async_op=True)))
         noisy = {}
         for bucket, flat, work in in_flight:
@@ -137,16 +144,25 @@ class DistributedRelease(GradientRelease):
                 noisy[p] = piece.view(p.shape)
         return noisy, self.event()
 
-    def _part(self, p: nn.Parameter, total: torch.Tensor | None, std: float) -> torch.Tensor:
-        """This rank's share of the release of ``p``: its sum, plus the noise on rank 0. The other ranks
-        of a seeded run draw the same noise and drop it, so that every rank's noise stream (and so its
-        checkpoint) stays where rank 0's is: a checkpoint of any rank resumes the run without replaying
-        noise already used."""
-        if self.adds_noise:
-            return self.noisy_sum(p, total, std)
-        if std > 0 and not self.randomness.secure:
-            self.randomness.normal(p.shape, p.device, accumulation_dtype(p.dtype))
-        return self.noisy_sum(p, total, 0.0)
+    def _add_slice_noise(self, bucket: list[nn.Parameter], flat: torch.Tensor,
+                         stds: Mapping[nn.Parameter, float]) -> None:
+        """Secret noise for this rank's slice of the bucket's coordinates (the slices partition them)."""
+        rank, world_size = self.parallel.rank, self.parallel.world_size
+        low, high = flat.numel() * rank // world_size, flat.numel() * (rank + 1) // world_size
+        scale = torch.cat([torch.full((p.numel(),), stds[p], dtype=flat.dtype, device=flat.device)
+                           for p in bucket])[low:high]
+        flat[low:high] += scale * self.randomness.normal(torch.Size([high - low]), flat.device, flat.dtype)
+
+    def _add_seeded_noise(self, bucket: list[nn.Parameter], flat: torch.Tensor,
+                          stds: Mapping[nn.Parameter, float]) -> None:
+        """The run's seeded noise, parameter by parameter as one process draws it, added on rank 0."""
+        offset = 0
+        for p in bucket:
+            if stds[p] > 0:
+                noise = self.randomness.normal(p.shape, flat.device, flat.dtype)
+                if self.parallel.rank == 0:
+                    flat[offset:offset + p.numel()] += stds[p] * noise.reshape(-1)
+            offset += p.numel()
 
     def bytes_per_step(self) -> int:
         """Bytes each rank contributes to the all-reduce of one step (the size of the sums)."""
