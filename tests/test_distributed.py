@@ -33,6 +33,7 @@ STEPS = 4
 SIGMA = 1.3
 DEADLINE_S = 90  # the whole 2-process scenario, start-up included
 COLLECTIVE_TIMEOUT_S = 4
+GROUPED = {"groups": "per-layer", "physical_batch_size": 3, "clipping": "abadi"}
 
 
 def _data() -> TensorDataset:
@@ -54,14 +55,17 @@ def _private(model: nn.Module, noise_multiplier: float, **options):
 
 
 def _train(engine, steps: int) -> list[dict[str, torch.Tensor]]:
-    """``steps`` private steps; the released gradient of each (``.grad`` after the step)."""
+    """``steps`` private (logical) steps; the released gradient of each (``.grad`` after the step)."""
     released = []
     batches = iter(engine.data_loader)
     for _ in range(steps):
-        x, y = next(batches)
-        engine.optimizer.zero_grad()
-        F.cross_entropy(engine.model(x), y).backward()
-        engine.optimizer.step()
+        last = False
+        while not last:  # the physical micro-batches of one logical batch
+            x, y = next(batches)
+            last = engine.schedule.ends_logical
+            engine.optimizer.zero_grad()
+            F.cross_entropy(engine.model(x), y).backward()
+            engine.optimizer.step()
         released.append({n: p.grad.clone() for n, p in engine.clipping_engine.model.named_parameters()})
     return released
 
@@ -110,6 +114,8 @@ def _training_scenario(rank: int) -> dict:
     out: dict = {}
     quiet = _private(DistributedDataParallel(_model()), 0.0)
     out["quiet_released"] = _train(quiet, STEPS)
+    grouped = _private(DistributedDataParallel(_model()), 0.0, **GROUPED)
+    out["grouped_released"] = _train(grouped, STEPS)
     noisy = _private(DistributedDataParallel(_model()), SIGMA)
     _train(noisy, 2)
     out["state_after_2"] = noisy.state_dict()
@@ -173,10 +179,11 @@ def training(tmp_path_factory) -> list[dict]:
     return _run_ranks(_training_scenario, tmp_path_factory.mktemp("ddp"))
 
 
-def test_noise_free_release_equals_one_process_on_the_union_batch(training):
-    reference = _train(_private(_model(), 0.0), STEPS)
+@pytest.mark.parametrize("run, options", [("quiet_released", {}), ("grouped_released", GROUPED)])
+def test_noise_free_release_equals_one_process_on_the_union_batch(training, run, options):
+    reference = _train(_private(_model(), 0.0, **options), STEPS)
     for rank in training:
-        for ours, theirs in zip(rank["quiet_released"], reference):
+        for ours, theirs in zip(rank[run], reference):
             for name in theirs:
                 torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-6)
     assert any(g.abs().max() > 1e-3 for g in reference[0].values())  # the comparison is not of zeros
