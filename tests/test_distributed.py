@@ -151,6 +151,11 @@ def _failure_scenario(rank: int) -> dict:
             _private(DistributedDataParallel(_model()), SIGMA, **options)
         except ValueError as error:
             out["refused"].append(str(error))
+    from torch.distributed.fsdp import fully_shard
+    try:
+        _private(fully_shard(_model()), SIGMA)
+    except ValueError as error:
+        out["refused"].append(str(error))
     try:
         _private(DistributedDataParallel(_model()), SIGMA if rank == 0 else 2 * SIGMA)
     except PrivacyError as error:
@@ -264,7 +269,8 @@ def test_a_plain_model_under_several_processes_is_warned_about(training):
 
 def test_a_failing_rank_fails_the_step_on_every_rank_without_an_update(tmp_path):
     first, second = _run_ranks(_failure_scenario, tmp_path)
-    assert len(first["refused"]) == 2
+    assert len(first["refused"]) == 3
+    assert "sharded DTensors (FSDP2's fully_shard" in first["refused"][2]
     assert "thresholds='adaptive' is not supported with DistributedDataParallel" in first["refused"][0]
     assert "lr='auto' is not supported with DistributedDataParallel" in first["refused"][1]
     assert "rank 1 was set up differently" in first["mismatch"]
@@ -294,6 +300,12 @@ def test_sharded_sampler_partitions_the_one_process_batch():
             assert all(i % world == r for r, part in enumerate(parts) for i in part)
     with pytest.raises(ValueError, match="rank"):
         PoissonBatchSampler(N, 0.3, 5, Randomness(SEED), StepSchedule(), shard=(2, 2))
+
+
+def test_data_parallel_in_one_process_is_refused():
+    model = _model()
+    with pytest.raises(ValueError, match="nn.DataParallel .* is not supported.*DistributedDataParallel"):
+        _private(nn.DataParallel(model), 1.0)
 
 
 def test_distributed_sampler_is_refused():
