@@ -64,6 +64,12 @@ def _counting_all_reduce(counter: dict):
         dist.all_reduce = all_reduce
 
 
+def _endless(loader):
+    """The loader's batches, epoch after epoch."""
+    while True:
+        yield from loader
+
+
 def _worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -102,7 +108,7 @@ def _worker(args) -> None:
                                            seed=0 if config.endswith("seeded") else None)
             loader, step_optimizer = engine.data_loader, engine.optimizer
             counting = functools.partial(_counting_all_reduce, counter)
-        batches = iter(loader)
+        batches = _endless(loader)
         times = []
         for step in range(args.warmup + args.steps):
             if step == args.warmup:
@@ -145,7 +151,10 @@ def main() -> None:
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", __file__,
                    "--worker", f"--steps={args.steps}", f"--warmup={args.warmup}",
                    f"--local-batch={args.local_batch}", f"--width={args.width}", f"--threads={args.threads}"]
-        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        run = subprocess.run(command, capture_output=True, text=True)
+        if run.returncode != 0:
+            sys.exit(f"{world} processes failed:\n{run.stderr[-3000:]}")
+        output = run.stdout
         rows += json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:])
     print("| config | processes | threads/process | parameters | step (ms, median) | "
           "all-reduce bytes/step/rank |")
