@@ -50,8 +50,8 @@ def _model() -> nn.Module:
 def _private(model: nn.Module, noise_multiplier: float, **options):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     return tunefree.make_private(model, optimizer, DataLoader(_data(), batch_size=BATCH),
-                                 noise_multiplier=noise_multiplier, target_delta=1e-3, seed=SEED,
-                                 steps=STEPS, **options)
+                                 noise_multiplier=noise_multiplier, target_delta=1e-3, steps=STEPS,
+                                 **{"seed": SEED, **options})
 
 
 def _train(engine, steps: int) -> list[dict[str, torch.Tensor]]:
@@ -160,6 +160,10 @@ def _failure_scenario(rank: int) -> dict:
         _private(DistributedDataParallel(_model()), SIGMA if rank == 0 else 2 * SIGMA)
     except PrivacyError as error:
         out["mismatch"] = str(error)
+    try:  # rank 0 secret (noising its slice only), rank 1 seeded (leaving all noise to rank 0)
+        _private(DistributedDataParallel(_model()), SIGMA, seed=None if rank == 0 else SEED)
+    except PrivacyError as error:
+        out["randomness mismatch"] = str(error)
     engine = _private(DistributedDataParallel(_model()), SIGMA)
     _train(engine, 1)
     before, steps_before = _weights(engine), engine.ledger.steps
@@ -275,6 +279,8 @@ def test_a_failing_rank_fails_the_step_on_every_rank_without_an_update(tmp_path)
     assert "lr='auto' is not supported with DistributedDataParallel" in first["refused"][1]
     assert "rank 1 was set up differently" in first["mismatch"]
     assert "rank 0 was set up differently" in second["mismatch"]
+    for rank in (first, second):
+        assert "differs in ['randomness']" in rank["randomness mismatch"]
     assert second["step"] == "PrivacyError"
     assert first["step"] != "completed"
     for rank in (first, second):

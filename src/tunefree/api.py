@@ -340,7 +340,7 @@ def make_private(
                                data_loader.dataset, num_examples),
     ).solve(target_epsilon)
     if parallel is not None:
-        check_same_run(parallel, run_identity(plan.describe(), clip_groups))
+        check_same_run(parallel, run_identity(plan.describe(), clip_groups, randomness))
     return _build_engine(plan, model, optimizer, loader, randomness, schedule, clip, clip_groups,
                          quantile, noise_allocation, loss_reduction, poisson_sampling,
                          options.verify_every, parallel)

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .dtypes import accumulation_dtype
 from .errors import PrivacyError
 from .grouping import ClipGroup
-from .privacy.mechanisms import GradientRelease
+from .privacy.mechanisms import GradientRelease, add_bucket_noise
 from .privacy.randomness import Randomness
 
 # The size of one all-reduce bucket, DDP's default (bucket_cap_mb=25).
@@ -119,11 +119,9 @@ class DistributedRelease(GradientRelease):
     the same event, as one process releasing the union batch: total noise variance σ²S² whatever the
     world size.
 
-    Who draws the noise: with secret randomness, each rank draws it for its own 1/W slice of every
-    bucket from its own ``os.urandom`` (the noise work scales out); a seeded run draws all of it on
-    rank 0, from the run's one noise stream in the one-process order (the same noise as one process
-    with that seed), and the other ranks draw the same and drop it, so that every rank's stream, and
-    so its checkpoint, stays where rank 0's is.
+    Who draws the noise (``privacy.mechanisms.add_bucket_noise``): with secret randomness, each rank
+    its own 1/W slice of every bucket (the noise work scales out); seeded, rank 0 all of it, as one
+    process with that seed would.
 
     Args:
         groups, noise_multiplier, randomness, allocation: as for :class:`GradientRelease`.
@@ -146,11 +144,7 @@ class DistributedRelease(GradientRelease):
         in_flight = []
         for bucket in self.buckets:
             flat = torch.cat([self.noisy_sum(p, sums.get(p), 0.0).reshape(-1) for p in bucket])
-            if any(stds[p] > 0 for p in bucket):
-                if self.randomness.secure:
-                    self._add_slice_noise(bucket, flat, stds)
-                else:
-                    self._add_seeded_noise(bucket, flat, stds)
+            add_bucket_noise(flat, [(p, stds[p]) for p in bucket], self.randomness, self.parallel.shard)
             in_flight.append((bucket, flat, dist.all_reduce(flat, group=self.parallel.group, async_op=True)))
         noisy = {}
         for bucket, flat, work in in_flight:
@@ -158,26 +152,6 @@ class DistributedRelease(GradientRelease):
             for p, piece in zip(bucket, flat.split([p.numel() for p in bucket])):
                 noisy[p] = piece.view(p.shape)
         return noisy, self.event()
-
-    def _add_slice_noise(self, bucket: list[nn.Parameter], flat: torch.Tensor,
-                         stds: Mapping[nn.Parameter, float]) -> None:
-        """Secret noise for this rank's slice of the bucket's coordinates (the slices partition them)."""
-        rank, world_size = self.parallel.rank, self.parallel.world_size
-        low, high = flat.numel() * rank // world_size, flat.numel() * (rank + 1) // world_size
-        scale = torch.cat([torch.full((p.numel(),), stds[p], dtype=flat.dtype, device=flat.device)
-                           for p in bucket])[low:high]
-        flat[low:high] += scale * self.randomness.normal(torch.Size([high - low]), flat.device, flat.dtype)
-
-    def _add_seeded_noise(self, bucket: list[nn.Parameter], flat: torch.Tensor,
-                          stds: Mapping[nn.Parameter, float]) -> None:
-        """The run's seeded noise, parameter by parameter as one process draws it, added on rank 0."""
-        offset = 0
-        for p in bucket:
-            if stds[p] > 0:
-                noise = self.randomness.normal(p.shape, flat.device, flat.dtype)
-                if self.parallel.rank == 0:
-                    flat[offset:offset + p.numel()] += stds[p] * noise.reshape(-1)
-            offset += p.numel()
 
     def bytes_per_step(self) -> int:
         """Bytes each rank contributes to the all-reduce of one step (the size of the sums)."""
@@ -199,9 +173,11 @@ def check_same_run(parallel: DataParallel, identity: Mapping[str, Any]) -> None:
                 "every rank must call make_private with the same model, data set and privacy settings")
 
 
-def run_identity(description: Mapping[str, Any], groups: Sequence[ClipGroup]) -> dict[str, Any]:
-    """What every rank must agree on: the plan's description and the shapes and dtypes of the clip
-    groups' parameters, in order."""
+def run_identity(description: Mapping[str, Any], groups: Sequence[ClipGroup],
+                 randomness: Randomness) -> dict[str, Any]:
+    """What every rank must agree on: the plan's description, the shapes and dtypes of the clip groups'
+    parameters, in order, and the randomness (secret, or the seed): a secret rank noises its own slice
+    of the coordinates and a seeded one leaves all of them to rank 0, so a mix would leave coordinates
+    without noise."""
     layout = [[g.name, [[list(p.shape), str(p.dtype)] for p in g.params]] for g in groups]
-    return {**description, "parameter layout": layout}
-
+    return {**description, "parameter layout": layout, "randomness": [randomness.secure, randomness.seed]}

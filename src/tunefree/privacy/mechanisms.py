@@ -94,6 +94,34 @@ class GradientRelease:
         return dpa.GaussianDpEvent(self.noise_multiplier)
 
 
+def add_bucket_noise(flat: torch.Tensor, params: Sequence[tuple[nn.Parameter, float]],
+                     randomness: Randomness, shard: tuple[int, int]) -> None:
+    """Rank ``shard[0]`` of ``shard[1]``'s share of the Gaussian noise of one flat bucket of parameters
+    (``params``: each with its noise standard deviation, in the bucket's order), added to ``flat`` in
+    place; summed over the ranks, every coordinate has received exactly one draw.
+
+    Secret randomness: each rank draws the noise of its own slice of the coordinates, from its own
+    ``os.urandom``. Seeded: rank 0 draws all of it from the run's stream, parameter by parameter as one
+    process does (the same noise as one process with that seed); the other ranks draw the same numbers
+    and drop them, so that every rank's stream, and so its checkpoint, stays where rank 0's is."""
+    if not any(std > 0 for _, std in params):
+        return
+    rank, world_size = shard
+    if randomness.secure:
+        low, high = flat.numel() * rank // world_size, flat.numel() * (rank + 1) // world_size
+        scale = torch.cat([torch.full((p.numel(),), std, dtype=flat.dtype, device=flat.device)
+                           for p, std in params])[low:high]
+        flat[low:high] += scale * randomness.normal(torch.Size([high - low]), flat.device, flat.dtype)
+        return
+    offset = 0
+    for p, std in params:
+        if std > 0:
+            noise = randomness.normal(p.shape, flat.device, flat.dtype)
+            if rank == 0:
+                flat[offset:offset + p.numel()] += std * noise.reshape(-1)
+        offset += p.numel()
+
+
 def release_counts(centred_counts: torch.Tensor, count_std: float,
                    randomness: Randomness) -> tuple[torch.Tensor, dpa.DpEvent]:
     """Releases K centred clip counts (each of sensitivity ½) with Gaussian noise of standard
