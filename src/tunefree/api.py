@@ -15,6 +15,7 @@ from .accumulator import StepAccumulator
 from .autolr import AutoLearningRate
 from .clipping import ClipFunction
 from .data.poisson import StepSchedule, from_loader, planned_steps, sample_rate_of
+from .distributed import DataParallel, DistributedRelease, check_same_run, data_parallel, run_identity
 from .engine import ClippingEngine
 from .grouping import ClipGroup, GroupSpec, make_groups, sensitivity
 from .optim import DPOptimizer, StepReport
@@ -57,10 +58,12 @@ class DPEngine:
 
     def __init__(self, *, model: nn.Module, optimizer: DPOptimizer, data_loader: Any,
                  clipping_engine: ClippingEngine, ledger: Ledger, randomness: Randomness,
-                 schedule: StepSchedule, groups: list[ClipGroup], plan: Plan):
+                 schedule: StepSchedule, groups: list[ClipGroup], plan: Plan,
+                 parallel: DataParallel | None = None):
         self.model, self.optimizer, self.data_loader = model, optimizer, data_loader
         self.clipping_engine, self.ledger, self.randomness = clipping_engine, ledger, randomness
         self.schedule, self.groups, self.plan = schedule, groups, plan
+        self.parallel = parallel  # the data-parallel rank and world size (None: one process)
 
     @property
     def noise_multiplier(self) -> float:
@@ -133,8 +136,11 @@ class DPEngine:
                          self.ledger.poisson_approximation, seeded=not self.randomness.secure)
 
     def detach(self) -> nn.Module:
-        """Remove every hook; the model is a plain module again and the private optimizer is done."""
+        """Remove every hook; the model is a plain module (or DDP model) again and the private optimizer
+        is done."""
         self.clipping_engine.detach()
+        if self.parallel is not None:
+            self.parallel.release_model()
         return self.model
 
     def state_dict(self) -> dict[str, Any]:
@@ -221,7 +227,10 @@ def make_private(
     """Make ``model`` train with an (ε, δ)-DP guarantee, accounted exactly from every release.
 
     Args:
-        model: any ``nn.Module`` in train mode; it is hooked in place and stays a plain module.
+        model: any ``nn.Module`` in train mode; it is hooked in place and stays a plain module. A model
+            wrapped in ``DistributedDataParallel`` trains as one private run across the processes
+            (``docs/distributed.md``): each rank samples its shard, the clipped sums are all-reduced and
+            the noise is added once in total.
         optimizer: any ``torch.optim.Optimizer`` over the model's trainable parameters.
         data_loader: a loader over the private data set; its ``batch_size`` sets the sampling rate
             q = batch_size / N and it is replaced by a Poisson-sampled loader (``engine.data_loader``).
@@ -286,6 +295,7 @@ def make_private(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    parallel = data_parallel(model)
     if not model.training:
         raise ValueError("the model is in eval mode: call model.train() before make_private")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -306,12 +316,15 @@ def make_private(
     auto = options.auto_lr
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
+    if parallel is not None:
+        _check_data_parallel_options(quantile, auto, poisson_sampling)
 
     randomness = run_randomness(seed, secure_rng)
     schedule = StepSchedule()
     num_examples, sample_rate = sample_rate_of(data_loader)
     if poisson_sampling:
-        loader: Any = from_loader(data_loader, randomness, schedule, max_physical_batch_size)
+        loader: Any = from_loader(data_loader, randomness, schedule, max_physical_batch_size,
+                                  shard=(0, 1) if parallel is None else parallel.shard)
     else:  # resolve_options refused a physical batch size without the Poisson loader
         loader = data_loader
         warnings.warn(
@@ -320,7 +333,8 @@ def make_private(
     _check_delta(target_delta, num_examples)
 
     clip = options.clip
-    clip_groups = make_groups(model, groups, max_grad_norm)
+    module = model if parallel is None else parallel.module
+    clip_groups = make_groups(module, groups, max_grad_norm)
     plan = Plan(
         sample_rate=sample_rate, steps=planned_steps(epochs, steps, sample_rate),
         num_examples=num_examples, delta=target_delta, accountant=accountant,
@@ -331,9 +345,24 @@ def make_private(
         settings=_run_settings(clip, clip_groups, quantile, noise_allocation, loss_reduction,
                                data_loader.dataset, num_examples, auto),
     ).solve(target_epsilon)
+    if parallel is not None:
+        check_same_run(parallel, run_identity(plan.describe(), clip_groups, randomness))
     return _build_engine(plan, model, optimizer, loader, randomness, schedule, clip, clip_groups,
                          quantile, noise_allocation, loss_reduction, poisson_sampling,
-                         options.verify_every)
+                         options.verify_every, parallel)
+
+
+def _check_data_parallel_options(quantile: QuantileSettings | None, auto: Any,
+                                 poisson_sampling: bool) -> None:
+    """Refuse what the data-parallel path does not reduce across ranks yet."""
+    unsupported = [name for name, used in (("thresholds='adaptive'", quantile is not None),
+                                           ("lr='auto'", auto is not None),
+                                           ("poisson_sampling=False", not poisson_sampling)) if used]
+    if unsupported:
+        raise ValueError(
+            f"{', '.join(unsupported)} is not supported with DistributedDataParallel yet (their "
+            "releases are not reduced across ranks): use fixed thresholds, the optimizer's learning "
+            "rate and tunefree's Poisson sampling, or train in one process")
 
 
 def _run_settings(clip: ClipFunction, groups: list[ClipGroup], quantile: QuantileSettings | None,
@@ -353,7 +382,7 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
                   randomness: Randomness, schedule: StepSchedule, clip: ClipFunction,
                   clip_groups: list[ClipGroup], quantile: QuantileSettings | None,
                   noise_allocation: str, loss_reduction: str, poisson_sampling: bool,
-                  verify_every: int | None) -> DPEngine:
+                  verify_every: int | None, parallel: DataParallel | None = None) -> DPEngine:
     """The run's parts, with every noise read off the solved ``plan``."""
     auto_lr = None
     if plan.losses is not None:
@@ -368,11 +397,15 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
         scale = None if clip.name == "abadi" else sensitivity(clip_groups)
         estimator = QuantileEstimator(clip_groups, quantile, plan.count_std, randomness,
                                       plan.expected_batch_size, scale)
-    release = GradientRelease(clip_groups, plan.gradient_noise, randomness, noise_allocation)
+    if parallel is None:
+        release = GradientRelease(clip_groups, plan.gradient_noise, randomness, noise_allocation)
+    else:
+        release = DistributedRelease(clip_groups, plan.gradient_noise, randomness, noise_allocation, parallel)
+    module = model if parallel is None else parallel.module
     ledger = Ledger(poisson_approximation=not poisson_sampling)
     # Hooks go on last, so that a refused argument leaves the model as it was given.
     accumulator = StepAccumulator()  # the engine books into it, the optimizer releases from it
-    clipping_engine = ClippingEngine(model, clip_groups, clip, loss_reduction, accumulator)
+    clipping_engine = ClippingEngine(module, clip_groups, clip, loss_reduction, accumulator)
     clipping_engine.batch_source = schedule  # the Poisson loader tells the engine each batch's examples
     if estimator is not None:
         clipping_engine.set_thresholds(estimator.thresholds())
@@ -382,10 +415,12 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
     except ValueError:
         clipping_engine.detach()
         raise
+    if parallel is not None:
+        parallel.take_over()
     private_optimizer.components = [c for c in (estimator, auto_lr) if c is not None]
     private_optimizer.verify_every = verify_every
     private_optimizer.closure_gives_per_sample_losses = auto_lr is not None
     private_optimizer.planned_steps = plan.steps
     return DPEngine(model=model, optimizer=private_optimizer, data_loader=loader,
                     clipping_engine=clipping_engine, ledger=ledger, randomness=randomness,
-                    schedule=schedule, groups=clip_groups, plan=plan)
+                    schedule=schedule, groups=clip_groups, plan=plan, parallel=parallel)

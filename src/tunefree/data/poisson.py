@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import (
     DataLoader,
     Dataset,
+    DistributedSampler,
     RandomSampler,
     Sampler,
     SequentialSampler,
@@ -80,12 +81,19 @@ class PoissonBatchSampler(Sampler[list[int]]):
         randomness: the run's source of randomness; step ``t``'s batch depends only on it and ``t``.
         schedule: the shared step counter; a new ``iter()`` continues the current epoch after a resume.
         max_physical_batch_size: largest chunk handed to the model at once (``None``: no limit).
+        shard: ``(rank, world_size)`` of a data-parallel run: this process keeps only the sampled
+            examples ``i ≡ rank (mod world_size)``, so that the ranks' batches together are one Poisson
+            sample of the whole data set at rate q (with a seed, exactly the one-process batch).
     """
 
     def __init__(self, num_examples: int, sample_rate: float, steps_per_epoch: int,
                  randomness: Randomness, schedule: StepSchedule,
-                 max_physical_batch_size: int | None = None):
+                 max_physical_batch_size: int | None = None, shard: tuple[int, int] = (0, 1)):
         super().__init__()
+        rank, world_size = shard
+        if not (0 <= rank < world_size):
+            raise ValueError(f"shard must be (rank, world_size) with 0 ≤ rank < world_size, got {shard}")
+        self.shard = shard
         self.num_examples, self.sample_rate = num_examples, sample_rate
         self.steps_per_epoch, self.randomness, self.schedule = steps_per_epoch, randomness, schedule
         self.max_physical_batch_size = max_physical_batch_size
@@ -100,7 +108,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
         remaining = self.steps_per_epoch - start % self.steps_per_epoch
         for step in range(start, start + remaining):
             included = self.randomness.inclusion(step, self.num_examples, self.sample_rate)
-            indices = torch.nonzero(included).flatten().tolist()
+            rank, world_size = self.shard
+            indices = torch.nonzero(included[rank::world_size]).flatten().mul(world_size).add(rank).tolist()
             chunk = self.max_physical_batch_size or max(len(indices), 1)
             chunks = [indices[i:i + chunk] for i in range(0, len(indices), chunk)] or [[]]
             for k, piece in enumerate(chunks):
@@ -184,8 +193,16 @@ def sample_rate_of(loader: DataLoader) -> tuple[int, float]:
 
 
 def from_loader(loader: DataLoader, randomness: Randomness, schedule: StepSchedule,
-                max_physical_batch_size: int | None = None) -> PoissonDataLoader:
-    """The Poisson-sampled version of ``loader``: q = batch_size / len(dataset)."""
+                max_physical_batch_size: int | None = None, shard: tuple[int, int] = (0, 1)
+                ) -> PoissonDataLoader:
+    """The Poisson-sampled version of ``loader``: q = batch_size / len(dataset), whatever the number of
+    processes; ``shard`` is ``(rank, world_size)`` of a data-parallel run (see
+    :class:`PoissonBatchSampler`)."""
+    if isinstance(loader.sampler, DistributedSampler):
+        raise ValueError(
+            "the data loader uses a DistributedSampler: tunefree shards the Poisson sampling across "
+            "ranks itself; pass a loader over the whole data set, with batch_size the expected "
+            "global batch size and no sampler")
     if not isinstance(loader.sampler, (SequentialSampler, RandomSampler)):
         raise ValueError(
             f"the data loader samples with {type(loader.sampler).__name__}; tunefree replaces the "
@@ -194,7 +211,7 @@ def from_loader(loader: DataLoader, randomness: Randomness, schedule: StepSchedu
         )
     num_examples, sample_rate = sample_rate_of(loader)
     sampler = PoissonBatchSampler(num_examples, sample_rate, steps_per_epoch(sample_rate),
-                                  randomness, schedule, max_physical_batch_size)
+                                  randomness, schedule, max_physical_batch_size, shard)
     kwargs = {k: getattr(loader, k) for k in ("num_workers", "pin_memory", "timeout",
                                               "worker_init_fn", "multiprocessing_context")}
     if loader.num_workers > 0:

@@ -71,22 +71,62 @@ class GradientRelease:
 
         ``thresholds`` are those the sums were clipped with (by group name): each group's sum has
         sensitivity ``thresholds[name]``, and the noise is calibrated to them."""
-        if set(thresholds) != {g.name for g in self.groups}:
-            raise ValueError(f"thresholds must name exactly the clip groups {[g.name for g in self.groups]}")
         noisy, to_noise = {}, {}
-        for group, std in zip(self.groups, self.noise_stds(thresholds)):
-            for p in group.params:
-                total = sums.get(p)
-                if total is None:
-                    total = torch.zeros(p.shape, device=p.device, dtype=accumulation_dtype(p.dtype))
-                noisy[p] = total
-                if std > 0:
-                    to_noise.setdefault((total.device, total.dtype), []).append((p, std))
+        for p, std in self.param_stds(thresholds):
+            noisy[p] = self.clipped_sum(p, sums.get(p))
+            if std > 0:
+                to_noise.setdefault((noisy[p].device, noisy[p].dtype), []).append((p, std))
         for (device, dtype), entries in to_noise.items():  # one draw per device and precision
             draws = self.randomness.normals([p.shape for p, _ in entries], device, dtype)
             for (p, std), noise in zip(entries, draws):
                 noisy[p] = noisy[p] + std * noise
-        return noisy, dpa.GaussianDpEvent(self.noise_multiplier)
+        return noisy, self.event()
+
+    def param_stds(self, thresholds: Mapping[str, float]) -> list[tuple[nn.Parameter, float]]:
+        """Every parameter of every group, in group order, with its group's noise standard deviation."""
+        if set(thresholds) != {g.name for g in self.groups}:
+            raise ValueError(f"thresholds must name exactly the clip groups {[g.name for g in self.groups]}")
+        return [(p, std) for group, std in zip(self.groups, self.noise_stds(thresholds))
+                for p in group.params]
+
+    @staticmethod
+    def clipped_sum(p: nn.Parameter, total: torch.Tensor | None) -> torch.Tensor:
+        """``p``'s clipped sum in its accumulation precision (zeros if no example reached ``p``)."""
+        if total is None:
+            return torch.zeros(p.shape, device=p.device, dtype=accumulation_dtype(p.dtype))
+        return total
+
+    def event(self) -> dpa.DpEvent:
+        """What one release costs: a Gaussian mechanism of multiplier σ on the total sensitivity."""
+        return dpa.GaussianDpEvent(self.noise_multiplier)
+
+
+def add_bucket_noise(flat: torch.Tensor, params: Sequence[tuple[nn.Parameter, float]],
+                     randomness: Randomness, shard: tuple[int, int]) -> None:
+    """Rank ``shard[0]`` of ``shard[1]``'s share of the Gaussian noise of one flat bucket of parameters
+    (``params``: each with its noise standard deviation, in the bucket's order), added to ``flat`` in
+    place; summed over the ranks, every coordinate has received exactly one draw.
+
+    Secret randomness: each rank draws the noise of its own slice of the coordinates, from its own
+    ``os.urandom``. Seeded: rank 0 draws all of it from the run's stream, parameter by parameter as one
+    process does (the same noise as one process with that seed); the other ranks draw the same numbers
+    and drop them, so that every rank's stream, and so its checkpoint, stays where rank 0's is."""
+    if not any(std > 0 for _, std in params):
+        return
+    rank, world_size = shard
+    if randomness.secure:
+        low, high = flat.numel() * rank // world_size, flat.numel() * (rank + 1) // world_size
+        scale = torch.cat([torch.full((p.numel(),), std, dtype=flat.dtype, device=flat.device)
+                           for p, std in params])[low:high]
+        flat[low:high] += scale * randomness.normal(torch.Size([high - low]), flat.device, flat.dtype)
+        return
+    offset = 0
+    for p, std in params:
+        if std > 0:
+            noise = randomness.normal(p.shape, flat.device, flat.dtype)
+            if rank == 0:
+                flat[offset:offset + p.numel()] += std * noise.reshape(-1)
+        offset += p.numel()
 
 
 def release_counts(centred_counts: torch.Tensor, count_std: float,

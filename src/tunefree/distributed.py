@@ -1,0 +1,183 @@
+"""Data-parallel private training on ``torch.distributed`` (DDP under ``torchrun``).
+
+Each rank Poisson-samples its shard of the data set (``data.poisson``), clips its own examples and books
+their clipped sums as in one process. At the step, :class:`DistributedRelease` adds the Gaussian noise
+of every coordinate on exactly one rank (secret: each rank its own slice; seeded: rank 0) and all-reduces
+the sums in flat buckets launched asynchronously, so that every rank receives ``Σ (clipped sums of all
+ranks) + one noise draw``: the release of one process on the union batch, with total noise variance
+σ²S² whatever the world size. Each example sits on one rank, so the sensitivity is that of one process,
+and every rank records the same event in its ledger. DDP's own gradient synchronisation is switched off
+while tunefree owns the model: the engine takes the parameters out of autograd's graph, so DDP has no
+raw gradient to reduce; the clipped sums are reduced here instead. DDP still broadcasts rank 0's
+weights at wrapping.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import dp_accounting as dpa
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .dtypes import accumulation_dtype
+from .errors import PrivacyError
+from .grouping import ClipGroup
+from .privacy.mechanisms import GradientRelease, add_bucket_noise
+from .privacy.randomness import Randomness
+
+# The size of one all-reduce bucket, DDP's default (bucket_cap_mb=25).
+BUCKET_BYTES = 25 * 2**20
+
+
+class DataParallel:
+    """A ``DistributedDataParallel`` model taken over by tunefree: the wrapped module is hooked, and
+    DDP's own gradient synchronisation is off from :meth:`take_over` to :meth:`release_model`. DDP
+    reduces raw gradients, and there are none: the engine keeps the parameters out of autograd's graph.
+    Switched off, DDP does no reducer bookkeeping per pass, and a raw gradient that reached a parameter
+    anyway is refused by the engine's leak check on this rank, never averaged across ranks first."""
+
+    def __init__(self, wrapper: DistributedDataParallel):
+        if not dist.is_initialized():
+            raise ValueError("the model is wrapped in DistributedDataParallel but torch.distributed is "
+                             "not initialised: call torch.distributed.init_process_group first")
+        self.wrapper, self.module = wrapper, wrapper.module
+        self.group = wrapper.process_group
+        self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self._synced = wrapper.require_backward_grad_sync
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """``(rank, world_size)``: which examples of each Poisson sample this process trains on."""
+        return self.rank, self.world_size
+
+    def take_over(self) -> None:
+        """Switch DDP's gradient synchronisation off: tunefree reduces the clipped sums instead."""
+        self.wrapper.require_backward_grad_sync = False
+
+    def release_model(self) -> None:
+        """Give DDP its gradient synchronisation back (the model is a plain DDP model again)."""
+        self.wrapper.require_backward_grad_sync = self._synced
+
+
+def data_parallel(model: nn.Module) -> DataParallel | None:
+    """The data-parallel setting of ``model``: a :class:`DataParallel` for a DDP model, ``None`` for a
+    plain module (which trains as one process, with a warning if several processes are running).
+    ``nn.DataParallel`` and sharded parameters (FSDP2, tensor parallelism) are refused."""
+    if isinstance(model, nn.DataParallel):
+        raise ValueError("torch.nn.DataParallel (threads over the GPUs of one process) is not supported: "
+                         "wrap the model in DistributedDataParallel and launch with torchrun "
+                         "(docs/distributed.md)")
+    if not dist.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    sharded = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    if sharded:
+        raise ValueError(
+            f"parameters {sharded[:3]}{' ...' if len(sharded) > 3 else ''} are sharded DTensors (FSDP2's "
+            "fully_shard, or tensor parallelism), which tunefree does not support yet: train with "
+            "DistributedDataParallel (docs/distributed.md)")
+    if isinstance(model, DistributedDataParallel):
+        return DataParallel(model)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        warnings.warn(
+            f"torch.distributed runs {dist.get_world_size()} processes but the model is not wrapped in "
+            "DistributedDataParallel: each process trains its own private model on the whole data set. "
+            "Wrap it in DistributedDataParallel for one private run across the processes",
+            stacklevel=3)
+    return None
+
+
+def _buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Consecutive parameters of one device and accumulation dtype, at most ``bucket_bytes`` a bucket
+    (a larger parameter is a bucket of its own)."""
+    buckets: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        dtype = accumulation_dtype(p.dtype)
+        nbytes = p.numel() * dtype.itemsize
+        last = buckets[-1] if buckets else None
+        if (last is None or size + nbytes > bucket_bytes or last[0].device != p.device
+                or accumulation_dtype(last[0].dtype) != dtype):
+            buckets.append([p])
+            size = nbytes
+        else:
+            last.append(p)
+            size += nbytes
+    return buckets
+
+
+class DistributedRelease(GradientRelease):
+    """The gradient release of a data-parallel run: every coordinate gets its noise from exactly one
+    rank, and the sums of every rank are all-reduced, in flat buckets launched asynchronously (the
+    noise of a bucket is drawn while the previous ones travel). Every rank gets the same noisy sum, and
+    the same event, as one process releasing the union batch: total noise variance σ²S² whatever the
+    world size.
+
+    Who draws the noise (``privacy.mechanisms.add_bucket_noise``): with secret randomness, each rank
+    its own 1/W slice of every bucket (the noise work scales out); seeded, rank 0 all of it, as one
+    process with that seed would.
+
+    Args:
+        groups, noise_multiplier, randomness, allocation: as for :class:`GradientRelease`.
+        parallel: the run's process group, rank and world size.
+        bucket_bytes: the size of one all-reduce.
+    """
+
+    def __init__(self, groups: Sequence[ClipGroup], noise_multiplier: float, randomness: Randomness,
+                 allocation: str, parallel: DataParallel, bucket_bytes: int = BUCKET_BYTES):
+        super().__init__(groups, noise_multiplier, randomness, allocation)
+        self.parallel = parallel
+        self.buckets = _buckets([p for g in self.groups for p in g.params], bucket_bytes)
+
+    def release(self, sums: dict[nn.Parameter, torch.Tensor], thresholds: Mapping[str, float]
+                ) -> tuple[dict[nn.Parameter, torch.Tensor], dpa.DpEvent]:
+        """The noisy sum of every rank's clipped sums (identical on every rank). A rank that fails or
+        never arrives makes the collective fail (after the process group's timeout) before anything is
+        released or recorded here."""
+        stds = dict(self.param_stds(thresholds))
+        in_flight = []
+        for bucket in self.buckets:
+            flat = torch.cat([self.clipped_sum(p, sums.get(p)).reshape(-1) for p in bucket])
+            add_bucket_noise(flat, [(p, stds[p]) for p in bucket], self.randomness, self.parallel.shard)
+            in_flight.append((bucket, flat, dist.all_reduce(flat, group=self.parallel.group, async_op=True)))
+        noisy = {}
+        for bucket, flat, work in in_flight:
+            work.wait()
+            for p, piece in zip(bucket, flat.split([p.numel() for p in bucket])):
+                noisy[p] = piece.view(p.shape)
+        return noisy, self.event()
+
+    def bytes_per_step(self) -> int:
+        """Bytes each rank contributes to the all-reduce of one step (the size of the sums)."""
+        return sum(p.numel() * accumulation_dtype(p.dtype).itemsize for b in self.buckets for p in b)
+
+
+def check_same_run(parallel: DataParallel, identity: Mapping[str, Any]) -> None:
+    """Refuse to start unless every rank describes the same run (``identity``: the plan's description,
+    the clip groups and the parameters' shapes): the ranks' ledgers must be one ledger, and a rank with
+    another model or noise would release something nobody accounted."""
+    gathered: list[Any] = [None] * parallel.world_size
+    dist.all_gather_object(gathered, dict(identity), group=parallel.group)
+    mine = gathered[parallel.rank]
+    for rank, theirs in enumerate(gathered):
+        if theirs != mine:
+            keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            raise PrivacyError(
+                f"rank {rank} was set up differently from rank {parallel.rank} (it differs in {keys}): "
+                "every rank must call make_private with the same model, data set and privacy settings")
+
+
+def run_identity(description: Mapping[str, Any], groups: Sequence[ClipGroup],
+                 randomness: Randomness) -> dict[str, Any]:
+    """What every rank must agree on: the plan's description, the shapes and dtypes of the clip groups'
+    parameters, in order, and the randomness (secret, or the seed): a secret rank noises its own slice
+    of the coordinates and a seeded one leaves all of them to rank 0, so a mix would leave coordinates
+    without noise."""
+    layout = [[g.name, [[list(p.shape), str(p.dtype)] for p in g.params]] for g in groups]
+    return {**description, "parameter layout": layout, "randomness": [randomness.secure, randomness.seed]}

@@ -1,0 +1,324 @@
+"""Data-parallel private training: 2 processes on gloo, spawned here, against one process.
+
+Each scenario runs in two processes started with ``torch.multiprocessing`` (a free port, a process-group
+timeout and a deadline, so that a hang fails instead of blocking); each rank saves what it saw and the
+test compares the ranks with each other and with the same run in this process.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import math
+import socket
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+import tunefree
+from tunefree.errors import PrivacyError
+
+WORLD = 2
+N, BATCH, SEED = 64, 16, 7
+STEPS = 4
+SIGMA = 1.3
+DEADLINE_S = 90  # the whole 2-process scenario, start-up included
+COLLECTIVE_TIMEOUT_S = 4
+GROUPED = {"groups": "per-layer", "physical_batch_size": 3, "clipping": "abadi"}
+
+
+def _data() -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(N, 6, generator=generator),
+                         torch.randint(0, 3, (N,), generator=generator))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _private(model: nn.Module, noise_multiplier: float, **options):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    return tunefree.make_private(model, optimizer, DataLoader(_data(), batch_size=BATCH),
+                                 noise_multiplier=noise_multiplier, target_delta=1e-3, steps=STEPS,
+                                 **{"seed": SEED, **options})
+
+
+def _train(engine, steps: int) -> list[dict[str, torch.Tensor]]:
+    """``steps`` private (logical) steps; the released gradient of each (``.grad`` after the step)."""
+    released = []
+    batches = iter(engine.data_loader)
+    for _ in range(steps):
+        last = False
+        while not last:  # the physical micro-batches of one logical batch
+            x, y = next(batches)
+            last = engine.schedule.ends_logical
+            engine.optimizer.zero_grad()
+            F.cross_entropy(engine.model(x), y).backward()
+            engine.optimizer.step()
+        released.append({n: p.grad.clone() for n, p in engine.clipping_engine.model.named_parameters()})
+    return released
+
+
+def _weights(engine) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in engine.clipping_engine.model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------- the 2-process harness
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, scenario, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        torch.save(scenario(rank), Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_ranks(scenario, tmp_path: Path) -> list[dict]:
+    """Run ``scenario(rank)`` in ``WORLD`` forked processes; each rank's returned dict. Forked, the
+    ranks start with this process's imports (torch's optimizers import torch._dynamo on first use,
+    seconds on a loaded machine: import it here once instead of in every rank)."""
+    import torch._dynamo  # noqa: F401
+
+    context = mp.start_processes(_entry, args=(scenario, _free_port(), str(tmp_path)), nprocs=WORLD,
+                                 join=False, start_method="fork")
+    deadline = time.monotonic() + DEADLINE_S
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {WORLD}-process scenario did not finish within {DEADLINE_S} s")
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+# ---------------------------------------------------------------------------- scenarios (run per rank)
+def _training_scenario(rank: int) -> dict:
+    """A noise-free and a noisy seeded run of STEPS steps, and the noise of the release alone."""
+    out: dict = {}
+    quiet = _private(DistributedDataParallel(_model()), 0.0)
+    out["quiet_released"] = _train(quiet, STEPS)
+    grouped = _private(DistributedDataParallel(_model()), 0.0, **GROUPED)
+    out["grouped_released"] = _train(grouped, STEPS)
+    noisy = _private(DistributedDataParallel(_model()), SIGMA)
+    _train(noisy, 2)
+    out["state_after_2"] = noisy.state_dict()
+    out["weights_after_2"] = _weights(noisy)
+    out["optimizer_after_2"] = noisy.optimizer.state_dict()
+    _train(noisy, STEPS - 2)
+    out["noisy_weights"] = _weights(noisy)
+    out["ledger"] = noisy.ledger.state_dict()
+    out["epsilon"] = noisy.epsilon()
+    out["bytes_per_step"] = noisy.optimizer.release.bytes_per_step()
+    # The release of zero sums is its noise alone; secret randomness, as in a real run.
+    wide = nn.Linear(200, 50)
+    secret = tunefree.make_private(DistributedDataParallel(wide), torch.optim.SGD(wide.parameters(), lr=0.1),
+                                   DataLoader(_data(), batch_size=BATCH), noise_multiplier=SIGMA,
+                                   target_delta=1e-3, steps=1)
+    release = secret.optimizer.release
+    out["noise"] = torch.cat([torch.cat([t.reshape(-1) for t in release.release({}, secret.clip_thresholds)[0]
+                                         .values()]) for _ in range(4)])
+    out["sensitivity"] = secret.sensitivity
+    out["detached_syncs"] = secret.detach().require_backward_grad_sync
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _private(_model(), SIGMA)  # a plain model: one run per process, which is said
+    out["plain_model_warnings"] = [str(w.message) for w in caught]
+    return out
+
+
+def _failure_scenario(rank: int) -> dict:
+    """Ranks set up differently are refused; then rank 1 fails inside a step and rank 0 must not update."""
+    out: dict = {"refused": []}
+    for options in ({"thresholds": "adaptive"}, {"lr": "auto"}):
+        try:
+            _private(DistributedDataParallel(_model()), SIGMA, **options)
+        except ValueError as error:
+            out["refused"].append(str(error))
+    from torch.distributed.fsdp import fully_shard
+    try:
+        _private(fully_shard(_model()), SIGMA)
+    except ValueError as error:
+        out["refused"].append(str(error))
+    try:
+        _private(DistributedDataParallel(_model()), SIGMA if rank == 0 else 2 * SIGMA)
+    except PrivacyError as error:
+        out["mismatch"] = str(error)
+    try:  # rank 0 secret (noising its slice only), rank 1 seeded (leaving all noise to rank 0)
+        _private(DistributedDataParallel(_model()), SIGMA, seed=None if rank == 0 else SEED)
+    except PrivacyError as error:
+        out["randomness mismatch"] = str(error)
+    engine = _private(DistributedDataParallel(_model()), SIGMA)
+    _train(engine, 1)
+    before, steps_before = _weights(engine), engine.ledger.steps
+    x, y = next(iter(engine.data_loader))
+    engine.optimizer.zero_grad()
+    F.cross_entropy(engine.model(x), y).backward()
+    if rank == 1:  # frozen after make_private: rank 1 refuses the step before releasing anything
+        engine.clipping_engine.model[0].bias.requires_grad_(False)
+    try:
+        engine.optimizer.step()
+        out["step"] = "completed"
+    except Exception as error:  # rank 1: PrivacyError; rank 0: the collective fails
+        out["step"] = type(error).__name__
+    out["unchanged"] = all(torch.equal(before[n], w) for n, w in _weights(engine).items())
+    out["ledger_steps"] = (steps_before, engine.ledger.steps)
+    return out
+
+
+# ---------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def training(tmp_path_factory) -> list[dict]:
+    return _run_ranks(_training_scenario, tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.mark.parametrize("run, options", [("quiet_released", {}), ("grouped_released", GROUPED)])
+def test_noise_free_release_equals_one_process_on_the_union_batch(training, run, options):
+    reference = _train(_private(_model(), 0.0, **options), STEPS)
+    for rank in training:
+        for ours, theirs in zip(rank[run], reference):
+            for name in theirs:
+                torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-6)
+    assert any(g.abs().max() > 1e-3 for g in reference[0].values())  # the comparison is not of zeros
+
+
+def test_ranks_end_every_step_bit_identical_with_one_ledger(training):
+    first, second = training
+    for name, weight in first["noisy_weights"].items():
+        assert torch.equal(weight, second["noisy_weights"][name])
+    assert first["ledger"] == second["ledger"]
+    assert first["epsilon"] == second["epsilon"]
+
+
+def test_every_rank_saves_the_same_checkpoint(training):
+    """Seeded: rank 1 keeps its noise stream where rank 0's is, so either checkpoint resumes the run."""
+    first, second = (copy.deepcopy(rank["state_after_2"]) for rank in training)
+    noise_states = [state["randomness"].pop("noise") for state in (first, second)]
+    assert noise_states[0].keys() == noise_states[1].keys() == {"cpu"}
+    assert torch.equal(noise_states[0]["cpu"], noise_states[1]["cpu"])
+    assert first == second
+
+
+def test_epsilon_of_two_ranks_equals_one_process(training):
+    single = _private(_model(), SIGMA)
+    _train(single, STEPS)
+    assert math.isfinite(single.epsilon())
+    assert training[0]["epsilon"] == single.epsilon()
+
+
+def test_noise_is_added_once_in_total(training):
+    """Total variance σ²S², not W·σ²S² (every rank adding noise) nor σ²S²/W; identical on both ranks."""
+    first, second = training
+    assert torch.equal(first["noise"], second["noise"])
+    assert (first["noise"] != 0).all()  # each rank noises its own slice: together, every coordinate
+    noise = first["noise"].double()
+    expected = (SIGMA * first["sensitivity"]) ** 2
+    ratio = noise.var().item() / expected
+    assert abs(ratio - 1) < 0.05, ratio  # 40 200 draws: the estimate's relative std is 0.7%
+    assert abs(noise.mean().item()) < 5 * math.sqrt(expected / noise.numel())
+
+
+def test_noisy_run_matches_one_process_with_the_same_seed(training):
+    """Same seed: same union batches, same noise (rank 0's stream) → the same weights up to rounding."""
+    single = _private(_model(), SIGMA)
+    _train(single, STEPS)
+    for name, weight in _weights(single).items():
+        torch.testing.assert_close(training[0]["noisy_weights"][name], weight, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("source", [0, 1])
+def test_a_two_rank_checkpoint_resumes_in_one_process(training, source):
+    """The sampler re-partitions exactly (step t's union batch does not depend on the world size), so a
+    checkpoint of either rank resumes in any world size; its fingerprint does not hold the world size."""
+    saved = training[source]
+    model = _model()
+    model.load_state_dict(saved["weights_after_2"])
+    resumed = _private(model, SIGMA)
+    resumed.optimizer.load_state_dict(saved["optimizer_after_2"])
+    resumed.load_state_dict(saved["state_after_2"])
+    _train(resumed, STEPS - 2)
+    assert resumed.ledger.state_dict() == saved["ledger"]
+    for name, weight in _weights(resumed).items():
+        torch.testing.assert_close(saved["noisy_weights"][name], weight, rtol=0, atol=1e-5)
+
+
+def test_sums_are_communicated_once_in_the_parameters_dtype(training):
+    params = sum(p.numel() for p in _model().parameters())
+    assert training[0]["bytes_per_step"] == 4 * params  # what non-private DDP all-reduces for float32
+
+
+def test_detach_gives_ddp_its_gradient_synchronisation_back(training):
+    assert training[0]["detached_syncs"] is True
+
+
+def test_a_plain_model_under_several_processes_is_warned_about(training):
+    assert any("not wrapped in DistributedDataParallel" in m for m in training[0]["plain_model_warnings"])
+
+
+def test_a_failing_rank_fails_the_step_on_every_rank_without_an_update(tmp_path):
+    first, second = _run_ranks(_failure_scenario, tmp_path)
+    assert len(first["refused"]) == 3
+    assert "sharded DTensors (FSDP2's fully_shard" in first["refused"][2]
+    assert "thresholds='adaptive' is not supported with DistributedDataParallel" in first["refused"][0]
+    assert "lr='auto' is not supported with DistributedDataParallel" in first["refused"][1]
+    assert "rank 1 was set up differently" in first["mismatch"]
+    assert "rank 0 was set up differently" in second["mismatch"]
+    for rank in (first, second):
+        assert "differs in ['randomness']" in rank["randomness mismatch"]
+    assert second["step"] == "PrivacyError"
+    assert first["step"] != "completed"
+    for rank in (first, second):
+        assert rank["unchanged"]
+        assert rank["ledger_steps"] == (1, 1)
+
+
+def test_sharded_sampler_partitions_the_one_process_batch():
+    """With a seed, the shards of step t are a partition of the one-process batch of step t."""
+    from tunefree.data.poisson import PoissonBatchSampler, StepSchedule
+    from tunefree.privacy.randomness import Randomness
+
+    def batches(shard):
+        sampler = PoissonBatchSampler(N, 0.3, 5, Randomness(SEED), StepSchedule(), shard=shard)
+        return list(sampler)
+
+    whole = batches((0, 1))
+    for world in (2, 3):
+        shards = [batches((r, world)) for r in range(world)]
+        for t, batch in enumerate(whole):
+            parts = [shard[t] for shard in shards]
+            assert sorted(i for part in parts for i in part) == batch
+            assert all(i % world == r for r, part in enumerate(parts) for i in part)
+    with pytest.raises(ValueError, match="rank"):
+        PoissonBatchSampler(N, 0.3, 5, Randomness(SEED), StepSchedule(), shard=(2, 2))
+
+
+def test_data_parallel_in_one_process_is_refused():
+    model = _model()
+    with pytest.raises(ValueError, match="nn.DataParallel .* is not supported.*DistributedDataParallel"):
+        _private(nn.DataParallel(model), 1.0)
+
+
+def test_distributed_sampler_is_refused():
+    from torch.utils.data.distributed import DistributedSampler
+    data = _data()
+    loader = DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, num_replicas=2, rank=0))
+    model = _model()
+    with pytest.raises(ValueError, match="DistributedSampler"):
+        tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
+                              noise_multiplier=1.0, target_delta=1e-3, steps=1)
