@@ -57,20 +57,17 @@ def one_run_p_value(guesses: Guesses, epsilon: float, delta: float) -> float:
 def one_run_epsilon_bound(guesses: Guesses, delta: float, confidence: float) -> float:
     """ε_LB: the largest ε at which (ε, δ)-DP is rejected with probability of error at most
     ``1 − confidence`` (0 when even ε = 0 is not rejected)."""
+    from scipy import optimize
+
     _check_confidence(confidence)
     level = 1 - confidence
     if one_run_p_value(guesses, 0.0, delta) > level:
         return 0.0
     if one_run_p_value(guesses, MAX_EPSILON, delta) <= level:
         return MAX_EPSILON
-    low, high = 0.0, MAX_EPSILON  # p-value(low) ≤ level < p-value(high): it decreases in ε
-    while high - low > 1e-4:
-        middle = (low + high) / 2
-        if one_run_p_value(guesses, middle, delta) <= level:
-            low = middle
-        else:
-            high = middle
-    return low
+    # the p-value decreases in ε: the root of p-value(ε) = level separates rejected from not rejected
+    return float(optimize.brentq(lambda e: one_run_p_value(guesses, e, delta) - level, 0.0, MAX_EPSILON,
+                                 xtol=1e-5))
 
 
 def top_bottom_guesses(scores: np.ndarray, included: np.ndarray, k: int) -> Guesses:

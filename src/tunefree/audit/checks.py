@@ -39,7 +39,7 @@ class Check:
     def __str__(self) -> str:
         verdict = "ok" if self.passed else "FAILED"
         return (f"{self.name}: measured/claimed = {self.ratio:.4f} "
-                f"[{self.low:.4f}, {self.high:.4f}] at {self.confidence:.0%} — {verdict}")
+                f"[{self.low:.4f}, {self.high:.4f}] at {self.confidence:.1%} — {verdict}")
 
 
 def noise_check(noise: np.ndarray, confidence: float) -> Check:

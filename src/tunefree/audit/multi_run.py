@@ -9,6 +9,7 @@ of trainings, weaker than the one-run audit; it needs no assumption on how canar
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import replace
 
@@ -37,14 +38,17 @@ def multi_run_audit(settings: AuditSettings, runs: int) -> AuditResult:
     seed = secrets.randbits(62) if settings.seed is None else settings.seed
     rng = np.random.default_rng(seed)
     included = rng.random(runs) < 0.5
-    scores, epsilons, delta = np.empty(runs), [], settings.delta
+    scores, epsilons = np.empty(runs), {}
     for run in range(runs):
         run_settings = settings if settings.seed is None else replace(settings, seed=seed + 1 + run)
         engine, model = build_run(run_settings, included[run:run + 1],
                                   torch.Generator().manual_seed(seed + run))
         seen = observe(engine, model, settings.steps)
-        scores[run], delta = seen.scores()[0], seen.delta
-        epsilons.append(seen.epsilon)
+        scores[run] = seen.scores()[0]
+        ledger = json.dumps(engine.ledger.state_dict(), sort_keys=True)
+        if ledger not in epsilons:  # runs of one configuration record the same ledger: ε once
+            epsilons[ledger] = engine.epsilon()
+    delta = engine.target_delta
     half = runs // 2
     pick_scores, pick_included = scores[:half], included[:half]
     thresholds = np.concatenate([[-np.inf], np.sort(pick_scores)])
@@ -54,7 +58,7 @@ def multi_run_audit(settings: AuditSettings, runs: int) -> AuditResult:
     bound = 0.0
     if negatives and positives:
         bound = clopper_pearson_epsilon_bound(fp, negatives, fn, positives, delta, settings.confidence)
-    return AuditResult(kind=f"multi-run Clopper–Pearson ({runs} runs)", epsilon=max(epsilons),
+    return AuditResult(kind=f"multi-run Clopper–Pearson ({runs} runs)", epsilon=max(epsilons.values()),
                        delta=delta, epsilon_lower_bound=bound, confidence=settings.confidence,
                        canaries=1, guesses=runs - half, correct=runs - half - fp - fn,
                        steps=settings.steps, recorded_steps=engine.steps)

@@ -28,13 +28,14 @@ def one_run_audit(settings: AuditSettings) -> AuditResult:
     generator = torch.Generator().manual_seed(seed)
     engine, model = build_run(settings, included, generator)
     seen = observe(engine, model, settings.steps)
-    bound, guesses = best_one_run_bound(seen.scores(), included, seen.delta, settings.confidence)
+    delta = engine.target_delta
+    bound, guesses = best_one_run_bound(seen.scores(), included, delta, settings.confidence)
     checks = []
     if 2 <= included.sum() <= len(included) - 2:
-        checks = [noise_check(seen.z[:, ~included], settings.confidence),
-                  separation_check(seen.z, included, float(np.mean(seen.sample_rate * seen.shift)),
-                                   settings.confidence)]
-    return AuditResult(kind="one-run white-box", epsilon=seen.epsilon, delta=seen.delta,
+        each = 1 - (1 - settings.confidence) / 2  # both checks pass a correct run w.p. ≥ confidence
+        checks = [noise_check(seen.z[:, ~included], each),
+                  separation_check(seen.z, included, float(np.mean(seen.sample_rate * seen.shift)), each)]
+    return AuditResult(kind="one-run white-box", epsilon=engine.epsilon(), delta=delta,
                        epsilon_lower_bound=bound, confidence=settings.confidence,
                        canaries=settings.canaries, guesses=guesses.guesses, correct=guesses.correct,
                        steps=len(seen.z), recorded_steps=seen.recorded_steps, checks=checks)

@@ -67,14 +67,12 @@ class Observation:
 
     ``z[t, j]``: canary j's coordinate of step t's release, in units of the noise standard deviation the
     run claims (positive: towards the canary); ``shift[t]``: μₜ, what one included, sampled canary adds
-    to it in those units; ``epsilon``: the ledger's ε at ``delta`` after the run.
+    to it in those units.
     """
 
     z: np.ndarray
     shift: np.ndarray
     sample_rate: float
-    epsilon: float
-    delta: float
     recorded_steps: int
 
     def scores(self) -> np.ndarray:
@@ -129,5 +127,4 @@ def observe(engine: DPEngine, model: CanaryModel, steps: int) -> Observation:
                     break
     finally:
         handle.remove()
-    return Observation(np.stack(z), np.array(shift), engine.sample_rate, engine.epsilon(),
-                       engine.target_delta, engine.steps)
+    return Observation(np.stack(z), np.array(shift), engine.sample_rate, engine.steps)
