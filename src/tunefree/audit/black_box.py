@@ -9,7 +9,6 @@ them; ε_LB is the one-run bound (:mod:`.bounds`) of the best top-k/bottom-k gue
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable
 
 import numpy as np
@@ -18,6 +17,7 @@ from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from ..api import DPEngine
 from .bounds import best_one_run_bound
+from .canaries import design_generator
 from .result import AuditResult
 
 
@@ -37,8 +37,7 @@ def black_box_audit(train: Callable[[Dataset], DPEngine], data: Dataset, canarie
         seed: seeds which canaries are included (``None``: secure randomness).
     """
     m = len(canaries)  # type: ignore[arg-type]
-    rng = np.random.default_rng(secrets.randbits(63) if seed is None else seed)
-    included = rng.random(m) < 0.5
+    included = design_generator(seed).random(m) < 0.5
     engine = train(ConcatDataset([data, Subset(canaries, np.flatnonzero(included).tolist())]))
     if not isinstance(engine, DPEngine):
         raise TypeError(f"train must return the DPEngine of its run, got {type(engine).__name__}")

@@ -8,11 +8,14 @@ threshold: an included canary adds exactly its sensitivity to coordinate j of th
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from fractions import Fraction
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from numpy.random import PCG64, Generator
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -45,6 +48,13 @@ def per_example_losses(model: CanaryModel, x: torch.Tensor, ids: torch.Tensor, y
     return torch.where(is_canary, -CANARY_GRADIENT * out, F.softplus(-y * out))
 
 
+def design_generator(seed: int | None) -> Generator:
+    """The auditor's own random choices (which canaries are in, the synthetic real examples): the
+    design of the experiment, not release noise — nothing drawn here is released or touches private
+    data. Secure seeding unless ``seed`` asks for a reproducible audit."""
+    return Generator(PCG64(secrets.randbits(63) if seed is None else seed))
+
+
 @dataclass(frozen=True)
 class CanaryData:
     """The audit's private data set: ``real`` real examples and the included canaries."""
@@ -55,7 +65,7 @@ class CanaryData:
 
 
 def canary_data(included: torch.Tensor, sample_rate: float, min_real: int,
-                generator: torch.Generator) -> CanaryData:
+                generator: Generator) -> CanaryData:
     """Real examples (at least ``min_real``, more so that q·N is a whole batch size) and the canaries
     with ``included[j]``; each canary is an example of its own, absent when not included."""
     rate = Fraction(sample_rate).limit_denominator(MAX_DENOMINATOR)
@@ -66,8 +76,9 @@ def canary_data(included: torch.Tensor, sample_rate: float, min_real: int,
     total = min_real + len(present)
     total += -total % rate.denominator  # N a multiple of the denominator: q·N is whole
     real = total - len(present)
-    teacher = torch.randn(FEATURES, generator=generator)
-    x = torch.cat([torch.randn(real, FEATURES, generator=generator), torch.zeros(len(present), FEATURES)])
+    teacher = torch.from_numpy(generator.standard_normal(FEATURES, dtype=np.float32))
+    features = torch.from_numpy(generator.standard_normal((real, FEATURES), dtype=np.float32))
+    x = torch.cat([features, torch.zeros(len(present), FEATURES)])
     y = torch.cat([torch.sign(x[:real] @ teacher), torch.zeros(len(present))])
     ids = torch.cat([torch.full((real,), len(included)), present])
     return CanaryData(TensorDataset(x, ids, y), int(rate * total), real)

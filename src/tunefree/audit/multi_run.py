@@ -14,9 +14,9 @@ import secrets
 from dataclasses import replace
 
 import numpy as np
-import torch
 
 from .bounds import clopper_pearson_epsilon_bound
+from .canaries import design_generator
 from .result import AuditResult
 from .whitebox import AuditSettings, build_run, observe
 
@@ -36,13 +36,13 @@ def multi_run_audit(settings: AuditSettings, runs: int) -> AuditResult:
                          f"it), got {runs}")
     settings = replace(settings, canaries=1)
     seed = secrets.randbits(62) if settings.seed is None else settings.seed
-    rng = np.random.default_rng(seed)
-    included = rng.random(runs) < 0.5
+    design = design_generator(seed)
+    included = design.random(runs) < 0.5
     scores, epsilons = np.empty(runs), {}
     for run in range(runs):
         run_settings = settings if settings.seed is None else replace(settings, seed=seed + 1 + run)
         engine, model = build_run(run_settings, included[run:run + 1],
-                                  torch.Generator().manual_seed(seed + run))
+                                  design)
         seen = observe(engine, model, settings.steps)
         scores[run] = seen.scores()[0]
         ledger = json.dumps(engine.ledger.state_dict(), sort_keys=True)

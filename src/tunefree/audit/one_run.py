@@ -8,12 +8,10 @@ the noise and separation checks (:mod:`.checks`) on the same coordinates.
 
 from __future__ import annotations
 
-import secrets
-
 import numpy as np
-import torch
 
 from .bounds import best_one_run_bound
+from .canaries import design_generator
 from .checks import noise_check, separation_check
 from .result import AuditResult
 from .whitebox import AuditSettings, build_run, observe
@@ -22,11 +20,9 @@ from .whitebox import AuditSettings, build_run, observe
 def one_run_audit(settings: AuditSettings) -> AuditResult:
     """Audit ``settings`` in one training run: ε_LB ≤ ε with probability ``settings.confidence`` when
     the run keeps its (ε, δ) guarantee (the claimed ε is the run's own ledger's)."""
-    seed = secrets.randbits(63) if settings.seed is None else settings.seed
-    rng = np.random.default_rng(seed)
-    included = rng.random(settings.canaries) < 0.5
-    generator = torch.Generator().manual_seed(seed)
-    engine, model = build_run(settings, included, generator)
+    design = design_generator(settings.seed)
+    included = design.random(settings.canaries) < 0.5
+    engine, model = build_run(settings, included, design)
     seen = observe(engine, model, settings.steps)
     delta = engine.target_delta
     bound, guesses = best_one_run_bound(seen.scores(), included, delta, settings.confidence)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numpy.random import Generator
 
 from ..api import DPEngine, make_private
 from .canaries import CanaryModel, canary_data, per_example_losses
@@ -84,7 +85,7 @@ class Observation:
         return np.logaddexp(absent, math.log(q) + mu * self.z - mu ** 2 / 2).sum(axis=0)
 
 
-def build_run(settings: AuditSettings, included: np.ndarray, generator: torch.Generator
+def build_run(settings: AuditSettings, included: np.ndarray, generator: Generator
               ) -> tuple[DPEngine, CanaryModel]:
     """The private run over the real examples and the included canaries, through ``make_private``."""
     data = canary_data(torch.as_tensor(included), settings.sample_rate, settings.real_examples,
