@@ -1,4 +1,5 @@
-"""``tunefree train`` and ``tunefree epsilon``: private training and the privacy calculator.
+"""``tunefree train``, ``tunefree epsilon`` and ``tunefree audit``: private training, the privacy calculator
+and the empirical audit (cli/audit.py).
 
 Errors a person can act on are one line on stderr and exit status 2; ``--debug`` shows the traceback.
 """
@@ -15,6 +16,7 @@ from ..clipping import CLIP_FUNCTIONS
 from ..grouping import GROUPINGS
 from ..privacy.accounting import ACCOUNTANTS
 from ..privacy.mechanisms import NOISE_ALLOCATIONS
+from . import audit
 from .models import MODELS
 
 EXIT_USAGE = 2
@@ -176,6 +178,7 @@ def parser() -> argparse.ArgumentParser:
                         help="number of epochs (steps = ⌈epochs·round(1/q)⌉, as in training)")
     eps.add_argument("--delta", type=_delta, required=True)
     eps.add_argument("--accountant", choices=ACCOUNTANTS, default="pld")
+    audit.add_parser(commands, _positive_float, _positive_int, _delta, _learning_rate)
     return root
 
 
@@ -239,7 +242,7 @@ def _epsilon(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return _train(args) if args.command == "train" else _epsilon(args)
+        return {"train": _train, "epsilon": _epsilon, "audit": audit.run}[args.command](args)
     except (ValueError, OSError, RuntimeError, OverflowError, MemoryError) as error:
         if args.debug:
             raise
