@@ -1,5 +1,6 @@
 """tunefree: differentially private deep learning in PyTorch with no DP hyperparameters to tune."""
 
+from . import audit
 from .api import DPEngine, Guarantee, make_private
 from .clipping import CLIP_FUNCTIONS
 from .errors import PrivacyError
@@ -11,7 +12,7 @@ from .privacy.calculator import epsilon, noise_multiplier
 
 __all__ = [
     "CLIP_FUNCTIONS", "DPEngine", "DPOptimizer", "GROUPINGS", "PSAC", "Abadi", "AdaptiveQuantile",
-    "AutoLR", "AutoS", "AutoV", "Fixed", "Guarantee", "PrivacyError", "StepReport", "epsilon",
+    "AutoLR", "AutoS", "AutoV", "Fixed", "audit", "Guarantee", "PrivacyError", "StepReport", "epsilon",
     "make_private", "noise_multiplier", "verify_example_independence",
 ]
 __version__ = "0.1.0"
