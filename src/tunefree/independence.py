@@ -5,7 +5,9 @@ a time-major layout, a custom ``autograd.Function`` or hook whose backward mixes
 nothing: it runs inside ``engine.no_capture()``, writes no ``.grad`` and restores the RNG state (CPU and
 CUDA).
 
-It probes the first and the last example, so mixing that flows only into one end of the batch is seen.
+It runs on the first two and the last two examples of the batch and probes the first and the last, so
+mixing that flows only into one end of the batch is seen. Mixing confined to examples in the middle of
+the batch (by their position, not by a batch statistic) is not.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def _record_fingerprints(records: dict[str, list], n: int) -> Visit:
     return visit
 
 
-def _compare(base: dict[str, list], n: int, k: int) -> Visit:
+def _compare(base: dict[str, list], n: int, k: int, label: int) -> Visit:
     """A visit that checks each call against the same call of ``base`` as it happens: only example
     ``k`` may differ."""
     calls: dict[str, int] = {}
@@ -107,7 +109,7 @@ def _compare(base: dict[str, list], n: int, k: int) -> Visit:
             _unchanged_elsewhere(a, _fingerprint(t, d, n), k)
             for a, t, d in zip(base[name][index], tensors, dims))
         if not same:
-            raise PrivacyError(f"module {name!r} mixes examples in its forward: changing example {k} "
+            raise PrivacyError(f"module {name!r} mixes examples in its forward: changing example {label} "
                                f"changed another example's activations. {_FIX}")
     return visit
 
@@ -160,32 +162,44 @@ def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: d
                                 seed: int = 0) -> None:
     """Raise PrivacyError unless example i's activations and output gradients at every trainable unit
     depend on example i alone. ``args``/``kwargs`` are one real batch's root-call inputs, examples in
-    dimension 0 (at least 2). Costs three forwards without gradients on the batch and one forward and
-    two backwards on four of its examples."""
+    dimension 0 (at least 2). Costs three forwards without gradients, one with gradients and two
+    backwards, all on four of the batch's examples (the first two and the last two)."""
     kwargs = kwargs or {}
     n = next((t.shape[0] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim()),
              0)
     if n < 2:
         raise ValueError("verify_example_independence needs a batch of at least 2 examples in dimension 0")
     units = [u for u in engine.units if any(p.requires_grad for p in u.direct.values())]
-    probes = (0, n - 1)
+    # The probes run on the first two and the last two examples: mixing by a batch statistic, a layout
+    # that is not batch-first, a custom Function or a hook shows on any two, and a small batch costs
+    # little time and memory. An input with n rows that is not batched (a shared [T, T] mask when T == n)
+    # is cut too; if the model then fails, the probes run on the whole batch.
+    rows = sorted({0, 1, n - 2, n - 1})
     with torch.random.fork_rng(devices=_rng_devices()), engine.no_capture():
-        with torch.no_grad():
-            base: dict[str, list] = {}
-            _forward(model, units, args, kwargs, seed, _record_fingerprints(base, n))
-            for k in probes:
-                _forward(model, units, *_perturbed(args, kwargs, n, k), seed, _compare(base, n, k))
-        # The gradient probes run on the first two and the last two examples: a backward that mixes (a
-        # custom Function, a hook) shows on any two, and the graph of a small batch costs little memory.
-        # An input with n rows that is not batched (a shared [T, T] mask when T == n) would be cut too; if the
-        # model then fails, the probes run on the whole batch.
-        rows = sorted({0, 1, n - 2, n - 1})
         try:
-            _check_gradients(model, units, *_rows(args, kwargs, n, rows), rows, seed)
+            _check(model, units, *_rows(args, kwargs, n, rows), rows, seed)
         except PrivacyError:
             raise
         except Exception:  # noqa: BLE001 - any failure of the cut batch: probe the whole batch instead
-            _check_gradients(model, units, args, kwargs, list(range(n)), seed)
+            _check(model, units, args, kwargs, list(range(n)), seed)
+
+
+def _check(model: nn.Module, units: list, args: tuple, kwargs: dict, rows: list[int], seed: int) -> None:
+    """Both probes on a batch whose examples are ``rows`` of the whole batch (for the messages)."""
+    _check_forward(model, units, args, kwargs, rows, seed)
+    _check_gradients(model, units, args, kwargs, rows, seed)
+
+
+def _check_forward(model: nn.Module, units: list, args: tuple, kwargs: dict, rows: list[int],
+                   seed: int) -> None:
+    """Changing the first (then the last) example must leave every other example's activations at every
+    trainable unit unchanged."""
+    n = len(rows)
+    with torch.no_grad():
+        base: dict[str, list] = {}
+        _forward(model, units, args, kwargs, seed, _record_fingerprints(base, n))
+        for k in (0, n - 1):
+            _forward(model, units, *_perturbed(args, kwargs, n, k), seed, _compare(base, n, k, rows[k]))
 
 
 def _check_gradients(model: nn.Module, units: list, args: tuple, kwargs: dict, rows: list[int],
