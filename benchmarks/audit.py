@@ -30,17 +30,18 @@ from tunefree.privacy.randomness import Randomness
 _release, _stds, _inclusion = GradientRelease.release, GradientRelease.noise_stds, Randomness.inclusion
 
 
-def _released_twice(self, sums):
-    first, event = _release(self, sums)
-    second, _ = _release(self, sums)  # an extra release, never recorded
+def _released_twice(self, sums, thresholds):
+    first, event = _release(self, sums, thresholds)
+    second, _ = _release(self, sums, thresholds)  # an extra release, never recorded
     return {p: (first[p] + second[p]) / 2 for p in first}, event
 
 
 BROKEN = {
     "noise 4× too small": lambda: mock.patch.object(
-        GradientRelease, "noise_stds", lambda self: [s / 4 for s in _stds(self)]),
+        GradientRelease, "noise_stds", lambda self, thresholds: [s / 4 for s in _stds(self, thresholds)]),
     "release at 2× its recorded sensitivity": lambda: mock.patch.object(
-        GradientRelease, "release", lambda self, sums: _release(self, {p: 2 * s for p, s in sums.items()})),
+        GradientRelease, "release",
+        lambda self, sums, thresholds: _release(self, {p: 2 * s for p, s in sums.items()}, thresholds)),
     "extra un-recorded release": lambda: mock.patch.object(GradientRelease, "release", _released_twice),
     "sampling at 2q, accounting q": lambda: mock.patch.object(
         Randomness, "inclusion", lambda self, step, n, rate: _inclusion(self, step, n, min(1.0, 2 * rate))),

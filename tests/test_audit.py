@@ -132,7 +132,8 @@ def test_the_claimed_epsilon_is_the_ledgers():
 # ---------------------------------------------------------------------------------------- broken runs
 def test_noise_four_times_too_small_breaks_the_lower_bound(monkeypatch):
     original = GradientRelease.noise_stds
-    monkeypatch.setattr(GradientRelease, "noise_stds", lambda self: [s / 4 for s in original(self)])
+    monkeypatch.setattr(GradientRelease, "noise_stds",
+                        lambda self, thresholds: [s / 4 for s in original(self, thresholds)])
     result = one_run_audit(AuditSettings(**FULL_BATCH))
     assert result.epsilon_lower_bound > result.epsilon
     assert result.verdict == "violated"
@@ -143,7 +144,8 @@ def test_noise_four_times_too_small_breaks_the_lower_bound(monkeypatch):
 def test_a_release_at_twice_its_recorded_sensitivity_is_caught(monkeypatch):
     original = GradientRelease.release
     monkeypatch.setattr(GradientRelease, "release",
-                        lambda self, sums: original(self, {p: 2 * s for p, s in sums.items()}))
+                        lambda self, sums, thresholds: original(
+                            self, {p: 2 * s for p, s in sums.items()}, thresholds))
     result = one_run_audit(AuditSettings(**HALF_BATCH))
     separation = next(c for c in result.checks if c.name == "separation")
     assert separation.ratio == pytest.approx(2.0, rel=0.15) and not separation.passed
@@ -153,9 +155,9 @@ def test_a_release_at_twice_its_recorded_sensitivity_is_caught(monkeypatch):
 def test_an_extra_unrecorded_release_is_caught(monkeypatch):
     original = GradientRelease.release
 
-    def released_twice(self, sums):
-        first, event = original(self, sums)
-        second, _ = original(self, sums)  # released into the update, never recorded
+    def released_twice(self, sums, thresholds):
+        first, event = original(self, sums, thresholds)
+        second, _ = original(self, sums, thresholds)  # released into the update, never recorded
         return {p: (first[p] + second[p]) / 2 for p in first}, event
 
     monkeypatch.setattr(GradientRelease, "release", released_twice)
