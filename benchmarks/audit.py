@@ -5,7 +5,7 @@
 Every row is one real training run through make_private (one-run white-box audit, m canaries, T steps),
 except the multi-run Clopper–Pearson row (many runs, one canary each) and the black-box row (digits,
 input canaries, final model only). The broken rows patch the library's classes for that run only.
-Prints a Markdown table (benchmarks/RESULTS.md, section 4).
+Prints a Markdown table (benchmarks/RESULTS.md, section 7).
 """
 
 from __future__ import annotations
