@@ -29,6 +29,7 @@ STAGES = 2
 N, BATCH, SEED, STEPS = 64, 16, 7, 3
 MICRO = 3  # the micro-batch (physical batch) size: a Poisson batch of ~16 is 5–6 micro-batches
 R = (0.3, 0.8)  # the stages' thresholds: small enough that Abadi clipping clips
+SPREAD = (0.05, 20.0)  # thresholds below and above every norm: AUTO-S's normalised thresholds move
 SIGMA = 1.3
 HIDDEN = 8
 DEADLINE_S = 90
@@ -59,15 +60,18 @@ def _stage(rank: int, noise_multiplier: float, module: nn.Module | None = None, 
         loss_fn=F.cross_entropy if rank == STAGES - 1 else None, **settings)
 
 
-def _one_process(noise_multiplier: float) -> tuple[tunefree.DPEngine, list[list[torch.Tensor]]]:
-    """The same run in this process: the stages composed, one clip group per stage."""
+def _one_process(noise_multiplier: float, initial: tuple[float, float] = R,
+                 **options) -> tuple[tunefree.DPEngine, list, list[dict]]:
+    """The same run in this process: the stages composed, one clip group per stage. Returns the engine,
+    each step's released gradients (per stage) and the thresholds each step left."""
     model = nn.Sequential(*_stages())
     groups = {f"stage{k}": [f"{k}.{n}" for n, _ in stage.named_parameters()] for k, stage in enumerate(model)}
     engine = tunefree.make_private(
         model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(_data(), batch_size=BATCH),
-        noise_multiplier=noise_multiplier, target_delta=1e-3, steps=STEPS, clipping="abadi",
-        groups=groups, max_grad_norm={"stage0": R[0], "stage1": R[1]}, physical_batch_size=MICRO, seed=SEED)
-    released, batches = [], iter(engine.data_loader)
+        noise_multiplier=noise_multiplier, target_delta=1e-3, steps=STEPS,
+        **{"clipping": "abadi", **options}, groups=groups, physical_batch_size=MICRO, seed=SEED,
+        max_grad_norm={"stage0": initial[0], "stage1": initial[1]})
+    released, thresholds, batches = [], [], iter(engine.data_loader)
     for _ in range(STEPS):
         last = False
         while not last:
@@ -77,7 +81,8 @@ def _one_process(noise_multiplier: float) -> tuple[tunefree.DPEngine, list[list[
             F.cross_entropy(model(x), y).backward()
             engine.optimizer.step()
         released.append([[p.grad.clone() for p in stage.parameters()] for stage in model])
-    return engine, released
+        thresholds.append(engine.clip_thresholds)
+    return engine, released, thresholds
 
 
 # ---------------------------------------------------------------------------- the 2-process harness
@@ -162,6 +167,17 @@ def _training_scenario(rank: int) -> dict:
         wide = _stage(rank, SIGMA, module=nn.Linear(*WIDE[rank]), noise_allocation=allocation)
         draws = [wide.release.release({}, wide.engine.clip_thresholds)[0] for _ in range(NOISE_DRAWS)]
         out[f"noise {allocation}"] = torch.cat([t.reshape(-1) for d in draws for t in d.values()])
+    for name, sigma, clipping, r in (("adaptive abadi", 0.0, "abadi", R),
+                                     ("adaptive auto-s", 0.0, "auto-s", SPREAD),
+                                     ("adaptive noisy", SIGMA, "abadi", R)):
+        adaptive = _stage(rank, sigma, thresholds="adaptive", clipping=clipping, max_grad_norm=r[rank])
+        out[name] = {"released": [], "thresholds": [], "stage thresholds": []}
+        for _ in range(STEPS):
+            adaptive.step()
+            out[name]["released"].append([p.grad.clone() for p in adaptive.module.parameters()])
+            out[name]["thresholds"].append(adaptive.engine.clip_thresholds)
+            out[name]["stage thresholds"].append(adaptive.release.stage_thresholds)
+        out[name]["ledger"], out[name]["epsilon"] = adaptive.ledger.state_dict(), adaptive.epsilon()
     try:
         _stage(rank, SIGMA if rank == 0 else 2 * SIGMA)
     except PrivacyError as error:
@@ -176,7 +192,7 @@ def pipeline(tmp_path_factory) -> list[dict]:
 
 # ---------------------------------------------------------------------------- tests
 def test_noise_free_release_equals_one_process_with_a_group_per_stage(pipeline):
-    _, reference = _one_process(0.0)
+    _, reference, _ = _one_process(0.0)
     for step in range(STEPS):
         for rank in range(STAGES):
             for ours, theirs in zip(pipeline[rank]["quiet_released"][step], reference[step][rank]):
@@ -188,10 +204,36 @@ def test_the_release_is_one_event_of_sensitivity_sqrt_sum_of_squares_in_identica
     first, second = pipeline
     assert first["ledger"] == second["ledger"]
     assert first["sensitivity"] == second["sensitivity"] == pytest.approx(math.hypot(*R), rel=1e-12)
-    single, _ = _one_process(SIGMA)
+    single, _, _ = _one_process(SIGMA)
     assert single.sensitivity == pytest.approx(math.hypot(*R), rel=1e-12)
     assert first["ledger"] == single.ledger.state_dict()  # STEPS sampled Gaussian events of σ
     assert math.isfinite(single.epsilon())
+    assert first["epsilon"] == second["epsilon"] == single.epsilon()
+
+
+@pytest.mark.parametrize("clipping", ["abadi", "auto-s"])
+def test_adaptive_thresholds_per_stage_equal_one_process_with_adaptive_group_thresholds(pipeline, clipping):
+    """Noise-free, each stage's count is exact: its thresholds (for AUTO-S normalised by every stage's
+    estimate) and releases follow the one-process run's groups step by step, and every stage knows
+    every stage's threshold for its noise."""
+    initial = R if clipping == "abadi" else SPREAD
+    _, reference, history = _one_process(0.0, initial, thresholds="adaptive", clipping=clipping)
+    for step in range(STEPS):
+        everyone = [history[step][f"stage{k}"] for k in range(STAGES)]
+        for rank in range(STAGES):
+            ours = pipeline[rank][f"adaptive {clipping}"]
+            assert ours["thresholds"][step] == pytest.approx({f"stage{rank}": everyone[rank]}, rel=1e-9)
+            assert list(ours["stage thresholds"][step]) == pytest.approx(everyone, rel=1e-9)
+            for mine, theirs in zip(ours["released"][step], reference[step][rank]):
+                torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
+    assert history[-1] != history[0] != {"stage0": initial[0], "stage1": initial[1]}  # they did move
+
+
+def test_adaptive_stages_record_the_joint_count_release_in_identical_ledgers(pipeline):
+    first, second = (out["adaptive noisy"] for out in pipeline)
+    assert first["ledger"] == second["ledger"]
+    single, _, _ = _one_process(SIGMA, thresholds="adaptive")
+    assert first["ledger"] == single.ledger.state_dict()  # gradient and K counts: one event per step
     assert first["epsilon"] == second["epsilon"] == single.epsilon()
 
 

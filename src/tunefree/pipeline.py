@@ -33,9 +33,11 @@ from torch.utils.data import DataLoader
 from .api import DPEngine, make_private
 from .errors import PrivacyError
 from .grouping import ClipGroup
+from .optim import StepReport
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease, group_noise_stds
 from .privacy.randomness import Randomness, side_randomness
+from .thresholds import QuantileEstimator, QuantileSettings
 
 # Seeded runs: stage k > 0 draws its noise from this stream of the seed (stage 0 from the seed itself),
 # so that no two stages ever add the same noise numbers.
@@ -83,13 +85,58 @@ class StageRelease(GradientRelease):
         if len(self.groups) != 1:
             raise ValueError("a pipeline stage releases exactly one clip group (its parameters)")
         self.layout = layout
+        self.stage_thresholds = layout.thresholds  # every stage's current threshold
 
     def noise_stds(self, thresholds: dict[str, float]) -> list[float]:
         (group,) = self.groups
-        everyone = list(self.layout.thresholds)
+        everyone = list(self.stage_thresholds)
         everyone[self.layout.index] = thresholds[group.name]
         stds = group_noise_stds(everyone, self.layout.sizes, self.noise_multiplier, self.allocation)
         return [stds[self.layout.index]]
+
+
+class StageQuantileEstimator(QuantileEstimator):
+    """Adaptive thresholds per stage: stage k releases its own count of examples within its estimate
+    Qₖ (norms never leave the stage) with the noise of one of K counts, σ_b = σ_counts·√K/2, and
+    records the joint event of the K counts, Gaussian of multiplier σ_counts, as every stage does.
+    After the update the stages exchange their new estimates (public: functions of released counts),
+    which set every stage's noise and, for the normalising clip functions, the total scale.
+
+    Args:
+        group: this stage's clip group; its threshold is the initial estimate.
+        settings, randomness, expected_batch_size: as for :class:`QuantileEstimator`.
+        count_noise: σ_counts, the joint noise multiplier of the K counts (``Plan.count_noise``).
+        release: this stage's release, told every stage's thresholds after each update.
+        scale: ``None`` (Abadi: Cₖ = Qₖ) or the constant total sensitivity √(Σₖ Cₖ²).
+    """
+
+    def __init__(self, group: ClipGroup, settings: QuantileSettings, count_noise: float,
+                 randomness: Randomness, expected_batch_size: float, release: StageRelease,
+                 scale: float | None):
+        layout = release.layout
+        super().__init__([group], settings, count_noise * math.sqrt(layout.num_stages) / 2, randomness,
+                         expected_batch_size, scale)
+        self.release, self.layout = release, layout
+        self.estimates = list(layout.thresholds)  # every stage's Qₖ
+
+    def thresholds(self) -> dict[str, float]:
+        (group,) = self.groups
+        own = self.quantiles[group.name]
+        if self.scale is None:
+            return {group.name: own}
+        return {group.name: self.scale * own / math.sqrt(sum(q * q for q in self.estimates))}
+
+    def update(self, report: StepReport) -> list[dpa.DpEvent]:
+        (group,) = self.groups
+        super().update(report)
+        joint = dpa.GaussianDpEvent(2 * self.count_std / math.sqrt(self.layout.num_stages))
+        estimates = [0.0] * self.layout.num_stages
+        dist.all_gather_object(estimates, self.quantiles[group.name], group=self.layout.group)
+        self.estimates = [float(q) for q in estimates]
+        norm = math.sqrt(sum(q * q for q in self.estimates))
+        self.release.stage_thresholds = tuple(
+            q if self.scale is None else self.scale * q / norm for q in self.estimates)
+        return [joint]
 
 
 class _SharedSampling:
@@ -147,8 +194,8 @@ class PrivatePipelineStage:
 
     @property
     def sensitivity(self) -> float:
-        """√(Σₖ Rₖ²): the sensitivity each step's release is accounted with."""
-        return self.layout.sensitivity
+        """√(Σₖ Rₖ²) of the current thresholds: the sensitivity each step's release is noised for."""
+        return math.sqrt(sum(r * r for r in self.release.stage_thresholds))
 
     @property
     def release(self) -> StageRelease:
@@ -245,6 +292,7 @@ def make_private_pipeline(
     seed: int | None = None,
     physical_batch_size: int | None = None,
     noise_allocation: str = "global",
+    thresholds: Any = "fixed",
     group: Any = None,
 ) -> PrivatePipelineStage:
     """Make stage ``stage_index`` of a ``num_stages``-stage pipeline train privately, with per-device
@@ -264,6 +312,9 @@ def make_private_pipeline(
             stages; with AUTO-S/V the thresholds set the stages' relative scales.
         noise_allocation: how σ·S is spread over the stages (``"global"``, ``"equal-budget"``,
             ``"weighted"``, the group-wise clipping paper's allocations); the privacy cost is the same.
+        thresholds: ``"fixed"`` or ``"adaptive"``/``AdaptiveQuantile(...)``: each stage's threshold
+            tracks a private quantile of its own norms (its count is one of the K counts released
+            jointly each step; the stages then exchange their new estimates).
         physical_batch_size: the micro-batch size of the pipeline (the Poisson batch is cut into
             micro-batches of at most this many examples).
         group: the pipeline's process group (default: every process).
@@ -292,7 +343,8 @@ def make_private_pipeline(
             target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, epochs=epochs, steps=steps,
             clipping=clipping, max_grad_norm={stage_name: max_grad_norm}, groups={stage_name: names},
             loss_reduction=loss_reduction, accountant=accountant, seed=stage_seed,
-            physical_batch_size=physical_batch_size, noise_allocation=noise_allocation)
+            physical_batch_size=physical_batch_size, noise_allocation=noise_allocation,
+            thresholds=thresholds)
     try:
         run = {k: v for k, v in engine.plan.describe().items() if k != "settings.groups"}
         run.update(secure=engine.randomness.secure, physical_batch_size=physical_batch_size)
@@ -303,7 +355,15 @@ def make_private_pipeline(
         raise
     layout = StageLayout(stage_index, num_stages, tuple(f["threshold"] for f in gathered),
                          tuple(f["size"] for f in gathered), group)
-    engine.optimizer.release = StageRelease(engine.groups, engine.plan.gradient_noise, engine.randomness,
-                                            noise_allocation, layout)
+    release = StageRelease(engine.groups, engine.plan.gradient_noise, engine.randomness, noise_allocation,
+                           layout)
+    engine.optimizer.release = release
+    local = engine.quantile_estimator
+    if local is not None:  # the stage's one count becomes one of the K counts of the joint release
+        estimator = StageQuantileEstimator(
+            engine.groups[0], local.settings, engine.plan.count_noise, engine.randomness,
+            engine.plan.expected_batch_size, release, None if local.scale is None else layout.sensitivity)
+        engine.optimizer.components = [estimator]
+        engine.clipping_engine.set_thresholds(estimator.thresholds())
     engine.data_loader.batch_sampler.randomness = _SharedSampling(engine.randomness, layout)
     return PrivatePipelineStage(engine, layout, loss_fn)
