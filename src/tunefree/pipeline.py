@@ -28,6 +28,7 @@ import dp_accounting as dpa
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 
 from .api import DPEngine, make_private
@@ -143,15 +144,16 @@ class _SharedSampling:
     """The Poisson sample of each step, drawn by the first stage and broadcast to the others, so that
     every stage trains on the same examples (secret randomness cannot be replayed elsewhere)."""
 
-    def __init__(self, randomness: Randomness, layout: StageLayout):
-        self.randomness, self.layout = randomness, layout
+    def __init__(self, randomness: Randomness, layout: StageLayout, device: torch.device):
+        self.randomness, self.layout, self.device = randomness, layout, device
 
     def inclusion(self, step: int, num_examples: int, sample_rate: float) -> torch.Tensor:
         mask = torch.zeros(num_examples, dtype=torch.uint8)
         if self.layout.is_first:
             mask = self.randomness.inclusion(step, num_examples, sample_rate).to(torch.uint8)
+        mask = mask.to(self.device)  # where the backend communicates (NCCL: the GPU)
         dist.broadcast(mask, group_src=0, group=self.layout.group)
-        return mask.bool()
+        return mask.cpu().bool()
 
 
 def _send(tensor: torch.Tensor, stage: int, group: Any) -> None:
@@ -160,17 +162,18 @@ def _send(tensor: torch.Tensor, stage: int, group: Any) -> None:
         raise ValueError(f"a stage output must be one floating tensor of at most {_MAX_DIMS} dimensions "
                          f"(dtypes {_DTYPES}), got {tensor.dtype} of shape {tuple(tensor.shape)}")
     shape = list(tensor.shape) + [0] * (_MAX_DIMS - tensor.dim())
-    header = torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim(), *shape], dtype=torch.int64)
+    header = torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim(), *shape], dtype=torch.int64,
+                          device=tensor.device)
     dist.send(header, group_dst=stage, group=group)
     dist.send(tensor.detach().contiguous(), group_dst=stage, group=group)
 
 
 def _recv(stage: int, group: Any, device: torch.device) -> torch.Tensor:
     """Receive what :func:`_send` sent from ``stage``."""
-    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device)
     dist.recv(header, group_src=stage, group=group)
-    dtype, dims = _DTYPES[int(header[0])], int(header[1])
-    tensor = torch.empty([int(d) for d in header[2:2 + dims]], dtype=dtype, device=device)
+    code, dims, *shape = header.tolist()
+    tensor = torch.empty(shape[:dims], dtype=_DTYPES[code], device=device)
     dist.recv(tensor, group_src=stage, group=group)
     return tensor
 
@@ -237,8 +240,12 @@ class PrivatePipelineStage:
             if last:
                 return losses if self.layout.is_last else None
 
+    def _to_device(self, x: Any) -> Any:
+        return x.to(self.device) if isinstance(x, torch.Tensor) else x
+
     def _forward_backward(self, inputs: Any, target: Any) -> torch.Tensor | None:
         layout, group = self.layout, self.layout.group
+        inputs, target = tree_map(self._to_device, (inputs, target))
         if layout.is_first:
             received = None
             output = self.module(inputs)
@@ -365,5 +372,6 @@ def make_private_pipeline(
             engine.plan.expected_batch_size, release, None if local.scale is None else layout.sensitivity)
         engine.optimizer.components = [estimator]
         engine.clipping_engine.set_thresholds(estimator.thresholds())
-    engine.data_loader.batch_sampler.randomness = _SharedSampling(engine.randomness, layout)
-    return PrivatePipelineStage(engine, layout, loss_fn)
+    stage = PrivatePipelineStage(engine, layout, loss_fn)
+    engine.data_loader.batch_sampler.randomness = _SharedSampling(engine.randomness, layout, stage.device)
+    return stage
