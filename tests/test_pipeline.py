@@ -29,6 +29,7 @@ STAGES = 2
 N, BATCH, SEED, STEPS = 64, 16, 7, 3
 MICRO = 3  # the micro-batch (physical batch) size: a Poisson batch of ~16 is 5–6 micro-batches
 R = (0.3, 0.8)  # the stages' thresholds: small enough that Abadi clipping clips
+SPARSE_SEED = 14  # at batch_size=1 (q = 1/N) its first steps sample 1, 0 and 3 examples
 SPREAD = (0.05, 20.0)  # thresholds below and above every norm: AUTO-S's normalised thresholds move
 SIGMA = 1.3
 HIDDEN = 8
@@ -50,26 +51,27 @@ def _stages() -> list[nn.Module]:
             nn.Sequential(nn.Tanh(), nn.Linear(HIDDEN, 3))]
 
 
-def _stage(rank: int, noise_multiplier: float, module: nn.Module | None = None, **options):
+def _stage(rank: int, noise_multiplier: float, module: nn.Module | None = None, batch_size: int = BATCH,
+           **options):
     module = _stages()[rank] if module is None else module
     settings = {"clipping": "abadi", "physical_batch_size": MICRO, "seed": SEED, "steps": STEPS,
                 "max_grad_norm": R[rank], **options}
     return tunefree.make_private_pipeline(
-        module, torch.optim.SGD(module.parameters(), lr=0.5), DataLoader(_data(), batch_size=BATCH),
+        module, torch.optim.SGD(module.parameters(), lr=0.5), DataLoader(_data(), batch_size=batch_size),
         stage_index=rank, num_stages=STAGES, target_delta=1e-3, noise_multiplier=noise_multiplier,
         loss_fn=F.cross_entropy if rank == STAGES - 1 else None, **settings)
 
 
-def _one_process(noise_multiplier: float, initial: tuple[float, float] = R,
-                 **options) -> tuple[tunefree.DPEngine, list, list[dict]]:
+def _one_process(noise_multiplier: float, initial: tuple[float, float] = R, batch_size: int = BATCH,
+                 seed: int = SEED, **options) -> tuple[tunefree.DPEngine, list, list[dict]]:
     """The same run in this process: the stages composed, one clip group per stage. Returns the engine,
     each step's released gradients (per stage) and the thresholds each step left."""
     model = nn.Sequential(*_stages())
     groups = {f"stage{k}": [f"{k}.{n}" for n, _ in stage.named_parameters()] for k, stage in enumerate(model)}
     engine = tunefree.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(_data(), batch_size=BATCH),
+        model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(_data(), batch_size=batch_size),
         noise_multiplier=noise_multiplier, target_delta=1e-3, steps=STEPS,
-        **{"clipping": "abadi", **options}, groups=groups, physical_batch_size=MICRO, seed=SEED,
+        **{"clipping": "abadi", **options}, groups=groups, physical_batch_size=MICRO, seed=seed,
         max_grad_norm={"stage0": initial[0], "stage1": initial[1]})
     released, thresholds, batches = [], [], iter(engine.data_loader)
     for _ in range(STEPS):
@@ -156,6 +158,11 @@ def _training_scenario(rank: int) -> dict:
             quiet.step()
             released.append([p.grad.clone() for p in quiet.module.parameters()])
     out["quiet_released"], out["communications"] = released, tap.seen
+    sparse = _stage(rank, 0.0, batch_size=1, seed=SPARSE_SEED)  # steps of 1, 0 and 3 examples
+    out["sparse_released"] = []
+    for _ in range(STEPS):
+        sparse.step()
+        out["sparse_released"].append([p.grad.clone() for p in sparse.module.parameters()])
     noisy = _stage(rank, SIGMA)
     losses = [noisy.step() for _ in range(STEPS)]
     out["losses"] = losses
@@ -177,7 +184,7 @@ def _training_scenario(rank: int) -> dict:
             out[name]["released"].append([p.grad.clone() for p in adaptive.module.parameters()])
             out[name]["thresholds"].append(adaptive.engine.clip_thresholds)
             out[name]["stage thresholds"].append(adaptive.release.stage_thresholds)
-        out[name]["ledger"], out[name]["epsilon"] = adaptive.ledger.state_dict(), adaptive.epsilon()
+        out[name]["ledger"] = adaptive.ledger.state_dict()
     try:
         _stage(rank, SIGMA if rank == 0 else 2 * SIGMA)
     except PrivacyError as error:
@@ -198,6 +205,19 @@ def test_noise_free_release_equals_one_process_with_a_group_per_stage(pipeline):
             for ours, theirs in zip(pipeline[rank]["quiet_released"][step], reference[step][rank]):
                 torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
     assert all(any(g.abs().max() > 1e-3 for g in stage) for stage in reference[0])  # not zeros
+
+
+def test_an_empty_poisson_batch_releases_noise_only_and_a_single_example_passes(pipeline):
+    from tunefree.privacy.randomness import Randomness
+
+    assert [int(Randomness(SPARSE_SEED).inclusion(t, N, 1 / N).sum()) for t in range(STEPS)] == [1, 0, 3]
+    _, reference, _ = _one_process(0.0, batch_size=1, seed=SPARSE_SEED)
+    for step in range(STEPS):
+        for rank in range(STAGES):
+            for ours, theirs in zip(pipeline[rank]["sparse_released"][step], reference[step][rank]):
+                torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    assert all(g.abs().max() == 0 for stage in reference[1] for g in stage)  # the empty step
+    assert all(any(g.abs().max() > 0 for g in stage) for stage in reference[2])
 
 
 def test_the_release_is_one_event_of_sensitivity_sqrt_sum_of_squares_in_identical_ledgers(pipeline):
@@ -233,8 +253,8 @@ def test_adaptive_stages_record_the_joint_count_release_in_identical_ledgers(pip
     first, second = (out["adaptive noisy"] for out in pipeline)
     assert first["ledger"] == second["ledger"]
     single, _, _ = _one_process(SIGMA, thresholds="adaptive")
-    assert first["ledger"] == single.ledger.state_dict()  # gradient and K counts: one event per step
-    assert first["epsilon"] == second["epsilon"] == single.epsilon()
+    # gradient and K counts, one sampled event per step: ε, a function of the ledger, is the same too
+    assert first["ledger"] == single.ledger.state_dict()
 
 
 def test_global_allocation_gives_every_stage_sigma_times_the_total_sensitivity(pipeline):
