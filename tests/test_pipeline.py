@@ -323,3 +323,30 @@ def test_a_pipeline_stage_needs_torch_distributed():
         tunefree.make_private_pipeline(module, torch.optim.SGD(module.parameters(), lr=0.1),
                                        DataLoader(_data(), batch_size=BATCH), stage_index=0, num_stages=2,
                                        target_delta=1e-3, noise_multiplier=1.0, steps=1)
+
+
+def test_an_adaptive_stage_checkpoint_restores_every_stage_threshold():
+    """The noise of a stage depends on all stages' thresholds: a resumed stage must not fall back to
+    the initial ones (too little noise where another stage's threshold grew)."""
+    from tunefree.grouping import ClipGroup
+    from tunefree.pipeline import StageLayout, StageQuantileEstimator, StageRelease
+    from tunefree.privacy.randomness import Randomness
+    from tunefree.thresholds import QuantileSettings
+
+    def stage_parts():
+        module = nn.Linear(4, 2)
+        group = ClipGroup("stage0", ["weight", "bias"], list(module.parameters()), R[0])
+        layout = StageLayout(0, STAGES, R, (10, 7))
+        release = StageRelease([group], SIGMA, Randomness(), "global", layout)
+        return StageQuantileEstimator(group, QuantileSettings(), 2.0, Randomness(), 16.0, release, None)
+
+    saved = stage_parts()
+    saved.quantiles["stage0"], saved.estimates = 0.5, [0.5, 3.0]
+    saved.release.stage_thresholds = (0.5, 3.0)
+    resumed = stage_parts()
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.release.stage_thresholds == (0.5, 3.0)
+    assert resumed.thresholds() == {"stage0": 0.5}
+    assert resumed.release.noise_stds({"stage0": 0.5}) == [pytest.approx(SIGMA * math.hypot(0.5, 3.0))]
+    with pytest.raises(ValueError, match="estimates of the 2 stages"):
+        resumed.load_state_dict({"quantiles": {"stage0": 1.0}, "unclipped_fractions": None})

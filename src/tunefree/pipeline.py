@@ -139,6 +139,19 @@ class StageQuantileEstimator(QuantileEstimator):
             q if self.scale is None else self.scale * q / norm for q in self.estimates)
         return [joint]
 
+    def state_dict(self) -> dict[str, Any]:
+        """With every stage's estimate: a resumed stage must noise for all stages' current thresholds."""
+        return {**super().state_dict(), "estimates": list(self.estimates),
+                "stage_thresholds": list(self.release.stage_thresholds)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state.get("estimates", ())) != self.layout.num_stages:
+            raise ValueError(f"this checkpoint holds no estimates of the {self.layout.num_stages} stages: "
+                             "resume a pipeline stage from its own checkpoint")
+        super().load_state_dict(state)
+        self.estimates = [float(q) for q in state["estimates"]]
+        self.release.stage_thresholds = tuple(float(c) for c in state["stage_thresholds"])
+
 
 class _SharedSampling:
     """The Poisson sample of each step, drawn by the first stage and broadcast to the others, so that
