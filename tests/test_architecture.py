@@ -19,7 +19,7 @@ LAYERS: dict[str, int] = {
     "optim": 3,
     "thresholds": 4, "autolr": 4,
     "options": 5,
-    "api": 6,
+    "api": 6, "pipeline": 6,
     "__init__": 7, "audit": 7,
     "cli": 8,
 }

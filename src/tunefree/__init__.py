@@ -8,11 +8,13 @@ from .grouping import GROUPINGS
 from .independence import verify_example_independence
 from .optim import DPOptimizer, StepReport
 from .options import PSAC, Abadi, AdaptiveQuantile, AutoLR, AutoS, AutoV, Fixed
+from .pipeline import PrivatePipelineStage, make_private_pipeline
 from .privacy.calculator import epsilon, noise_multiplier
 
 __all__ = [
     "CLIP_FUNCTIONS", "DPEngine", "DPOptimizer", "GROUPINGS", "PSAC", "Abadi", "AdaptiveQuantile",
     "AutoLR", "AutoS", "AutoV", "Fixed", "audit", "Guarantee", "PrivacyError", "StepReport", "epsilon",
-    "make_private", "noise_multiplier", "verify_example_independence",
+    "make_private", "make_private_pipeline", "noise_multiplier", "PrivatePipelineStage",
+    "verify_example_independence",
 ]
 __version__ = "0.1.0"
