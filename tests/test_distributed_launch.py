@@ -184,3 +184,60 @@ def test_a_rank_killed_inside_the_step_fails_the_step_on_the_other_without_an_up
     assert result["unchanged"]  # no partial update
     assert result["ledger_steps"] == 1  # the first step only: every applied update is accounted
     assert result["seconds"] < COLLECTIVE_TIMEOUT_S + 10  # failed, not hung
+
+
+# ---------------------------------------------------------------------------- resuming at another world size
+def _tiny_run(model: nn.Module):
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 6, generator=generator),
+                         torch.randint(0, 3, (64,), generator=generator))
+    return tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                                 DataLoader(data, batch_size=16), noise_multiplier=1.0, target_delta=1e-3,
+                                 steps=4, seed=SEED)
+
+
+def _tiny_model() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _steps(engine, count: int) -> None:
+    batches = iter(engine.data_loader)
+    for _ in range(count):
+        x, y = next(batches)
+        engine.optimizer.zero_grad()
+        if len(y):
+            F.cross_entropy(engine.model(x), y).backward()
+        engine.optimizer.step()
+
+
+def _resume_scenario(rank: int, port: int, out: str) -> None:
+    _join_group(rank, port)
+    saved = torch.load(Path(out) / "one_process.pt", weights_only=False)
+    model = _tiny_model()
+    model.load_state_dict(saved["weights"])
+    engine = _tiny_run(DistributedDataParallel(model))
+    engine.optimizer.load_state_dict(saved["optimizer"])
+    engine.load_state_dict(saved["engine"])
+    _steps(engine, 2)
+    torch.save({"weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "ledger": engine.ledger.state_dict()}, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_one_process_checkpoint_resumes_in_two_ranks_as_the_same_run(tmp_path):
+    """The sampler re-partitions exactly (step t's union batch does not depend on the world size), so a
+    checkpoint resumes at another world size and continues the same run: same batches, same noise."""
+    model = _tiny_model()
+    single = _tiny_run(model)
+    _steps(single, 2)
+    torch.save({"weights": model.state_dict(), "optimizer": single.optimizer.state_dict(),
+                "engine": single.state_dict()}, tmp_path / "one_process.pt")
+    for process in _spawn(_resume_scenario, tmp_path):
+        assert process.exitcode == 0
+    _steps(single, 2)
+    for rank in range(WORLD):
+        resumed = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert resumed["ledger"] == single.ledger.state_dict()
+        for name, weight in model.named_parameters():
+            torch.testing.assert_close(resumed["weights"][name], weight.detach(), rtol=0, atol=1e-5)
