@@ -276,7 +276,9 @@ def _data_notes(data: datasets.LoadedData, config: TrainConfig,
 
 
 def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[str, Any]:
-    """Run private training as configured; returns the result (also written to ``config.out``)."""
+    """Run private training as configured; returns the result (also written to ``config.out``). In a
+    process group of several processes (torchrun, ``cli/launch.py``), each process is one rank of one
+    data-parallel run, and only rank 0 writes ``config.out``."""
     check_config(config)
     schema = tables.Schema.load(config.schema) if config.schema else None
     data = data or datasets.load(config.dataset, config.label_column, schema)
