@@ -164,6 +164,9 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--out", type=Path,
                        help="run directory for metrics.jsonl, report.json and plots")
     train.add_argument("--quiet", action="store_true", help="no progress bars")
+    train.add_argument("--nproc-per-node", type=_positive_int, default=1,
+                       help="train in this many data-parallel processes on this machine, launched by "
+                            "torchrun; same ε as one process (docs/distributed.md) (default: 1)")
 
     eps = commands.add_parser(
         "epsilon", help="privacy calculator: ε of a run, or σ for a target ε",
@@ -182,7 +185,21 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace, argv: list[str]) -> int:
+    """Train in this process, as one rank of a torchrun launch, or launch ``--nproc-per-node`` ranks."""
+    from . import launch
+
+    if launch.under_torchrun():
+        with launch.process_group():
+            return _train_in_this_process(args)
+    if args.nproc_per_node > 1:
+        launch.check_parallel_options(args.thresholds, args.lr)
+        return launch.launch(argv, args.nproc_per_node)
+    return _train_in_this_process(args)
+
+
+def _train_in_this_process(args: argparse.Namespace) -> int:
+    from .launch import is_main_process
     from .training import TrainConfig, train
 
     epochs = TrainConfig.epochs if args.epochs is None and args.steps is None else args.epochs
@@ -199,6 +216,8 @@ def _train(args: argparse.Namespace) -> int:
         accountant=args.accountant, seed=args.seed,
         out=str(args.out) if args.out else None, quiet=args.quiet)
     result = train(config)
+    if not is_main_process():
+        return 0
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
@@ -240,9 +259,12 @@ def _epsilon(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
     try:
-        return {"train": _train, "epsilon": _epsilon, "audit": audit.run}[args.command](args)
+        if args.command == "train":
+            return _train(args, argv)
+        return {"epsilon": _epsilon, "audit": audit.run}[args.command](args)
     except (ValueError, OSError, RuntimeError, OverflowError, MemoryError) as error:
         if args.debug:
             raise

@@ -23,7 +23,7 @@ from ..api import DPEngine, make_private
 from ..autolr import AutoLearningRate
 from ..options import resolve_options
 from ..privacy.calibration import MIN_NOISE_MULTIPLIER
-from . import datasets, models, scaling, tables
+from . import datasets, launch, models, scaling, tables
 from .report import RunDirectory, norm_statistics
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -250,7 +250,8 @@ def _standardise(data: datasets.LoadedData, config: TrainConfig, delta: float
     scaling.check_enough_rows(data.num_train, len(data.to_scale), sigma, config.epsilon)
     x_train, y_train = data.train.tensors
     x_test, y_test = data.test.tensors
-    released = scaling.release(x_train, data.to_scale, sigma, scaling.secret_randomness(config.seed))
+    released = launch.once_on_rank_zero(  # one release, however many processes train
+        lambda: scaling.release(x_train, data.to_scale, sigma, scaling.secret_randomness(config.seed)))
     return replace(data, train=TensorDataset(released.apply(x_train), y_train),
                    test=TensorDataset(released.apply(x_test), y_test)), released
 
@@ -275,7 +276,9 @@ def _data_notes(data: datasets.LoadedData, config: TrainConfig,
 
 
 def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[str, Any]:
-    """Run private training as configured; returns the result (also written to ``config.out``)."""
+    """Run private training as configured; returns the result (also written to ``config.out``). In a
+    process group of several processes (torchrun, ``cli/launch.py``), each process is one rank of one
+    data-parallel run, and only rank 0 writes ``config.out``."""
     check_config(config)
     schema = tables.Schema.load(config.schema) if config.schema else None
     data = data or datasets.load(config.dataset, config.label_column, schema)
@@ -290,7 +293,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
     share = 0.0 if released is None else scaling.SHARE  # what the standardisation took of ε and δ
     optimizer = OPTIMIZERS[config.optimizer](model.parameters(), config.resolved_lr())
     engine = make_private(
-        model, optimizer, DataLoader(data.train, batch_size=config.batch_size),
+        launch.data_parallel(model), optimizer, DataLoader(data.train, batch_size=config.batch_size),
         target_epsilon=(1 - share) * config.epsilon, target_delta=(1 - share) * delta,
         epochs=config.epochs, steps=config.steps,
         clipping=config.clipping, groups=config.groups, max_grad_norm=config.max_grad_norm,
@@ -300,11 +303,12 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
     if released is not None:
         for event in released.events():  # before the first step: the ledger holds every release
             engine.ledger.record(event)
-    run = RunDirectory(config.out) if config.out else None
+    writes = launch.is_main_process()  # under torchrun, rank 0 writes the run's outputs
+    run = RunDirectory(config.out) if config.out and writes else None
     planned = engine.planned_steps
     steps_per_epoch = len(engine.data_loader)
     epochs = math.ceil(planned / steps_per_epoch)  # the last one partial when planned is not a multiple
-    progress = Progress(epochs, steps_per_epoch, planned, config.quiet)
+    progress = Progress(epochs, steps_per_epoch, planned, config.quiet or not writes)
     started = time.perf_counter()
     epsilon = float("nan")
     for epoch in range(1, epochs + 1):
@@ -332,6 +336,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
         "test_accuracy": test_accuracy, "epsilon": epsilon, "delta": delta, "delta_choice": delta_text,
         "noise_multiplier": engine.noise_multiplier, "steps": engine.steps, "planned_steps": planned,
         "sample_rate": engine.sample_rate, "train_seconds": train_seconds,
+        "processes": launch.world()[1],
         "guarantee": str(engine.guarantee(delta)),
         "randomness": engine.randomness.description,
         "note": loose_target_note(config.epsilon, engine.noise_multiplier, epsilon),
