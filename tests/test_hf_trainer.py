@@ -65,20 +65,24 @@ class Recorder:
 
 def test_epsilon_is_logged_from_the_ledger_and_the_trainer_takes_the_planned_steps(tmp_path):
     recorder = Recorder()
-    trainer = PrivateTrainer(bert(), arguments(tmp_path, gradient_accumulation_steps=2, num_train_epochs=1.5),
-                             train_dataset=text_data(32), target_epsilon=4.0, target_delta=1e-2,
-                             example_loss=recorder, privacy={"seed": 0})
+    trainer = PrivateTrainer(bert(), arguments(tmp_path, gradient_accumulation_steps=2, num_train_epochs=1.5,
+                                               eval_strategy="steps", eval_steps=3, logging_steps=3),
+                             train_dataset=text_data(32), eval_dataset=text_data(8), target_epsilon=4.0,
+                             target_delta=1e-2, example_loss=recorder,
+                             privacy={"seed": 0, "accountant": "rdp"})  # RDP: ε in milliseconds per log
     trainer.train()
     engine = trainer.engine
     # q = 4·2/32: epochs of round(1/q) = 4 steps, 1.5 epochs → 6 planned steps, all taken by the Trainer
     assert engine.sample_rate == 8 / 32 and engine.planned_steps == 6
     assert trainer.state.max_steps == trainer.state.global_step == engine.steps == 6
     step_logs = [log for log in trainer.state.log_history if "learning_rate" in log]
-    assert [log["step"] for log in step_logs] == [1, 2, 3, 4, 5, 6]
+    assert [log["step"] for log in step_logs] == [3, 6]
     epsilons = [log["epsilon"] for log in step_logs]
-    assert epsilons == sorted(epsilons) and epsilons[-1] == engine.epsilon()
+    assert epsilons[0] < epsilons[1] == engine.epsilon()
     assert 3.9 < epsilons[-1] <= 4.0 * 1.01
     assert trainer.state.log_history[-1]["epsilon"] == engine.epsilon()  # the final metrics too
+    evaluations = [log for log in trainer.state.log_history if "eval_loss" in log]
+    assert [log["step"] for log in evaluations] == [3, 6] and all("epsilon" in log for log in evaluations)
     unreleased = {"loss", "train_loss", "grad_norm", "total_flos"}
     assert not any(unreleased & set(log) for log in trainer.state.log_history)
     # physical batches of at most per_device_train_batch_size rows; the last step's rows are its examples
@@ -113,6 +117,18 @@ def test_one_step_at_sigma_zero_is_the_brute_force_clipped_sum_over_the_expected
         torch.testing.assert_close(update, -total / 8, rtol=1e-6, atol=1e-9, msg=names[p])
 
 
+def test_empty_logical_batches_step_with_noise_alone(tmp_path):
+    recorder = Recorder()
+    # q = 1/16: a step's batch is empty with probability (15/16)^16 ≈ 0.36
+    trainer = PrivateTrainer(bert(), arguments(tmp_path, per_device_train_batch_size=1, max_steps=8,
+                                                         logging_steps=100),
+                             train_dataset=text_data(16), noise_multiplier=1.0, target_delta=1e-2,
+                             example_loss=recorder, privacy={"seed": 0})
+    trainer.train()
+    assert trainer.state.global_step == trainer.engine.steps == 8
+    assert len(recorder.batches) < 8  # some steps had no example: no forward, a release of noise alone
+
+
 def test_default_example_losses_ignore_padding_and_the_other_examples():
     model, lm = bert().eval(), gpt2().eval()
     data = text_data(4)
@@ -136,7 +152,7 @@ def test_default_example_losses_ignore_padding_and_the_other_examples():
 
 def test_a_causal_lm_trained_privately_saves_and_generates_as_a_plain_model(tmp_path):
     model = gpt2()
-    trainer = PrivateTrainer(model, arguments(tmp_path, max_steps=2),
+    trainer = PrivateTrainer(model, arguments(tmp_path, max_steps=2, logging_steps=100),
                              train_dataset=text_data(16, labels="lm"), noise_multiplier=1.0,
                              target_delta=1e-2, privacy={"seed": 0})
     trainer.train()

@@ -190,6 +190,7 @@ class PrivateTrainer(transformers.Trainer):
         self.private_settings = {"target_delta": target_delta, "target_epsilon": target_epsilon,
                                  "noise_multiplier": noise_multiplier, **privacy}
         self.engine: DPEngine | None = None
+        self._epsilon_at: tuple[int, float] | None = None  # (private steps, ε after them)
 
     @property
     def expected_batch_size(self) -> int:
@@ -262,8 +263,15 @@ class PrivateTrainer(transformers.Trainer):
         computed from private data without noise (training loss, gradient norm, FLOPs)."""
         logs = {k: v for k, v in logs.items() if k not in _UNRELEASED_METRICS}
         if self.engine is not None:
-            logs["epsilon"] = self.engine.epsilon()
+            logs["epsilon"] = self._epsilon()
         super().log(logs, start_time)
+
+    def _epsilon(self) -> float:
+        """ε spent so far, computed once per private step (a PLD accountant takes seconds per call)."""
+        steps = self.engine.steps
+        if self._epsilon_at is None or self._epsilon_at[0] != steps:
+            self._epsilon_at = (steps, self.engine.epsilon())
+        return self._epsilon_at[1]
 
 
 def _check_arguments(args: transformers.TrainingArguments, trainer_kwargs: Mapping[str, Any]) -> None:
