@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import peft
 import pytest
 import torch
 import transformers as hf
@@ -190,3 +191,17 @@ def test_privacy_options_the_trainer_sets_itself_and_resuming_are_refused(tmp_pa
                              target_delta=1e-2)
     with pytest.raises(ValueError, match="resuming"):
         trainer.train(resume_from_checkpoint=True)
+
+
+def test_a_peft_lora_model_trains_only_its_adapters(tmp_path):
+    config = peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True, task_type="CAUSAL_LM")
+    model = peft.get_peft_model(gpt2(), config)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = PrivateTrainer(model, arguments(tmp_path, max_steps=2, logging_steps=100),
+                             train_dataset=text_data(16, labels="lm"), noise_multiplier=1.0,
+                             target_delta=1e-2, privacy={"seed": 0})
+    trainer.train()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert trainer.engine.steps == 2
+    assert changed == {n for n, p in model.named_parameters() if p.requires_grad} and changed
+    assert all("lora_" in n for n in changed)
