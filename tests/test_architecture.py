@@ -20,7 +20,7 @@ LAYERS: dict[str, int] = {
     "thresholds": 4, "autolr": 4,
     "options": 5,
     "api": 6, "pipeline": 6,
-    "__init__": 7, "audit": 7,
+    "__init__": 7, "audit": 7, "integrations": 7,
     "cli": 8,
 }
 

@@ -18,3 +18,12 @@ __all__ = [
     "verify_example_independence",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``tunefree.PrivateTrainer`` (a private ``transformers.Trainer``), imported on first use so that
+    ``import tunefree`` never needs ``transformers``."""
+    if name == "PrivateTrainer":
+        from .integrations.hf_trainer import PrivateTrainer
+        return PrivateTrainer
+    raise AttributeError(f"module 'tunefree' has no attribute {name!r}")

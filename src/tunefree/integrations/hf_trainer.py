@@ -1,0 +1,303 @@
+"""``PrivateTrainer``: a Hugging Face ``transformers.Trainer`` that trains through ``make_private``.
+
+The Trainer's loop, callbacks, evaluation, checkpoints and ``save_model`` stay as they are; what changes:
+
+- **Sampling.** The train loader is tunefree's Poisson loader over the Trainer's own data set and collator.
+  The *expected* logical batch is ``per_device_train_batch_size × gradient_accumulation_steps``; the model
+  sees at most ``per_device_train_batch_size`` examples at once (the engine's physical batches). One
+  Trainer step is one logical batch, however many physical batches it holds, so the Trainer's own
+  accumulation counter is set to 1 and ``state.global_step`` counts private steps.
+- **Length.** ``max_steps`` or ``num_train_epochs`` is handed to ``make_private`` as ``steps``/``epochs`` and
+  converted by the library's one epochs→steps function; the Trainer's epochs have ``round(1/q)`` steps,
+  so its ``max_steps`` is the plan.
+- **Loss.** Each example's own loss (``example_loss``) is summed over the batch (``loss_reduction="sum"``):
+  a mean over the batch's tokens, as HF models compute ``out.loss`` for language modelling, would make
+  each example's weight depend on the others. Labels ``-100`` (padding) are no example's data.
+- **Logs.** ``epsilon`` (from the run's ledger) is logged with the other metrics. The training loss, the
+  gradient norm and the FLOP count are computed from private data (or, for the gradient norm, before the
+  release) without noise, so they are left out of the logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from ..api import DPEngine, make_private
+from ..data.poisson import PoissonDataLoader
+
+# example_loss(model, inputs) -> one loss per example, shape [n]: runs the model on the batch ``inputs``.
+ExampleLoss = Callable[[nn.Module, Mapping[str, Any]], torch.Tensor]
+
+# Set by PrivateTrainer itself, from the Trainer's arguments: refused in ``privacy``.
+_SET_BY_TRAINER = ("target_epsilon", "target_delta", "noise_multiplier", "epochs", "steps",
+                   "loss_reduction", "physical_batch_size", "max_physical_batch_size", "poisson_sampling")
+# Computed from private data without noise (or, the gradient norm, before the release): never logged.
+_UNRELEASED_METRICS = ("loss", "train_loss", "grad_norm", "total_flos")
+
+
+def token_losses_per_example(logits: torch.Tensor, labels: torch.Tensor, next_token: bool) -> torch.Tensor:
+    """Each example's summed cross-entropy over its labelled tokens (label ``-100``: padding, not data).
+    ``next_token``: the logits at position t predict the label at t + 1 (causal language models)."""
+    if next_token:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    tokens = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="none")
+    return tokens.view(labels.shape[0], -1).sum(1)
+
+
+def label_losses_per_example(logits: torch.Tensor, labels: torch.Tensor, problem_type: str) -> torch.Tensor:
+    """Each example's loss for one label per example, as HF's sequence classifiers define it (their
+    ``out.loss`` is the mean of these): ``"regression"`` (mean squared error over the outputs),
+    ``"single_label_classification"`` (cross-entropy), ``"multi_label_classification"`` (binary
+    cross-entropy, mean over the labels)."""
+    n = labels.shape[0]
+    if problem_type == "regression":
+        return (logits.reshape(n, -1) - labels.reshape(n, -1).to(logits.dtype)).square().mean(1)
+    if problem_type == "single_label_classification":
+        return F.cross_entropy(logits.reshape(n, -1), labels.reshape(n), reduction="none")
+    if problem_type == "multi_label_classification":
+        return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(1)
+    raise ValueError(f"unknown problem_type {problem_type!r}")
+
+
+def default_example_loss(model: nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
+    """The per-example losses of a Hugging Face model with ``labels`` in its inputs: one label per
+    token (causal LM, shifted by one; masked LM, token classification, seq2seq decoder labels) is a
+    sum over the example's labelled tokens; one label per example follows the model's ``problem_type``."""
+    if "labels" not in inputs:
+        raise ValueError("the batch has no 'labels': give PrivateTrainer an example_loss(model, inputs) "
+                         "that returns each example's loss")
+    labels = inputs["labels"]
+    config = getattr(model, "config", None)
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    # An encoder-decoder model builds its decoder inputs from the labels; other models get no labels,
+    # so that they do not compute a batch loss of their own.
+    features = dict(inputs) if encoder_decoder else {k: v for k, v in inputs.items() if k != "labels"}
+    logits = model(**features).logits
+    if labels.dim() >= 2 and not labels.is_floating_point():
+        return token_losses_per_example(logits, labels, _predicts_next_token(model, encoder_decoder))
+    return label_losses_per_example(logits, labels, _problem_type(config, labels))
+
+
+def _predicts_next_token(model: nn.Module, encoder_decoder: bool) -> bool:
+    """Whether the model's token labels are shifted by one, as its own loss does: HF's causal LM loss,
+    which every decoder-only model without another loss type uses; encoder-decoder labels are aligned."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
+    if not hasattr(base, "loss_function"):
+        raise ValueError(f"{type(base).__name__} is not a Hugging Face model: whether its token labels are "
+                         "shifted is unknown; give PrivateTrainer an example_loss(model, inputs)")
+    return not encoder_decoder and base.loss_function is ForCausalLMLoss
+
+
+def _problem_type(config: Any, labels: torch.Tensor) -> str:
+    """The model's ``problem_type``, inferred as HF's classifiers infer it when the config has none."""
+    if getattr(config, "problem_type", None):
+        return config.problem_type
+    if getattr(config, "num_labels", 2) == 1:
+        return "regression"
+    if labels.dtype in (torch.long, torch.int):
+        return "single_label_classification"
+    return "multi_label_classification"
+
+
+def _examples_in(batch: Any) -> int:
+    """Rows of a collated batch: the first dimension of its first tensor."""
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    return next(v.shape[0] for v in values if isinstance(v, torch.Tensor))
+
+
+class _LogicalBatch:
+    """One logical batch: its physical batches, handed out one at a time as the model consumes them (the
+    engine learns each physical batch's examples from the Poisson loader the moment it is handed out)."""
+
+    def __init__(self, first: Any, rest: Iterator[Any], loader: PoissonDataLoader):
+        self._first, self._rest, self._loader = first, rest, loader
+
+    def __iter__(self) -> Iterator[Any]:
+        yield self._first
+        while not self._loader.schedule.ends_logical:
+            yield next(self._rest)
+
+
+class _LogicalBatches:
+    """The Poisson loader as the Trainer's train loader: one item per logical batch (private step)."""
+
+    def __init__(self, loader: PoissonDataLoader):
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)  # logical steps per epoch, round(1/q)
+
+    def __iter__(self) -> Iterator[_LogicalBatch]:
+        physical = iter(self.loader)
+        for first in physical:
+            yield _LogicalBatch(first, physical, self.loader)
+
+
+class PrivateTrainer(transformers.Trainer):
+    """A ``transformers.Trainer`` whose training is (ε, δ)-DP, through :func:`tunefree.make_private`.
+
+    Build it as a ``Trainer`` (``model``, ``args``, ``train_dataset``, ``data_collator``, …) plus:
+
+    Args:
+        target_delta: δ of the guarantee; below 1/N.
+        target_epsilon: the budget ε that the planned run (``args.max_steps`` or
+            ``args.num_train_epochs``) spends at most; or ``noise_multiplier``: σ directly (0: no privacy).
+        example_loss: ``example_loss(model, inputs)`` → each example's loss (shape ``[n]``); the
+            default (:func:`default_example_loss`) covers HF models with ``labels``. Each example's loss
+            must depend on that example alone: it is what one example contributes to the release.
+        privacy: further ``make_private`` keywords (``clipping``, ``groups``, ``max_grad_norm``,
+            ``accountant``, ``seed``, ``thresholds``, …).
+
+    ``args.per_device_train_batch_size × args.gradient_accumulation_steps`` is the *expected* batch
+    size (q = that / N); ``per_device_train_batch_size`` caps the examples in one forward pass.
+    ``args.max_grad_norm`` must be 0: tunefree clips each example's gradient (its bound is
+    ``privacy={"max_grad_norm": R}``); the Trainer's clipping would act on the whole batch's gradient.
+    After training, ``trainer.engine`` is the run's :class:`tunefree.DPEngine` (``engine.guarantee()``).
+    """
+
+    def __init__(self, model: nn.Module, args: transformers.TrainingArguments, *, target_delta: float,
+                 target_epsilon: float | None = None, noise_multiplier: float | None = None,
+                 example_loss: ExampleLoss | None = None, privacy: Mapping[str, Any] | None = None,
+                 **trainer_kwargs: Any):
+        if not isinstance(args, transformers.TrainingArguments):
+            raise TypeError("PrivateTrainer needs explicit TrainingArguments (with max_grad_norm=0), "
+                            f"got {type(args).__name__}")
+        _check_arguments(args, trainer_kwargs)
+        privacy = dict(privacy or {})
+        overlap = sorted(set(privacy) & set(_SET_BY_TRAINER))
+        if overlap:
+            raise ValueError(f"privacy={{...}} sets {overlap}, which PrivateTrainer sets itself: pass ε/δ/σ "
+                             "as PrivateTrainer's own arguments and the length and batch sizes in "
+                             "TrainingArguments")
+        if privacy.get("lr") is not None:
+            raise ValueError("lr='auto' needs per-example losses from an optimizer closure, which the "
+                             "Trainer does not pass; use the Trainer's learning rate and scheduler")
+        self.accumulation_steps = args.gradient_accumulation_steps
+        # The Trainer's loop sees one item per private step; the accumulation happens inside it.
+        args = dataclasses.replace(args, gradient_accumulation_steps=1)
+        super().__init__(model=model, args=args, **trainer_kwargs)
+        self.model_accepts_loss_kwargs = False  # the loss is a sum of per-example losses, never rescaled
+        self.example_loss = example_loss or default_example_loss
+        self.private_settings = {"target_delta": target_delta, "target_epsilon": target_epsilon,
+                                 "noise_multiplier": noise_multiplier, **privacy}
+        self.engine: DPEngine | None = None
+        self._epsilon_at: tuple[int, float] | None = None  # (private steps, ε after them)
+
+    @property
+    def expected_batch_size(self) -> int:
+        """The expected logical batch size: per-device batch size × gradient accumulation steps."""
+        return self.args.per_device_train_batch_size * self.accumulation_steps
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
+        if resume_from_checkpoint:
+            raise ValueError("resuming a PrivateTrainer from a checkpoint is not supported: the run's "
+                             "privacy state (ledger, sampler, randomness) is not in Trainer checkpoints; "
+                             "save trainer.engine.state_dict() yourself and resume with make_private")
+        return super().train(resume_from_checkpoint=None, **kwargs)
+
+    def get_train_dataloader(self) -> Any:
+        """Make the run private (once) and return its Poisson loader, one item per logical batch."""
+        if self.engine is None:
+            self.engine = self._make_private()
+        return _LogicalBatches(self.engine.data_loader)
+
+    def _make_private(self) -> DPEngine:
+        trainer_loader = super().get_train_dataloader()  # the Trainer's data set and collator
+        loader = DataLoader(trainer_loader.dataset, batch_size=self.expected_batch_size,
+                            collate_fn=trainer_loader.collate_fn,
+                            num_workers=self.args.dataloader_num_workers,
+                            pin_memory=self.args.dataloader_pin_memory)
+        optimizer = self.create_optimizer()
+        length = ({"steps": self.args.max_steps} if self.args.max_steps > 0
+                  else {"epochs": self.args.num_train_epochs})
+        self.model.train()
+        engine = make_private(self.model, optimizer, loader, loss_reduction="sum",
+                              physical_batch_size=self.args.per_device_train_batch_size,
+                              **length, **self.private_settings)
+        self.optimizer = engine.optimizer
+        return engine
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
+                          device: torch.device) -> tuple[list, None]:
+        """One logical batch per Trainer step; nothing counted from it (its size is private)."""
+        batch = next(epoch_iterator, None)
+        return ([] if batch is None else [batch]), None
+
+    def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        """Forward and backward over each physical batch of the logical batch ``inputs``; the Trainer then
+        calls ``optimizer.step()`` once: clip, noise, record, update. Returns the summed loss over the
+        expected batch size (not logged: it is computed from private data without noise)."""
+        total = torch.zeros((), device=self.args.device)
+        for physical in inputs:
+            if _examples_in(physical) > 0:  # an empty batch still steps: its release is noise alone
+                total = total + super().training_step(model, physical, None)
+        return total / self.expected_batch_size
+
+    def compute_loss(self, model: nn.Module, inputs: Mapping[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """In training, the sum of the per-example losses; in evaluation, the model's own loss."""
+        if not model.training or return_outputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        losses = self.example_loss(model, inputs)
+        examples = _examples_in(inputs)
+        if losses.shape != (examples,):
+            raise ValueError(f"example_loss returned shape {tuple(losses.shape)} for a batch of {examples} "
+                             f"examples: it must return one loss per example, shape ({examples},)")
+        return losses.sum()
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        """Not counted: the count would follow the private batch sizes."""
+        return 0
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The Trainer's metrics with ``epsilon`` spent so far (from the ledger), without the metrics
+        computed from private data without noise (training loss, gradient norm, FLOPs)."""
+        logs = {k: v for k, v in logs.items() if k not in _UNRELEASED_METRICS}
+        if self.engine is not None:
+            logs["epsilon"] = self._epsilon()
+        super().log(logs, start_time)
+
+    def _epsilon(self) -> float:
+        """ε spent so far, computed once per private step (a PLD accountant takes seconds per call)."""
+        steps = self.engine.steps
+        if self._epsilon_at is None or self._epsilon_at[0] != steps:
+            self._epsilon_at = (steps, self.engine.epsilon())
+        return self._epsilon_at[1]
+
+
+def _check_arguments(args: transformers.TrainingArguments, trainer_kwargs: Mapping[str, Any]) -> None:
+    """Refuse Trainer settings that would act outside the private step or be silently replaced."""
+    refusals = []
+    if args.max_grad_norm:
+        refusals.append(f"max_grad_norm={args.max_grad_norm}: the Trainer would clip the batch's summed "
+                        "gradient; tunefree clips each example's own (its bound R: privacy={'max_grad_norm': "
+                        "R}). Set TrainingArguments(max_grad_norm=0)")
+    if args.fp16:
+        refusals.append("fp16=True: the gradient scaler's scaled gradients would be clipped; use bf16=True "
+                        "or float32")
+    if args.include_num_input_tokens_seen not in ("no", False):
+        refusals.append("include_num_input_tokens_seen: the count follows the private batch sizes; set it "
+                        "to 'no'")
+    if args.auto_find_batch_size:
+        refusals.append("auto_find_batch_size=True: it changes the batch size, hence the sampling rate the "
+                        "guarantee was planned with; choose per_device_train_batch_size yourself")
+    if args.world_size > 1 or args.n_gpu > 1:
+        refusals.append("more than one process or GPU: use make_private on a DistributedDataParallel model "
+                        "(docs/distributed.md)")
+    if getattr(args, "train_sampling_strategy", "random") != "random":
+        refusals.append(f"train_sampling_strategy={args.train_sampling_strategy!r}: Poisson sampling "
+                        "replaces the Trainer's sampler; leave it at 'random'")
+    if trainer_kwargs.get("compute_loss_func") is not None:
+        refusals.append("compute_loss_func: it computes a loss over the whole batch; give example_loss "
+                        "(one loss per example) instead")
+    if refusals:
+        raise ValueError("PrivateTrainer cannot train with these settings:\n  " + "\n  ".join(refusals))
