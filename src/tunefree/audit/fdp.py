@@ -51,13 +51,19 @@ class PrivacyCurve:
     epsilons: np.ndarray
     deltas: np.ndarray
 
+    def __post_init__(self) -> None:
+        if self.epsilons.shape != self.deltas.shape or self.epsilons.ndim != 1 or not len(self.epsilons):
+            raise ValueError("a privacy curve needs as many δ as ε (at least one pair)")
+        object.__setattr__(self, "_up", np.exp(self.epsilons))
+        object.__setattr__(self, "_down", np.exp(-self.epsilons))
+
     def inverse_power(self, power: float) -> float:
         """f̄⁻¹(power): the least false-positive rate at which a test may reach this true-positive rate
         (∞ above 1). Each pair forbids TPR > δ + eᵉ·FPR and TPR > 1 − e⁻ᵉ(1 − δ − FPR)."""
         if power > 1:
             return math.inf
-        e, d = self.epsilons, self.deltas
-        lowest = np.maximum((power - d) * np.exp(-e), 1 - d - np.exp(e) * (1 - power))
+        d = self.deltas
+        lowest = np.maximum((power - d) * self._down, 1 - d - self._up * (1 - power))  # type: ignore[attr-defined]
         return max(0.0, float(lowest.max()))
 
 
