@@ -91,6 +91,8 @@ def test_bad_audit_requests_are_refused():
         _train(1, 10.0)
     with pytest.raises(ValueError, match="weighted"):
         _train(1, 10, noise_allocation="weighted")
+    with pytest.raises(ValueError, match="needs a noisy run"):
+        _train(1, 10, noise_multiplier=0.0)
     with pytest.raises(ValueError, match="no audit canaries"):
         audit_training(_train(1, None)[0])
     model = nn.Linear(4, 1)

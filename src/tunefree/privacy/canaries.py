@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
+import dp_accounting as dpa
 import numpy as np
 import torch
 from torch import nn
@@ -82,6 +83,9 @@ class CanaryRelease(GradientRelease):
     the same call as the model's coordinates, records it and returns the model's sums only."""
 
     def __init__(self, release: GradientRelease, canaries: GradientCanaries):
+        if release.noise_multiplier == 0:
+            raise ValueError("audit_canaries needs a noisy run: with noise_multiplier=0 everything is "
+                             "released exactly (ε = ∞) and there is nothing to audit")
         if release.allocation == "weighted":
             raise ValueError("audit_canaries cannot be used with noise_allocation='weighted': its noise "
                              "scales depend on the group sizes, which the canary block would change; use "
@@ -91,7 +95,8 @@ class CanaryRelease(GradientRelease):
         super().__init__(groups, release.noise_multiplier, release.randomness, release.allocation)
         self.model_groups, self.canaries = list(release.groups), canaries
 
-    def release(self, sums: dict[nn.Parameter, torch.Tensor], thresholds: Mapping[str, float]):
+    def release(self, sums: dict[nn.Parameter, torch.Tensor], thresholds: Mapping[str, float]
+                ) -> tuple[dict[nn.Parameter, torch.Tensor], dpa.DpEvent]:
         host = self.canaries.host
         block = self.canaries.block
         noisy, event = super().release({**sums, block: self.canaries.block_sum(thresholds[host.name])},
