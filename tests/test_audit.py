@@ -187,6 +187,14 @@ def test_multi_run_audit_of_a_correct_run():
     assert result.guesses == 8 and result.canaries == 1
 
 
+def test_multi_run_audit_calibrates_once_for_every_run():
+    # the first run calibrates σ for the target; the others reuse it: one ledger, at the target ε
+    result = multi_run_audit(AuditSettings(target_epsilon=2.0, sample_rate=1.0, steps=1, real_examples=8,
+                                           seed=0), runs=4)
+    assert result.epsilon == pytest.approx(2.0, rel=0.011)
+    assert 0 <= result.epsilon_lower_bound <= result.epsilon
+
+
 def _train_digits_like(dataset):
     model = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 2))
     engine = tunefree.make_private(model, torch.optim.Adam(model.parameters(), lr=0.05),

@@ -20,6 +20,7 @@ from .engine import ClippingEngine
 from .grouping import ClipGroup, GroupSpec, make_groups, sensitivity
 from .optim import DPOptimizer, StepReport
 from .options import AutoLR, Clipping, Thresholds, resolve_options
+from .privacy.canaries import CanaryRelease, GradientCanaries, canary_randomness
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
 from .privacy.plan import CountShare, LossShare, Plan, data_digest
@@ -59,11 +60,13 @@ class DPEngine:
     def __init__(self, *, model: nn.Module, optimizer: DPOptimizer, data_loader: Any,
                  clipping_engine: ClippingEngine, ledger: Ledger, randomness: Randomness,
                  schedule: StepSchedule, groups: list[ClipGroup], plan: Plan,
-                 parallel: DataParallel | None = None):
+                 parallel: DataParallel | None = None, canaries: GradientCanaries | None = None):
         self.model, self.optimizer, self.data_loader = model, optimizer, data_loader
         self.clipping_engine, self.ledger, self.randomness = clipping_engine, ledger, randomness
         self.schedule, self.groups, self.plan = schedule, groups, plan
         self.parallel = parallel  # the data-parallel rank and world size (None: one process)
+        # make_private(audit_canaries=m): the canaries' releases, for tunefree.audit.audit_training
+        self.canaries = canaries
 
     @property
     def noise_multiplier(self) -> float:
@@ -223,6 +226,7 @@ def make_private(
     loss_privacy: str | None = None,
     gradient_noise_increase: float | None = None,
     verify_every: int | None = None,
+    audit_canaries: int | None = None,
 ) -> DPEngine:
     """Make ``model`` train with an (ε, δ)-DP guarantee, accounted exactly from every release.
 
@@ -289,6 +293,10 @@ def make_private(
             ``gradient_noise_increase`` are legacy forms of ``AutoLR``'s fields, valid only with it.
         verify_every: besides the check before the first release, re-check example independence
             (``tunefree.independence``) every this many steps; ``None``: once.
+        audit_canaries: m, audit this run (``tunefree.audit.audit_training(engine)`` after training):
+            m gradient canaries, each a member with probability ½, released with the gradient on a
+            block of coordinates outside the model (``tunefree.privacy.canaries``). They touch no
+            private data, so the ledger and ε are unchanged, and never reach the model or optimizer.
 
     Any option given where it has no effect, or together with its typed form, is refused with a
     ``ValueError`` naming it.
@@ -317,7 +325,7 @@ def make_private(
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
     if parallel is not None:
-        _check_data_parallel_options(quantile, auto, poisson_sampling)
+        _check_data_parallel_options(quantile, auto, poisson_sampling, audit_canaries)
 
     randomness = run_randomness(seed, secure_rng)
     schedule = StepSchedule()
@@ -347,17 +355,20 @@ def make_private(
     ).solve(target_epsilon)
     if parallel is not None:
         check_same_run(parallel, run_identity(plan.describe(), clip_groups, randomness))
+    canaries = None if audit_canaries is None else GradientCanaries(
+        audit_canaries, clip_groups, plan.sample_rate, canary_randomness(seed))
     return _build_engine(plan, model, optimizer, loader, randomness, schedule, clip, clip_groups,
                          quantile, noise_allocation, loss_reduction, poisson_sampling,
-                         options.verify_every, parallel)
+                         options.verify_every, parallel, canaries)
 
 
 def _check_data_parallel_options(quantile: QuantileSettings | None, auto: Any,
-                                 poisson_sampling: bool) -> None:
+                                 poisson_sampling: bool, audit_canaries: int | None = None) -> None:
     """Refuse what the data-parallel path does not reduce across ranks yet."""
     unsupported = [name for name, used in (("thresholds='adaptive'", quantile is not None),
                                            ("lr='auto'", auto is not None),
-                                           ("poisson_sampling=False", not poisson_sampling)) if used]
+                                           ("poisson_sampling=False", not poisson_sampling),
+                                           ("audit_canaries", audit_canaries is not None)) if used]
     if unsupported:
         raise ValueError(
             f"{', '.join(unsupported)} is not supported with DistributedDataParallel yet (their "
@@ -382,7 +393,8 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
                   randomness: Randomness, schedule: StepSchedule, clip: ClipFunction,
                   clip_groups: list[ClipGroup], quantile: QuantileSettings | None,
                   noise_allocation: str, loss_reduction: str, poisson_sampling: bool,
-                  verify_every: int | None, parallel: DataParallel | None = None) -> DPEngine:
+                  verify_every: int | None, parallel: DataParallel | None = None,
+                  canaries: GradientCanaries | None = None) -> DPEngine:
     """The run's parts, with every noise read off the solved ``plan``."""
     auto_lr = None
     if plan.losses is not None:
@@ -399,6 +411,8 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
                                       plan.expected_batch_size, scale)
     if parallel is None:
         release = GradientRelease(clip_groups, plan.gradient_noise, randomness, noise_allocation)
+        if canaries is not None:
+            release = CanaryRelease(release, canaries)
     else:
         release = DistributedRelease(clip_groups, plan.gradient_noise, randomness, noise_allocation, parallel)
     module = model if parallel is None else parallel.module
@@ -423,4 +437,5 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
     private_optimizer.planned_steps = plan.steps
     return DPEngine(model=model, optimizer=private_optimizer, data_loader=loader,
                     clipping_engine=clipping_engine, ledger=ledger, randomness=randomness,
-                    schedule=schedule, groups=clip_groups, plan=plan, parallel=parallel)
+                    schedule=schedule, groups=clip_groups, plan=plan, parallel=parallel,
+                    canaries=canaries)

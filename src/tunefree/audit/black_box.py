@@ -4,7 +4,8 @@ a correct run; it catches gross leaks (a model that memorises its canaries), nev
 
 Canaries are examples of the user's choosing (e.g. mislabelled ones), each added to the data set
 independently with probability ½; after training, the user's score (e.g. the negative loss) ranks
-them; ε_LB is the one-run bound (:mod:`.bounds`) of the best top-k/bottom-k guesses.
+them; ε_LB is the larger of the one-run (ε, δ) and f-DP bounds (:mod:`.combined`) of the top-k/bottom-k
+guesses.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from torch import nn
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from ..api import DPEngine
-from .bounds import best_one_run_bound
 from .canaries import design_generator
+from .combined import one_run_bounds
 from .result import AuditResult
 
 
@@ -44,8 +45,9 @@ def black_box_audit(train: Callable[[Dataset], DPEngine], data: Dataset, canarie
     scores = np.asarray(score(engine.model, canaries), dtype=float)
     if scores.shape != (m,):
         raise ValueError(f"score must return one number per canary ({m}), got shape {scores.shape}")
-    bound, guesses = best_one_run_bound(scores, included, engine.target_delta, confidence)
+    bounds = one_run_bounds(scores, included, engine.ledger.event(), engine.target_delta, confidence)
     return AuditResult(kind="black-box input-canary", epsilon=engine.epsilon(),
-                       delta=engine.target_delta, epsilon_lower_bound=bound, confidence=confidence,
-                       canaries=m, guesses=guesses.guesses, correct=guesses.correct,
-                       steps=engine.steps, recorded_steps=engine.steps, loose=True)
+                       delta=engine.target_delta, epsilon_lower_bound=bounds.best, confidence=confidence,
+                       canaries=m, guesses=bounds.guesses.guesses, correct=bounds.guesses.correct,
+                       steps=engine.steps, recorded_steps=engine.steps, loose=True,
+                       steinke_bound=bounds.steinke, fdp_bound=bounds.fdp)

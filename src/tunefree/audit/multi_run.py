@@ -41,8 +41,9 @@ def multi_run_audit(settings: AuditSettings, runs: int) -> AuditResult:
     scores, epsilons = np.empty(runs), {}
     for run in range(runs):
         run_settings = settings if settings.seed is None else replace(settings, seed=seed + 1 + run)
-        engine, model = build_run(run_settings, included[run:run + 1],
-                                  design)
+        engine, model = build_run(run_settings, included[run:run + 1], design)
+        if settings.target_epsilon is not None:  # calibrated once: the later runs reuse its σ
+            settings = replace(settings, target_epsilon=None, noise_multiplier=engine.noise_multiplier)
         seen = observe(engine, model, settings.steps)
         scores[run] = seen.scores()[0]
         ledger = json.dumps(engine.ledger.state_dict(), sort_keys=True)

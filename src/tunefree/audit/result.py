@@ -14,7 +14,9 @@ class AuditResult:
 
     ``epsilon`` is what the run's ledger claims at ``delta``; ``epsilon_lower_bound`` holds with
     probability at least ``confidence`` whatever the run does — if it exceeds ``epsilon``, the run
-    breaks its guarantee. ``checks`` are estimates (see :mod:`tunefree.audit.checks`).
+    breaks its guarantee. For one-run audits it is the larger of ``steinke_bound`` (against any
+    (ε, δ)-DP run) and ``fdp_bound`` (against the ledger's privacy curve), paid for together
+    (:mod:`tunefree.audit.combined`). ``checks`` are estimates (see :mod:`tunefree.audit.checks`).
     """
 
     kind: str
@@ -29,6 +31,8 @@ class AuditResult:
     recorded_steps: int  # steps in the ledger
     checks: list[Check] = field(default_factory=list)
     loose: bool = False  # a black-box audit: far below ε even for a correct run
+    steinke_bound: float | None = None  # one-run audits: the (ε, δ) bound
+    fdp_bound: float | None = None  # one-run audits: the f-DP bound on the ledger's curve
 
     @property
     def verdict(self) -> str:
@@ -42,6 +46,9 @@ class AuditResult:
         lines = [f"{self.kind} audit: claimed ε = {self.epsilon:.4g} at δ = {self.delta:.3g}; "
                  f"ε_LB = {self.epsilon_lower_bound:.4g} at {self.confidence:.0%} confidence "
                  f"({self.correct} of {self.guesses} guesses right on {self.canaries} canaries)"]
+        if self.steinke_bound is not None and self.fdp_bound is not None:
+            lines.append(f"ε_LB is the larger of the (ε, δ) bound {self.steinke_bound:.4g} and the f-DP "
+                         f"bound {self.fdp_bound:.4g} on the ledger's privacy curve")
         if self.loose:
             lines.append("black box (final model only): a loose bound, far below ε even for a correct run")
         if self.steps != self.recorded_steps:
@@ -57,6 +64,7 @@ class AuditResult:
                 "epsilon_lower_bound": self.epsilon_lower_bound, "confidence": self.confidence,
                 "canaries": self.canaries, "guesses": self.guesses, "correct": self.correct,
                 "steps": self.steps, "recorded_steps": self.recorded_steps, "loose": self.loose,
+                "steinke_bound": self.steinke_bound, "fdp_bound": self.fdp_bound,
                 "checks": {c.name: {"ratio": c.ratio, "low": c.low, "high": c.high, "passed": c.passed}
                            for c in self.checks},
                 "verdict": self.verdict}

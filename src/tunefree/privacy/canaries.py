@@ -1,0 +1,117 @@
+"""Gradient canaries in a user's own run (``make_private(..., audit_canaries=m)``): what the one-run
+audit of ``tunefree.audit.audit_training`` observes.
+
+m canaries, each a member of the run independently with probability ½. A canary is an example whose
+clipped gradient is ``C·eⱼ``: C the current threshold of the *host* group (the clip group of largest
+initial threshold), eⱼ the j-th coordinate of a block of m coordinates that belongs to no model. The
+block joins the host group's release: every step, each member canary is sampled at the run's rate q
+(``Randomness.inclusion``, as the loader samples examples), ``C·eⱼ`` is added to the block's sum, and the
+block is released by the run's own mechanism — in the same ``GradientRelease.release`` call as the
+model's coordinates, with the host group's noise. The noisy block is recorded, then dropped: it never
+reaches the model, the optimizer or the user's outputs.
+
+Privacy: no private example has a gradient on the block, so its release is canary contributions plus
+fresh noise — independent of the private data. It costs the data nothing and the ledger records nothing
+for it (ε is the same with or without canaries). The model's coordinates keep their noise scale (the
+``"weighted"`` noise allocation, whose scales depend on group sizes, is refused). Canary membership and
+sampling come from a stream of their own: secure in a secure run, derived from the seed in a seeded one.
+Observations cover the steps since ``make_private``; they are not part of the run's checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+import dp_accounting as dpa
+import numpy as np
+import torch
+from torch import nn
+
+from ..dtypes import accumulation_dtype
+from ..grouping import ClipGroup
+from .mechanisms import GradientRelease, group_noise_stds
+from .randomness import Randomness, side_randomness
+
+CANARY_STREAM = 0xCA9A7  # the seeded stream of canary membership and sampling
+MEMBERSHIP_KEY = 0  # membership is drawn as "step 0" of the canary stream; step t ≥ 1 samples step t
+
+
+class GradientCanaries:
+    """The canaries of one run and what the releases showed of them.
+
+    Args:
+        count: m, the number of canaries (at least 2).
+        groups: the run's clip groups; the canaries live in the one of largest threshold.
+        sample_rate: q, the run's accounted sampling rate, at which member canaries are sampled.
+        randomness: the canaries' own source (:func:`canary_randomness`).
+    """
+
+    def __init__(self, count: int, groups: Sequence[ClipGroup], sample_rate: float,
+                 randomness: Randomness):
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise TypeError(f"audit_canaries must be an int (the number of canaries), got {count!r}")
+        if count < 2:
+            raise ValueError(f"audit_canaries must be at least 2 (half are members, half not), got {count}")
+        self.host = max(groups, key=lambda g: g.threshold)
+        anchor = self.host.params[0]
+        self.block = nn.Parameter(torch.zeros(count, device=anchor.device, dtype=anchor.dtype),
+                                  requires_grad=False)
+        self.sample_rate, self.randomness = sample_rate, randomness
+        self.included = randomness.inclusion(MEMBERSHIP_KEY, count, 0.5).numpy()
+        self.z: list[np.ndarray] = []  # per step: each canary's coordinate, in claimed noise stds
+        self.shift: list[float] = []  # per step: what a sampled member adds, in claimed noise stds
+
+    @property
+    def count(self) -> int:
+        return len(self.included)
+
+    def block_sum(self, threshold: float) -> torch.Tensor:
+        """The next step's clipped sum on the block: ``threshold`` on each sampled member canary."""
+        sampled = self.randomness.inclusion(len(self.z) + 1, self.count, self.sample_rate).numpy()
+        present = torch.from_numpy(self.included & sampled).to(self.block.device)
+        return threshold * present.to(accumulation_dtype(self.block.dtype))
+
+    def record(self, noisy_block: torch.Tensor, threshold: float, claimed_std: float) -> None:
+        """Keep one release of the block, in units of the noise the run claims to add."""
+        self.z.append(noisy_block.detach().to("cpu", torch.float64).numpy() / claimed_std)
+        self.shift.append(threshold / claimed_std)
+
+
+class CanaryRelease(GradientRelease):
+    """The run's gradient release with the canary block in the host group; it releases the block in
+    the same call as the model's coordinates, records it and returns the model's sums only."""
+
+    def __init__(self, release: GradientRelease, canaries: GradientCanaries):
+        if release.noise_multiplier == 0:
+            raise ValueError("audit_canaries needs a noisy run: with noise_multiplier=0 everything is "
+                             "released exactly (ε = ∞) and there is nothing to audit")
+        if release.allocation == "weighted":
+            raise ValueError("audit_canaries cannot be used with noise_allocation='weighted': its noise "
+                             "scales depend on the group sizes, which the canary block would change; use "
+                             "'global' or 'equal-budget'")
+        groups = [replace(g, params=[*g.params, canaries.block]) if g is canaries.host else g
+                  for g in release.groups]
+        super().__init__(groups, release.noise_multiplier, release.randomness, release.allocation)
+        self.model_groups, self.canaries = list(release.groups), canaries
+
+    def release(self, sums: dict[nn.Parameter, torch.Tensor], thresholds: Mapping[str, float]
+                ) -> tuple[dict[nn.Parameter, torch.Tensor], dpa.DpEvent]:
+        host = self.canaries.host
+        block = self.canaries.block
+        noisy, event = super().release({**sums, block: self.canaries.block_sum(thresholds[host.name])},
+                                       thresholds)
+        self.canaries.record(noisy.pop(block), thresholds[host.name], self._claimed_std(thresholds))
+        return noisy, event
+
+    def _claimed_std(self, thresholds: Mapping[str, float]) -> float:
+        """The host group's noise standard deviation as the plan claims it (from the noise multiplier,
+        not from the release's own arithmetic, which is what the audit checks)."""
+        stds = group_noise_stds([thresholds[g.name] for g in self.model_groups],
+                                [g.size for g in self.model_groups], self.noise_multiplier, self.allocation)
+        return stds[[g.name for g in self.model_groups].index(self.canaries.host.name)]
+
+
+def canary_randomness(seed: int | None) -> Randomness:
+    """The canaries' own stream: secure unless the run is seeded."""
+    return side_randomness(seed, CANARY_STREAM)
