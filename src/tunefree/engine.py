@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -110,6 +110,7 @@ class _Use:
     n_outputs: int
     grads: list[torch.Tensor | None]
     anchor_node: Any  # the anchor's node in this call's graph (see _EnableGrad)
+    autocast: tuple[str, torch.dtype] | None = None  # the call's autocast, replayed by the fallback
     received: int = 0
     done: bool = False
     superseded: bool = False  # a later forward pass replaced this one before any backward
@@ -408,7 +409,7 @@ class ClippingEngine:
             capture.from_batch = self._from_batch(args, kwargs)
         use = _Use(unit=unit, capture=capture, params=self._use_params(unit, frame),
                    versions=versions, n_outputs=len(hooked), grads=[None] * len(hooked),
-                   anchor_node=None)
+                   anchor_node=None, autocast=_autocast_of(unit) if unit.rule is None else None)
         for slot, i in enumerate(hooked):
             leaves[i] = _EnableGrad.apply(self._anchor, leaves[i])
             leaves[i].register_hook(lambda g, use=use, slot=slot: self._on_grad(use, slot, g))
@@ -569,7 +570,7 @@ class ClippingEngine:
                                                   use.params)
         self._recomputing = True
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), _replayed_autocast(use.autocast):
                 return fallback_per_sample_grads(use.unit.module, use.capture, use.grads,
                                                  use.params)
         finally:
@@ -714,6 +715,17 @@ class _no_autocast:
 
     def __exit__(self, *exc):
         return self._ctx.__exit__(*exc)
+
+
+def _autocast_of(unit: Unit) -> tuple[str, torch.dtype] | None:
+    """The autocast region a unit's forward call runs in (device type, dtype), if any."""
+    device = next(iter(unit.direct.values())).device.type
+    return (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
+
+
+def _replayed_autocast(state: tuple[str, torch.dtype] | None) -> AbstractContextManager:
+    """The fallback re-runs a module in the precision its forward ran in (no autocast if none)."""
+    return nullcontext() if state is None else torch.autocast(device_type=state[0], dtype=state[1])
 
 
 def _drop_overflowed_examples(use: _Use, dims: tuple[int, ...], batch: int) -> None:
