@@ -758,7 +758,7 @@ def _finite_rows(x: torch.Tensor, dim: int, batch: int) -> torch.Tensor:
 
 
 def _zero_rows(x: torch.Tensor, keep: torch.Tensor, dim: int) -> torch.Tensor:
-    shape = [batch if d == dim else 1 for d, batch in enumerate(x.shape)]
+    shape = [size if d == dim else 1 for d, size in enumerate(x.shape)]
     return torch.where(keep.reshape(shape), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 

@@ -356,6 +356,7 @@ class DPOptimizer(torch.optim.Optimizer):
         ``update()``; the check reads the public release only, and the step is already in the ledger."""
         if self.grad_scaler is None or getattr(self, "grad_scale", None) is None:
             return False
+        # The check GradScaler's contract asks a `_step_supports_amp_scaling` optimizer to run itself.
         found = self.grad_scaler._check_inf_per_device(self)
         return bool(sum(v.item() for v in found.values()))
 
