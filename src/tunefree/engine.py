@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .accumulator import StepAccumulator
 from .clipping import ClipFunction
+from .dtypes import accumulation_dtype
 from .errors import PrivacyError
 from .grouping import ClipGroup
 from .rules import Capture, LayerRule, Materialized, PerSampleGrad, rule_for
@@ -109,6 +110,7 @@ class _Use:
     n_outputs: int
     grads: list[torch.Tensor | None]
     anchor_node: Any  # the anchor's node in this call's graph (see _EnableGrad)
+    autocast: tuple[str, torch.dtype] | None = None  # the call's autocast, replayed by the fallback
     received: int = 0
     done: bool = False
     superseded: bool = False  # a later forward pass replaced this one before any backward
@@ -152,6 +154,7 @@ class _PassState:
     model_storages: set[int] = field(default_factory=set)  # storages of parameters and buffers
     in_backward: bool = False
     in_hook: bool = False  # the engine's own forward hooks are running (not the model's code)
+    loss_scale: float = 1.0  # the GradScaler factor of this backward pass's loss
 
 
 class ClippingEngine:
@@ -172,6 +175,11 @@ class ClippingEngine:
     example dimension, and each physical batch may be booked by one backward pass only. Without it,
     the examples are those of the model call (dimension 0 of its tensor inputs) and a logical step
     books one backward pass.
+
+    ``grad_scaler`` (set by ``DPOptimizer.attach_grad_scaler``): the ``torch.amp.GradScaler`` whose
+    factor multiplies the loss. Each backward pass divides it out of the output gradients before any
+    norm or clip weight, and an example whose output gradient or input overflows in a layer call adds
+    nothing through that call (see :func:`_drop_overflowed_examples`).
     """
 
     def __init__(self, model: nn.Module, groups: list[ClipGroup], clip: ClipFunction,
@@ -194,6 +202,7 @@ class ClippingEngine:
         self._broadcast: _Broadcast | None = None
         self.retain_inputs = False
         self.retained_inputs: Capture | None = None
+        self.grad_scaler: torch.amp.GradScaler | None = None
         self.thresholds: dict[str, float] = {g.name: g.threshold for g in groups}
         self._leaked: set[str] = set()
         self._attach()
@@ -400,7 +409,7 @@ class ClippingEngine:
             capture.from_batch = self._from_batch(args, kwargs)
         use = _Use(unit=unit, capture=capture, params=self._use_params(unit, frame),
                    versions=versions, n_outputs=len(hooked), grads=[None] * len(hooked),
-                   anchor_node=None)
+                   anchor_node=None, autocast=_autocast_of(unit) if unit.rule is None else None)
         for slot, i in enumerate(hooked):
             leaves[i] = _EnableGrad.apply(self._anchor, leaves[i])
             leaves[i].register_hook(lambda g, use=use, slot=slot: self._on_grad(use, slot, g))
@@ -466,11 +475,24 @@ class ClippingEngine:
         if not self._pass.in_backward:
             self._book_batch()
             self._pass.in_backward = True
+            self._pass.loss_scale = self._loss_scale()
             Variable._execution_engine.queue_callback(self._end_of_backward)
-        use.grads[slot] = grad
+        use.grads[slot] = self._unscaled(grad)
         use.received += 1
         if use.received == use.n_outputs:
             self._process(use)
+
+    def _loss_scale(self) -> float:
+        """The factor the loss of the starting backward pass was multiplied by (1 without a scaler)."""
+        scaler = self.grad_scaler
+        return scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+
+    def _unscaled(self, grad: torch.Tensor) -> torch.Tensor:
+        """A layer's output gradient as the unscaled loss gives it, in float32 for half-precision
+        gradients (the dtype policy): per-sample norms, clip weights and clipped sums never see the loss
+        scale, and none of them is rounded to 16 bits."""
+        grad = grad.to(accumulation_dtype(grad.dtype))
+        return grad if self._pass.loss_scale == 1.0 else grad / self._pass.loss_scale
 
     def _serial(self) -> int:
         return 0 if self.batch_source is None else self.batch_source.batch_serial
@@ -525,6 +547,8 @@ class ClippingEngine:
             if batch == 0:  # an empty Poisson batch: no example, nothing to clip
                 per_sample = {}
             else:
+                if self.grad_scaler is not None:
+                    _drop_overflowed_examples(use, dims, batch)
                 with torch.no_grad(), _no_autocast(use.grads):
                     per_sample = self._per_sample(use)
         with torch.no_grad():
@@ -546,7 +570,7 @@ class ClippingEngine:
                                                   use.params)
         self._recomputing = True
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), _replayed_autocast(use.autocast):
                 return fallback_per_sample_grads(use.unit.module, use.capture, use.grads,
                                                  use.params)
         finally:
@@ -691,6 +715,51 @@ class _no_autocast:
 
     def __exit__(self, *exc):
         return self._ctx.__exit__(*exc)
+
+
+def _autocast_of(unit: Unit) -> tuple[str, torch.dtype] | None:
+    """The autocast region a unit's forward call runs in (device type, dtype), if any."""
+    device = next(iter(unit.direct.values())).device.type
+    return (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
+
+
+def _replayed_autocast(state: tuple[str, torch.dtype] | None) -> AbstractContextManager:
+    """The fallback re-runs a module in the precision its forward ran in (no autocast if none)."""
+    return nullcontext() if state is None else torch.autocast(device_type=state[0], dtype=state[1])
+
+
+def _drop_overflowed_examples(use: _Use, dims: tuple[int, ...], batch: int) -> None:
+    """Under loss scaling (float16), zero in this layer call every row of an example whose output
+    gradient, or whose input to the call, is infinite or NaN: its per-sample gradient here is then 0, and
+    so is its clipped contribution (norm and sum come from the same zeros). Whether an example overflows
+    depends on that example alone, and only its own rows change, so each example's contribution stays a
+    function of its own data bounded by the clip threshold, and the step releases on schedule whatever
+    the data. Inputs are checked where the layer keeps examples in dimension 0 (for the generic fallback,
+    only inputs derived from the batch); any other non-finite value still fails closed at the norm check."""
+    ok = torch.ones(batch, dtype=torch.bool, device=next(g for g in use.grads if g is not None).device)
+    leaves, spec = tree_flatten((use.capture.args, use.capture.kwargs))
+    flags = use.capture.from_batch or (True,) * len(leaves)
+    rows = [i for i, (x, per_example) in enumerate(zip(leaves, flags))
+            if per_example and set(dims) == {0} and isinstance(x, torch.Tensor) and x.is_floating_point()
+            and x.dim() > 0 and x.shape[0] == batch]
+    for i in rows:
+        ok &= _finite_rows(leaves[i], 0, batch)
+    for grad, dim in zip(use.grads, dims):
+        if grad is not None:
+            ok &= _finite_rows(grad, dim, batch)
+    for i in rows:
+        leaves[i] = _zero_rows(leaves[i], ok, 0)
+    use.grads = [None if g is None else _zero_rows(g, ok, dim) for g, dim in zip(use.grads, dims)]
+    use.capture.args, use.capture.kwargs = tree_unflatten(leaves, spec)
+
+
+def _finite_rows(x: torch.Tensor, dim: int, batch: int) -> torch.Tensor:
+    return torch.isfinite(x).movedim(dim, 0).reshape(batch, -1).all(1)
+
+
+def _zero_rows(x: torch.Tensor, keep: torch.Tensor, dim: int) -> torch.Tensor:
+    shape = [size if d == dim else 1 for d, size in enumerate(x.shape)]
+    return torch.where(keep.reshape(shape), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _capture(args: tuple, kwargs: dict, expand_to: int | None = None

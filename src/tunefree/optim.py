@@ -135,7 +135,16 @@ class DPOptimizer(torch.optim.Optimizer):
     was calibrated for: the first step beyond it warns that ε now grows past the target.
     Step hooks (``register_step_pre_hook``/``register_step_post_hook``) fire once per logical step,
     around the whole private step, as torch's do; micro-batch calls that only accumulate do not fire them.
+
+    Mixed precision: after :meth:`attach_grad_scaler`, ``scaler.scale(loss).backward();
+    scaler.step(optimizer); scaler.update()`` trains privately. The scaler hands the step to this class
+    (``_step_supports_amp_scaling``), which releases on schedule and only then lets the scaler check the
+    released (noisy) gradient for overflow: its skip and scale decisions see public values only.
     """
+
+    # GradScaler.step calls our step() directly instead of unscaling ``.grad`` itself: the engine writes
+    # no ``.grad`` before the release, and the loss scale is divided out inside the engine.
+    _step_supports_amp_scaling = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: ClippingEngine,
                  release: GradientRelease, ledger: Ledger, sample_rate: float,
@@ -161,7 +170,18 @@ class DPOptimizer(torch.optim.Optimizer):
         self._trainable = frozenset(p for g in engine.groups for p in g.params)
         self.verify_every: int | None = None
         self.verified = False
+        self.grad_scaler: torch.amp.GradScaler | None = None
         engine.retain_inputs = True
+
+    def attach_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
+        """Train with ``scaler`` (float16 loss scaling). Its scale is divided out of every output
+        gradient before per-sample norms and clip weights, so it changes no clip weight; an example
+        that overflows contributes nothing where it overflows, and every step is released and recorded
+        as planned. Call it before the first backward pass."""
+        if not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"attach_grad_scaler needs a torch.amp.GradScaler, got {type(scaler).__name__}")
+        self.grad_scaler = scaler
+        self.engine.grad_scaler = scaler
 
     def _check_parameters(self) -> None:
         optimized = {p for group in self.param_groups for p in group["params"]}
@@ -272,6 +292,7 @@ class DPOptimizer(torch.optim.Optimizer):
         """
         self._check_trainable_set()
         logical = self.schedule.ends_logical
+        self._check_scaler_call(logical)
         if logical:
             closure = self._run_pre_hooks(closure)
         loss = None
@@ -299,6 +320,9 @@ class DPOptimizer(torch.optim.Optimizer):
             p.grad = (total / self.expected_batch_size).to(p.dtype)
         report = StepReport(step=self.ledger.steps, examples=booked.examples,
                             group_norms=booked.group_norms, thresholds=thresholds)
+        if self._release_overflows():
+            self.last_step = report  # released and recorded; the update alone is skipped
+            return
         context = StepContext(report, closure, UpdateControl(self.original), thresholds)
         for component in self.components:
             self._record(events, component.before_update(context))
@@ -308,6 +332,33 @@ class DPOptimizer(torch.optim.Optimizer):
         if context.next_thresholds is not None:
             self.engine.set_thresholds(context.next_thresholds)
         self.last_step = report
+
+    def _check_scaler_call(self, logical: bool) -> None:
+        """``scaler.step(optimizer)`` (which sets ``grad_scale``) needs the scaler attached, so that the
+        engine divided its scale out, and only one call per logical step, as ``scaler.update()`` needs
+        the step's overflow check."""
+        if getattr(self, "grad_scale", None) is None:
+            return
+        if self.grad_scaler is None:
+            raise ValueError(
+                "scaler.step(optimizer) was called but the GradScaler is not attached: the gradients "
+                "were clipped with the loss scale in them; call optimizer.attach_grad_scaler(scaler) "
+                "(engine.optimizer) before the first backward pass")
+        if not logical:
+            raise ValueError(
+                "scaler.step(optimizer) was called in the middle of a logical batch: with physical "
+                "micro-batches call scaler.step(optimizer) and scaler.update() only when "
+                "engine.schedule.ends_logical (the engine books each backward pass without a step)")
+
+    def _release_overflows(self) -> bool:
+        """Whether the released gradient, in the parameters' dtype, holds an inf or NaN (a float16
+        parameter can overflow where the float32 release did not). The scaler records the check for its
+        ``update()``; the check reads the public release only, and the step is already in the ledger."""
+        if self.grad_scaler is None or getattr(self, "grad_scale", None) is None:
+            return False
+        # The check GradScaler's contract asks a `_step_supports_amp_scaling` optimizer to run itself.
+        found = self.grad_scaler._check_inf_per_device(self)
+        return bool(sum(v.item() for v in found.values()))
 
     def _record(self, events: list[dpa.DpEvent], more: list[dpa.DpEvent]) -> None:
         """Join a component's releases to the step's ledger record."""
