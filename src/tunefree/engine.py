@@ -138,7 +138,7 @@ class _PassState:
     """Everything the engine knows about the current forward/backward pass."""
 
     uses: list[_Use] = field(default_factory=list)
-    pending: dict[nn.Parameter, int] = field(default_factory=lambda: defaultdict(int))
+    pending: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # group → uses not yet done
     uses_of: dict[nn.Parameter, int] = field(default_factory=lambda: defaultdict(int))
     per_param: dict[nn.Parameter, PerSampleGrad] = field(default_factory=dict)
     sq_norms: dict[nn.Parameter, torch.Tensor] = field(default_factory=dict)
@@ -408,7 +408,7 @@ class ClippingEngine:
             leaves[i].register_hook(lambda g, use=use, slot=slot: self._on_grad(use, slot, g))
         use.anchor_node = leaves[hooked[0]].grad_fn.next_functions[0][0]
         for p in use.params.values():
-            self._pass.pending[p] += 1
+            self._pass.pending[self._group_of[p].name] += 1
             self._pass.uses_of[p] += 1
         self._pass.uses.append(use)
         return _unflatten(leaves, spec)
@@ -531,7 +531,7 @@ class ClippingEngine:
                     per_sample = self._per_sample(use)
         with torch.no_grad():
             for p in use.params.values():
-                self._pass.pending[p] -= 1
+                self._pass.pending[self._group_of[p].name] -= 1
             for name, p in use.params.items():
                 grad = per_sample.get(name)
                 if grad is not None:
@@ -566,7 +566,7 @@ class ClippingEngine:
             self._pass.per_param[p] = Materialized(value if total is None else total.grads + value)
 
     def _group_ready(self, group: ClipGroup) -> bool:
-        return all(self._pass.pending[p] == 0 for p in group.params)
+        return self._pass.pending[group.name] == 0
 
     def _clip_group(self, group: ClipGroup) -> None:
         if group.name in self._pass.clipped_groups:
