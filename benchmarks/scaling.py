@@ -173,7 +173,8 @@ def main() -> None:
     parser.add_argument("--plot", help="write the plots to this PNG file")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--sweeps", nargs="+", default=list(SWEEPS), choices=list(SWEEPS))
+    for knob, values in SWEEPS.items():
+        parser.add_argument(f"--{knob}", nargs="+", type=int, default=values, help=f"{knob} values to sweep")
     parser.add_argument("--cross-lengths", nargs="+", type=int,
                         default=[8, 16, 32, 64, 128, 256, 512, 1024, 2048])
     args = parser.parse_args()
@@ -186,7 +187,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cross_shape = (4, WIDTH, WIDTH)
     cross = crossover(args.cross_lengths, WIDTH, WIDTH, batch=cross_shape[0], repeats=5)
-    results = run_sweeps({k: SWEEPS[k] for k in args.sweeps}, args.steps, args.threads)
+    results = run_sweeps({knob: getattr(args, knob) for knob in SWEEPS}, args.steps, args.threads)
     print(tables(results, cross))
     if args.plot:
         plot(results, cross, args.plot, cross_shape)

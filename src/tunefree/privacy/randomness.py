@@ -126,7 +126,11 @@ class Randomness:
             generator = self._generator(device)
             return [torch.randn(shape, generator=generator, device=device, dtype=dtype) for shape in shapes]
         sizes = [math.prod(shape) for shape in shapes]
-        z = self._draw_ahead.normal(sum(sizes)).to(device=device, dtype=dtype)
+        z = self._draw_ahead.normal(sum(sizes))
+        if device.type == "cuda":  # a copy from pinned memory does not wait for the GPU's queued work
+            z = z.pin_memory().to(device=device, dtype=dtype, non_blocking=True)
+        else:
+            z = z.to(device=device, dtype=dtype)
         return [chunk.reshape(shape) for chunk, shape in zip(z.split(sizes), shapes)]
 
     def state_dict(self) -> dict[str, Any]:
