@@ -8,9 +8,13 @@ ledger record included).
 Peak memory: the child resets the kernel's RSS high-water mark (``/proc/self/clear_refs``) right
 before building the model, and reports the high-water mark after the timed steps minus the RSS at that
 moment — the memory training needs (weights, optimizer state, activations, gradients, per-sample work),
-with interpreter and library pages cancelled out.
+with interpreter and library pages cancelled out. With ``--device cuda``: the CUDA allocator's peak
+(``torch.cuda.max_memory_allocated``) over the same span, and each step timed between two
+``torch.cuda.synchronize()`` calls.
 
     python benchmarks/engine_overhead.py --rounds 3 --steps 10
+    python benchmarks/engine_overhead.py --models digits-mlp --steps 200 --warmup 20   # the fixed tax
+    python benchmarks/engine_overhead.py --device cuda --hf                              # on a GPU
 """
 
 from __future__ import annotations
@@ -97,7 +101,50 @@ def _make_step(config: str, model, x, y, loss_fn):
     return step
 
 
-def child(model_name: str, config: str, steps: int, warmup: int, threads: int) -> dict:
+def check_device(device: str) -> None:
+    """Refuse a device this machine does not have, before any child starts."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {device}: torch sees no CUDA device on this machine "
+                         f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); "
+                         "run on a GPU machine or drop --device")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise SystemExit(f"--device {device}: use cpu or cuda[:index]")
+
+
+class _Meter:
+    """Step time and training memory on the CPU (RSS high-water mark) or a CUDA device (allocator peak)."""
+
+    def __init__(self, device: str):
+        import torch
+
+        self.torch, self.cuda = torch, device.startswith("cuda")
+
+    def reset(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            self.torch.cuda.reset_peak_memory_stats()
+            self.before = self.torch.cuda.memory_allocated()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # reset the RSS high-water mark
+            self.before = 1024 * _rss_kb("VmRSS")
+
+    def time(self, step) -> float:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if self.cuda:
+            self.torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def peak_mb(self) -> float:
+        peak = self.torch.cuda.max_memory_allocated() if self.cuda else 1024 * _rss_kb("VmHWM")
+        return (peak - self.before) / 2**20
+
+
+def child(model_name: str, config: str, steps: int, warmup: int, threads: int, device: str = "cpu") -> dict:
     import torch
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -113,20 +160,16 @@ def child(model_name: str, config: str, steps: int, warmup: int, threads: int) -
     model_fn_inputs = benchmark(model_name)
     _, x, y, loss_fn = model_fn_inputs
     del model_fn_inputs
-    Path("/proc/self/clear_refs").write_text("5")  # reset the RSS high-water mark
-    before = _rss_kb("VmRSS")
+    x, y = x.to(device), y.to(device)
+    meter = _Meter(device)
+    meter.reset()
     torch.manual_seed(0)
-    model = benchmark(model_name)[0]
+    model = benchmark(model_name)[0].to(device)
     step = _make_step(config, model, x, y, loss_fn)
     for _ in range(warmup):
         step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    peak = _rss_kb("VmHWM")
-    return {"step_ms": 1000 * statistics.median(times), "peak_mb": (peak - before) / 1024}
+    times = [meter.time(step) for _ in range(steps)]
+    return {"step_ms": 1000 * statistics.median(times), "peak_mb": meter.peak_mb()}
 
 
 def available_configs() -> list[str]:
@@ -138,7 +181,7 @@ def available_configs() -> list[str]:
 
 
 def run(models: list[str], configs: list[str], rounds: int, steps: int, warmup: int,
-        threads: int) -> dict:
+        threads: int, device: str = "cpu") -> dict:
     results: dict = {m: {c: [] for c in configs} for m in models}
     for r in range(rounds):
         for model_name in models:
@@ -146,7 +189,7 @@ def run(models: list[str], configs: list[str], rounds: int, steps: int, warmup: 
             for config in order:
                 out = subprocess.run(
                     [sys.executable, __file__, "--child", model_name, config, "--steps", str(steps),
-                     "--warmup", str(warmup), "--threads", str(threads)],
+                     "--warmup", str(warmup), "--threads", str(threads), "--device", device],
                     capture_output=True, text=True, check=False)
                 if out.returncode != 0:
                     print(f"{model_name} / {config} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
@@ -183,7 +226,11 @@ def table(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
-    parser.add_argument("--models", nargs="+", default=["mnist-cnn", "gpt", "resnet9"])
+    parser.add_argument("--models", nargs="+", default=["digits-mlp", "mnist-cnn", "gpt", "resnet9"],
+                        help="any of digits-mlp, mnist-cnn, gpt, resnet9, bert-tiny, gpt2-tiny")
+    parser.add_argument("--hf", action="store_true",
+                        help="also the tiny Hugging Face models bert-tiny and gpt2-tiny (needs transformers)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:index]")
     parser.add_argument("--configs", nargs="+", default=None,
                         help=f"subset of {', '.join(CONFIGS)} (non-private is always included)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -192,12 +239,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(*args.child, args.steps, args.warmup, args.threads)))
+        print(json.dumps(child(*args.child, args.steps, args.warmup, args.threads, args.device)))
         return
+    check_device(args.device)
     configs = args.configs or available_configs()
     if "non-private" not in configs:
         configs = ["non-private", *configs]
-    results = run(args.models, configs, args.rounds, args.steps, args.warmup, args.threads)
+    models = args.models + [m for m in ("bert-tiny", "gpt2-tiny") if args.hf and m not in args.models]
+    results = run(models, configs, args.rounds, args.steps, args.warmup, args.threads, args.device)
     print(table(results))
 
 

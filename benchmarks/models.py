@@ -86,18 +86,58 @@ def resnet9(widths: tuple[int, int, int, int] = (16, 32, 64, 128), classes: int 
         nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(w4, classes))
 
 
+def digits_mlp() -> nn.Module:
+    """The tabular case: an MLP for 8×8 digits, 64 → 128 → 128 → 10."""
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+class Logits(nn.Module):
+    """A Hugging Face model called on token ids, returning its logits."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+
+def hf_model(name: str) -> nn.Module:
+    """Tiny BERT (2 layers, d 128, sequence classification) and GPT-2 (2 layers, d 128, vocab 5000)."""
+    import transformers as hf
+
+    if name == "bert-tiny":
+        config = hf.BertConfig(vocab_size=5000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                               intermediate_size=512, max_position_embeddings=128, num_labels=2,
+                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return Logits(hf.BertForSequenceClassification(config))
+    config = hf.GPT2Config(vocab_size=5000, n_embd=128, n_layer=2, n_head=2, n_positions=128,
+                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return Logits(hf.GPT2LMHeadModel(config))
+
+
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Each example's loss is the mean over its tokens; the batch's is their mean."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
 def benchmark(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable]:
     """Model, one synthetic batch (inputs, targets) and the loss function of a benchmark."""
     g = torch.Generator().manual_seed(0)
+    if name == "digits-mlp":
+        x, y = torch.randn(256, 64, generator=g), torch.randint(0, 10, (256,), generator=g)
+        return digits_mlp(), x, y, F.cross_entropy
+    if name in HF_BENCHMARKS:
+        ids = torch.randint(0, 5000, (16, 128), generator=g)
+        if name == "bert-tiny":
+            return hf_model(name), ids, torch.randint(0, 2, (16,), generator=g), F.cross_entropy
+        return hf_model(name), ids, torch.randint(0, 5000, (16, 128), generator=g), lm_loss
     if name == "mnist-cnn":
         x, y = torch.randn(256, 1, 28, 28, generator=g), torch.randint(0, 10, (256,), generator=g)
         return mnist_cnn(), x, y, F.cross_entropy
     if name == "gpt":
         ids = torch.randint(0, 5000, (16, 128), generator=g)
         targets = torch.randint(0, 5000, (16, 128), generator=g)
-
-        def lm_loss(logits, y):  # each example's loss is the mean over its tokens
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
         return GPT(), ids, targets, lm_loss
     if name == "resnet9":
@@ -107,3 +147,5 @@ def benchmark(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callabl
 
 
 BENCHMARKS = ("mnist-cnn", "gpt", "resnet9")
+SMALL_BENCHMARKS = ("digits-mlp",)
+HF_BENCHMARKS = ("bert-tiny", "gpt2-tiny")  # need transformers

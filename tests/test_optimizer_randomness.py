@@ -99,3 +99,55 @@ def test_a_checkpoint_resumes_only_in_the_mode_it_was_made_in():
         seeded.load_state_dict(secure.state_dict())
     with pytest.raises(ValueError, match="seeded run and this run is secure"):
         secure.load_state_dict(seeded.state_dict())
+
+
+@pytest.fixture
+def numbered_draws(monkeypatch):
+    """Replaces the OS-backed Box-Muller draw by one whose k-th call returns k everywhere, to follow
+    which block each release receives."""
+    calls = []
+
+    def draw(count):
+        calls.append(count)
+        return torch.full((count,), float(len(calls)), dtype=torch.float64)
+
+    monkeypatch.setattr(randomness_module, "_secure_normal", draw)
+    return calls
+
+
+def test_secure_noise_is_drawn_one_release_ahead_and_each_block_is_used_once(numbered_draws):
+    randomness = randomness_module.Randomness()
+    shapes = [torch.Size([30, 40]), torch.Size([40])]
+    first = randomness.normals(shapes, torch.device("cpu"), torch.float32)
+    second = randomness.normals(shapes, torch.device("cpu"), torch.float32)
+    third = randomness.normals(shapes, torch.device("cpu"), torch.float32)
+    # call 1 serves the first release at once; each release then starts the next block's draw
+    assert [float(z[0].flatten()[0]) for z in (first, second, third)] == [1.0, 2.0, 3.0]
+    assert numbered_draws == [1240] * 4  # three used, the fourth drawn ahead for the next release
+    assert [z.shape for z in third] == shapes
+
+
+def test_blocks_drawn_ahead_are_kept_per_size_and_small_draws_are_not_drawn_ahead(numbered_draws):
+    randomness = randomness_module.Randomness()
+    cpu, f64 = torch.device("cpu"), torch.float64
+    big, small = torch.Size([2000]), torch.Size([3])
+    assert float(randomness.normal(big, cpu, f64)[0]) == 1.0
+    assert float(randomness.normal(small, cpu, f64)[0]) == 3.0  # block 2 is the big one drawn ahead
+    assert float(randomness.normal(small, cpu, f64)[0]) == 4.0  # nothing of size 3 was drawn ahead
+    assert float(randomness.normal(big, cpu, f64)[0]) == 2.0
+    assert numbered_draws == [2000, 2000, 3, 3, 2000]
+
+
+def test_a_forked_process_never_uses_noise_drawn_ahead_before_the_fork(numbered_draws, monkeypatch):
+    randomness = randomness_module.Randomness()
+    shape = [torch.Size([5000])]
+    assert float(randomness.normals(shape, torch.device("cpu"), torch.float64)[0][0]) == 1.0
+    monkeypatch.setattr(randomness_module.os, "getpid", lambda: -1)  # as seen from a forked child
+    assert float(randomness.normals(shape, torch.device("cpu"), torch.float64)[0][0]) == 3.0
+
+
+def test_secure_normals_are_standard_normal():
+    z = randomness_module._secure_normal(200_001)
+    assert z.shape == (200_001,) and z.dtype == torch.float64
+    assert abs(float(z.mean())) < 0.01 and abs(float(z.std()) - 1) < 0.01
+    assert abs(float((z.abs() < 1).double().mean()) - 0.6827) < 0.005  # the normal's mass within 1σ

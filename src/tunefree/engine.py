@@ -140,7 +140,7 @@ class _PassState:
     """Everything the engine knows about the current forward/backward pass."""
 
     uses: list[_Use] = field(default_factory=list)
-    pending: dict[nn.Parameter, int] = field(default_factory=lambda: defaultdict(int))
+    pending: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # group → uses not yet done
     uses_of: dict[nn.Parameter, int] = field(default_factory=lambda: defaultdict(int))
     per_param: dict[nn.Parameter, PerSampleGrad] = field(default_factory=dict)
     sq_norms: dict[nn.Parameter, torch.Tensor] = field(default_factory=dict)
@@ -274,7 +274,7 @@ class ClippingEngine:
             self._reset_pass()
             self._pass.call_examples = _root_examples(args, kwargs) if self._serial() == 0 else None
             if self._has_fallback:  # only the fallback needs to tell batch data from the model's own
-                self._pass.batch_storages = _storages(tree_flatten((args, kwargs))[0])
+                self._pass.batch_storages = _storages(_flatten_call(args, kwargs)[0])
                 self._pass.model_storages = _storages([*self.model.parameters(),
                                                        *self.model.buffers()])
         self._broadcast = self._broadcast_for(args, kwargs)
@@ -286,7 +286,7 @@ class ClippingEngine:
         if not (torch.is_grad_enabled() and self.model.training) or self._recomputing \
                 or self._pass.in_backward:
             return None
-        leaves = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        leaves = [x for x in _flatten_call(args, kwargs)[0] if isinstance(x, torch.Tensor)]
         if self._capturing():
             examples = self._expected_examples()
         else:
@@ -314,7 +314,7 @@ class ClippingEngine:
             return None
         if any(out.dim() == 0 or out.shape[0] != 1 for out in outputs):
             return None
-        for x in tree_flatten((args, kwargs))[0]:
+        for x in _flatten_call(args, kwargs)[0]:
             if isinstance(x, torch.Tensor) and (x.requires_grad or (
                     _storage(x) in broadcast.call_storages
                     and (x.dim() == 0 or x.shape[0] != broadcast.examples))):
@@ -324,6 +324,8 @@ class ClippingEngine:
     def _check_trainable_set(self) -> None:
         """The parameters that require grad must be exactly those clipped and noised since
         make_private: a frozen one would still be noised and updated, a new one never clipped."""
+        if all(p.requires_grad == (p in self._group_of) for p in self.model.parameters()):
+            return
         for name, p in self.model.named_parameters():
             if p.requires_grad != (p in self._group_of):
                 change = ("was trainable at make_private but no longer requires grad" if p in self._group_of
@@ -379,7 +381,7 @@ class ClippingEngine:
         capturing = bool(self._pass.frames) and self._pass.frames[-1].unit is unit
         if not capturing and self._broadcast is None:
             return None  # e.g. evaluation, generate()
-        leaves, spec = tree_flatten(output)
+        leaves, spec = _flatten(output)
         hooked = [i for i, leaf in enumerate(leaves)
                   if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
         shared = self._shared_examples(unit, args, kwargs, [leaves[i] for i in hooked])
@@ -389,7 +391,7 @@ class ClippingEngine:
             for i in hooked:
                 leaves[i] = leaves[i].expand(shared, *leaves[i].shape[1:])
         if not capturing:
-            return None if shared is None else tree_unflatten(leaves, spec)
+            return None if shared is None else _unflatten(leaves, spec)
         frame = self._pass.frames.pop()
         for p, flag in frame.saved:
             p.requires_grad_(flag)
@@ -415,10 +417,10 @@ class ClippingEngine:
             leaves[i].register_hook(lambda g, use=use, slot=slot: self._on_grad(use, slot, g))
         use.anchor_node = leaves[hooked[0]].grad_fn.next_functions[0][0]
         for p in use.params.values():
-            self._pass.pending[p] += 1
+            self._pass.pending[self._group_of[p].name] += 1
             self._pass.uses_of[p] += 1
         self._pass.uses.append(use)
-        return tree_unflatten(leaves, spec)
+        return _unflatten(leaves, spec)
 
     def _check_reads(self, frame: _Frame) -> None:
         """A fallback unit's own code read a parameter of a unit it also called: that read's share
@@ -442,7 +444,7 @@ class ClippingEngine:
             if not isinstance(x, torch.Tensor) or _storage(x) in self._pass.model_storages:
                 return False
             return x.requires_grad or _storage(x) in self._pass.batch_storages
-        return tuple(derived(x) for x in tree_flatten((args, kwargs))[0])
+        return tuple(derived(x) for x in _flatten_call(args, kwargs)[0])
 
     def _use_params(self, unit: Unit, frame: _Frame) -> dict[str, nn.Parameter]:
         if unit.rule is not None:
@@ -553,7 +555,7 @@ class ClippingEngine:
                     per_sample = self._per_sample(use)
         with torch.no_grad():
             for p in use.params.values():
-                self._pass.pending[p] -= 1
+                self._pass.pending[self._group_of[p].name] -= 1
             for name, p in use.params.items():
                 grad = per_sample.get(name)
                 if grad is not None:
@@ -588,7 +590,7 @@ class ClippingEngine:
             self._pass.per_param[p] = Materialized(value if total is None else total.grads + value)
 
     def _group_ready(self, group: ClipGroup) -> bool:
-        return all(self._pass.pending[p] == 0 for p in group.params)
+        return self._pass.pending[group.name] == 0
 
     def _clip_group(self, group: ClipGroup) -> None:
         if group.name in self._pass.clipped_groups:
@@ -598,9 +600,12 @@ class ClippingEngine:
         if not present:
             return
         scale = float(self._pass.batch) if self.loss_reduction == "mean" else 1.0
-        sq = sum(self._pass.sq_norms[p] if p in self._pass.sq_norms else self._pass.per_param[p].sq_norms()
-                 for p in present)
-        norms = sq.sqrt() * scale
+        sq_norms = [self._pass.sq_norms[p] if p in self._pass.sq_norms else self._pass.per_param[p].sq_norms()
+                    for p in present]
+        sq = sq_norms[0]
+        for more in sq_norms[1:]:
+            sq = sq + more
+        norms = sq.sqrt().mul_(scale)
         self._pass.finite_checks.append((group.name, (norms < NORM_LIMIT).all()))
         weights = self.clip.weights(norms, self.thresholds[group.name]) * scale
         for p in present:
@@ -691,7 +696,7 @@ class _ParameterReads(TorchFunctionMode):
         frames = self.state.frames
         if (torch.is_grad_enabled() and not self.state.in_hook and frames and frames[-1].unit.rule is None
                 and _method_name(func) not in _NOT_A_READ):
-            for leaf in tree_flatten((args, kwargs))[0]:
+            for leaf in _flatten_call(args, kwargs)[0]:
                 if isinstance(leaf, nn.Parameter) and leaf in self.watched:
                     self.seen.add(leaf)
         return func(*args, **kwargs)
@@ -767,14 +772,35 @@ def _capture(args: tuple, kwargs: dict, expand_to: int | None = None
     """The call's inputs, detached, with their version counters to detect later in-place edits.
     ``expand_to``: the call is shared by all examples; its one-row inputs are expanded to that many
     rows, as a layer rule needs one row per example (the fallback passes shared inputs whole)."""
-    leaves, spec = tree_flatten((args, kwargs))
+    leaves, spec = _flatten_call(args, kwargs)
     leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
     versions = [(x, x._version) for x in leaves if isinstance(x, torch.Tensor)]
     if expand_to is not None:
         leaves = [x.expand(expand_to, *x.shape[1:])
                   if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == 1 else x for x in leaves]
-    args, kwargs = tree_unflatten(leaves, spec)
+    args, kwargs = _unflatten_call(leaves, spec)
     return Capture(args=args, kwargs=kwargs), versions
+
+
+def _flatten(tree: Any) -> tuple[list[Any], Any]:
+    """``tree_flatten``, without its cost for a single tensor (spec ``None``)."""
+    return ([tree], None) if isinstance(tree, torch.Tensor) else tree_flatten(tree)
+
+
+def _unflatten(leaves: list[Any], spec: Any) -> Any:
+    return leaves[0] if spec is None else tree_unflatten(leaves, spec)
+
+
+def _flatten_call(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+    """``tree_flatten((args, kwargs))`` (same leaves, same order), without its cost for the common
+    layer call: positional tensors and no keywords (spec ``None``)."""
+    if not kwargs and all(isinstance(x, torch.Tensor) for x in args):
+        return list(args), None
+    return tree_flatten((args, kwargs))
+
+
+def _unflatten_call(leaves: list[Any], spec: Any) -> tuple[tuple, dict]:
+    return (tuple(leaves), {}) if spec is None else tree_unflatten(leaves, spec)
 
 
 def _storage(x: torch.Tensor) -> int:
@@ -788,7 +814,7 @@ def _storages(leaves: list[Any]) -> set[int]:
 
 def _root_examples(args: tuple, kwargs: dict) -> int | None:
     """The examples of a model call: dimension 0 of its tensor inputs, which must agree."""
-    sizes = {tuple(t.shape): t.shape[0] for t in tree_flatten((args, kwargs))[0]
+    sizes = {tuple(t.shape): t.shape[0] for t in _flatten_call(args, kwargs)[0]
              if isinstance(t, torch.Tensor) and t.dim() > 0}
     if len(set(sizes.values())) > 1:
         raise PrivacyError(

@@ -205,8 +205,10 @@ class DPOptimizer(torch.optim.Optimizer):
         """Before each step: the parameters the wrapped optimizer updates are still exactly those the
         engine clips and noises. Anything else would be updated with a raw, unclipped, un-noised
         gradient (added to the optimizer after make_private), or noised for nothing (frozen)."""
-        names = {p: n for n, p in self.engine.model.named_parameters()}
         optimized = [p for group in self.param_groups for p in group["params"]]
+        if all(p in self._trainable for p in optimized) and all(p.requires_grad for p in self._trainable):
+            return
+        names = {p: n for n, p in self.engine.model.named_parameters()}
         added = [names.get(p, "a parameter outside the model") for p in optimized if p not in self._trainable]
         frozen = sorted(names[p] for p in self._trainable if not p.requires_grad and p in names)
         if not added and not frozen:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -36,9 +37,42 @@ def _secure_uniform(count: int) -> torch.Tensor:
 def _secure_normal(count: int) -> torch.Tensor:
     """``count`` standard normals (float64) from ``os.urandom``: Box-Muller, both of each pair used."""
     half = (count + 1) // 2
-    radius = torch.sqrt(-2 * torch.log(_secure_uniform(half)))
-    angle = 2 * math.pi * _secure_uniform(half)
+    uniform = _secure_uniform(2 * half)  # one read of the OS generator
+    radius = uniform[:half].log_().mul_(-2).sqrt_()
+    angle = uniform[half:].mul_(2 * math.pi)
     return torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[:count]
+
+
+class _SecureDrawAhead:
+    """Secure normals drawn one release ahead, on a background thread, while the model computes.
+
+    Each block of ``count`` normals is an independent draw from ``os.urandom``, handed out once and then
+    forgotten; the next block of the same size is drawn at once in the background, for the next release
+    of that size. Drawing early changes nothing of the noise's distribution or secrecy (it never leaves
+    this process before it is added to a release). A forked process never takes over a block drawn before
+    the fork (both processes would hold the same noise): it draws its own."""
+
+    SIZES = (1024, 1 << 22)  # block sizes drawn ahead: large enough to matter, small enough to hold twice
+
+    def __init__(self) -> None:
+        self._forget()
+
+    def _forget(self) -> None:
+        self._pid = os.getpid()
+        self._executor: ThreadPoolExecutor | None = None
+        self._ahead: dict[int, Future] = {}
+
+    def normal(self, count: int) -> torch.Tensor:
+        """``count`` fresh standard normals (float64)."""
+        if self._pid != os.getpid():  # a forked child: drop what the parent drew ahead
+            self._forget()
+        ahead = self._ahead.pop(count, None)
+        z = ahead.result() if ahead is not None else _secure_normal(count)
+        if self.SIZES[0] <= count <= self.SIZES[1]:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tunefree-noise")
+            self._ahead[count] = self._executor.submit(_secure_normal, count)
+        return z
 
 
 class Randomness:
@@ -55,6 +89,7 @@ class Randomness:
         self.secure = secure or seed is None
         self.seed = None if self.secure else int(seed)  # type: ignore[arg-type]
         self._noise: dict[str, torch.Generator] = {}
+        self._draw_ahead = _SecureDrawAhead()
 
     @property
     def description(self) -> str:
@@ -91,7 +126,11 @@ class Randomness:
             generator = self._generator(device)
             return [torch.randn(shape, generator=generator, device=device, dtype=dtype) for shape in shapes]
         sizes = [math.prod(shape) for shape in shapes]
-        z = _secure_normal(sum(sizes)).to(device=device, dtype=dtype)
+        z = self._draw_ahead.normal(sum(sizes))
+        if device.type == "cuda":  # a copy from pinned memory does not wait for the GPU's queued work
+            z = z.pin_memory().to(device=device, dtype=dtype, non_blocking=True)
+        else:
+            z = z.to(device=device, dtype=dtype)
         return [chunk.reshape(shape) for chunk, shape in zip(z.split(sizes), shapes)]
 
     def state_dict(self) -> dict[str, Any]:

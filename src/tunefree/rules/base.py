@@ -49,7 +49,8 @@ class Materialized(PerSampleGrad):
         return (flat * flat).sum(1)
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
-        return torch.tensordot(weights.to(self.grads.dtype), self.grads, dims=1)
+        grads = self.grads
+        return (weights.to(grads.dtype) @ grads.reshape(grads.shape[0], -1)).reshape(grads.shape[1:])
 
     def materialize(self) -> torch.Tensor:
         return self.grads

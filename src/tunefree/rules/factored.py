@@ -46,9 +46,18 @@ class FactoredGrad(PerSampleGrad):
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         if self._grads is not None:
-            return torch.tensordot(weights.to(self._grads.dtype), self._grads, dims=1)
-        scaled = self.b * weights.to(self.b.dtype)[:, None, None, None]
-        total = torch.einsum("bgto,bgti->goi", scaled, self.a.to(self.b.dtype))
+            grads = self._grads
+            return (weights.to(grads.dtype) @ grads.reshape(grads.shape[0], -1)).reshape(self.shape)
+        a, b = self.a.to(self.b.dtype), self.b
+        groups, d_in, d_out = a.shape[1], a.shape[-1], b.shape[-1]
+        w = weights.to(b.dtype).view(-1, 1, 1, 1)
+        if d_in < d_out:  # scale the smaller factor by the clip weights
+            a = a * w
+        else:
+            b = b * w
+        # [G, d_out, B·T] @ [G, B·T, d_in]: one (batched) matrix product, as autograd's weight gradient
+        total = (b.permute(1, 3, 0, 2).reshape(groups, d_out, -1)
+                 @ a.permute(1, 0, 2, 3).reshape(groups, -1, d_in))
         return total.reshape(self.shape)
 
     def materialize(self) -> torch.Tensor:
