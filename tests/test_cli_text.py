@@ -182,6 +182,22 @@ def test_causal_lm_loss_is_the_mean_over_the_examples_own_tokens(files):
             assert together[i].item() == pytest.approx(alone.item(), rel=1e-5)
 
 
+def test_a_gpt2_classifier_pads_with_its_end_of_text_token(files):
+    model, tokenizer, notes = text_models.load(str(files / "gpt2"), "classification", ["neg", "pos"], True)
+    assert any("score" in note for note in notes)  # the new head is named
+    batch = text_data.tokenize(tokenizer, ["good fun", "bad awful dull the mat"], 128, "classification")
+    text_models.share_padding(model, tokenizer)
+    assert batch["attention_mask"][0].tolist() == [1, 1, 0, 0, 0]
+    first = {"input_ids": batch["input_ids"][:1, :2], "attention_mask": batch["attention_mask"][:1, :2],
+             "labels": torch.tensor([1])}
+    batch["labels"] = torch.tensor([1, 0])
+    model.eval()
+    with torch.no_grad():
+        padded = text_models.per_example_losses(model, batch, "classification")
+        alone = text_models.per_example_losses(model, first, "classification")
+    assert padded[0].item() == pytest.approx(alone[0].item(), rel=1e-5)  # padding does not change it
+
+
 BAD_INPUTS = [
     (["--data", "{files}/reviews.csv", "--text-column", "body"], "text column 'body' not found"),
     (["--data", "{files}/reviews.csv", "--label-column", "stars"], "label column 'stars' not found"),

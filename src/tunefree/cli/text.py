@@ -148,6 +148,7 @@ def train_text(config: TextConfig) -> dict[str, Any]:
                              "--lora-rank")
         model = text_models.add_lora(model, task, config.lora_rank, config.lora_targets)
     tensors.update(text_data.tokenize(tokenizer, table.texts, config.max_length, task))
+    text_models.share_padding(model, tokenizer)
     if classes is not None:
         notes.append(f"the classes {[str(c) for c in classes][:10]} were read from the data and are "
                      "treated as public")

@@ -122,6 +122,13 @@ def per_example_losses(model: nn.Module, batch: dict[str, torch.Tensor], task: s
     return tokens.sum(1) / (targets != IGNORED_LABEL).sum(1)
 
 
+def share_padding(model: nn.Module, tokenizer) -> None:
+    """Tell the model which token pads (a GPT-2 classifier finds each example's last real token by it)."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = tokenizer.pad_token_id
+
+
 def save(model: nn.Module, tokenizer, directory: Path) -> None:
     """``save_pretrained`` of the model (of the adapter only, for LoRA) and the tokenizer, so that
     plain transformers/peft load it back."""
