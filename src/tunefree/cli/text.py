@@ -126,7 +126,7 @@ def train_text(config: TextConfig) -> dict[str, Any]:
     _check(config)
     directory = Path(config.model)
     if not directory.is_dir():
-        raise text_models._not_a_model(directory)
+        raise text_models.not_a_model(directory)
     table = text_data.read_table(config.data, config.text_column)
     task, label_column = text_data.infer_task(config.task, config.label_column, table.columns)
     train_rows, test_rows = text_data.split(len(table.texts))
@@ -172,7 +172,7 @@ def train_text(config: TextConfig) -> dict[str, Any]:
         "guarantee": str(engine.guarantee(delta)), "randomness": engine.randomness.description,
         "note": loose_target_note(config.epsilon, engine.noise_multiplier, epsilon),
         "data_notes": notes, "task": task, "label_column": label_column,
-        "model_directory": str(run.path / "model"), "lora": config.lora_rank is not None,
+        "model_directory": str(run.path / "model"), "lora": hasattr(model, "peft_config"),
         "trainable_parameters": sum(p.numel() for p in trainable),
         "dataset": {"name": table.name, "train_examples": len(train_rows), "test_examples": len(test_rows),
                     "sequence_length": int(tensors["input_ids"].shape[1])},

@@ -19,7 +19,7 @@ from torch import nn
 from .text_data import IGNORED_LABEL
 
 
-def _not_a_model(path: Path) -> ValueError:
+def not_a_model(path: Path) -> ValueError:
     return ValueError(f"--model {path} is not a model: give one of the built-in models (auto, cnn, mlp, "
                       "linear) or a local Hugging Face model directory (config.json, weights and tokenizer, "
                       "as written by save_pretrained) or a LoRA adapter directory (adapter_config.json)")
@@ -62,7 +62,7 @@ def load(path: str, task: str, classes: list | None, quiet: bool = False
 
     directory = Path(path)
     if not directory.is_dir():
-        raise _not_a_model(directory)
+        raise not_a_model(directory)
     notes = []
     if (directory / "adapter_config.json").exists():
         import peft
@@ -77,7 +77,7 @@ def load(path: str, task: str, classes: list | None, quiet: bool = False
     elif (directory / "config.json").exists():
         model, new = _from_pretrained(task, directory.resolve(), classes)
     else:
-        raise _not_a_model(directory)
+        raise not_a_model(directory)
     if new:
         notes.append(f"weights {new[:6]}{' …' if len(new) > 6 else ''} are not in {path} and start from a "
                      "random initialisation (e.g. a new classification head)")
