@@ -16,7 +16,7 @@ from ..clipping import CLIP_FUNCTIONS
 from ..grouping import GROUPINGS
 from ..privacy.accounting import ACCOUNTANTS
 from ..privacy.mechanisms import NOISE_ALLOCATIONS
-from . import audit
+from . import audit, text
 from .models import MODELS
 
 EXIT_USAGE = 2
@@ -93,11 +93,11 @@ def parser() -> argparse.ArgumentParser:
     train = commands.add_parser(
         "train", help="train a model privately",
         description="Train a model with an (ε, δ)-DP guarantee on built-in or local data.")
-    train.add_argument("--dataset", default="digits",
+    train.add_argument("--dataset", "--data", default="digits",
                        help="'digits' (built in) or a local path: an MNIST/Fashion-MNIST IDX "
-                            "directory, cifar-10-batches-py, a .csv/.parquet table, or a Hugging Face "
+                            "directory, cifar-10-batches-py, a .csv/.jsonl/.parquet table, or a Hugging Face "
                             "save_to_disk directory (default: digits)")
-    train.add_argument("--label-column", default=defaults.label_column,
+    train.add_argument("--label-column", default=None,
                        help="label column of a table or HF data set (default: label)")
     train.add_argument("--schema", type=Path, default=None,
                        help="a table's public schema (JSON): category sets and value ranges of its "
@@ -106,8 +106,10 @@ def parser() -> argparse.ArgumentParser:
                        help="numeric table columns with no range in --schema: private (standardised by "
                             "an estimate that spends 5%% of ε and δ, in the ledger) or none (fed as "
                             "they are) (default: private)")
-    train.add_argument("--model", choices=MODELS, default=defaults.model,
-                       help="auto: a CNN for images of 24 pixels or more a side, an MLP otherwise")
+    train.add_argument("--model", default=defaults.model,
+                       help=f"{', '.join(MODELS)} (auto: a CNN for images of 24 pixels or more a side, an "
+                            "MLP otherwise), or PATH of a local Hugging Face model to fine-tune on text "
+                            "(see the text model flags below)")
     train.add_argument("--hidden", type=_widths, default=None,
                        help="hidden layer widths of the MLP, e.g. 256,256 (default: 128)")
     train.add_argument("--epsilon", type=_positive_float, default=defaults.epsilon,
@@ -181,6 +183,7 @@ def parser() -> argparse.ArgumentParser:
                         help="number of epochs (steps = ⌈epochs·round(1/q)⌉, as in training)")
     eps.add_argument("--delta", type=_delta, required=True)
     eps.add_argument("--accountant", choices=ACCOUNTANTS, default="pld")
+    text.add_arguments(train, _positive_int)
     audit.add_parser(commands, _positive_float, _positive_int, _delta, _learning_rate)
     return root
 
@@ -202,9 +205,13 @@ def _train_in_this_process(args: argparse.Namespace) -> int:
     from .launch import is_main_process
     from .training import TrainConfig, train
 
+    if args.model not in MODELS:
+        return text.command(args)
+    text.check_no_text_flags(args)
     epochs = TrainConfig.epochs if args.epochs is None and args.steps is None else args.epochs
     config = TrainConfig(
-        dataset=args.dataset, label_column=args.label_column, model=args.model, hidden=args.hidden,
+        dataset=args.dataset, label_column=args.label_column or TrainConfig.label_column,
+        model=args.model, hidden=args.hidden,
         schema=str(args.schema) if args.schema else None, numeric_scaling=args.numeric_scaling,
         epsilon=args.epsilon, delta=args.delta, epochs=epochs, steps=args.steps,
         batch_size=args.batch_size,

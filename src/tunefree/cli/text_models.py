@@ -1,0 +1,136 @@
+"""Hugging Face models for ``tunefree train --model PATH``: loading from a local directory, LoRA, the
+per-example losses, saving. ``transformers`` and ``peft`` are imported here only, when a text run
+starts, so the image and table paths never need them.
+
+The per-example loss of a causal LM is the mean cross-entropy over the example's own predicted tokens
+(padding excluded), so every example weighs the same in the batch mean whatever its length; that of a
+classifier is its cross-entropy.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .text_data import IGNORED_LABEL
+
+
+def not_a_model(path: Path) -> ValueError:
+    return ValueError(f"--model {path} is not a model: give one of the built-in models (auto, cnn, mlp, "
+                      "linear) or a local Hugging Face model directory (config.json, weights and tokenizer, "
+                      "as written by save_pretrained) or a LoRA adapter directory (adapter_config.json)")
+
+
+def _auto_class(task: str):
+    import transformers
+
+    if task == "classification":
+        return transformers.AutoModelForSequenceClassification
+    return transformers.AutoModelForCausalLM
+
+
+def _from_pretrained(task: str, path: Path, classes: list | None) -> tuple[nn.Module, list[str]]:
+    """The model at ``path`` for ``task`` in float32, and the names of weights it had to initialise."""
+    options = {}
+    if classes is not None:
+        options = {"num_labels": len(classes), "ignore_mismatched_sizes": True,
+                   "id2label": dict(enumerate(str(c) for c in classes)),
+                   "label2id": {str(c): i for i, c in enumerate(classes)}}
+    try:
+        model, info = _auto_class(task).from_pretrained(str(path), dtype=torch.float32,
+                                                        output_loading_info=True, **options)
+    except (OSError, ValueError, KeyError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"--model {path}: transformers cannot load it as a {task} model: {first}") from error
+    new = [*info.get("missing_keys", []), *(k for k, *_ in info.get("mismatched_keys", []))]
+    return model, sorted(new)
+
+
+def load(path: str, task: str, classes: list | None, quiet: bool = False
+         ) -> tuple[nn.Module, object, list[str]]:
+    """The model and tokenizer at ``path`` (a HF model directory, or a LoRA adapter directory whose
+    ``base_model_name_or_path`` is a local model), in training mode, and notes on what was new.
+    ``quiet`` turns off transformers' progress bars (for the rest of the process)."""
+    import transformers
+
+    if quiet:
+        transformers.utils.logging.disable_progress_bar()
+
+    directory = Path(path)
+    if not directory.is_dir():
+        raise not_a_model(directory)
+    notes = []
+    if (directory / "adapter_config.json").exists():
+        import peft
+
+        base = Path(json.loads((directory / "adapter_config.json").read_text()).get(
+            "base_model_name_or_path") or "")
+        if not (base / "config.json").exists():
+            raise ValueError(f"--model {directory} is a LoRA adapter whose base model {str(base)!r} is not "
+                             "a local model directory: move the base model there or load it yourself")
+        model, new = _from_pretrained(task, base.resolve(), classes)
+        model = peft.PeftModel.from_pretrained(model, str(directory), is_trainable=True)
+    elif (directory / "config.json").exists():
+        model, new = _from_pretrained(task, directory.resolve(), classes)
+    else:
+        raise not_a_model(directory)
+    if new:
+        notes.append(f"weights {new[:6]}{' …' if len(new) > 6 else ''} are not in {path} and start from a "
+                     "random initialisation (e.g. a new classification head)")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"--model {path} has no tokenizer transformers can load ({type(error).__name__}): "
+                         "save one there with tokenizer.save_pretrained") from error
+    model.train()
+    return model, tokenizer, notes
+
+
+def add_lora(model: nn.Module, task: str, rank: int, targets: tuple[str, ...] | None) -> nn.Module:
+    """Wrap ``model`` with peft LoRA adapters of rank ``rank`` (alpha = 2·rank) on ``targets``, by
+    default peft's choice of attention projections for the architecture; only the adapters (and a
+    classifier's head) are trainable, the base is frozen."""
+    import peft
+
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+        target_modules=list(targets) if targets else None,
+        task_type=peft.TaskType.SEQ_CLS if task == "classification" else peft.TaskType.CAUSAL_LM)
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as error:
+        model_type = getattr(getattr(model, "config", None), "model_type", "?")
+        hint = ("pass --lora-targets with the names of its attention projections, e.g. q_proj,v_proj"
+                if not targets else "check the module names with print(model)")
+        raise ValueError(f"LoRA on this {model_type} model failed ({str(error).splitlines()[0]}): {hint}"
+                         ) from error
+
+
+def per_example_losses(model: nn.Module, batch: dict[str, torch.Tensor], task: str) -> torch.Tensor:
+    """One loss per example, shape [n]: cross-entropy of the class (classification) or the mean
+    next-token cross-entropy over the example's own tokens (causal LM; padding is not its data)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    if task == "classification":
+        return F.cross_entropy(logits, batch["labels"], reduction="none")
+    targets = batch["labels"][:, 1:]
+    tokens = F.cross_entropy(logits[:, :-1].transpose(1, 2), targets, reduction="none",
+                             ignore_index=IGNORED_LABEL)
+    return tokens.sum(1) / (targets != IGNORED_LABEL).sum(1)
+
+
+def share_padding(model: nn.Module, tokenizer) -> None:
+    """Tell the model which token pads (a GPT-2 classifier finds each example's last real token by it)."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = tokenizer.pad_token_id
+
+
+def save(model: nn.Module, tokenizer, directory: Path) -> None:
+    """``save_pretrained`` of the model (of the adapter only, for LoRA) and the tokenizer, so that
+    plain transformers/peft load it back."""
+    model.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))

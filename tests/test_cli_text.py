@@ -1,0 +1,237 @@
+"""``tunefree train --model PATH`` on text: tiny random-init BERT (classification) and GPT-2 (causal LM)
+saved with ``save_pretrained`` beside a word-level tokenizer, trained a few steps from CSV, JSON lines
+and Parquet; the saved model (or LoRA adapter) loads back with plain transformers/peft."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+
+import pandas as pd
+import peft
+import pytest
+import torch
+import transformers
+
+from tunefree.cli import main, text_data, text_models
+from tunefree.privacy.accounting import epsilon_of, planned_event
+
+WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "good", "great", "fun", "bad", "awful", "dull"]
+SPECIAL = ["[PAD]", "[UNK]", "<eos>"]
+
+
+def _tokenizer(**special):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {word: i for i, word in enumerate(SPECIAL + WORDS)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", **special)
+
+
+def _rows(n: int = 60) -> pd.DataFrame:
+    """Reviews whose first three words say the label, then 1–6 random words (variable lengths)."""
+    rng = random.Random(0)
+    rows = []
+    for i in range(n):
+        positive = i % 2
+        words = rng.choices(["good", "great", "fun"] if positive else ["bad", "awful", "dull"], k=3)
+        rows.append({"review": " ".join(words + rng.choices(WORDS, k=rng.randint(1, 6))),
+                     "sentiment": "pos" if positive else "neg"})
+    return pd.DataFrame(rows)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    torch.manual_seed(0)
+    vocab = len(SPECIAL) + len(WORDS)
+    bert = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=vocab, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32))
+    bert.save_pretrained(root / "bert")
+    _tokenizer(pad_token="[PAD]").save_pretrained(root / "bert")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=vocab, n_embd=16, n_layer=1, n_head=2, n_positions=32, bos_token_id=2, eos_token_id=2))
+    gpt2.save_pretrained(root / "gpt2")
+    _tokenizer(eos_token="<eos>").save_pretrained(root / "gpt2")  # no pad token, like GPT-2's own
+    frame = _rows()
+    frame.rename(columns={"review": "text", "sentiment": "label"}).to_csv(root / "reviews.csv", index=False)
+    frame[["review"]].to_json(root / "lm.jsonl", orient="records", lines=True)
+    frame.to_parquet(root / "reviews.parquet")
+    return root
+
+
+def _digest(directory) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+def _train(files, out, *args):
+    code = main(["train", "--steps", "2", "--batch-size", "8", "--quiet", "--seed", "0",
+                 "--accountant", "rdp", "--out", str(out), "--json", str(out / "r.json"), *args])
+    assert code == 0
+    result = json.loads((out / "r.json").read_text())
+    assert json.loads((out / "report.json").read_text())["epsilon"] == result["epsilon"]
+    return result
+
+
+def _test_rows(files, column: str) -> list[str]:
+    texts = pd.read_csv(files / "reviews.csv")[column].tolist()
+    return [texts[i] for i in text_data.split(len(texts))[1]]
+
+
+@pytest.fixture(scope="module")
+def bert_run(files, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bert_run")
+    return out, _train(files, out, "--model", str(files / "bert"), "--data", str(files / "reviews.csv"))
+
+
+@pytest.fixture(scope="module")
+def gpt2_lora_run(files, tmp_path_factory):
+    before = _digest(files / "gpt2")
+    out = tmp_path_factory.mktemp("gpt2_run")
+    result = _train(files, out, "--model", str(files / "gpt2"), "--data", str(files / "lm.jsonl"),
+                    "--text-column", "review", "--lora-rank", "2")
+    return out, result, before
+
+
+def test_classification_from_csv_saves_a_model_that_loads_and_predicts(files, bert_run):
+    out, result = bert_run
+    assert result["task"] == "classification" and result["label_column"] == "label"
+    assert result["steps"] == result["planned_steps"] == 2 and not result["lora"]
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(out / "model").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out / "model")
+    assert model.config.id2label == {0: "neg", 1: "pos"}
+    texts = _test_rows(files, "text")
+    labels = pd.read_csv(files / "reviews.csv")["label"].map({"neg": 0, "pos": 1}).tolist()
+    expected = torch.tensor([labels[i] for i in text_data.split(len(labels))[1]])
+    with torch.no_grad():
+        logits = model(**tokenizer(texts, padding=True, return_tensors="pt")).logits
+    assert logits.shape == (len(texts), 2)
+    # the reloaded model is the one that was evaluated: its held-out accuracy is the report's
+    assert (logits.argmax(-1) == expected).float().mean().item() == pytest.approx(result["test_accuracy"])
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(files / "bert")
+    changed = [name for name, p in model.named_parameters()
+               if not torch.equal(p, base.state_dict()[name])]
+    assert changed, "full fine-tuning must change the weights"
+
+
+def test_reported_epsilon_is_the_ledgers(bert_run, gpt2_lora_run):
+    for _, result, *_ in (bert_run, gpt2_lora_run):
+        event = planned_event(result["noise_multiplier"], result["sample_rate"], result["steps"])
+        assert result["epsilon"] == pytest.approx(epsilon_of(event, result["delta"], "rdp"), rel=1e-12)
+        assert 0 < result["epsilon"] <= 3.0
+
+
+def test_lora_causal_lm_from_json_lines_saves_only_the_adapter(files, gpt2_lora_run):
+    out, result, before = gpt2_lora_run
+    assert result["task"] == "causal-lm" and result["lora"]  # no label column: causal LM inferred
+    saved = {p.name for p in (out / "model").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= saved
+    assert not saved & {"model.safetensors", "pytorch_model.bin"}
+    assert _digest(files / "gpt2") == before  # the base model's files are untouched
+    base = transformers.AutoModelForCausalLM.from_pretrained(files / "gpt2")
+    original = {name: p.clone() for name, p in base.state_dict().items()}
+    model = peft.PeftModel.from_pretrained(base, out / "model").eval()
+    for name, p in model.base_model.model.state_dict().items():
+        if "lora_" not in name:  # every base weight is the original one
+            key = name.replace(".base_layer", "")
+            assert torch.equal(p, original[key]), name
+    lora_b = [p for name, p in model.named_parameters() if "lora_B" in name]
+    assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # B starts at zero: it was trained
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out / "model")
+    texts = pd.read_json(files / "lm.jsonl", lines=True)["review"].tolist()
+    held_out = [texts[i] for i in text_data.split(len(texts))[1]]
+    batch = text_data.tokenize(tokenizer, held_out, 128, "causal-lm")
+    with torch.no_grad():
+        loss = text_models.per_example_losses(model, batch, "causal-lm").mean().item()
+        generated = model.generate(input_ids=batch["input_ids"][:1, :3], max_new_tokens=2, do_sample=False)
+    assert loss == pytest.approx(result["test_loss"], rel=1e-5)
+    assert generated.shape == (1, 5)
+
+
+def test_lora_classification_from_parquet_with_named_columns(files, tmp_path):
+    result = _train(files, tmp_path, "--model", str(files / "bert"), "--data", str(files / "reviews.parquet"),
+                    "--text-column", "review", "--label-column", "sentiment", "--lora-rank", "2",
+                    "--lora-targets", "query,value", "--max-length", "6")
+    assert result["task"] == "classification" and result["dataset"]["sequence_length"] == 6
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(files / "bert")
+    model = peft.PeftModel.from_pretrained(base, tmp_path / "model").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "model")
+    with torch.no_grad():
+        logits = model(**tokenizer(["good fun", "awful dull"], padding=True, return_tensors="pt")).logits
+    assert logits.shape == (2, 2) and torch.isfinite(logits).all()
+    # only the adapters and the classifier head were trained
+    assert result["trainable_parameters"] < sum(p.numel() for p in base.parameters()) / 10
+
+
+def test_causal_lm_loss_is_the_mean_over_the_examples_own_tokens(files):
+    model = transformers.AutoModelForCausalLM.from_pretrained(files / "gpt2").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(files / "gpt2")
+    texts = ["the cat sat", "a dog ran on the mat fast"]
+    batch = text_data.tokenize(tokenizer, texts, 128, "causal-lm")
+    assert (batch["labels"][0, 3:] == text_data.IGNORED_LABEL).all()  # padding is not the example's data
+    assert (batch["attention_mask"][0, 3:] == 0).all() and (batch["attention_mask"][1] == 1).all()
+    with torch.no_grad():
+        together = text_models.per_example_losses(model, batch, "causal-lm")
+        for i, text in enumerate(texts):
+            ids = tokenizer(text, return_tensors="pt")["input_ids"]
+            logits = model(input_ids=ids).logits
+            alone = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])  # mean over its tokens
+            assert together[i].item() == pytest.approx(alone.item(), rel=1e-5)
+
+
+def test_a_gpt2_classifier_pads_with_its_end_of_text_token(files):
+    model, tokenizer, notes = text_models.load(str(files / "gpt2"), "classification", ["neg", "pos"], True)
+    assert any("score" in note for note in notes)  # the new head is named
+    batch = text_data.tokenize(tokenizer, ["good fun", "bad awful dull the mat"], 128, "classification")
+    text_models.share_padding(model, tokenizer)
+    assert batch["attention_mask"][0].tolist() == [1, 1, 0, 0, 0]
+    first = {"input_ids": batch["input_ids"][:1, :2], "attention_mask": batch["attention_mask"][:1, :2],
+             "labels": torch.tensor([1])}
+    batch["labels"] = torch.tensor([1, 0])
+    model.eval()
+    with torch.no_grad():
+        padded = text_models.per_example_losses(model, batch, "classification")
+        alone = text_models.per_example_losses(model, first, "classification")
+    assert padded[0].item() == pytest.approx(alone[0].item(), rel=1e-5)  # padding does not change it
+
+
+BAD_INPUTS = [
+    (["--data", "{files}/reviews.csv", "--text-column", "body"], "text column 'body' not found"),
+    (["--data", "{files}/reviews.csv", "--label-column", "stars"], "label column 'stars' not found"),
+    (["--data", "{files}/empty_text.csv"], "column 'text' is empty or not text in data row(s) [2]"),
+    (["--data", "{files}/lm.jsonl", "--text-column", "review", "--task", "classification"],
+     "--task classification needs a label column"),
+    (["--data", "{files}/reviews.csv", "--model", "{files}"], "is not a model: give one of the built-in"),
+    (["--data", "{files}/reviews.csv", "--model", "{files}/nowhere"], "is not a model"),
+    (["--data", "{files}/reviews.csv", "--lora-targets", "query"], "--lora-targets chooses where LoRA"),
+    (["--data", "{files}/reviews.csv", "--lora-rank", "2", "--lora-targets", "nothing_here"],
+     "LoRA on this bert model failed"),
+    (["--data", "{files}/reviews.csv", "--hidden", "8"], "--hidden do not apply to text models"),
+    (["--data", "{files}/reviews.csv", "--lr", "auto"], "--lr auto is not available for text models"),
+    (["--model", "mlp", "--text-column", "review"], "--text-column apply to text models"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUTS)
+def test_bad_input_is_one_line_and_exit_2(files, tmp_path, capsys, args, message):
+    pd.DataFrame({"text": ["good fun", " ", "bad"], "label": [1, 0, 0]}).to_csv(
+        files / "empty_text.csv", index=False)
+    args = [a.format(files=files) for a in args]
+    model = [] if "--model" in args else ["--model", str(files / "bert")]
+    code = main(["train", "--steps", "1", "--batch-size", "2", "--quiet", "--out", str(tmp_path / "run"),
+                 *model, *args])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_unknown_task_and_missing_out_are_refused(files, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model", str(files / "bert"), "--data", str(files / "reviews.csv"),
+              "--task", "translation"])
+    assert exit_info.value.code == 2 and "invalid choice: 'translation'" in capsys.readouterr().err
+    code = main(["train", "--model", str(files / "bert"), "--data", str(files / "reviews.csv")])
+    assert code == 2 and "needs --out DIR" in capsys.readouterr().err
