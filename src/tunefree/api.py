@@ -294,6 +294,9 @@ def make_private(
             ``loss_privacy`` is ``"gaussian"`` (L2) or ``"laplace"`` (L1, accounted through a
             dominating Gaussian). ``lr_update_interval``, ``loss_privacy`` and
             ``gradient_noise_increase`` are legacy forms of ``AutoLR``'s fields, valid only with it.
+            ``AutoLR(mode="dog")`` with ``torch.optim.SGD`` instead sets the step size by noise-aware
+            DoG from the released gradients alone (no release, no ε, no closure; see
+            ``tunefree.autolr_dog`` and ``engine.dog_lr``).
         verify_every: besides the check before the first release, re-check example independence
             (``tunefree.independence``) every this many steps; ``None``: once.
 
