@@ -392,9 +392,11 @@ def _run_settings(clip: ClipFunction, groups: list[ClipGroup], quantile: Quantil
                   noise_allocation: str, loss_reduction: str, dataset: Any, num_examples: int,
                   auto: AutoLR | None = None) -> dict[str, Any]:
     """What identifies the run beyond its noise, for the plan's fingerprint."""
-    learning_rate = {} if auto is None else {
-        "auto_lr": {"mode": auto.mode, "initial_distance": auto.initial_distance} if auto.mode == "dog" else
-        {"mode": auto.mode, "probes": auto.probes, "initial_lr": auto.initial_lr}}
+    learning_rate: dict[str, Any] = {}
+    if auto is not None and auto.mode == "dog":
+        learning_rate = {"auto_lr": {"mode": auto.mode, "initial_distance": auto.initial_distance}}
+    elif auto is not None:
+        learning_rate = {"auto_lr": {"mode": auto.mode, "probes": auto.probes, "initial_lr": auto.initial_lr}}
     return {**learning_rate, "clipping": {"name": clip.name, "gamma": clip.gamma, "r": clip.r},
             "groups": {g.name: [list(g.param_names), g.threshold] for g in groups},
             "thresholds": "fixed" if quantile is None else vars(quantile),

@@ -42,7 +42,8 @@ class DistanceOverGradients(StepComponent):
         release: the gradient mechanism, read for its per-group noise standard deviations (public).
         expected_batch_size: q·N, by which the released sums are divided.
         noise_aware: subtract the known noise energy from the gradient energy and from the distance.
-        initial_distance: DoG's r_ε relative to 1 + ‖x_0‖ (chosen without data).
+        initial_distance: DoG's r_ε relative to 1 + ‖x_0‖ (public; the default was chosen on the
+            validation split of a benchmark task, benchmarks/RESULTS.md §5b).
     """
 
     def __init__(self, release: GradientRelease, expected_batch_size: float, noise_aware: bool = True,
