@@ -40,7 +40,24 @@ AUTO_VARIANTS = {  # name: AutoLR fields
     "paper-differences": {"mode": "paper", "probes": "differences"},
     "safeguarded-differences": {"mode": "safeguarded", "probes": "differences"},
 }
+LR_FREE = {  # name: the optimizer, run privately on the released gradient (lr 1.0: their own scale)
+    "dog": lambda params: _package("dog").DoG(params, lr=1.0),
+    "ldog": lambda params: _package("dog").LDoG(params, lr=1.0),
+    "prodigy": lambda params: _package("prodigyopt").Prodigy(params, lr=1.0, weight_decay=0.0),
+    "dadapt-adam": lambda params: _package("dadaptation").DAdaptAdam(params, lr=1.0),
+    "dadapt-sgd": lambda params: _package("dadaptation").DAdaptSGD(params, lr=1.0),
+}
+POST_PROCESSING = {  # tunefree's DoG on the released gradient of SGD: lr=AutoLR(mode="dog"), and the
+    "tf-dog-noise-aware": {"noise_aware": True},  # same rule without the noise correction (diagnostic)
+    "tf-dog": {"noise_aware": False},
+}
 DELTA = 1e-5
+
+
+def _package(name: str):
+    """The learning-rate-free packages are benchmark extras (``pip install .[bench]``)."""
+    import importlib
+    return importlib.import_module(name)
 
 
 @dataclass
@@ -126,16 +143,28 @@ def run(task: Task, method: str, lr: float | None, sigma: float | None, seed: in
     """One training run; ``sigma`` None is non-private. Returns accuracies, ε, lr at the end, time."""
     torch.manual_seed(seed)
     model = task.model()
-    optimizer = (torch.optim.SGD if method == "sgd" else torch.optim.AdamW)(model.parameters(),
-                                                                             lr=lr or 1e-3)
+    if method in POST_PROCESSING:
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    elif method in LR_FREE:
+        optimizer = LR_FREE[method](model.parameters())
+    else:
+        optimizer = (torch.optim.SGD if method == "sgd" else torch.optim.AdamW)(model.parameters(),
+                                                                                 lr=lr or 1e-3)
     loader = DataLoader(task.train, batch_size=task.batch_size, shuffle=True,
                         generator=torch.Generator().manual_seed(seed))
     steps = math.ceil(task.epochs * len(task.train) / task.batch_size)
     engine = None
+    if method == "tf-dog-noise-aware":
+        auto = tunefree.AutoLR(mode="dog")
     if sigma is not None:
         engine = tunefree.make_private(model, optimizer, loader, noise_multiplier=sigma, target_delta=DELTA,
                                        steps=steps, lr=auto, seed=seed)
         loader, optimizer = engine.data_loader, engine.optimizer
+        dog = engine.dog_lr
+        if method == "tf-dog":  # the library's component with the noise correction off
+            from tunefree.autolr_dog import DistanceOverGradients
+            dog = DistanceOverGradients(optimizer.release, optimizer.expected_batch_size, noise_aware=False)
+            optimizer.components.append(dog)
     component = None if engine is None else engine.auto_lr
     start, taken = time.perf_counter(), 0
     while taken < steps:
@@ -154,11 +183,22 @@ def run(task: Task, method: str, lr: float | None, sigma: float | None, seed: in
     if engine is not None:
         engine.detach()
     model.eval()
-    return {"valid": accuracy(model, task.valid), "test": accuracy(model, task.test),
+    last = {}
+    if method in POST_PROCESSING:  # the method's model is DoG's averaged one; the last iterate for reference
+        last = {"valid_last": accuracy(model, task.valid), "test_last": accuracy(model, task.test)}
+        dog.apply_average(list(model.parameters()))
+    return {"valid": accuracy(model, task.valid), "test": accuracy(model, task.test), **last,
             # ε from the ledger where the run has loss releases; a fixed-lr run spends the calibrated ε
             "epsilon": engine.epsilon() if component is not None else None, "seconds": seconds,
             "steps": steps,
-            "final_lr": optimizer.param_groups[0]["lr"]}
+            "final_lr": _effective_lr(optimizer.param_groups[0])}
+
+
+def _effective_lr(group: dict) -> float:
+    """The step size the optimizer ended with: lr, times D for D-Adaptation and Prodigy, DoG's η."""
+    if "eta" in group:  # DoG / LDoG keep η per parameter
+        return float(torch.stack([torch.as_tensor(e).float().mean() for e in group["eta"]]).mean())
+    return float(group["lr"]) * float(group.get("d", 1.0))
 
 
 def main() -> None:
@@ -168,8 +208,14 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--intervals", nargs="+", type=int, default=[5])
     parser.add_argument("--variants", nargs="*", default=list(AUTO_VARIANTS), choices=list(AUTO_VARIANTS))
+    parser.add_argument("--lr-free", nargs="*", default=list(LR_FREE), choices=list(LR_FREE),
+                        help="learning-rate-free optimizers run privately")
+    parser.add_argument("--post", nargs="*", default=list(POST_PROCESSING), choices=list(POST_PROCESSING),
+                        help="tunefree's post-processing learning-rate rules")
+    parser.add_argument("--grids", nargs="*", default=["sgd", "adamw"], choices=["sgd", "adamw"])
     parser.add_argument("--quick", action="store_true", help="ε = 3, seed 0, K = 5 only")
-    parser.add_argument("--skip-grid", action="store_true", help="lr='auto' runs only")
+    parser.add_argument("--skip-grid", action="store_true", help="no fixed-lr grids")
+    parser.add_argument("--skip-non-private", action="store_true", help="no non-private grids")
     parser.add_argument("--out", default=None, help="append the JSON lines to this file")
     args = parser.parse_args()
     if args.quick:
@@ -189,8 +235,9 @@ def main() -> None:
         task = TASKS[name]()
         steps = math.ceil(task.epochs * len(task.train) / task.batch_size)
         q = task.batch_size / len(task.train)
-        for seed in [] if args.skip_grid else args.seeds:
-            for method, grid in (("sgd", SGD_GRID), ("adamw", ADAMW_GRID)):
+        grids = [] if args.skip_grid else [(m, {"sgd": SGD_GRID, "adamw": ADAMW_GRID}[m]) for m in args.grids]
+        for seed in [] if args.skip_non_private else args.seeds:
+            for method, grid in grids:
                 for lr in grid:
                     emit({"task": name, "privacy": "none", "method": method, "lr": lr, "seed": seed,
                           **run(task, method, lr, None, seed)})
@@ -198,10 +245,13 @@ def main() -> None:
             sigma = tunefree.noise_multiplier(target_epsilon=epsilon, sample_rate=q, steps=steps,
                                               delta=DELTA)
             for seed in args.seeds:
-                for method, grid in () if args.skip_grid else (("sgd", SGD_GRID), ("adamw", ADAMW_GRID)):
+                for method, grid in grids:
                     for lr in grid:
                         emit({"task": name, "privacy": epsilon, "sigma": sigma, "method": method, "lr": lr,
                               "seed": seed, **run(task, method, lr, sigma, seed)})
+                for method in args.lr_free + args.post:
+                    emit({"task": name, "privacy": epsilon, "sigma": sigma, "method": method, "lr": "free",
+                          "seed": seed, **run(task, method, None, sigma, seed)})
                 for variant in args.variants:
                     for interval in args.intervals:
                         auto = tunefree.AutoLR(interval=interval, **AUTO_VARIANTS[variant])

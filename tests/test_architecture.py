@@ -17,7 +17,7 @@ LAYERS: dict[str, int] = {
     "clipping": 1, "grouping": 1, "rules": 1, "data": 1, "privacy": 1,
     "accumulator": 2, "engine": 2, "independence": 2, "distributed": 2,
     "optim": 3,
-    "thresholds": 4, "autolr": 4,
+    "thresholds": 4, "autolr": 4, "autolr_dog": 4,
     "options": 5,
     "api": 6, "pipeline": 6,
     "__init__": 7, "audit": 7, "integrations": 7,

@@ -13,12 +13,13 @@ from torch.utils.data import DataLoader
 
 from .accumulator import StepAccumulator
 from .autolr import AutoLearningRate
+from .autolr_dog import DistanceOverGradients
 from .clipping import ClipFunction
 from .data.poisson import StepSchedule, from_loader, planned_steps, sample_rate_of
 from .distributed import DataParallel, DistributedRelease, check_same_run, data_parallel, run_identity
 from .engine import ClippingEngine
 from .grouping import ClipGroup, GroupSpec, make_groups, sensitivity
-from .optim import DPOptimizer, StepReport
+from .optim import DPOptimizer, StepComponent, StepReport
 from .options import AutoLR, Clipping, Thresholds, resolve_options
 from .privacy.canaries import CanaryRelease, GradientCanaries, canary_randomness
 from .privacy.ledger import Ledger
@@ -114,6 +115,12 @@ class DPEngine:
         """The automatic learning rate of ``lr="auto"`` (``None`` with a fixed learning rate); e.g.
         ``engine.auto_lr.record_training_losses(losses)`` hands it L(w) from the training forward."""
         return next((c for c in self.optimizer.components if isinstance(c, AutoLearningRate)), None)
+
+    @property
+    def dog_lr(self) -> DistanceOverGradients | None:
+        """The DoG learning rate of ``AutoLR(mode="dog")`` (``None`` otherwise); after training,
+        ``engine.dog_lr.apply_average(list(model.parameters()))`` loads its averaged weights."""
+        return next((c for c in self.optimizer.components if isinstance(c, DistanceOverGradients)), None)
 
     @property
     def clip_fractions(self) -> dict[str, float] | None:
@@ -291,6 +298,9 @@ def make_private(
             ``loss_privacy`` is ``"gaussian"`` (L2) or ``"laplace"`` (L1, accounted through a
             dominating Gaussian). ``lr_update_interval``, ``loss_privacy`` and
             ``gradient_noise_increase`` are legacy forms of ``AutoLR``'s fields, valid only with it.
+            ``AutoLR(mode="dog")`` with ``torch.optim.SGD`` instead sets the step size by noise-aware
+            DoG from the released gradients alone (no release, no ε, no closure; see
+            ``tunefree.autolr_dog`` and ``engine.dog_lr``).
         verify_every: besides the check before the first release, re-check example independence
             (``tunefree.independence``) every this many steps; ``None``: once.
         audit_canaries: m, audit this run (``tunefree.audit.audit_training(engine)`` after training):
@@ -348,8 +358,8 @@ def make_private(
         num_examples=num_examples, delta=target_delta, accountant=accountant,
         noise_multiplier=0.0 if noise_multiplier is None else noise_multiplier,
         counts=None if quantile is None else CountShare(quantile.budget, len(clip_groups)),
-        losses=None if auto is None else LossShare(auto.interval, auto.loss_privacy,
-                                                   auto.gradient_noise_increase, auto.releases_per_update),
+        losses=None if auto is None or auto.releases_per_update == 0 else LossShare(
+            auto.interval, auto.loss_privacy, auto.gradient_noise_increase, auto.releases_per_update),
         settings=_run_settings(clip, clip_groups, quantile, noise_allocation, loss_reduction,
                                data_loader.dataset, num_examples, auto),
     ).solve(target_epsilon)
@@ -360,6 +370,19 @@ def make_private(
     return _build_engine(plan, model, optimizer, loader, randomness, schedule, clip, clip_groups,
                          quantile, noise_allocation, loss_reduction, poisson_sampling,
                          options.verify_every, parallel, canaries)
+
+
+def _dog(optimizer: torch.optim.Optimizer, release: GradientRelease, plan: Plan) -> DistanceOverGradients:
+    """The DoG rule of ``AutoLR(mode="dog")``: it sets the step size of plain SGD only."""
+    plain = all(not (g.get("momentum") or g.get("weight_decay") or g.get("nesterov"))
+                for g in optimizer.param_groups)
+    if type(optimizer) is not torch.optim.SGD or not plain:
+        raise ValueError(
+            "AutoLR(mode='dog') sets the step size of plain SGD (DoG): pass "
+            "torch.optim.SGD(model.parameters(), lr=1.0) without momentum or weight decay, "
+            f"got {type(optimizer).__name__}")
+    return DistanceOverGradients(release, plan.expected_batch_size,
+                                 initial_distance=plan.settings["auto_lr"]["initial_distance"])
 
 
 def _check_data_parallel_options(quantile: QuantileSettings | None, auto: Any,
@@ -380,8 +403,11 @@ def _run_settings(clip: ClipFunction, groups: list[ClipGroup], quantile: Quantil
                   noise_allocation: str, loss_reduction: str, dataset: Any, num_examples: int,
                   auto: AutoLR | None = None) -> dict[str, Any]:
     """What identifies the run beyond its noise, for the plan's fingerprint."""
-    learning_rate = {} if auto is None else {
-        "auto_lr": {"mode": auto.mode, "probes": auto.probes, "initial_lr": auto.initial_lr}}
+    learning_rate: dict[str, Any] = {}
+    if auto is not None and auto.mode == "dog":
+        learning_rate = {"auto_lr": {"mode": auto.mode, "initial_distance": auto.initial_distance}}
+    elif auto is not None:
+        learning_rate = {"auto_lr": {"mode": auto.mode, "probes": auto.probes, "initial_lr": auto.initial_lr}}
     return {**learning_rate, "clipping": {"name": clip.name, "gamma": clip.gamma, "r": clip.r},
             "groups": {g.name: [list(g.param_names), g.threshold] for g in groups},
             "thresholds": "fixed" if quantile is None else vars(quantile),
@@ -405,8 +431,14 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
             raise ValueError("the plan's loss share does not match the learning-rate probes")
     estimator = None
     if quantile is not None:
-        # Normalising clip functions keep the initial total sensitivity; Abadi's clips at the estimates.
-        scale = None if clip.name == "abadi" else sensitivity(clip_groups)
+        # Normalising clip functions keep the initial total sensitivity; Abadi's clips at the estimates
+        # unless asked to rescale them (group-wise paper), which needs more than one group.
+        rescale = clip.name != "abadi" or quantile.rescale
+        if clip.name == "abadi" and quantile.rescale and len(clip_groups) < 2:
+            raise ValueError("AdaptiveQuantile(rescale=True) with Abadi clipping rescales the thresholds of "
+                             "several clip groups to a fixed total; with one group the threshold would "
+                             "never move: use groups='per-layer' (or similar) or rescale=False")
+        scale = sensitivity(clip_groups) if rescale else None
         estimator = QuantileEstimator(clip_groups, quantile, plan.count_std, randomness,
                                       plan.expected_batch_size, scale)
     if parallel is None:
@@ -415,6 +447,9 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
             release = CanaryRelease(release, canaries)
     else:
         release = DistributedRelease(clip_groups, plan.gradient_noise, randomness, noise_allocation, parallel)
+    lr_rule: StepComponent | None = auto_lr
+    if plan.settings.get("auto_lr", {}).get("mode") == "dog":
+        lr_rule = _dog(optimizer, release, plan)
     module = model if parallel is None else parallel.module
     ledger = Ledger(poisson_approximation=not poisson_sampling)
     # Hooks go on last, so that a refused argument leaves the model as it was given.
@@ -431,7 +466,7 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
         raise
     if parallel is not None:
         parallel.take_over()
-    private_optimizer.components = [c for c in (estimator, auto_lr) if c is not None]
+    private_optimizer.components = [c for c in (estimator, lr_rule) if c is not None]
     private_optimizer.verify_every = verify_every
     private_optimizer.closure_gives_per_sample_losses = auto_lr is not None
     private_optimizer.planned_steps = plan.steps

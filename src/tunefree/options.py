@@ -83,16 +83,23 @@ class Fixed:
 @dataclass(frozen=True)
 class AdaptiveQuantile:
     """Thresholds tracking a private ``target`` quantile of each group's norms; ``budget`` is the
-    fraction of the privacy budget spent on the count releases (the total ε is unchanged)."""
+    fraction of the privacy budget spent on the count releases (the total ε is unchanged).
+
+    ``rescale`` (Abadi clipping with several groups): the estimates Qₖ set only the groups' relative
+    thresholds, ``C̃ₖ = C·Qₖ/√(Σⱼ Qⱼ²)`` with C the initial total sensitivity (group-wise paper), so
+    the total sensitivity, and the noise, stay fixed. The normalising clip functions always do this."""
 
     target: float = 0.5
     lr: float = 0.3
     budget: float = 0.01
+    rescale: bool = False
 
     def __post_init__(self) -> None:
         _fraction("AdaptiveQuantile.target", self.target)
         _positive("AdaptiveQuantile.lr", self.lr)
         _fraction("AdaptiveQuantile.budget", self.budget)
+        if not isinstance(self.rescale, bool):
+            raise TypeError(f"AdaptiveQuantile.rescale must be True or False, got {self.rescale!r}")
 
 
 @dataclass(frozen=True)
@@ -104,7 +111,12 @@ class AutoLR:
     the safeguards of ``tunefree.autolr``. ``probes``: ``"losses"`` releases three clipped losses per
     update (the paper), ``"differences"`` two clipped per-sample loss differences Lᵢ(w ± Δ) − Lᵢ(w).
     ``initial_lr`` is η before the first fit (the paper's 10⁻⁴). None of them changes ε: every release
-    is accounted on the plan."""
+    is accounted on the plan.
+
+    ``mode="dog"`` instead sets the step size of plain SGD from the released gradients alone by
+    noise-aware DoG (``tunefree.autolr_dog``): it releases nothing, so it costs no ε, no extra forward
+    and no closure, and ``interval``, ``probes``, ``loss_privacy``, ``gradient_noise_increase`` and
+    ``initial_lr`` do not apply. ``initial_distance`` is DoG's first move relative to 1 + ‖x₀‖."""
 
     interval: int = 5
     loss_privacy: str = "gaussian"
@@ -112,6 +124,7 @@ class AutoLR:
     mode: str = "safeguarded"
     probes: str = "losses"
     initial_lr: float = 1e-4
+    initial_distance: float = 1e-2
 
     def __post_init__(self) -> None:
         _count("AutoLR.interval", self.interval)
@@ -121,15 +134,18 @@ class AutoLR:
         if _positive("AutoLR.gradient_noise_increase", self.gradient_noise_increase) <= 1:
             raise ValueError("AutoLR.gradient_noise_increase must be > 1 (it pays for the loss releases), "
                              f"got {self.gradient_noise_increase}")
-        if self.mode not in ("safeguarded", "paper"):
-            raise ValueError(f"AutoLR.mode must be 'safeguarded' or 'paper', got {self.mode!r}")
+        if self.mode not in ("safeguarded", "paper", "dog"):
+            raise ValueError(f"AutoLR.mode must be 'safeguarded', 'paper' or 'dog', got {self.mode!r}")
         if self.probes not in ("losses", "differences"):
             raise ValueError(f"AutoLR.probes must be 'losses' or 'differences', got {self.probes!r}")
         _positive("AutoLR.initial_lr", self.initial_lr)
+        _positive("AutoLR.initial_distance", self.initial_distance)
 
     @property
     def releases_per_update(self) -> int:
-        """Values released at each learning-rate update: three losses or two differences."""
+        """Values released at each learning-rate update: three losses, two differences, or none (DoG)."""
+        if self.mode == "dog":
+            return 0
         return 3 if self.probes == "losses" else 2
 
 
@@ -224,7 +240,8 @@ def _quantile(thresholds: Any, target: Any, lr: Any, budget: Any) -> QuantileSet
     if isinstance(thresholds, Fixed):
         return None
     if isinstance(thresholds, AdaptiveQuantile):
-        return QuantileSettings(float(thresholds.target), float(thresholds.lr), float(thresholds.budget))
+        return QuantileSettings(float(thresholds.target), float(thresholds.lr), float(thresholds.budget),
+                                thresholds.rescale)
     raise TypeError("thresholds must be 'fixed', 'adaptive', Fixed() or AdaptiveQuantile(), "
                     f"got {thresholds!r}")
 

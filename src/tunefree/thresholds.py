@@ -36,11 +36,13 @@ DEFAULT_QUANTILE_BUDGET = 0.01
 
 @dataclass(frozen=True)
 class QuantileSettings:
-    """Private quantile estimation: target quantile q, learning rate η, budget fraction r."""
+    """Private quantile estimation: target quantile q, learning rate η, budget fraction r; ``rescale``
+    keeps Abadi clipping's total sensitivity fixed (``C̃ₖ = C·Qₖ/‖Q‖``, see ``QuantileEstimator``)."""
 
     target_quantile: float = DEFAULT_TARGET_QUANTILE
     learning_rate: float = DEFAULT_QUANTILE_LR
     budget: float = DEFAULT_QUANTILE_BUDGET
+    rescale: bool = False
 
 
 class QuantileEstimator(StepComponent):
@@ -48,7 +50,9 @@ class QuantileEstimator(StepComponent):
     the target quantile of the group's per-sample norms; returns the groups' next thresholds, made
     from Qₖ (the groups themselves are never changed).
 
-    With Abadi clipping the thresholds are the estimates, ``Cₖ = Qₖ`` (Algorithm 1). With the
+    With Abadi clipping the thresholds are the estimates, ``Cₖ = Qₖ`` (Algorithm 1), or with
+    ``settings.rescale`` the group-wise paper's rescaling ``C̃ₖ = C·Qₖ/‖Q‖`` (C the initial total
+    sensitivity), which keeps the noise fixed while the groups' shares adapt. With the
     normalising clip functions (AUTO-S, AUTO-V, PSAC) a threshold only scales its group's update,
     and the overall scale is the learning rate's business (automatic clipping paper, Appendix
     B.3): there the estimates set the groups' relative scales at a constant total sensitivity,

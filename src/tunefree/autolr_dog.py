@@ -1,0 +1,130 @@
+"""A learning rate read off the released gradients alone: DoG ("distance over gradients", Ivgi, Hinder &
+Carmon 2023), optionally made aware of the privacy noise.
+
+DoG sets the step size of SGD to ``η_t = r_t / √(Σ_{i≤t} ‖g_i‖²)`` with ``r_t = max(r_ε, max_{i≤t} ‖x_i −
+x_0‖)``: the distance travelled over the accumulated gradient energy. Here ``g_i`` is the privatised mean
+gradient the optimizer releases and ``x_i`` are the weights, which depend on the data only through earlier
+releases, so the rule is post-processing: it costs no privacy, no forward and no ledger event.
+
+In DP-SGD the released gradient is ``ḡ + n`` with Gaussian noise whose variance per coordinate is known to
+the release (``σ_k²C_k²/(q·N)²`` in clip group k). Its energy ``E‖n‖² = Σ_k d_k σ_k²C_k²/(q·N)²`` usually
+dwarfs ``‖ḡ‖²``, and the distance travelled is then a random walk, so DoG's step stays where it started.
+``noise_aware=True`` subtracts the known noise energy from the accumulated gradient energy (counting the
+remainder only where it exceeds two standard deviations of the noise energy's own fluctuation) and
+from the squared distance travelled (the noise steps' expected contribution ``Σ η_i² E‖n‖²``). Both use
+public quantities only (σ, the thresholds, q·N and the shapes), so this is still post-processing.
+
+As the DoG paper recommends, the component also keeps the polynomially averaged weights
+``x̄_t = (1 − (γ+1)/(t+γ))·x̄_{t−1} + (γ+1)/(t+γ)·x_t`` (γ = 8), which average the noise out of the last
+steps; :meth:`DistanceOverGradients.apply_average` writes them into the model (post-processing too).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import dp_accounting as dpa
+import torch
+
+from .optim import StepComponent, StepContext
+from .privacy.mechanisms import GradientRelease
+
+INITIAL_DISTANCE = 1e-2  # r_ε = this × (1 + ‖x_0‖); DoG's 1e-6 is too small to grow from in a short DP run
+AVERAGING = 8.0  # γ of the polynomial iterate average
+SIGNIFICANCE = 2.0  # the gradient energy counts once it exceeds this many deviations of the noise energy
+
+
+class DistanceOverGradients(StepComponent):
+    """Sets the learning rate of every parameter group of the wrapped optimizer (meant for SGD) by DoG.
+
+    Args:
+        release: the gradient mechanism, read for its per-group noise standard deviations (public).
+        expected_batch_size: q·N, by which the released sums are divided.
+        noise_aware: subtract the known noise energy from the gradient energy and from the distance.
+        initial_distance: DoG's r_ε relative to 1 + ‖x_0‖ (public; the default was chosen on the
+            validation split of a benchmark task, benchmarks/RESULTS.md §5b).
+    """
+
+    def __init__(self, release: GradientRelease, expected_batch_size: float, noise_aware: bool = True,
+                 initial_distance: float = INITIAL_DISTANCE):
+        if not (initial_distance > 0 and math.isfinite(initial_distance)):
+            raise ValueError(f"initial_distance must be a positive finite number, got {initial_distance}")
+        self.release, self.expected_batch_size = release, expected_batch_size
+        self.noise_aware, self.initial_distance = noise_aware, initial_distance
+        self.origin: list[torch.Tensor] | None = None
+        self.distance = 0.0  # r_t
+        self.gradient_energy = 0.0  # Σ ‖g_i‖², less the noise energy when noise-aware
+        self.noise_energy_variance = 0.0  # Σ var(‖n_i‖²)
+        self.noise_walk = 0.0  # Σ η_i² E‖n_i‖², the noise's expected share of ‖x_t − x_0‖²
+        self.lr = math.nan
+        self.history: list[float] = []
+        self.average: list[torch.Tensor] | None = None  # x̄_t
+        self.updates = 0
+
+    def noise_moments(self, thresholds: dict[str, float]) -> tuple[float, float]:
+        """E‖n‖² and var(‖n‖²) of the noise in the released mean gradient (public: σ, C, q·N, shapes)."""
+        mean, variance = 0.0, 0.0
+        for p, std in self.release.param_stds(thresholds):
+            v = (std / self.expected_batch_size) ** 2
+            mean += p.numel() * v
+            variance += 2 * p.numel() * v * v
+        return mean, variance
+
+    def before_update(self, step: StepContext) -> list[dpa.DpEvent]:
+        params = step.update.params
+        with torch.no_grad():
+            if self.origin is None:
+                self.origin = [p.detach().clone() for p in params]
+                self.distance = self.initial_distance * (1 + _norm(self.origin))
+            moved = sum(float((p - x0).pow(2).sum()) for p, x0 in zip(params, self.origin))
+            energy = sum(float(p.grad.pow(2).sum()) for p in params if p.grad is not None)
+        noise_mean, noise_variance = self.noise_moments(step.thresholds)
+        if self.noise_aware:
+            moved -= self.noise_walk
+            energy -= noise_mean
+            self.noise_energy_variance += noise_variance
+        self.distance = max(self.distance, math.sqrt(max(moved, 0.0)))
+        self.gradient_energy += energy
+        floor = SIGNIFICANCE * math.sqrt(self.noise_energy_variance)
+        self.lr = self.distance / math.sqrt(max(self.gradient_energy, floor, 1e-16))
+        self.noise_walk += self.lr ** 2 * noise_mean
+        self.history.append(self.lr)
+        step.update.set_lr(self.lr)
+        return []
+
+    def after_update(self, step: StepContext) -> list[dpa.DpEvent]:
+        self.updates += 1
+        weight = (AVERAGING + 1) / (self.updates + AVERAGING)
+        with torch.no_grad():
+            if self.average is None:
+                self.average = [p.detach().clone() for p in step.update.params]
+            else:
+                for mean, p in zip(self.average, step.update.params):
+                    mean.mul_(1 - weight).add_(p.detach(), alpha=weight)
+        return []
+
+    def apply_average(self, params: list[torch.Tensor]) -> None:
+        """Write the averaged weights into ``params`` (the optimizer's parameters, in order): call once
+        training is done, before evaluating or saving the model."""
+        if self.average is None:
+            raise ValueError("no step was taken yet: there is no averaged model")
+        with torch.no_grad():
+            for p, mean in zip(params, self.average):
+                p.copy_(mean)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"origin": self.origin, "distance": self.distance, "gradient_energy": self.gradient_energy,
+                "noise_energy_variance": self.noise_energy_variance, "noise_walk": self.noise_walk,
+                "lr": self.lr, "average": self.average, "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.origin = None if state["origin"] is None else [t.clone() for t in state["origin"]]
+        self.distance, self.gradient_energy = state["distance"], state["gradient_energy"]
+        self.noise_energy_variance, self.noise_walk = state["noise_energy_variance"], state["noise_walk"]
+        self.lr, self.updates = state["lr"], state["updates"]
+        self.average = None if state["average"] is None else [t.clone() for t in state["average"]]
+
+
+def _norm(tensors: list[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(t.pow(2).sum()) for t in tensors))

@@ -1,0 +1,172 @@
+"""AutoLR(mode="dog"): DoG (Ivgi et al. 2023) on the released gradient, aware of the known privacy noise.
+The rule's equations on hand-made steps (noise-free and noisy), that it reads only released quantities,
+that it adds nothing to the ledger, and that the averaged weights follow DoG's polynomial average."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import MLP
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import tunefree
+from tunefree.autolr_dog import AVERAGING, SIGNIFICANCE, DistanceOverGradients
+from tunefree.optim import StepContext, StepReport, UpdateControl
+from tunefree.privacy.ledger import to_dict
+
+
+class KnownNoise:
+    """Stands in for the gradient release: each parameter's noise standard deviation (of the sum)."""
+
+    def __init__(self, params, std):
+        self.params, self.std = params, std
+
+    def param_stds(self, thresholds):
+        return [(p, self.std) for p in self.params]
+
+
+def run_rule(gradients, std=0.0, batch=4.0, initial_distance=1e-2, noise_aware=True,
+             report=None, closure=None):
+    """SGD on one 3-vector with the given released gradients; returns the rule, the learning rates
+    and the weights before each step."""
+    weight = nn.Parameter(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    rule = DistanceOverGradients(KnownNoise([weight], std), batch, noise_aware=noise_aware,
+                                 initial_distance=initial_distance)
+    lrs, weights = [], []
+    for t, g in enumerate(gradients):
+        weights.append(weight.detach().clone())
+        weight.grad = torch.as_tensor(g, dtype=torch.float64).clone()
+        step = StepContext(report or StepReport(step=t + 1, examples=4), closure, UpdateControl(optimizer),
+                           thresholds={"all": 1.0})
+        assert rule.before_update(step) == []  # nothing released
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        assert rule.after_update(step) == []
+    return rule, lrs, weights, weight
+
+
+GRADIENTS = [[0.5, -1.0, 0.25], [0.4, -0.7, 0.1], [0.1, -0.9, 0.3], [-0.2, -0.4, 0.6]]
+
+
+def test_noise_free_steps_follow_dog():
+    """η_t = max(r_ε, maxᵢ≤ₜ ‖xᵢ − x₀‖) / √(Σᵢ≤ₜ ‖gᵢ‖²), r_ε = 0.01·(1 + ‖x₀‖) (DoG, equation 1)."""
+    _, lrs, weights, _ = run_rule(GRADIENTS)
+    x0 = weights[0]
+    distance = 0.01 * (1 + x0.norm().item())
+    energy = 0.0
+    for t, g in enumerate(GRADIENTS):
+        distance = max(distance, (weights[t] - x0).norm().item())
+        energy += torch.tensor(g, dtype=torch.float64).pow(2).sum().item()
+        assert lrs[t] == pytest.approx(distance / math.sqrt(energy), rel=1e-12)
+    assert lrs[-1] > lrs[0]  # it grows from r_ε while the gradients agree
+
+
+def test_noise_aware_subtracts_the_known_noise_energy():
+    """Noise of std s on each sum, divided by q·N = B: the energy loses d·(s/B)² per step (counted once
+    above SIGNIFICANCE standard deviations √(2d)·(s/B)² of its fluctuation), the squared distance the
+    expected walk Σ η_i²·d·(s/B)² of the earlier noisy steps."""
+    std, batch, d = 0.4, 4.0, 3
+    v = (std / batch) ** 2
+    gradients = [[2.0, -1.0, 0.5], [1.5, -0.5, 0.5], [1.0, -1.0, 1.0]]
+    _, lrs, weights, _ = run_rule(gradients, std=std, batch=batch)
+    _, plain, _, _ = run_rule(gradients, std=std, batch=batch, noise_aware=False)
+    x0, distance, energy, walk = weights[0], 0.01 * (1 + weights[0].norm().item()), 0.0, 0.0
+    for t, g in enumerate(gradients):
+        moved = (weights[t] - x0).pow(2).sum().item() - walk
+        distance = max(distance, math.sqrt(max(moved, 0.0)))
+        energy += torch.tensor(g, dtype=torch.float64).pow(2).sum().item() - d * v
+        floor = SIGNIFICANCE * math.sqrt((t + 1) * 2 * d * v * v)
+        assert lrs[t] == pytest.approx(distance / math.sqrt(max(energy, floor)), rel=1e-12)
+        walk += lrs[t] ** 2 * d * v
+    assert lrs[0] > plain[0]  # less energy counted: a larger step than plain DoG's
+
+
+def test_pure_noise_does_not_blow_up_the_step():
+    """Released gradients of pure noise: the remaining energy is no larger than its own fluctuation,
+    so the floor keeps the step finite and of the order r_ε/√(2√(2d)·v)."""
+    g = torch.Generator().manual_seed(0)
+    std, batch, d = 1.0, 1.0, 3
+    gradients = [torch.randn(d, generator=g, dtype=torch.float64) * std / batch for _ in range(20)]
+    rule, lrs, _, _ = run_rule(gradients, std=std, batch=batch)
+    assert all(math.isfinite(lr) and lr > 0 for lr in lrs)
+    assert max(lrs) < 1.0  # r_ε ≈ 0.033 here: a step of order 1 would need real signal
+
+
+def test_only_released_quantities_count():
+    """Another private batch (its size, its norms, its closure) with the same released gradients gives
+    the same learning rates: the rule is post-processing of the release."""
+    _, lrs, _, _ = run_rule(GRADIENTS, std=0.1)
+    private = StepReport(step=1, examples=999, group_norms={"all": torch.rand(999)}, thresholds={"all": 1.0})
+    _, other, _, _ = run_rule(GRADIENTS, std=0.1, report=private, closure=lambda: torch.rand(999))
+    assert other == lrs
+
+
+def test_polynomial_average():
+    """x̄₁ = x₁, x̄ₜ = (1 − (γ+1)/(t+γ))·x̄ₜ₋₁ + (γ+1)/(t+γ)·xₜ over the weights after each step."""
+    rule, lrs, weights, last = run_rule(GRADIENTS)
+    after = weights[1:] + [last.detach()]
+    expected = after[0].clone()
+    for t in range(2, len(after) + 1):
+        w = (AVERAGING + 1) / (t + AVERAGING)
+        expected = (1 - w) * expected + w * after[t - 1]
+    torch.testing.assert_close(rule.average[0], expected, rtol=1e-12, atol=1e-14)
+    target = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    rule.apply_average([target])
+    torch.testing.assert_close(target.detach(), expected)
+
+
+def data(n=64):
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def private_run(lr, optimizer=None, steps=6):
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = optimizer(model) if optimizer else torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = tunefree.make_private(model, optimizer, DataLoader(data(), batch_size=16), noise_multiplier=1.0,
+                                   target_delta=1e-3, steps=steps, lr=lr, seed=0, accountant="rdp")
+    taken = 0
+    while taken < steps:
+        for x, y in engine.data_loader:
+            engine.optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            engine.optimizer.step()  # no closure: DoG needs no loss
+            taken += 1
+            if taken == steps:
+                break
+    return model, engine
+
+
+def test_make_private_with_dog_spends_exactly_the_plain_run():
+    """No release of its own: the same noise, the same ledger and ε as the fixed-lr run."""
+    _, plain = private_run(None)
+    model, dog = private_run(tunefree.AutoLR(mode="dog"))
+    assert dog.plan.gradient_noise == plain.plan.gradient_noise
+    assert to_dict(dog.ledger.event()) == to_dict(plain.ledger.event())
+    assert dog.epsilon() == plain.epsilon()
+    assert dog.auto_lr is None and dog.dog_lr is not None
+    history = dog.dog_lr.history
+    assert len(history) == 6 and all(lr > 0 for lr in history)
+    assert dog.optimizer.param_groups[0]["lr"] == history[-1]
+
+
+def test_dog_refuses_other_optimizers():
+    with pytest.raises(ValueError, match="plain SGD"):
+        private_run(tunefree.AutoLR(mode="dog"), lambda m: torch.optim.AdamW(m.parameters()))
+    with pytest.raises(ValueError, match="plain SGD"):
+        private_run(tunefree.AutoLR(mode="dog"),
+                    lambda m: torch.optim.SGD(m.parameters(), lr=1.0, momentum=0.9))
+
+
+def test_dog_options():
+    assert tunefree.AutoLR(mode="dog").releases_per_update == 0
+    with pytest.raises(ValueError, match="initial_distance"):
+        tunefree.AutoLR(mode="dog", initial_distance=0.0)
+    with pytest.raises(ValueError, match="initial_distance"):
+        DistanceOverGradients(KnownNoise([], 0.0), 4.0, initial_distance=-1.0)
