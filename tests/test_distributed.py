@@ -8,18 +8,14 @@ test compares the ranks with each other and with the same run in this process.
 from __future__ import annotations
 
 import copy
-import datetime
 import math
-import socket
-import time
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_harness import run_processes
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
@@ -75,37 +71,9 @@ def _weights(engine) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------- the 2-process harness
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, scenario, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    try:
-        torch.save(scenario(rank), Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 def _run_ranks(scenario, tmp_path: Path) -> list[dict]:
-    """Run ``scenario(rank)`` in ``WORLD`` forked processes; each rank's returned dict. Forked, the
-    ranks start with this process's imports (torch's optimizers import torch._dynamo on first use,
-    seconds on a loaded machine: import it here once instead of in every rank)."""
-    import torch._dynamo  # noqa: F401
-
-    context = mp.start_processes(_entry, args=(scenario, _free_port(), str(tmp_path)), nprocs=WORLD,
-                                 join=False, start_method="fork")
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD}-process scenario did not finish within {DEADLINE_S} s")
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return run_processes(scenario, tmp_path, world=WORLD, deadline_s=DEADLINE_S,
+                         collective_timeout_s=COLLECTIVE_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------------- scenarios (run per rank)

@@ -8,17 +8,14 @@ activations, their gradients and the Poisson sample crossing the stage boundary.
 
 from __future__ import annotations
 
-import datetime
 import math
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_harness import run_processes
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -88,34 +85,9 @@ def _one_process(noise_multiplier: float, initial: tuple[float, float] = R, batc
 
 
 # ---------------------------------------------------------------------------- the 2-process harness
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, scenario, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=STAGES,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    try:
-        torch.save(scenario(rank), Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 def _run_stages(scenario, tmp_path: Path) -> list[dict]:
-    import torch._dynamo  # noqa: F401 - imported once here rather than in every forked rank
-
-    context = mp.start_processes(_entry, args=(scenario, _free_port(), str(tmp_path)), nprocs=STAGES,
-                                 join=False, start_method="fork")
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {STAGES}-stage scenario did not finish within {DEADLINE_S} s")
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(STAGES)]
+    return run_processes(scenario, tmp_path, world=STAGES, deadline_s=DEADLINE_S,
+                         collective_timeout_s=COLLECTIVE_TIMEOUT_S)
 
 
 _COMMUNICATIONS = ("send", "recv", "isend", "irecv", "broadcast", "all_reduce", "all_gather", "reduce",
