@@ -81,3 +81,23 @@ def test_lora_dropout_passes_the_independence_check_and_writes_no_ordinary_gradi
     verify_example_independence(model, engine, (), batch)
     assert examples == 3 and norms["all"].gt(0).all() and len(sums) == 4
     assert all(p.grad is None for p in model.parameters())
+
+
+def bitfit(model):
+    """BitFit: only the bias terms (and the new task head) are trained; every weight stays frozen."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith(".bias") or name.startswith("classifier."))
+    return model
+
+
+@pytest.mark.parametrize("grouping", ["all-layer", "per-layer"])
+def test_bitfit_bias_only_fine_tuning_is_exact_and_leaves_the_weights_untouched(grouping):
+    model = bitfit(bert_classifier())
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(n.endswith(".bias") or n.startswith("classifier.") for n in trainable)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    sums = assert_exact(model, classification_loss, with_labels(text_batch()), grouping=grouping)
+    assert sum(p.numel() for p in sums) < sum(v.numel() for v in frozen.values()) / 10
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert p.grad is None and (p.detach() == frozen[n].to(p.dtype)).all()
