@@ -257,3 +257,20 @@ def test_bad_data_is_one_line_error(tmp_path, capsys, case, match):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("tunefree: error: "), err
     assert re.search(match, err), err
+
+
+def test_audit_canaries_report_a_lower_bound_below_the_runs_epsilon(tmp_path, capsys):
+    code = main(["train", "--dataset", "digits", "--epsilon", "8", "--steps", "20", "--batch-size", "512",
+                 "--audit-canaries", "400", "--json", str(tmp_path / "r.json"), "--quiet"])
+    assert code == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    audit = result["audit"]
+    assert audit["canaries"] == 400 and audit["confidence"] == 0.95
+    assert 0 < audit["epsilon_lower_bound"] <= result["epsilon"] and audit["verdict"] == "consistent"
+    assert result["epsilon"] <= 8  # the canaries cost no ε: the run spends its target as without them
+    assert "audit: ε_LB" in capsys.readouterr().out
+
+
+def test_a_run_without_canaries_reports_no_audit(short_run):
+    _, out = short_run
+    assert json.loads((out / "result.json").read_text())["audit"] is None

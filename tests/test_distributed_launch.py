@@ -73,6 +73,9 @@ def test_options_not_reduced_across_ranks_are_refused_before_launching(capsys):
     status = main(["train", "--nproc-per-node", "2", "--thresholds", "adaptive", "--steps", "1"])
     assert status == 2
     assert "--thresholds adaptive cannot run in several processes" in capsys.readouterr().err
+    status = main(["train", "--nproc-per-node", "2", "--audit-canaries", "100", "--steps", "1"])
+    assert status == 2
+    assert "--audit-canaries cannot run in several processes" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- two ranks spawned here

@@ -35,14 +35,16 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def check_parallel_options(thresholds: str, lr: float | str | None) -> None:
+def check_parallel_options(thresholds: str, lr: float | str | None, audit_canaries: int | None = None
+                           ) -> None:
     """Refuse, before launching, the options whose releases are not reduced across ranks yet."""
     unsupported = [flag for flag, used in (("--thresholds adaptive", thresholds == "adaptive"),
-                                           ("--lr auto", lr == "auto")) if used]
+                                           ("--lr auto", lr == "auto"),
+                                           ("--audit-canaries", audit_canaries is not None)) if used]
     if unsupported:
         raise ValueError(f"{' and '.join(unsupported)} cannot run in several processes yet (their releases "
-                         "are not reduced across ranks): drop --nproc-per-node, or use fixed thresholds "
-                         "and a numeric --lr")
+                         "are not reduced across ranks): drop --nproc-per-node, or use fixed thresholds, "
+                         "a numeric --lr and no audit")
 
 
 def launch(argv: Sequence[str], nproc_per_node: int) -> int:

@@ -166,6 +166,10 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--out", type=Path,
                        help="run directory for metrics.jsonl, report.json and plots")
     train.add_argument("--quiet", action="store_true", help="no progress bars")
+    train.add_argument("--audit-canaries", type=_positive_int, default=None, metavar="M",
+                       help="audit this run: M gradient canaries ride along in the releases (no private "
+                            "example touches them, so they cost no ε) and the result reports an empirical "
+                            "lower bound on ε (one-run audit, docs/audit.md) (default: no audit)")
     train.add_argument("--nproc-per-node", type=_positive_int, default=1,
                        help="train in this many data-parallel processes on this machine, launched by "
                             "torchrun; same ε as one process (docs/distributed.md) (default: 1)")
@@ -196,7 +200,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         with launch.process_group():
             return _train_in_this_process(args)
     if args.nproc_per_node > 1:
-        launch.check_parallel_options(args.thresholds, args.lr)
+        launch.check_parallel_options(args.thresholds, args.lr, args.audit_canaries)
         return launch.launch(argv, args.nproc_per_node)
     return _train_in_this_process(args)
 
@@ -221,6 +225,7 @@ def _train_in_this_process(args: argparse.Namespace) -> int:
         noise_allocation=args.noise_allocation, lr_update_interval=args.lr_update_interval,
         loss_privacy=args.loss_privacy, optimizer=args.optimizer, lr=args.lr,
         accountant=args.accountant, seed=args.seed,
+        audit_canaries=args.audit_canaries,
         out=str(args.out) if args.out else None, quiet=args.quiet)
     result = train(config)
     if not is_main_process():
@@ -231,6 +236,10 @@ def _train_in_this_process(args: argparse.Namespace) -> int:
     print(f"test accuracy {result['test_accuracy']:.4f} — {result['guarantee']}; "
           f"randomness: {result['randomness']}")
     print(result["delta_choice"])
+    if result["audit"]:
+        found = result["audit"]
+        print(f"audit: ε_LB {found['epsilon_lower_bound']:.3f} at {found['confidence']:.0%} confidence from "
+              f"{found['canaries']} canaries (claimed ε {result['epsilon']:.3f}): {found['verdict']}")
     for note in result["data_notes"]:
         print(f"note: {note}")
     if result["note"]:

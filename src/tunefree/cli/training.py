@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ..api import DPEngine, make_private
+from ..audit import audit_training
 from ..autolr import AutoLearningRate
 from ..options import resolve_options
 from ..privacy.calibration import MIN_NOISE_MULTIPLIER
@@ -88,6 +89,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     accountant: str = "pld"
     seed: int | None = None
+    audit_canaries: int | None = None
     out: str | None = None
     quiet: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # further make_private keywords
@@ -298,7 +300,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
         epochs=config.epochs, steps=config.steps,
         clipping=config.clipping, groups=config.groups, max_grad_norm=config.max_grad_norm,
         thresholds=config.thresholds, lr="auto" if config.lr == "auto" else None,
-        accountant=config.accountant, seed=config.seed,
+        accountant=config.accountant, seed=config.seed, audit_canaries=config.audit_canaries,
         **{"noise_allocation": config.noise_allocation, **_knobs(config), **config.extra})
     if released is not None:
         for event in released.events():  # before the first step: the ledger holds every release
@@ -332,6 +334,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
                      "test_accuracy": test_accuracy})
     train_seconds = time.perf_counter() - started
     engine.detach()
+    audit = None if config.audit_canaries is None else audit_training(engine)
     result = {
         "test_accuracy": test_accuracy, "epsilon": epsilon, "delta": delta, "delta_choice": delta_text,
         "noise_multiplier": engine.noise_multiplier, "steps": engine.steps, "planned_steps": planned,
@@ -348,6 +351,9 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
                     "test_examples": len(data.test), "classes": data.num_classes},
         "config": {**asdict(config), "delta": delta,
                    "lr": "auto" if config.lr == "auto" else config.resolved_lr()},
+        "audit": None if audit is None else {
+            "epsilon_lower_bound": audit.epsilon_lower_bound, "confidence": audit.confidence,
+            "canaries": audit.canaries, "verdict": audit.verdict},
         "diagnostics_are_not_private": True,
     }
     if run:
