@@ -59,6 +59,21 @@ def engine_for(model, clip):
     return ClippingEngine(model, groups, clip), groups
 
 
+def assert_tok_and_gain_match_brute_force(model):
+    """One step of four examples: the clipped sums of ``tok.weight`` and ``gain`` equal a batch-size-1
+    autograd loop (Abadi clipping)."""
+    ids, y = torch.randint(0, 9, (4, 5)), torch.tensor([1, 2, 3, 0])
+    clip = ClipFunction("abadi")
+    engine, groups = engine_for(model, clip)
+    F.cross_entropy(model(ids), y).backward()
+    sums, examples, _ = engine.pop_step()
+    engine.detach()
+    expected, _ = clipped_sum(per_example_grads(model, F.cross_entropy, ids, y), groups, clip)
+    assert examples == 4
+    for p in (model.tok.weight, model.gain):
+        torch.testing.assert_close(sums[p], expected[p], rtol=1e-7, atol=1e-10)
+
+
 def test_a_tied_head_read_inside_a_fallback_unit_is_refused_with_the_fix():
     model = TiedByRead()
     engine_for(model, ClipFunction("abadi"))
@@ -72,16 +87,7 @@ def test_the_suggested_tied_module_inside_a_fallback_unit_matches_brute_force():
     model = TiedByModule().double()
     with torch.no_grad():
         model.gain.copy_(torch.randn(4))
-    ids, y = torch.randint(0, 9, (4, 5)), torch.tensor([1, 2, 3, 0])
-    clip = ClipFunction("abadi")
-    engine, groups = engine_for(model, clip)
-    F.cross_entropy(model(ids), y).backward()
-    sums, examples, _ = engine.pop_step()
-    engine.detach()
-    expected, _ = clipped_sum(per_example_grads(model, F.cross_entropy, ids, y), groups, clip)
-    assert examples == 4
-    for p in (model.tok.weight, model.gain):
-        torch.testing.assert_close(sums[p], expected[p], rtol=1e-7, atol=1e-10)
+    assert_tok_and_gain_match_brute_force(model)
 
 
 def test_a_tied_weight_read_before_its_module_runs_is_refused_at_the_forward():
@@ -94,12 +100,4 @@ def test_a_tied_weight_read_before_its_module_runs_is_refused_at_the_forward():
 def test_a_weight_whose_module_never_runs_belongs_to_the_fallback_and_matches_brute_force():
     torch.manual_seed(1)
     model = ReadNeverCalled().double()
-    ids, y = torch.randint(0, 9, (4, 5)), torch.tensor([1, 2, 3, 0])
-    clip = ClipFunction("abadi")
-    engine, groups = engine_for(model, clip)
-    F.cross_entropy(model(ids), y).backward()
-    sums, _, _ = engine.pop_step()
-    engine.detach()
-    expected, _ = clipped_sum(per_example_grads(model, F.cross_entropy, ids, y), groups, clip)
-    for p in (model.tok.weight, model.gain):
-        torch.testing.assert_close(sums[p], expected[p], rtol=1e-7, atol=1e-10)
+    assert_tok_and_gain_match_brute_force(model)
