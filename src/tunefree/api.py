@@ -17,6 +17,7 @@ from .autolr_dog import DistanceOverGradients
 from .clipping import ClipFunction
 from .data.poisson import StepSchedule, from_loader, planned_steps, sample_rate_of
 from .distributed import DataParallel, DistributedRelease, check_same_run, data_parallel, run_identity
+from .distributed_fsdp import ShardedDataParallel, ShardedRelease, sharded_data_parallel
 from .engine import ClippingEngine
 from .grouping import ClipGroup, GroupSpec, make_groups, sensitivity
 from .optim import DPOptimizer, StepComponent, StepReport
@@ -61,7 +62,8 @@ class DPEngine:
     def __init__(self, *, model: nn.Module, optimizer: DPOptimizer, data_loader: Any,
                  clipping_engine: ClippingEngine, ledger: Ledger, randomness: Randomness,
                  schedule: StepSchedule, groups: list[ClipGroup], plan: Plan,
-                 parallel: DataParallel | None = None, canaries: GradientCanaries | None = None):
+                 parallel: DataParallel | ShardedDataParallel | None = None,
+                 canaries: GradientCanaries | None = None):
         self.model, self.optimizer, self.data_loader = model, optimizer, data_loader
         self.clipping_engine, self.ledger, self.randomness = clipping_engine, ledger, randomness
         self.schedule, self.groups, self.plan = schedule, groups, plan
@@ -313,7 +315,7 @@ def make_private(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    parallel = data_parallel(model)
+    parallel = sharded_data_parallel(model) or data_parallel(model)
     if not model.training:
         raise ValueError("the model is in eval mode: call model.train() before make_private")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -335,7 +337,9 @@ def make_private(
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
     if parallel is not None:
-        _check_data_parallel_options(quantile, auto, poisson_sampling, audit_canaries)
+        _check_data_parallel_options(quantile, auto, poisson_sampling, audit_canaries,
+                                     "FSDP2 (fully_shard)" if isinstance(parallel, ShardedDataParallel)
+                                     else "DistributedDataParallel")
 
     randomness = run_randomness(seed, secure_rng)
     schedule = StepSchedule()
@@ -386,15 +390,16 @@ def _dog(optimizer: torch.optim.Optimizer, release: GradientRelease, plan: Plan)
 
 
 def _check_data_parallel_options(quantile: QuantileSettings | None, auto: Any,
-                                 poisson_sampling: bool, audit_canaries: int | None = None) -> None:
-    """Refuse what the data-parallel path does not reduce across ranks yet."""
+                                 poisson_sampling: bool, audit_canaries: int | None = None,
+                                 kind: str = "DistributedDataParallel") -> None:
+    """Refuse what the data-parallel paths (DDP, FSDP2: ``kind``) do not reduce across ranks yet."""
     unsupported = [name for name, used in (("thresholds='adaptive'", quantile is not None),
                                            ("lr='auto'", auto is not None),
                                            ("poisson_sampling=False", not poisson_sampling),
                                            ("audit_canaries", audit_canaries is not None)) if used]
     if unsupported:
         raise ValueError(
-            f"{', '.join(unsupported)} is not supported with DistributedDataParallel yet (their "
+            f"{', '.join(unsupported)} is not supported with {kind} yet (their "
             "releases are not reduced across ranks): use fixed thresholds, the optimizer's learning "
             "rate and tunefree's Poisson sampling, or train in one process")
 
@@ -419,7 +424,7 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
                   randomness: Randomness, schedule: StepSchedule, clip: ClipFunction,
                   clip_groups: list[ClipGroup], quantile: QuantileSettings | None,
                   noise_allocation: str, loss_reduction: str, poisson_sampling: bool,
-                  verify_every: int | None, parallel: DataParallel | None = None,
+                  verify_every: int | None, parallel: DataParallel | ShardedDataParallel | None = None,
                   canaries: GradientCanaries | None = None) -> DPEngine:
     """The run's parts, with every noise read off the solved ``plan``."""
     auto_lr = None
@@ -445,6 +450,8 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
         release = GradientRelease(clip_groups, plan.gradient_noise, randomness, noise_allocation)
         if canaries is not None:
             release = CanaryRelease(release, canaries)
+    elif isinstance(parallel, ShardedDataParallel):
+        release = ShardedRelease(clip_groups, plan.gradient_noise, randomness, noise_allocation, parallel)
     else:
         release = DistributedRelease(clip_groups, plan.gradient_noise, randomness, noise_allocation, parallel)
     lr_rule: StepComponent | None = auto_lr
@@ -468,6 +475,8 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
         parallel.take_over()
     private_optimizer.components = [c for c in (estimator, lr_rule) if c is not None]
     private_optimizer.verify_every = verify_every
+    if isinstance(parallel, ShardedDataParallel):
+        private_optimizer.every_rank = parallel.every_rank
     private_optimizer.closure_gives_per_sample_losses = auto_lr is not None
     private_optimizer.planned_steps = plan.steps
     return DPEngine(model=model, optimizer=private_optimizer, data_loader=loader,

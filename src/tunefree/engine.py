@@ -367,9 +367,9 @@ class ClippingEngine:
         for frame in self._pass.fallback_stack:
             frame.fired.add(unit)
         params = unit.subtree_params() if unit.rule is None else dict.fromkeys(unit.direct.values())
-        saved = [(p, p.requires_grad) for p in params]
-        for p in params:
-            p.requires_grad_(False)
+        saved = [(t, t.requires_grad) for t in _tensors_in_call(unit)]
+        for t, _ in saved:
+            t.requires_grad_(False)
         self._pass.frames.append(_Frame(unit, saved))
         if unit.rule is None:
             frame = self._pass.frames[-1]
@@ -700,6 +700,15 @@ class _ParameterReads(TorchFunctionMode):
                 if isinstance(leaf, nn.Parameter) and leaf in self.watched:
                     self.seen.add(leaf)
         return func(*args, **kwargs)
+
+
+def _tensors_in_call(unit: Unit) -> list[torch.Tensor]:
+    """The parameter tensors a unit's modules hold as its call starts, which the engine takes out of
+    autograd's graph for the call: its own parameters, or the tensor a wrapper's earlier pre-forward
+    hook swapped in for one (FSDP2 replaces each sharded parameter by its all-gathered, unsharded
+    tensor for the call). Everything else is keyed by the parameters themselves (``unit.direct``)."""
+    owners = [unit, *unit.descendants] if unit.rule is None else [unit]
+    return [owner.module._parameters[name] for owner in owners for name in owner.direct]
 
 
 def _method_name(func: Any) -> str:

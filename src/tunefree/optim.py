@@ -169,6 +169,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self._check_parameters()
         self._trainable = frozenset(p for g in engine.groups for p in g.params)
         self.verify_every: int | None = None
+        # Set by make_private under FSDP2, whose forward passes are collectives: whether every rank's flag
+        # is True, so that every rank runs the independence check or none does.
+        self.every_rank: Callable[[bool], bool] | None = None
         self.verified = False
         self.grad_scaler: torch.amp.GradScaler | None = None
         engine.retain_inputs = True
@@ -274,7 +277,10 @@ class DPOptimizer(torch.optim.Optimizer):
         are dropped: nothing of them is ever released."""
         inputs = self.engine.retained_inputs
         self.engine.retained_inputs = None
-        if inputs is not None and _examples_in(inputs) >= 2:
+        ready = inputs is not None and _examples_in(inputs) >= 2
+        if self.every_rank is not None:
+            ready = self.every_rank(ready)
+        if ready:
             try:
                 verify_example_independence(self.engine.model, self.engine, inputs.args, inputs.kwargs)
             except PrivacyError:

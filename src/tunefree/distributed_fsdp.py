@@ -1,0 +1,218 @@
+"""Sharded private training on FSDP2 (``torch.distributed.fsdp.fully_shard``) under ``torchrun``.
+
+The user shards the model as usual (``fully_shard`` on each layer or block, then on the root); every
+parameter is then a ``DTensor`` holding rank r's rows (dim-0 shard, padded as FSDP2 pads) of a full
+parameter. tunefree keys everything by these sharded parameters: the optimizer holds them and receives
+their released ``.grad``.
+
+In each layer's forward FSDP2 all-gathers the layer's full, *unsharded* parameters and swaps them into
+the module (its pre-forward hook runs before the engine's). The engine takes those tensors out of
+autograd's graph for the call (``engine._tensors_in_call``), so autograd computes no ordinary gradient
+for them and FSDP2's own reduce-scatter has nothing to reduce (it is switched off as well, from
+:meth:`ShardedDataParallel.take_over` to :meth:`ShardedDataParallel.release_model`). The per-sample
+norms need no communication: a layer rule computes them from the layer's inputs and output gradients,
+which are whole on each rank (each rank holds its own examples and the full layer during its call).
+
+At the step, :class:`ShardedRelease` reduce-scatters each parameter's clipped sum (full size on every
+rank) so that rank r receives the sum over all ranks of its own shard, adds the Gaussian noise of its
+own shard's coordinates (each coordinate noised by exactly one rank: total variance σ²S² whatever the
+world size) and writes the result as the sharded ``.grad``. Every rank records the same event.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+import dp_accounting as dpa
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .dtypes import accumulation_dtype
+from .errors import PrivacyError
+from .grouping import ClipGroup
+from .privacy.mechanisms import GradientRelease
+from .privacy.randomness import Randomness
+
+_RECIPE = ("call fully_shard on each layer (or block) and then on the root module, e.g. "
+           "`for layer in model: fully_shard(layer)`, then `fully_shard(model)` (docs/distributed.md)")
+
+
+class ShardedDataParallel:
+    """A model sharded by FSDP2 and taken over by tunefree: its examples are split across the ranks
+    of the model's process group, and FSDP2's own gradient reduce-scatter is off from
+    :meth:`take_over` to :meth:`release_model` (the engine leaves no raw gradient to reduce; one that
+    appears anyway stays on its rank and is refused before the release)."""
+
+    def __init__(self, model: nn.Module):
+        from torch.distributed.fsdp import FSDPModule
+
+        if not dist.is_initialized():
+            raise ValueError("the model's parameters are sharded DTensors but torch.distributed is not "
+                             "initialised: call torch.distributed.init_process_group first")
+        if not isinstance(model, FSDPModule):
+            raise ValueError(
+                f"the model has sharded DTensor parameters but its root is not sharded by FSDP2: {_RECIPE}. "
+                "Parameters outside every fully_shard module (or tensor parallelism) are not supported")
+        self.module = model
+        self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        meshes = {_check_sharded(name, p) for name, p in model.named_parameters()}
+        if len(meshes) != 1:
+            raise ValueError("the model's parameters are sharded over different device meshes: tunefree "
+                             "supports one FSDP2 mesh for the whole model")
+        self.group = meshes.pop().get_group()
+        self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """``(rank, world_size)``: which examples of each Poisson sample this process trains on."""
+        return self.rank, self.world_size
+
+    def take_over(self) -> None:
+        """Switch FSDP2's gradient reduce-scatter off: tunefree reduce-scatters the clipped sums."""
+        self.module.set_requires_gradient_sync(False)
+
+    def release_model(self) -> None:
+        """Give FSDP2 its gradient reduce-scatter back (FSDP2's default: on)."""
+        self.module.set_requires_gradient_sync(True)
+
+    def every_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is True on every rank (a collective: every rank must call it). FSDP2's forward
+        passes gather parameters from every rank, so a forward that one rank runs alone (the
+        independence check) would wait forever: the ranks decide together."""
+        agreed = torch.tensor([int(flag)], device=self._collective_device())
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(agreed.item())
+
+    def _collective_device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    def raw_gradients(self) -> list[str]:
+        """Parameters whose unsharded tensor holds an ordinary (non-private) gradient: a use the engine
+        did not see (e.g. a parameter read outside its module's forward)."""
+        return sorted(str(fsdp_param._param_fqn) for fsdp_param in self._fsdp_params()
+                      if getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None) is not None
+                      or fsdp_param.unsharded_accumulated_grad is not None)
+
+    def _fsdp_params(self) -> Iterator:
+        seen = set()
+        for module in self._fsdp_modules:
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    if id(fsdp_param) not in seen:
+                        seen.add(id(fsdp_param))
+                        yield fsdp_param
+
+
+def _check_sharded(name: str, p: nn.Parameter):
+    """The device mesh of ``p``, which must be an FSDP2 dim-0 shard over a 1-D mesh."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        raise ValueError(f"parameter {name!r} is not sharded (a plain tensor) in a model whose other "
+                         f"parameters are: {_RECIPE}")
+    if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+        raise ValueError(
+            f"parameter {name!r} is a DTensor placed {tuple(p.placements)} over a {p.device_mesh.ndim}-D "
+            "mesh: tunefree supports FSDP2's dim-0 sharding over one 1-D mesh only (no HSDP, tensor "
+            "parallelism or shard_placement_fn)")
+    return p.device_mesh
+
+
+def sharded_data_parallel(model: nn.Module) -> ShardedDataParallel | None:
+    """The sharded setting of ``model``: a :class:`ShardedDataParallel` for a model with ``DTensor``
+    parameters (FSDP2), ``None`` for a model without any."""
+    if not dist.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return None
+    return ShardedDataParallel(model)
+
+
+class ShardedRelease(GradientRelease):
+    """The gradient release of an FSDP2 run: each parameter's clipped sum (full size on every rank) is
+    reduce-scattered into FSDP2's dim-0 shards, and each rank adds the noise of its own shard's
+    coordinates, so that every coordinate receives exactly one draw (total variance σ²S² whatever the
+    world size) and rank r ends with rank r's rows of one process's release on the union batch. The
+    released ``.grad`` of each parameter is a DTensor placed as the parameter.
+
+    Who draws the noise: with secret randomness, each rank its own shard, from its own ``os.urandom``.
+    Seeded, every rank draws the whole noise in one process's order and keeps its own rows: the noise
+    is that of one process with that seed, and every rank's stream stays at the same place.
+
+    Args:
+        groups, noise_multiplier, randomness, allocation: as for :class:`GradientRelease`.
+        parallel: the run's sharded model (process group, rank and world size).
+    """
+
+    def __init__(self, groups: Sequence[ClipGroup], noise_multiplier: float, randomness: Randomness,
+                 allocation: str, parallel: ShardedDataParallel):
+        super().__init__(groups, noise_multiplier, randomness, allocation)
+        self.parallel = parallel
+
+    def release(self, sums: dict[nn.Parameter, torch.Tensor], thresholds: Mapping[str, float]
+                ) -> tuple[dict[nn.Parameter, torch.Tensor], dpa.DpEvent]:
+        """This rank's shard of the noisy sum of every rank's clipped sums. A raw gradient on this rank
+        is refused before anything is communicated; a rank that fails or never arrives makes the
+        reduce-scatter fail (after the process group's timeout) before anything is released here."""
+        leaked = self.parallel.raw_gradients()
+        if leaked:
+            raise PrivacyError(
+                f"parameters {leaked} received ordinary (non-private) gradients in FSDP2's unsharded "
+                "tensors: a parameter was used outside the forward of the module that owns it. Use it "
+                "only through its module; nothing of this step is released")
+        stds = self.param_stds(thresholds)
+        in_flight = [(p, *self._reduce_scatter(p, self.clipped_sum(p, sums.get(p)))) for p, _ in stds]
+        shards = {}
+        for p, shard, work in in_flight:
+            work.wait()
+            shards[p] = shard.narrow(0, 0, p.to_local().shape[0])
+        self._add_noise(shards, stds)
+        return {p: _as_sharded(shards[p], p) for p, _ in stds}, self.event()
+
+    def _reduce_scatter(self, p: nn.Parameter, full: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
+        """Launch the reduce-scatter of ``full`` (p's shape) into FSDP2's padded dim-0 shards."""
+        world = self.parallel.world_size
+        rows = math.ceil(full.shape[0] / world)  # FSDP2's (torch.chunk's) padded shard
+        if rows * world != full.shape[0]:
+            full = torch.cat([full, full.new_zeros(rows * world - full.shape[0], *full.shape[1:])])
+        shard = full.new_empty(rows, *full.shape[1:])
+        work = dist.reduce_scatter_single(shard, full.contiguous(), group=self.parallel.group, async_op=True)
+        return shard, work
+
+    def _add_noise(self, shards: dict[nn.Parameter, torch.Tensor],
+                   stds: list[tuple[nn.Parameter, float]]) -> None:
+        """Each shard's noise, in place: one draw per coordinate of this rank's rows."""
+        noised = [(p, std) for p, std in stds if std > 0]
+        if self.randomness.secure:
+            for p, std in noised:
+                shards[p] += std * self.randomness.normal(shards[p].shape, shards[p].device, shards[p].dtype)
+            return
+        # Seeded: one process's draws, in its order (by device and precision, as GradientRelease draws).
+        by_kind: dict[tuple[torch.device, torch.dtype], list[tuple[nn.Parameter, float]]] = {}
+        for p, std in noised:
+            by_kind.setdefault((shards[p].device, shards[p].dtype), []).append((p, std))
+        world, rank = self.parallel.world_size, self.parallel.rank
+        for (device, dtype), entries in by_kind.items():
+            draws = self.randomness.normals([p.shape for p, _ in entries], device, dtype)
+            for (p, std), noise in zip(entries, draws):
+                start = math.ceil(p.shape[0] / world) * rank
+                shards[p] += std * noise[start:start + shards[p].shape[0]]
+
+    def bytes_per_step(self) -> int:
+        """Bytes each rank puts into the reduce-scatters of one step: the clipped sums, in their
+        accumulation dtype, padded to FSDP2's shards."""
+        world = self.parallel.world_size
+        return sum(math.ceil(p.shape[0] / world) * world * (p.numel() // p.shape[0])
+                   * accumulation_dtype(p.dtype).itemsize for g in self.groups for p in g.params)
+
+
+def _as_sharded(local: torch.Tensor, like: nn.Parameter) -> torch.Tensor:
+    """``local`` (this rank's rows) as a DTensor placed and shaped as the sharded parameter ``like``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
