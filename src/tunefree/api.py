@@ -17,7 +17,12 @@ from .autolr_dog import DistanceOverGradients
 from .clipping import ClipFunction
 from .data.poisson import StepSchedule, from_loader, planned_steps, sample_rate_of
 from .distributed import DataParallel, DistributedRelease, check_same_run, data_parallel, run_identity
-from .distributed_fsdp import ShardedDataParallel, ShardedRelease, sharded_data_parallel
+from .distributed_fsdp import (
+    ShardedDataParallel,
+    ShardedRelease,
+    check_sharded_options,
+    sharded_data_parallel,
+)
 from .engine import ClippingEngine
 from .grouping import ClipGroup, GroupSpec, make_groups, sensitivity
 from .optim import DPOptimizer, StepComponent, StepReport
@@ -340,6 +345,8 @@ def make_private(
         _check_data_parallel_options(quantile, auto, poisson_sampling, audit_canaries,
                                      "FSDP2 (fully_shard)" if isinstance(parallel, ShardedDataParallel)
                                      else "DistributedDataParallel")
+    if isinstance(parallel, ShardedDataParallel):
+        check_sharded_options(max_physical_batch_size)
 
     randomness = run_randomness(seed, secure_rng)
     schedule = StepSchedule()

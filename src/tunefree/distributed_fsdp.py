@@ -63,6 +63,7 @@ class ShardedDataParallel:
                              "supports one FSDP2 mesh for the whole model")
         self.group = meshes.pop().get_group()
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self._resharding: dict[int, tuple] = {}
 
     @property
     def shard(self) -> tuple[int, int]:
@@ -70,12 +71,22 @@ class ShardedDataParallel:
         return self.rank, self.world_size
 
     def take_over(self) -> None:
-        """Switch FSDP2's gradient reduce-scatter off: tunefree reduce-scatters the clipped sums."""
+        """Switch FSDP2's gradient reduce-scatter off (tunefree reduce-scatters the clipped sums) and
+        have every module reshard after its forward, the root included (FSDP2 keeps the root's
+        parameters gathered until the backward): a forward without a backward (evaluation, the
+        independence check) then leaves the model holding its sharded parameters, the ones the run's
+        clip groups and optimizer hold."""
+        self._resharding = {id(group): (state, group, state._auto_reshard_after_forward,
+                                        group.post_forward_mesh_info)
+                            for state, group in self._param_groups()}
         self.module.set_requires_gradient_sync(False)
+        self.module.set_reshard_after_forward(True)
 
     def release_model(self) -> None:
-        """Give FSDP2 its gradient reduce-scatter back (FSDP2's default: on)."""
+        """Give FSDP2 its gradient reduce-scatter (FSDP2's default: on) and its resharding back."""
         self.module.set_requires_gradient_sync(True)
+        for state, group, auto, mesh_info in self._resharding.values():
+            state._auto_reshard_after_forward, group.post_forward_mesh_info = auto, mesh_info
 
     def every_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is True on every rank (a collective: every rank must call it). FSDP2's forward
@@ -95,14 +106,19 @@ class ShardedDataParallel:
                       if getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None) is not None
                       or fsdp_param.unsharded_accumulated_grad is not None)
 
-    def _fsdp_params(self) -> Iterator:
+    def _param_groups(self) -> Iterator[tuple]:
+        """FSDP2's ``(state, parameter group)`` pairs of the model, each once."""
         seen = set()
         for module in self._fsdp_modules:
-            for group in module._get_fsdp_state()._fsdp_param_groups:
-                for fsdp_param in group.fsdp_params:
-                    if id(fsdp_param) not in seen:
-                        seen.add(id(fsdp_param))
-                        yield fsdp_param
+            state = module._get_fsdp_state()
+            for group in state._fsdp_param_groups:
+                if id(group) not in seen:
+                    seen.add(id(group))
+                    yield state, group
+
+    def _fsdp_params(self) -> Iterator:
+        for _, group in self._param_groups():
+            yield from group.fsdp_params
 
 
 def _check_sharded(name: str, p: nn.Parameter):
@@ -118,6 +134,18 @@ def _check_sharded(name: str, p: nn.Parameter):
             "mesh: tunefree supports FSDP2's dim-0 sharding over one 1-D mesh only (no HSDP, tensor "
             "parallelism or shard_placement_fn)")
     return p.device_mesh
+
+
+def check_sharded_options(physical_batch_size: int | None) -> None:
+    """Refuse what an FSDP2 run cannot do: each forward pass gathers parameters from every rank, so
+    every rank must run as many forward passes per step, and micro-batches would give ranks with
+    more examples more of them."""
+    if physical_batch_size is not None:
+        raise ValueError(
+            f"physical_batch_size={physical_batch_size} is not supported with FSDP2 (fully_shard) yet: "
+            "each rank would cut its share of the Poisson batch into a different number of "
+            "micro-batches, and every forward pass is a collective of all ranks. Drop it (each rank "
+            "then runs its whole share, batch_size / world size examples on average, in one pass)")
 
 
 def sharded_data_parallel(model: nn.Module) -> ShardedDataParallel | None:
