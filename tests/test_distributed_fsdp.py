@@ -39,6 +39,18 @@ def _data() -> TensorDataset:
                          torch.randint(0, 3, (N,), generator=generator))
 
 
+def _tokens() -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randint(0, 10, (N, 3), generator=generator),
+                         torch.randint(0, 3, (N,), generator=generator))
+
+
+def _token_model() -> nn.Module:
+    """Embedding and LayerNorm (held by the root), then a sharded Linear."""
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Embedding(10, 5), nn.LayerNorm(5), nn.Flatten(), nn.Linear(15, 3))
+
+
 def _model() -> nn.Module:
     """Three Linear layers; 5 and 3 rows do not split evenly over 2 ranks (FSDP2 pads the last shard)."""
     torch.manual_seed(1)
@@ -52,9 +64,9 @@ def _sharded(model: nn.Module, layers: int = 3) -> nn.Module:
     return fully_shard(model)
 
 
-def _private(model: nn.Module, noise_multiplier: float, batch: int = 16, **options):
+def _private(model: nn.Module, noise_multiplier: float, batch: int = 16, data=None, **options):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    return tunefree.make_private(model, optimizer, DataLoader(_data(), batch_size=batch),
+    return tunefree.make_private(model, optimizer, DataLoader(data or _data(), batch_size=batch),
                                  noise_multiplier=noise_multiplier, target_delta=1e-3, steps=STEPS,
                                  **{"seed": SEED, **options})
 
@@ -98,6 +110,9 @@ def _training_scenario(rank: int) -> dict:
     # Only the first layer sharded on its own; the root holds the other two (and reshards after forward).
     mixed = _private(_sharded(_model(), layers=1), 0.0, **RUNS["per-layer abadi"][0])
     out["mixed"] = _train(mixed, STEPS)
+    tokens = _token_model()
+    fully_shard(tokens[3])
+    out["tokens"] = _train(_private(fully_shard(tokens), 0.0, data=_tokens(), groups="per-layer"), STEPS)
     # The release of zero sums is its noise alone; secret randomness, as in a real run.
     wide = nn.Sequential(nn.Linear(100, 120), nn.Tanh(), nn.Linear(120, 7))
     secret = tunefree.make_private(_sharded(wide, layers=1), torch.optim.SGD(wide.parameters(), lr=0.1),
@@ -116,6 +131,12 @@ def _refusal_scenario(rank: int) -> dict:
                     {"physical_batch_size": 4}):
         try:
             _private(_sharded(_model()), SIGMA, **options)
+        except ValueError as error:
+            out["refused"].append(str(error))
+    for model in (nn.Sequential(nn.Conv1d(2, 4, 3), nn.Flatten(), nn.Linear(16, 3)),  # reads its weight
+                  nn.Sequential(nn.Linear(6, 3), nn.PReLU())):  # no layer rule: the generic fallback
+        try:
+            _private(fully_shard(model), SIGMA)
         except ValueError as error:
             out["refused"].append(str(error))
     unsharded_root = _model()
@@ -166,6 +187,11 @@ def references() -> dict:
             RUNS.items()}
 
 
+@pytest.fixture(scope="module")
+def noisy_reference() -> dict:
+    return _train(_private(_model(), SIGMA), STEPS)
+
+
 def _assert_same_run(ours: dict, theirs: dict) -> None:
     for step_ours, step_theirs in zip(ours["released"], theirs["released"], strict=True):
         for name in step_theirs:
@@ -206,22 +232,28 @@ def test_parameters_stay_sharded_as_fsdp2_shards_them(training):
     assert first["grad_is_sharded"] and second["grad_is_sharded"]
 
 
-def test_epsilon_of_two_ranks_equals_one_process(training):
-    single = _train(_private(_model(), SIGMA), STEPS)
+def test_epsilon_of_two_ranks_equals_one_process(training, noisy_reference):
+    single = noisy_reference
     assert math.isfinite(single["epsilon"])
     assert training[0]["noisy"]["epsilon"] == training[1]["noisy"]["epsilon"] == single["epsilon"]
     assert training[0]["noisy"]["ledger"] == single["ledger"]
 
 
-def test_noisy_seeded_run_is_the_one_process_run(training):
+def test_noisy_seeded_run_is_the_one_process_run(training, noisy_reference):
     """Seeded: every rank draws one process's noise and keeps its own rows, so the noisy release and
     the weights are those of one process with the same seed, up to rounding."""
-    _assert_same_run(training[0]["noisy"], _train(_private(_model(), SIGMA), STEPS))
+    _assert_same_run(training[0]["noisy"], noisy_reference)
 
 
 def test_a_model_mixing_sharded_layers_and_root_held_layers_is_exact(training, references):
     for rank in training:
         _assert_same_run(rank["mixed"], references["per-layer abadi"])
+
+
+def test_embedding_and_layer_norm_are_exact(training):
+    reference = _train(_private(_token_model(), 0.0, data=_tokens(), groups="per-layer"), STEPS)
+    for rank in training:
+        _assert_same_run(rank["tokens"], reference)
 
 
 def test_noise_is_added_once_in_total(training):
@@ -248,7 +280,9 @@ def test_sums_are_communicated_once_padded_to_the_shards(training):
 def test_refusals_and_a_raw_gradient_fail_closed(tmp_path):
     first, second = _run_ranks(_refusal_scenario, tmp_path)
     for rank in (first, second):
-        assert len(rank["refused"]) == 4
+        assert len(rank["refused"]) == 6
+        assert "'0' (Conv1d) has a layer rule that reads its parameters" in rank["refused"][4]
+        assert "'1' (PReLU) has no layer rule" in rank["refused"][5]
         for option, message in zip(("thresholds='adaptive'", "lr='auto'", "audit_canaries",
                                     "physical_batch_size=4"), rank["refused"]):
             assert f"{option} is not supported with FSDP2 (fully_shard)" in message

@@ -34,6 +34,11 @@ from .errors import PrivacyError
 from .grouping import ClipGroup
 from .privacy.mechanisms import GradientRelease
 from .privacy.randomness import Randomness
+from .rules import rule_for
+from .rules.embedding import EmbeddingRule
+from .rules.hf_conv1d import HFConv1DRule
+from .rules.linear import LinearRule
+from .rules.norms import GroupNormRule, InstanceNormRule, LayerNormRule, RMSNormRule
 
 _RECIPE = ("call fully_shard on each layer (or block) and then on the root module, e.g. "
            "`for layer in model: fully_shard(layer)`, then `fully_shard(model)` (docs/distributed.md)")
@@ -61,6 +66,7 @@ class ShardedDataParallel:
         if len(meshes) != 1:
             raise ValueError("the model's parameters are sharded over different device meshes: tunefree "
                              "supports one FSDP2 mesh for the whole model")
+        _check_layer_rules(model)
         self.group = meshes.pop().get_group()
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self._resharding: dict[int, tuple] = {}
@@ -119,6 +125,29 @@ class ShardedDataParallel:
     def _fsdp_params(self) -> Iterator:
         for _, group in self._param_groups():
             yield from group.fsdp_params
+
+
+# Layer rules whose per-sample gradients need the layer's inputs and output gradients only (of the
+# parameters, their shapes): FSDP2 holds the full parameters only during the layer's forward, not when
+# the engine clips in the backward pass. Convolutions (their weighted sum runs the convolution backward
+# with the weight) and recurrent layers (per-example autograd through the weights) are not among them.
+_INPUTS_ONLY_RULES = (LinearRule, EmbeddingRule, LayerNormRule, GroupNormRule, RMSNormRule, InstanceNormRule,
+                      HFConv1DRule)
+
+
+def _check_layer_rules(model: nn.Module) -> None:
+    """Every module owning trainable parameters needs a layer rule that reads no parameter value."""
+    for name, module in model.named_modules():
+        direct = {n for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        rule = rule_for(module, direct) if direct else None
+        if direct and not isinstance(rule, _INPUTS_ONLY_RULES):
+            what = ("has no layer rule (tunefree's generic fallback re-runs it per example with its "
+                    "parameters)" if rule is None else "has a layer rule that reads its parameters")
+            raise ValueError(
+                f"module '{name or '(root)'}' ({type(module).__name__}) {what}, which FSDP2 holds sharded "
+                "when tunefree computes per-sample gradients: not supported with FSDP2 yet. FSDP2 runs "
+                "take nn.Linear, nn.Embedding and normalisation layers; train other models with "
+                "DistributedDataParallel")
 
 
 def _check_sharded(name: str, p: nn.Parameter):
