@@ -1,12 +1,15 @@
-"""Data-parallel step time and communication: tunefree DDP against non-private DDP, 1 vs W processes.
+"""Data-parallel step time and communication: tunefree DDP and FSDP2 against non-private DDP and FSDP2,
+1 vs W processes.
 
 Weak scaling: every process trains on the same expected local batch, so W processes take a global batch
 W times larger. Each world size runs under torchrun (gloo on CPU, nccl on GPUs). Per configuration and
 world size it reports rank 0's median step time (forward, backward, optimizer step; for tunefree the
 per-sample clipping, the all-reduce of the clipped sums, the noise and the ledger record; secret noise
 from os.urandom, and seeded noise for comparison) and the bytes
-each rank hands to all-reduce per step: for non-private DDP, counted in a DDP communication hook (its
-gradient buckets); for tunefree, counted around the collectives of the release.
+each rank hands to the collectives per step: for non-private DDP, counted in a DDP communication hook
+(its gradient buckets); otherwise counted around ``torch.distributed``'s all-reduce, all-gather
+(output, the gathered parameters) and reduce-scatter (input, the full-size gradients or clipped sums).
+FSDP2 shards each Linear layer and the root (``fully_shard``).
 
     OMP_NUM_THREADS=1 python benchmarks/distributed.py --worlds 1 2 --steps 20
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import inspect
 import json
 import os
 import statistics
@@ -25,7 +29,9 @@ import time
 
 # "seeded" draws the noise from torch's generator instead of os.urandom: not for real runs (whoever knows
 # the seed can remove the noise), here to separate the cost of the secret noise from the rest.
-CONFIGS = ("non-private DDP", "tunefree DDP", "tunefree DDP seeded")
+CONFIGS = ("non-private DDP", "tunefree DDP", "tunefree DDP seeded",
+           "non-private FSDP2", "tunefree FSDP2", "tunefree FSDP2 seeded")
+COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single")
 
 
 def _model(width: int):
@@ -41,27 +47,52 @@ def _counting_ddp_hook(counter: dict):
 
     def hook(state, bucket):
         buffer = bucket.buffer()
-        counter["bytes"] += buffer.numel() * buffer.element_size()
+        counter["all_reduce"] += buffer.numel() * buffer.element_size()
         future = dist.all_reduce(buffer.div_(dist.get_world_size()), async_op=True).get_future()
         return future.then(lambda f: f.value()[0])
     return hook
 
 
 @contextlib.contextmanager
-def _counting_all_reduce(counter: dict):
-    """Within it, every ``torch.distributed.all_reduce`` (tunefree's release calls it) counts its bytes."""
+def _counting_collectives(counter: dict):
+    """Within it, every all-reduce (its tensor), all-gather (its output) and reduce-scatter (its input)
+    of ``torch.distributed`` counts its bytes under its name (FSDP2 and tunefree's releases call them)."""
     import torch.distributed as dist
 
-    all_reduce = dist.all_reduce
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+    counted_argument = {"all_reduce": "tensor", "all_gather_single": "output_tensor",
+                        "reduce_scatter_single": "input"}
 
-    def counted(tensor, *args, **kwargs):
-        counter["bytes"] += tensor.numel() * tensor.element_size()
-        return all_reduce(tensor, *args, **kwargs)
-    dist.all_reduce = counted
+    def counting(name):
+        signature = inspect.signature(originals[name])
+
+        def counted(*args, **kwargs):
+            tensor = signature.bind(*args, **kwargs).arguments[counted_argument[name]]
+            counter[name] += tensor.numel() * tensor.element_size()
+            return originals[name](*args, **kwargs)
+        return counted
+    for name in COLLECTIVES:
+        setattr(dist, name, counting(name))
     try:
         yield
     finally:
-        dist.all_reduce = all_reduce
+        for name, function in originals.items():
+            setattr(dist, name, function)
+
+
+def _wrapped(config: str, width: int, device):
+    """The model of ``config``: in DDP, or sharded by FSDP2 (each Linear layer, then the root)."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _model(width).to(device)
+    if "FSDP2" not in config:
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
 
 
 def _endless(loader):
@@ -74,7 +105,6 @@ def _worker(args) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     import tunefree
@@ -93,26 +123,27 @@ def _worker(args) -> None:
     results = []
     for config in CONFIGS:
         torch.manual_seed(0)
-        model = DistributedDataParallel(_model(args.width).to(device),
-                                        device_ids=[device.index] if cuda else None)
+        model = _wrapped(config, args.width, device)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-        counter = {"bytes": 0}
-        if config == "non-private DDP":
-            model.register_comm_hook(None, _counting_ddp_hook(counter))
+        counter = dict.fromkeys(COLLECTIVES, 0)
+        if config.startswith("non-private"):
             loader = DataLoader(data, batch_size=args.local_batch, sampler=DistributedSampler(data))
-            step_optimizer, counting = optimizer, contextlib.nullcontext
+            step_optimizer, counting = optimizer, functools.partial(_counting_collectives, counter)
+            if config == "non-private DDP":
+                model.register_comm_hook(None, _counting_ddp_hook(counter))
+                counting = contextlib.nullcontext
         else:
             global_batch = DataLoader(data, batch_size=args.local_batch * world)
             engine = tunefree.make_private(model, optimizer, global_batch, noise_multiplier=1.0,
                                            target_delta=1 / examples ** 1.1,
                                            seed=0 if config.endswith("seeded") else None)
             loader, step_optimizer = engine.data_loader, engine.optimizer
-            counting = functools.partial(_counting_all_reduce, counter)
+            counting = functools.partial(_counting_collectives, counter)
         batches = _endless(loader)
         times = []
         for step in range(args.warmup + args.steps):
             if step == args.warmup:
-                counter["bytes"] = 0
+                counter.update(dict.fromkeys(COLLECTIVES, 0))
             x, y = next(batches)
             x, y = x.to(device), y.to(device)
             dist.barrier()
@@ -127,7 +158,7 @@ def _worker(args) -> None:
         results.append({"config": config, "world": world, "threads": args.threads,
                         "params": sum(p.numel() for p in model.parameters()),
                         "step_ms": 1000 * statistics.median(times[args.warmup:]),
-                        "bytes_per_step": counter["bytes"] // args.steps})
+                        **{name: count // args.steps for name, count in counter.items()}})
     if rank == 0:
         print("RESULT " + json.dumps(results), flush=True)
     dist.destroy_process_group()
@@ -157,11 +188,11 @@ def main() -> None:
         output = run.stdout
         rows += json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:])
     print("| config | processes | threads/process | parameters | step (ms, median) | "
-          "all-reduce bytes/step/rank |")
-    print("|---|---|---|---|---|---|")
+          "bytes/step/rank: all-reduce | all-gather | reduce-scatter |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['config']} | {row['world']} | {row['threads']} | {row['params']} | "
-              f"{row['step_ms']:.1f} | {row['bytes_per_step']} |")
+              f"{row['step_ms']:.1f} | " + " | ".join(str(row[name]) for name in COLLECTIVES) + " |")
 
 
 if __name__ == "__main__":

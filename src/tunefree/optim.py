@@ -278,7 +278,7 @@ class DPOptimizer(torch.optim.Optimizer):
         inputs = self.engine.retained_inputs
         self.engine.retained_inputs = None
         ready = inputs is not None and _examples_in(inputs) >= 2
-        if self.every_rank is not None:
+        if self.every_rank is not None and inputs is not None:  # a check is due: on every rank alike
             ready = self.every_rank(ready)
         if ready:
             try:
