@@ -98,7 +98,7 @@ class ShardedDataParallel:
         """Whether ``flag`` is True on every rank (a collective: every rank must call it). FSDP2's forward
         passes gather parameters from every rank, so a forward that one rank runs alone (the
         independence check) would wait forever: the ranks decide together."""
-        agreed = torch.tensor([int(flag)], device=self._collective_device())
+        agreed = torch.tensor([int(flag)], dtype=torch.int32, device=self._collective_device())
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
         return bool(agreed.item())
 
