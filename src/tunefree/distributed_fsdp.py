@@ -32,7 +32,7 @@ from torch import nn
 from .dtypes import accumulation_dtype
 from .errors import PrivacyError
 from .grouping import ClipGroup
-from .privacy.mechanisms import GradientRelease
+from .privacy.mechanisms import GradientRelease, add_shard_noise
 from .privacy.randomness import Randomness
 from .rules import rule_for
 from .rules.embedding import EmbeddingRule
@@ -227,7 +227,7 @@ class ShardedRelease(GradientRelease):
         for p, shard, work in in_flight:
             work.wait()
             shards[p] = shard.narrow(0, 0, p.to_local().shape[0])
-        self._add_noise(shards, stds)
+        add_shard_noise(shards, stds, self.randomness, self.parallel.shard)
         return {p: _as_sharded(shards[p], p) for p, _ in stds}, self.event()
 
     def _reduce_scatter(self, p: nn.Parameter, full: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
@@ -239,25 +239,6 @@ class ShardedRelease(GradientRelease):
         shard = full.new_empty(rows, *full.shape[1:])
         work = dist.reduce_scatter_single(shard, full.contiguous(), group=self.parallel.group, async_op=True)
         return shard, work
-
-    def _add_noise(self, shards: dict[nn.Parameter, torch.Tensor],
-                   stds: list[tuple[nn.Parameter, float]]) -> None:
-        """Each shard's noise, in place: one draw per coordinate of this rank's rows."""
-        noised = [(p, std) for p, std in stds if std > 0]
-        if self.randomness.secure:
-            for p, std in noised:
-                shards[p] += std * self.randomness.normal(shards[p].shape, shards[p].device, shards[p].dtype)
-            return
-        # Seeded: one process's draws, in its order (by device and precision, as GradientRelease draws).
-        by_kind: dict[tuple[torch.device, torch.dtype], list[tuple[nn.Parameter, float]]] = {}
-        for p, std in noised:
-            by_kind.setdefault((shards[p].device, shards[p].dtype), []).append((p, std))
-        world, rank = self.parallel.world_size, self.parallel.rank
-        for (device, dtype), entries in by_kind.items():
-            draws = self.randomness.normals([p.shape for p, _ in entries], device, dtype)
-            for (p, std), noise in zip(entries, draws):
-                start = math.ceil(p.shape[0] / world) * rank
-                shards[p] += std * noise[start:start + shards[p].shape[0]]
 
     def bytes_per_step(self) -> int:
         """Bytes each rank puts into the reduce-scatters of one step: the clipped sums, in their

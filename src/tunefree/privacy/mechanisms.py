@@ -129,6 +129,33 @@ def add_bucket_noise(flat: torch.Tensor, params: Sequence[tuple[nn.Parameter, fl
         offset += p.numel()
 
 
+
+def add_shard_noise(shards: Mapping[nn.Parameter, torch.Tensor], params: Sequence[tuple[nn.Parameter, float]],
+                    randomness: Randomness, shard: tuple[int, int]) -> None:
+    """Rank ``shard[0]`` of ``shard[1]``'s share of the Gaussian noise of parameters sharded along dim 0
+    as FSDP2 shards them (rank r holds rows from ⌈rows/W⌉·r on): ``shards[p]`` holds this rank's rows of
+    ``p``'s sum and gets their noise in place (``params``: each parameter with its standard deviation, in
+    release order). Summed over the ranks, every coordinate has received exactly one draw.
+
+    Secret randomness: each rank draws its own rows' noise from its own ``os.urandom``. Seeded: every
+    rank draws one process's noise (by device and precision, in release order, as
+    ``GradientRelease.release`` does) and keeps its own rows, so the noise is that of one process with
+    that seed and every rank's stream stays at the same place."""
+    noised = [(p, std) for p, std in params if std > 0]
+    if randomness.secure:
+        for p, std in noised:
+            shards[p] += std * randomness.normal(shards[p].shape, shards[p].device, shards[p].dtype)
+        return
+    rank, world_size = shard
+    by_kind: dict[tuple[torch.device, torch.dtype], list[tuple[nn.Parameter, float]]] = {}
+    for p, std in noised:
+        by_kind.setdefault((shards[p].device, shards[p].dtype), []).append((p, std))
+    for (device, dtype), entries in by_kind.items():
+        draws = randomness.normals([p.shape for p, _ in entries], device, dtype)
+        for (p, std), noise in zip(entries, draws):
+            start = math.ceil(p.shape[0] / world_size) * rank
+            shards[p] += std * noise[start:start + shards[p].shape[0]]
+
 def release_counts(centred_counts: torch.Tensor, count_std: float,
                    randomness: Randomness) -> tuple[torch.Tensor, dpa.DpEvent]:
     """Releases K centred clip counts (each of sensitivity ½) with Gaussian noise of standard
