@@ -67,21 +67,13 @@ class DataParallel:
 def data_parallel(model: nn.Module) -> DataParallel | None:
     """The data-parallel setting of ``model``: a :class:`DataParallel` for a DDP model, ``None`` for a
     plain module (which trains as one process, with a warning if several processes are running).
-    ``nn.DataParallel`` and sharded parameters (FSDP2, tensor parallelism) are refused."""
+    ``nn.DataParallel`` is refused; sharded models (FSDP2) are ``distributed_fsdp``'s."""
     if isinstance(model, nn.DataParallel):
         raise ValueError("torch.nn.DataParallel (threads over the GPUs of one process) is not supported: "
                          "wrap the model in DistributedDataParallel and launch with torchrun "
                          "(docs/distributed.md)")
     if not dist.is_available():
         return None
-    from torch.distributed.tensor import DTensor
-
-    sharded = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
-    if sharded:
-        raise ValueError(
-            f"parameters {sharded[:3]}{' ...' if len(sharded) > 3 else ''} are sharded DTensors (FSDP2's "
-            "fully_shard, or tensor parallelism), which tunefree does not support yet: train with "
-            "DistributedDataParallel (docs/distributed.md)")
     if isinstance(model, DistributedDataParallel):
         return DataParallel(model)
     if dist.is_initialized() and dist.get_world_size() > 1:
