@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.autolr_dog import AVERAGING, SIGNIFICANCE, DistanceOverGradients
+from tunefree.autolr_dog import AVERAGING, SIGNIFICANCE, WALK_MARGIN, DistanceOverGradients
 from tunefree.optim import StepContext, StepReport, UpdateControl
 from tunefree.privacy.ledger import to_dict
 
@@ -68,8 +68,9 @@ def test_noise_free_steps_follow_dog():
 
 def test_noise_aware_subtracts_the_known_noise_energy():
     """Noise of std s on each sum, divided by q·N = B: the energy loses d·(s/B)² per step (counted once
-    above SIGNIFICANCE standard deviations √(2d)·(s/B)² of its fluctuation), the squared distance the
-    expected walk Σ η_i²·d·(s/B)² of the earlier noisy steps."""
+    above SIGNIFICANCE standard deviations √(2d)·(s/B)² of its fluctuation); the squared distance loses
+    the noise walk of the earlier steps, ‖Σ η_i n_i‖² = W·χ²_d with W = Σ η_i²·(s/B)²: its mean d·W
+    and WALK_MARGIN of its standard deviations √(2d)·W."""
     std, batch, d = 0.4, 4.0, 3
     v = (std / batch) ** 2
     gradients = [[2.0, -1.0, 0.5], [1.5, -0.5, 0.5], [1.0, -1.0, 1.0]]
@@ -77,13 +78,26 @@ def test_noise_aware_subtracts_the_known_noise_energy():
     _, plain, _, _ = run_rule(gradients, std=std, batch=batch, noise_aware=False)
     x0, distance, energy, walk = weights[0], 0.01 * (1 + weights[0].norm().item()), 0.0, 0.0
     for t, g in enumerate(gradients):
-        moved = (weights[t] - x0).pow(2).sum().item() - walk
+        moved = (weights[t] - x0).pow(2).sum().item() - d * walk - WALK_MARGIN * math.sqrt(2 * d) * walk
         distance = max(distance, math.sqrt(max(moved, 0.0)))
         energy += torch.tensor(g, dtype=torch.float64).pow(2).sum().item() - d * v
         floor = SIGNIFICANCE * math.sqrt((t + 1) * 2 * d * v * v)
         assert lrs[t] == pytest.approx(distance / math.sqrt(max(energy, floor)), rel=1e-12)
-        walk += lrs[t] ** 2 * d * v
+        walk += lrs[t] ** 2 * v
     assert lrs[0] > plain[0]  # less energy counted: a larger step than plain DoG's
+    assert lrs[-1] > lrs[0]  # and the distance, resolved above the walk, still grows it
+
+
+def test_noise_walk_mean_and_deviation():
+    """After steps η_i with coordinate noise variance v: W = Σ η_i² v, mean d·W, deviation √(2d)·W."""
+    g = torch.Generator().manual_seed(0)
+    std, batch, d = 2.0, 1.0, 3
+    gradients = [torch.randn(d, generator=g, dtype=torch.float64) * std / batch for _ in range(12)]
+    rule, lrs, _, _ = run_rule(gradients, std=std, batch=batch)
+    walk = sum(lr ** 2 for lr in lrs) * (std / batch) ** 2
+    assert rule.walk_variances == [pytest.approx(walk, rel=1e-12)]
+    mean, deviation = rule.noise_walk([d])
+    assert (mean, deviation) == (pytest.approx(d * walk), pytest.approx(math.sqrt(2 * d) * walk))
 
 
 def test_pure_noise_does_not_blow_up_the_step():
