@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.autolr_dog import AVERAGING, SIGNIFICANCE, DistanceOverGradients
+from tunefree.autolr_dog import AVERAGING, SIGNIFICANCE, WALK_MARGIN, DistanceOverGradients
 from tunefree.optim import StepContext, StepReport, UpdateControl
 from tunefree.privacy.ledger import to_dict
 
@@ -68,8 +68,9 @@ def test_noise_free_steps_follow_dog():
 
 def test_noise_aware_subtracts_the_known_noise_energy():
     """Noise of std s on each sum, divided by q·N = B: the energy loses d·(s/B)² per step (counted once
-    above SIGNIFICANCE standard deviations √(2d)·(s/B)² of its fluctuation), the squared distance the
-    expected walk Σ η_i²·d·(s/B)² of the earlier noisy steps."""
+    above SIGNIFICANCE standard deviations √(2d)·(s/B)² of its fluctuation); the squared distance loses
+    the noise walk of the earlier steps, ‖Σ η_i n_i‖² = W·χ²_d with W = Σ η_i²·(s/B)²: its mean d·W
+    and WALK_MARGIN of its standard deviations √(2d)·W."""
     std, batch, d = 0.4, 4.0, 3
     v = (std / batch) ** 2
     gradients = [[2.0, -1.0, 0.5], [1.5, -0.5, 0.5], [1.0, -1.0, 1.0]]
@@ -77,13 +78,26 @@ def test_noise_aware_subtracts_the_known_noise_energy():
     _, plain, _, _ = run_rule(gradients, std=std, batch=batch, noise_aware=False)
     x0, distance, energy, walk = weights[0], 0.01 * (1 + weights[0].norm().item()), 0.0, 0.0
     for t, g in enumerate(gradients):
-        moved = (weights[t] - x0).pow(2).sum().item() - walk
+        moved = (weights[t] - x0).pow(2).sum().item() - d * walk - WALK_MARGIN * math.sqrt(2 * d) * walk
         distance = max(distance, math.sqrt(max(moved, 0.0)))
         energy += torch.tensor(g, dtype=torch.float64).pow(2).sum().item() - d * v
         floor = SIGNIFICANCE * math.sqrt((t + 1) * 2 * d * v * v)
         assert lrs[t] == pytest.approx(distance / math.sqrt(max(energy, floor)), rel=1e-12)
-        walk += lrs[t] ** 2 * d * v
+        walk += lrs[t] ** 2 * v
     assert lrs[0] > plain[0]  # less energy counted: a larger step than plain DoG's
+    assert lrs[-1] > lrs[0]  # and the distance, resolved above the walk, still grows it
+
+
+def test_noise_walk_mean_and_deviation():
+    """After steps η_i with coordinate noise variance v: W = Σ η_i² v, mean d·W, deviation √(2d)·W."""
+    g = torch.Generator().manual_seed(0)
+    std, batch, d = 2.0, 1.0, 3
+    gradients = [torch.randn(d, generator=g, dtype=torch.float64) * std / batch for _ in range(12)]
+    rule, lrs, _, _ = run_rule(gradients, std=std, batch=batch)
+    walk = sum(lr ** 2 for lr in lrs) * (std / batch) ** 2
+    assert rule.walk_variances == [pytest.approx(walk, rel=1e-12)]
+    mean, deviation = rule.noise_walk([d])
+    assert (mean, deviation) == (pytest.approx(d * walk), pytest.approx(math.sqrt(2 * d) * walk))
 
 
 def test_pure_noise_does_not_blow_up_the_step():
@@ -170,3 +184,65 @@ def test_dog_options():
         tunefree.AutoLR(mode="dog", initial_distance=0.0)
     with pytest.raises(ValueError, match="initial_distance"):
         DistanceOverGradients(KnownNoise([], 0.0), 4.0, initial_distance=-1.0)
+
+
+def test_component_state_round_trip_continues_the_same_learning_rates():
+    """Save the rule's state after two steps, load it into a fresh rule: the next steps (same released
+    gradients, same weights) get the same learning rates and the same average as the uninterrupted rule."""
+    rule, lrs, weights, weight = run_rule(GRADIENTS[:2], std=0.3)
+    state = rule.state_dict()
+    resumed = DistanceOverGradients(KnownNoise([weight], 0.3), 4.0, initial_distance=1e-2)
+    resumed.load_state_dict(state)
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    _, full, _, full_last = run_rule(GRADIENTS, std=0.3)
+    through, straight = [], []
+    for t, g in enumerate(GRADIENTS[2:], start=2):
+        weight.grad = torch.as_tensor(g, dtype=torch.float64).clone()
+        step = StepContext(StepReport(step=t + 1, examples=4), None, UpdateControl(optimizer),
+                           thresholds={"all": 1.0})
+        resumed.before_update(step)
+        through.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        resumed.after_update(step)
+        straight.append(full[t])
+    assert through == straight
+    torch.testing.assert_close(weight.detach(), full_last.detach(), rtol=0, atol=0)
+    assert state["walk_variances"] and state["average"] is not None
+
+
+def test_engine_checkpoint_resumes_the_rule_bit_for_bit():
+    """engine.state_dict() carries the rule's state: a seeded run resumed from it after 3 of 6 steps ends
+    with the same weights and learning rates as the run that was never interrupted."""
+    model, straight = private_run(tunefree.AutoLR(mode="dog"), steps=6)
+    torch.manual_seed(0)
+    first = MLP()
+    engine = tunefree.make_private(first, torch.optim.SGD(first.parameters(), lr=0.1),
+                                   DataLoader(data(), batch_size=16), noise_multiplier=1.0, target_delta=1e-3,
+                                   steps=6, lr=tunefree.AutoLR(mode="dog"), seed=0, accountant="rdp")
+    batches = iter(engine.data_loader)
+    for _ in range(3):
+        x, y = next(batches)
+        engine.optimizer.zero_grad()
+        F.cross_entropy(first(x), y).backward()
+        engine.optimizer.step()
+    saved = {"engine": engine.state_dict(), "model": first.state_dict()}
+    engine.detach()
+    second = MLP()
+    second.load_state_dict(saved["model"])
+    resumed = tunefree.make_private(second, torch.optim.SGD(second.parameters(), lr=0.1),
+                                    DataLoader(data(), batch_size=16), noise_multiplier=1.0,
+                                    target_delta=1e-3, steps=6, lr=tunefree.AutoLR(mode="dog"), seed=0,
+                                    accountant="rdp")
+    resumed.load_state_dict(saved["engine"])
+    taken = 3
+    while taken < 6:
+        for x, y in resumed.data_loader:
+            resumed.optimizer.zero_grad()
+            F.cross_entropy(second(x), y).backward()
+            resumed.optimizer.step()
+            taken += 1
+            if taken == 6:
+                break
+    assert resumed.dog_lr.history == straight.dog_lr.history[3:]
+    for a, b in zip(second.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

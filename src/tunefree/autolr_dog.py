@@ -11,8 +11,11 @@ the release (``σ_k²C_k²/(q·N)²`` in clip group k). Its energy ``E‖n‖² 
 dwarfs ``‖ḡ‖²``, and the distance travelled is then a random walk, so DoG's step stays where it started.
 ``noise_aware=True`` subtracts the known noise energy from the accumulated gradient energy (counting the
 remainder only where it exceeds two standard deviations of the noise energy's own fluctuation) and
-from the squared distance travelled (the noise steps' expected contribution ``Σ η_i² E‖n‖²``). Both use
-public quantities only (σ, the thresholds, q·N and the shapes), so this is still post-processing.
+from the squared distance travelled the noise walk ``‖Σ η_i n_i‖²``: its expectation ``Σ η_i² E‖n‖²``
+and one standard deviation of its fluctuation, so that DoG's running maximum of the distance does not
+climb on the walk's upward swings (measured: without this margin the step overshoots on short, noisy
+runs; benchmarks/RESULTS.md §5c). All of these are public (σ, the thresholds, q·N and the shapes), so
+this is still post-processing.
 
 As the DoG paper recommends, the component also keeps the polynomially averaged weights
 ``x̄_t = (1 − (γ+1)/(t+γ))·x̄_{t−1} + (γ+1)/(t+γ)·x_t`` (γ = 8), which average the noise out of the last
@@ -30,9 +33,12 @@ import torch
 from .optim import StepComponent, StepContext
 from .privacy.mechanisms import GradientRelease
 
-INITIAL_DISTANCE = 1e-2  # r_ε = this × (1 + ‖x_0‖); DoG's 1e-6 is too small to grow from in a short DP run
+# The constants were chosen once on the validation splits of the four tasks of benchmarks/utility.py at
+# ε ∈ {1, 3, 8} (benchmarks/RESULTS.md §5c).
+INITIAL_DISTANCE = 0.1  # r_ε = this × (1 + ‖x_0‖); DoG's 1e-6 is too small to grow from in a short DP run
 AVERAGING = 8.0  # γ of the polynomial iterate average
 SIGNIFICANCE = 2.0  # the gradient energy counts once it exceeds this many deviations of the noise energy
+WALK_MARGIN = 1.0  # the distance counts once it exceeds the noise walk by this many of its deviations
 
 
 class DistanceOverGradients(StepComponent):
@@ -43,7 +49,7 @@ class DistanceOverGradients(StepComponent):
         expected_batch_size: q·N, by which the released sums are divided.
         noise_aware: subtract the known noise energy from the gradient energy and from the distance.
         initial_distance: DoG's r_ε relative to 1 + ‖x_0‖ (public; the default was chosen on the
-            validation split of a benchmark task, benchmarks/RESULTS.md §5b).
+            validation splits of the benchmark tasks, benchmarks/RESULTS.md §5c).
     """
 
     def __init__(self, release: GradientRelease, expected_batch_size: float, noise_aware: bool = True,
@@ -56,20 +62,24 @@ class DistanceOverGradients(StepComponent):
         self.distance = 0.0  # r_t
         self.gradient_energy = 0.0  # Σ ‖g_i‖², less the noise energy when noise-aware
         self.noise_energy_variance = 0.0  # Σ var(‖n_i‖²)
-        self.noise_walk = 0.0  # Σ η_i² E‖n_i‖², the noise's expected share of ‖x_t − x_0‖²
+        # per parameter: Σ η_i² × its noise variance per coordinate, the noise walk's variance per coordinate
+        self.walk_variances: list[float] = []
         self.lr = math.nan
         self.history: list[float] = []
         self.average: list[torch.Tensor] | None = None  # x̄_t
         self.updates = 0
 
-    def noise_moments(self, thresholds: dict[str, float]) -> tuple[float, float]:
-        """E‖n‖² and var(‖n‖²) of the noise in the released mean gradient (public: σ, C, q·N, shapes)."""
-        mean, variance = 0.0, 0.0
-        for p, std in self.release.param_stds(thresholds):
-            v = (std / self.expected_batch_size) ** 2
-            mean += p.numel() * v
-            variance += 2 * p.numel() * v * v
-        return mean, variance
+    def coordinate_variances(self, thresholds: dict[str, float]) -> list[tuple[int, float]]:
+        """Per parameter: its size and the noise variance of each coordinate of the released mean gradient
+        (public: σ, C, q·N)."""
+        return [(p.numel(), (std / self.expected_batch_size) ** 2)
+                for p, std in self.release.param_stds(thresholds)]
+
+    def noise_walk(self, sizes: list[int]) -> tuple[float, float]:
+        """Mean and standard deviation of ‖Σ η_i n_i‖², the squared noise walk of the steps so far (a sum
+        of scaled χ²), i.e. the noise's share of ‖x_t − x_0‖²."""
+        pairs = list(zip(sizes, self.walk_variances))
+        return sum(d * w for d, w in pairs), math.sqrt(sum(2 * d * w * w for d, w in pairs))
 
     def before_update(self, step: StepContext) -> list[dpa.DpEvent]:
         params = step.update.params
@@ -79,16 +89,19 @@ class DistanceOverGradients(StepComponent):
                 self.distance = self.initial_distance * (1 + _norm(self.origin))
             moved = sum(float((p - x0).pow(2).sum()) for p, x0 in zip(params, self.origin))
             energy = sum(float(p.grad.pow(2).sum()) for p in params if p.grad is not None)
-        noise_mean, noise_variance = self.noise_moments(step.thresholds)
+        variances = self.coordinate_variances(step.thresholds)
         if self.noise_aware:
-            moved -= self.noise_walk
-            energy -= noise_mean
-            self.noise_energy_variance += noise_variance
+            walk, walk_deviation = self.noise_walk([d for d, _ in variances])
+            moved -= walk + WALK_MARGIN * walk_deviation
+            energy -= sum(d * v for d, v in variances)
+            self.noise_energy_variance += sum(2 * d * v * v for d, v in variances)
         self.distance = max(self.distance, math.sqrt(max(moved, 0.0)))
         self.gradient_energy += energy
         floor = SIGNIFICANCE * math.sqrt(self.noise_energy_variance)
         self.lr = self.distance / math.sqrt(max(self.gradient_energy, floor, 1e-16))
-        self.noise_walk += self.lr ** 2 * noise_mean
+        if not self.walk_variances:
+            self.walk_variances = [0.0] * len(variances)
+        self.walk_variances = [w + self.lr ** 2 * v for w, (_, v) in zip(self.walk_variances, variances)]
         self.history.append(self.lr)
         step.update.set_lr(self.lr)
         return []
@@ -115,13 +128,15 @@ class DistanceOverGradients(StepComponent):
 
     def state_dict(self) -> dict[str, Any]:
         return {"origin": self.origin, "distance": self.distance, "gradient_energy": self.gradient_energy,
-                "noise_energy_variance": self.noise_energy_variance, "noise_walk": self.noise_walk,
-                "lr": self.lr, "average": self.average, "updates": self.updates}
+                "noise_energy_variance": self.noise_energy_variance,
+                "walk_variances": list(self.walk_variances), "lr": self.lr, "average": self.average,
+                "updates": self.updates}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.origin = None if state["origin"] is None else [t.clone() for t in state["origin"]]
         self.distance, self.gradient_energy = state["distance"], state["gradient_energy"]
-        self.noise_energy_variance, self.noise_walk = state["noise_energy_variance"], state["noise_walk"]
+        self.noise_energy_variance = state["noise_energy_variance"]
+        self.walk_variances = list(state["walk_variances"])
         self.lr, self.updates = state["lr"], state["updates"]
         self.average = None if state["average"] is None else [t.clone() for t in state["average"]]
 

@@ -124,7 +124,7 @@ class AutoLR:
     mode: str = "safeguarded"
     probes: str = "losses"
     initial_lr: float = 1e-4
-    initial_distance: float = 1e-2
+    initial_distance: float = 0.1  # autolr_dog.INITIAL_DISTANCE
 
     def __post_init__(self) -> None:
         _count("AutoLR.interval", self.interval)
