@@ -108,15 +108,21 @@ class PoissonBatchSampler(Sampler[list[int]]):
         return self.steps_per_epoch
 
     def __iter__(self) -> Iterator[list[int]]:
+        for indices in self.index_tensors():
+            yield indices.tolist()
+
+    def index_tensors(self) -> Iterator[torch.Tensor]:
+        """The physical batches of ``iter()``, each as a 1-D ``torch.long`` tensor of indices."""
         self.boundaries.clear()
         start = self.schedule.consumed
         remaining = self.steps_per_epoch - start % self.steps_per_epoch
+        rank, world_size = self.shard
         for step in range(start, start + remaining):
             included = self.randomness.inclusion(step, self.num_examples, self.sample_rate)
-            rank, world_size = self.shard
-            indices = torch.nonzero(included[rank::world_size]).flatten().mul(world_size).add(rank).tolist()
-            chunk = self.max_physical_batch_size or max(len(indices), 1)
-            chunks = [indices[i:i + chunk] for i in range(0, len(indices), chunk)] or [[]]
+            indices = torch.nonzero(included[rank::world_size]).flatten()
+            if world_size > 1:
+                indices = indices.mul(world_size).add(rank)
+            chunks = indices.split(self.max_physical_batch_size or max(len(indices), 1))
             for k, piece in enumerate(chunks):
                 self.boundaries.append((k == 0, k == len(chunks) - 1, len(piece)))
                 yield piece
@@ -164,9 +170,8 @@ class PoissonDataLoader(DataLoader):
     def _gathered(self) -> Iterator[list[torch.Tensor]]:
         """The batches of a ``TensorDataset``, each tensor's rows taken in one indexing operation."""
         tensors = self.dataset.tensors  # type: ignore[attr-defined]
-        for indices in self.batch_sampler:
-            rows = torch.tensor(indices, dtype=torch.long)
-            yield [t[rows] for t in tensors]
+        for rows in self.batch_sampler.index_tensors():
+            yield [t.index_select(0, rows.to(t.device)) for t in tensors]
 
 
 def steps_per_epoch(sample_rate: float) -> int:
