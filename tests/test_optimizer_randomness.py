@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -101,6 +102,19 @@ def test_a_checkpoint_resumes_only_in_the_mode_it_was_made_in():
         secure.load_state_dict(seeded.state_dict())
 
 
+class InlineExecutor:
+    """Runs each submitted draw at once, so that the order of draws does not depend on the timing of
+    the background thread (the draw ahead is then made the moment it is asked for)."""
+
+    def __init__(self, **_):
+        pass
+
+    def submit(self, fn, *args):
+        future = Future()
+        future.set_result(fn(*args))
+        return future
+
+
 @pytest.fixture
 def numbered_draws(monkeypatch):
     """Replaces the OS-backed Box-Muller draw by one whose k-th call returns k everywhere, to follow
@@ -112,6 +126,7 @@ def numbered_draws(monkeypatch):
         return torch.full((count,), float(len(calls)), dtype=torch.float64)
 
     monkeypatch.setattr(randomness_module, "_secure_normal", draw)
+    monkeypatch.setattr(randomness_module, "ThreadPoolExecutor", InlineExecutor)
     return calls
 
 
