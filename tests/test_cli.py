@@ -260,8 +260,9 @@ def test_bad_data_is_one_line_error(tmp_path, capsys, case, match):
 
 
 def test_audit_canaries_report_a_lower_bound_below_the_runs_epsilon(tmp_path, capsys):
+    # seeded: the verdict is a 95%-confidence test, so a secure (unseeded) run fails it now and then
     code = main(["train", "--dataset", "digits", "--epsilon", "8", "--steps", "20", "--batch-size", "512",
-                 "--audit-canaries", "400", "--json", str(tmp_path / "r.json"), "--quiet"])
+                 "--seed", "0", "--audit-canaries", "400", "--json", str(tmp_path / "r.json"), "--quiet"])
     assert code == 0
     result = json.loads((tmp_path / "r.json").read_text())
     audit = result["audit"]

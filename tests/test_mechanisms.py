@@ -72,3 +72,26 @@ def test_secure_normals_are_standard_and_independent_across_shapes_and_pairs():
     assert abs(correlation) < 5 / math.sqrt(half)
     kurtosis = float((z ** 4).mean())  # 3 for a normal; uniform-ish or heavy tails would miss it
     assert abs(kurtosis - 3) < 0.15
+
+
+def test_gradient_noise_follows_the_thresholds_it_is_released_at_and_adds_std_times_noise():
+    from torch import nn
+
+    from tunefree.grouping import make_groups
+    from tunefree.privacy.mechanisms import GradientRelease, group_noise_stds
+
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    groups = make_groups(model, "per-layer", 1.0)
+    release = GradientRelease(groups, 1.3, Randomness(5), "equal-budget")
+    sizes = [g.size for g in groups]
+    a, b = {"0": 1.0, "1": 2.0}, {"0": 0.5, "1": 2.0}
+    for thresholds in (a, a, b, a):  # repeated, changed, changed back
+        assert release.noise_stds(thresholds) == group_noise_stds(list(thresholds.values()), sizes, 1.3,
+                                                                  "equal-budget")
+    sums = {p: torch.full(p.shape, 0.25) for p in model.parameters()}
+    noisy, _ = release.release(sums, {"0": 0.5, "1": 2.0})
+    replay = Randomness(5)  # the same seeded stream: the noise the release drew, parameter by parameter
+    stds = dict(release.param_stds({"0": 0.5, "1": 2.0}))
+    for p in model.parameters():
+        expected = sums[p] + stds[p] * replay.normal(p.shape, torch.device("cpu"), torch.float32)
+        assert torch.equal(noisy[p], expected)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -101,6 +102,19 @@ def test_a_checkpoint_resumes_only_in_the_mode_it_was_made_in():
         secure.load_state_dict(seeded.state_dict())
 
 
+class InlineExecutor:
+    """Runs each submitted draw at once, so that the order of draws does not depend on the timing of
+    the background thread (the draw ahead is then made the moment it is asked for)."""
+
+    def __init__(self, **_):
+        pass
+
+    def submit(self, fn, *args):
+        future = Future()
+        future.set_result(fn(*args))
+        return future
+
+
 @pytest.fixture
 def numbered_draws(monkeypatch):
     """Replaces the OS-backed Box-Muller draw by one whose k-th call returns k everywhere, to follow
@@ -112,6 +126,7 @@ def numbered_draws(monkeypatch):
         return torch.full((count,), float(len(calls)), dtype=torch.float64)
 
     monkeypatch.setattr(randomness_module, "_secure_normal", draw)
+    monkeypatch.setattr(randomness_module, "ThreadPoolExecutor", InlineExecutor)
     return calls
 
 
@@ -151,3 +166,20 @@ def test_secure_normals_are_standard_normal():
     assert z.shape == (200_001,) and z.dtype == torch.float64
     assert abs(float(z.mean())) < 0.01 and abs(float(z.std()) - 1) < 0.01
     assert abs(float((z.abs() < 1).double().mean()) - 0.6827) < 0.005  # the normal's mass within 1σ
+
+
+def test_secure_poisson_samples_are_drawn_one_step_ahead_and_each_block_is_used_once(monkeypatch):
+    calls = []
+
+    def draw(count):  # the k-th draw includes exactly the examples 0..k-1
+        calls.append(count)
+        return (torch.arange(count) >= len(calls)).double()
+
+    monkeypatch.setattr(randomness_module, "_secure_uniform", draw)
+    monkeypatch.setattr(randomness_module, "ThreadPoolExecutor", InlineExecutor)
+    randomness = randomness_module.Randomness()
+    included = [randomness.inclusion(step, 2000, 0.5) for step in range(3)]
+    assert [int(mask.sum()) for mask in included] == [1, 2, 3]  # blocks 1, 2, 3: each used once
+    assert calls == [2000] * 4  # the fourth drawn ahead for the next step
+    assert int(randomness.inclusion(3, 100, 0.5).sum()) == 5  # a small draw is made when asked
+    assert calls == [2000] * 4 + [100]

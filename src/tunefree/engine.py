@@ -338,21 +338,20 @@ class ClippingEngine:
                     "new_engine.ledger.load_state_dict(engine.ledger.state_dict())"
                 )
 
+    # The forward hooks mark the engine's own work (``in_hook``), which reads parameters for no model output.
     def _pre_forward(self, unit: Unit) -> None:
-        with self._engine_hook():
-            self._enter_unit(unit)
-
-    def _post_forward(self, unit: Unit, args: tuple, kwargs: dict, output: Any) -> Any:
-        with self._engine_hook():
-            return self._leave_unit(unit, args, kwargs, output)
-
-    @contextmanager
-    def _engine_hook(self) -> Iterator[None]:
-        """Marks the engine's own work in a forward hook, which reads parameters for no model output."""
         state = self._pass
         state.in_hook = True
         try:
-            yield
+            self._enter_unit(unit)
+        finally:
+            state.in_hook = False
+
+    def _post_forward(self, unit: Unit, args: tuple, kwargs: dict, output: Any) -> Any:
+        state = self._pass
+        state.in_hook = True
+        try:
+            return self._leave_unit(unit, args, kwargs, output)
         finally:
             state.in_hook = False
 
@@ -366,14 +365,13 @@ class ClippingEngine:
             )
         for frame in self._pass.fallback_stack:
             frame.fired.add(unit)
-        params = unit.subtree_params() if unit.rule is None else dict.fromkeys(unit.direct.values())
         saved = [(t, t.requires_grad) for t in _tensors_in_call(unit)]
         for t, _ in saved:
             t.requires_grad_(False)
         self._pass.frames.append(_Frame(unit, saved))
         if unit.rule is None:
             frame = self._pass.frames[-1]
-            frame.reads = _ParameterReads(self._pass, set(params))
+            frame.reads = _ParameterReads(self._pass, set(unit.subtree_params()))
             frame.reads.__enter__()
             self._pass.fallback_stack.append(frame)
 
@@ -722,7 +720,8 @@ class _no_autocast:
 
     def __init__(self, grads: list[torch.Tensor | None]):
         device = next((g.device.type for g in grads if g is not None), "cpu")
-        self._ctx = torch.autocast(device_type=device, enabled=False)
+        self._ctx = torch.autocast(device_type=device, enabled=False) \
+            if torch.is_autocast_enabled(device) else nullcontext()
 
     def __enter__(self):
         self._ctx.__enter__()

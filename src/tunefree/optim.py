@@ -324,8 +324,8 @@ class DPOptimizer(torch.optim.Optimizer):
         noisy, event = self.release.release(booked.sums, thresholds)
         events = [event]
         self.ledger.record_step(self.sample_rate, events)
-        for p, total in noisy.items():
-            p.grad = (total / self.expected_batch_size).to(p.dtype)
+        for p, grad in zip(noisy, torch._foreach_div(list(noisy.values()), self.expected_batch_size)):
+            p.grad = grad.to(p.dtype)
         report = StepReport(step=self.ledger.steps, examples=booked.examples,
                             group_norms=booked.group_norms, thresholds=thresholds)
         if self._release_overflows():

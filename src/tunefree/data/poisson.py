@@ -3,6 +3,10 @@
 Batch sizes vary and may be zero; an empty logical batch still yields one empty batch so that the
 training loop steps (the noise is added and the step is accounted). Logical batches larger than memory
 are cut into physical micro-batches; the optimizer steps once per logical batch.
+
+An in-memory ``TensorDataset`` with the default collation, in the main process and without pinned
+memory, is gathered in one indexing operation per tensor instead of one ``__getitem__`` per example and
+a collation: the same batches, in the same order, at a fraction of the cost.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch.utils.data import (
     RandomSampler,
     Sampler,
     SequentialSampler,
+    TensorDataset,
     default_collate,
 )
 
@@ -103,15 +108,21 @@ class PoissonBatchSampler(Sampler[list[int]]):
         return self.steps_per_epoch
 
     def __iter__(self) -> Iterator[list[int]]:
+        for indices in self.index_tensors():
+            yield indices.tolist()
+
+    def index_tensors(self) -> Iterator[torch.Tensor]:
+        """The physical batches of ``iter()``, each as a 1-D ``torch.long`` tensor of indices."""
         self.boundaries.clear()
         start = self.schedule.consumed
         remaining = self.steps_per_epoch - start % self.steps_per_epoch
+        rank, world_size = self.shard
         for step in range(start, start + remaining):
             included = self.randomness.inclusion(step, self.num_examples, self.sample_rate)
-            rank, world_size = self.shard
-            indices = torch.nonzero(included[rank::world_size]).flatten().mul(world_size).add(rank).tolist()
-            chunk = self.max_physical_batch_size or max(len(indices), 1)
-            chunks = [indices[i:i + chunk] for i in range(0, len(indices), chunk)] or [[]]
+            indices = torch.nonzero(included[rank::world_size]).flatten()
+            if world_size > 1:
+                indices = indices.mul(world_size).add(rank)
+            chunks = indices.split(self.max_physical_batch_size or max(len(indices), 1))
             for k, piece in enumerate(chunks):
                 self.boundaries.append((k == 0, k == len(chunks) - 1, len(piece)))
                 yield piece
@@ -130,6 +141,15 @@ class _EmptyAwareCollate:
         return tree_map(lambda x: x[:0] if isinstance(x, torch.Tensor) else x, one)
 
 
+def gathers_in_one_index(dataset: Dataset, collate_fn: Any, num_workers: int, pin_memory: bool) -> bool:
+    """Whether a batch of ``dataset`` is exactly ``[t[indices] for t in dataset.tensors]``: a
+    ``TensorDataset`` (whose class keeps its ``__getitem__``) collated by ``default_collate`` in the main
+    process without pinned memory. ``default_collate`` stacks each tensor's rows into a list, which is
+    what one indexing operation per tensor gives."""
+    return (isinstance(dataset, TensorDataset) and type(dataset).__getitem__ is TensorDataset.__getitem__
+            and collate_fn in (None, default_collate) and num_workers == 0 and not pin_memory)
+
+
 class PoissonDataLoader(DataLoader):
     """A ``DataLoader`` whose batches are Poisson-sampled, built from the user's loader settings."""
 
@@ -138,13 +158,20 @@ class PoissonDataLoader(DataLoader):
         super().__init__(dataset, batch_sampler=batch_sampler,
                          collate_fn=_EmptyAwareCollate(dataset, collate_fn), **loader_kwargs)
         self.schedule = batch_sampler.schedule
+        self.gathers = gathers_in_one_index(dataset, collate_fn, self.num_workers, self.pin_memory)
 
     def __iter__(self) -> Iterator[Any]:
         boundaries = self.batch_sampler.boundaries
-        for batch in super().__iter__():
+        for batch in self._gathered() if self.gathers else super().__iter__():
             first, last, examples = boundaries.popleft()
             self.schedule.on_batch(first, last, examples)
             yield batch
+
+    def _gathered(self) -> Iterator[list[torch.Tensor]]:
+        """The batches of a ``TensorDataset``, each tensor's rows taken in one indexing operation."""
+        tensors = self.dataset.tensors  # type: ignore[attr-defined]
+        for rows in self.batch_sampler.index_tensors():
+            yield [t.index_select(0, rows.to(t.device)) for t in tensors]
 
 
 def steps_per_epoch(sample_rate: float) -> int:

@@ -59,11 +59,16 @@ class GradientRelease:
             raise ValueError(f"unknown noise_allocation {allocation!r}: use one of {NOISE_ALLOCATIONS}")
         self.groups, self.noise_multiplier = list(groups), noise_multiplier
         self.randomness, self.allocation = randomness, allocation
+        self._stds_for: tuple[tuple, list[float]] | None = None  # (key, noise_stds)
 
     def noise_stds(self, thresholds: Mapping[str, float]) -> list[float]:
-        """Each group's noise standard deviation when its sum was clipped at ``thresholds[name]``."""
-        return group_noise_stds([thresholds[g.name] for g in self.groups], [g.size for g in self.groups],
-                                self.noise_multiplier, self.allocation)
+        """Each group's noise standard deviation when its sum was clipped at ``thresholds[name]``
+        (computed again only when the thresholds, σ or the allocation change)."""
+        key = (tuple(thresholds[g.name] for g in self.groups), self.noise_multiplier, self.allocation)
+        if self._stds_for is None or self._stds_for[0] != key:
+            self._stds_for = (key, group_noise_stds(list(key[0]), [g.size for g in self.groups],
+                                                    self.noise_multiplier, self.allocation))
+        return list(self._stds_for[1])
 
     def release(self, sums: dict[nn.Parameter, torch.Tensor], thresholds: Mapping[str, float]
                 ) -> tuple[dict[nn.Parameter, torch.Tensor], dpa.DpEvent]:
@@ -78,13 +83,15 @@ class GradientRelease:
                 to_noise.setdefault((noisy[p].device, noisy[p].dtype), []).append((p, std))
         for (device, dtype), entries in to_noise.items():  # one draw per device and precision
             draws = self.randomness.normals([p.shape for p, _ in entries], device, dtype)
-            for (p, std), noise in zip(entries, draws):
-                noisy[p] = noisy[p] + std * noise
+            # noisy = std·noise + sum, all parameters in two calls (the draws are fresh, used once)
+            torch._foreach_mul_(draws, [std for _, std in entries])
+            torch._foreach_add_(draws, [noisy[p] for p, _ in entries])
+            noisy.update((p, noise) for (p, _), noise in zip(entries, draws))
         return noisy, self.event()
 
     def param_stds(self, thresholds: Mapping[str, float]) -> list[tuple[nn.Parameter, float]]:
         """Every parameter of every group, in group order, with its group's noise standard deviation."""
-        if set(thresholds) != {g.name for g in self.groups}:
+        if len(thresholds) != len(self.groups) or any(g.name not in thresholds for g in self.groups):
             raise ValueError(f"thresholds must name exactly the clip groups {[g.name for g in self.groups]}")
         return [(p, std) for group, std in zip(self.groups, self.noise_stds(thresholds))
                 for p in group.params]

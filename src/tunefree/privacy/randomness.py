@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -43,18 +44,28 @@ def _secure_normal(count: int) -> torch.Tensor:
     return torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[:count]
 
 
-class _SecureDrawAhead:
-    """Secure normals drawn one release ahead, on a background thread, while the model computes.
+def _draw_normals(count: int) -> torch.Tensor:
+    return _secure_normal(count)  # looked up at each draw, so that a test can replace it
 
-    Each block of ``count`` normals is an independent draw from ``os.urandom``, handed out once and then
-    forgotten; the next block of the same size is drawn at once in the background, for the next release
-    of that size. Drawing early changes nothing of the noise's distribution or secrecy (it never leaves
-    this process before it is added to a release). A forked process never takes over a block drawn before
-    the fork (both processes would hold the same noise): it draws its own."""
+
+def _draw_uniforms(count: int) -> torch.Tensor:
+    return _secure_uniform(count)
+
+
+class _SecureDrawAhead:
+    """Secure draws (``draw(count)``: normals for the noise, uniforms for Poisson sampling) made one use
+    ahead, on a background thread, while the model computes.
+
+    Each block of ``count`` values is an independent draw from ``os.urandom``, handed out once and then
+    forgotten; the next block of the same size is drawn at once in the background, for the next use of
+    that size. Drawing early changes nothing of the values' distribution or secrecy (they never leave this
+    process before they are used). A forked process never takes over a block drawn before the fork (both
+    processes would hold the same values): it draws its own."""
 
     SIZES = (1024, 1 << 22)  # block sizes drawn ahead: large enough to matter, small enough to hold twice
 
-    def __init__(self) -> None:
+    def __init__(self, draw: Callable[[int], torch.Tensor]) -> None:
+        self._draw = draw
         self._forget()
 
     def _forget(self) -> None:
@@ -62,16 +73,16 @@ class _SecureDrawAhead:
         self._executor: ThreadPoolExecutor | None = None
         self._ahead: dict[int, Future] = {}
 
-    def normal(self, count: int) -> torch.Tensor:
-        """``count`` fresh standard normals (float64)."""
+    def take(self, count: int) -> torch.Tensor:
+        """``count`` fresh values."""
         if self._pid != os.getpid():  # a forked child: drop what the parent drew ahead
             self._forget()
         ahead = self._ahead.pop(count, None)
-        z = ahead.result() if ahead is not None else _secure_normal(count)
+        z = ahead.result() if ahead is not None else self._draw(count)
         if self.SIZES[0] <= count <= self.SIZES[1]:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tunefree-noise")
-            self._ahead[count] = self._executor.submit(_secure_normal, count)
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tunefree-draw")
+            self._ahead[count] = self._executor.submit(self._draw, count)
         return z
 
 
@@ -89,7 +100,8 @@ class Randomness:
         self.secure = secure or seed is None
         self.seed = None if self.secure else int(seed)  # type: ignore[arg-type]
         self._noise: dict[str, torch.Generator] = {}
-        self._draw_ahead = _SecureDrawAhead()
+        self._normals_ahead = _SecureDrawAhead(_draw_normals)
+        self._uniforms_ahead = _SecureDrawAhead(_draw_uniforms)
 
     @property
     def description(self) -> str:
@@ -99,7 +111,7 @@ class Randomness:
     def inclusion(self, step: int, num_examples: int, sample_rate: float) -> torch.Tensor:
         """Which examples logical step ``step`` includes: each independently with ``sample_rate``."""
         if self.secure:
-            uniform = _secure_uniform(num_examples)
+            uniform = self._uniforms_ahead.take(num_examples)
         else:
             generator = torch.Generator().manual_seed(_derive(self.seed, _SAMPLING, step))
             uniform = torch.rand(num_examples, generator=generator, dtype=torch.float64)
@@ -126,7 +138,7 @@ class Randomness:
             generator = self._generator(device)
             return [torch.randn(shape, generator=generator, device=device, dtype=dtype) for shape in shapes]
         sizes = [math.prod(shape) for shape in shapes]
-        z = self._draw_ahead.normal(sum(sizes))
+        z = self._normals_ahead.take(sum(sizes))
         if device.type == "cuda":  # a copy from pinned memory does not wait for the GPU's queued work
             z = z.pin_memory().to(device=device, dtype=dtype, non_blocking=True)
         else:
