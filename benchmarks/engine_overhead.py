@@ -119,10 +119,13 @@ def check_device(device: str) -> None:
 class _Meter:
     """Step time and training memory on the CPU (RSS high-water mark) or a CUDA device (allocator peak)."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, cpu_time: bool = False):
         import torch
 
         self.torch, self.cuda = torch, device.startswith("cuda")
+        # CPU seconds of the whole process (every thread) instead of wall time: on a shared, loaded
+        # machine it leaves out the time spent waiting for a core
+        self.clock = time.process_time if cpu_time else time.perf_counter
 
     def reset(self) -> None:
         if self.cuda:
@@ -136,18 +139,19 @@ class _Meter:
     def time(self, step) -> float:
         if self.cuda:
             self.torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = self.clock()
         step()
         if self.cuda:
             self.torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return self.clock() - start
 
     def peak_mb(self) -> float:
         peak = self.torch.cuda.max_memory_allocated() if self.cuda else 1024 * _rss_kb("VmHWM")
         return (peak - self.before) / 2**20
 
 
-def child(model_name: str, config: str, steps: int, warmup: int, threads: int, device: str = "cpu") -> dict:
+def child(model_name: str, config: str, steps: int, warmup: int, threads: int, device: str = "cpu",
+          cpu_time: bool = False) -> dict:
     import torch
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -164,7 +168,7 @@ def child(model_name: str, config: str, steps: int, warmup: int, threads: int, d
     _, x, y, loss_fn = model_fn_inputs
     del model_fn_inputs
     x, y = x.to(device), y.to(device)
-    meter = _Meter(device)
+    meter = _Meter(device, cpu_time)
     meter.reset()
     torch.manual_seed(0)
     model = benchmark(model_name)[0].to(device)
@@ -194,7 +198,7 @@ def _child_command(config: str, baseline_src: str | None) -> tuple[str, dict | N
 
 
 def run(models: list[str], configs: list[str], rounds: int, steps: int, warmup: int,
-        threads: int, device: str = "cpu", baseline_src: str | None = None) -> dict:
+        threads: int, device: str = "cpu", baseline_src: str | None = None, cpu_time: bool = False) -> dict:
     results: dict = {m: {c: [] for c in configs} for m in models}
     for r in range(rounds):
         for model_name in models:
@@ -203,7 +207,8 @@ def run(models: list[str], configs: list[str], rounds: int, steps: int, warmup: 
                 child_config, env = _child_command(config, baseline_src)
                 out = subprocess.run(
                     [sys.executable, __file__, "--child", model_name, child_config, "--steps", str(steps),
-                     "--warmup", str(warmup), "--threads", str(threads), "--device", device],
+                     "--warmup", str(warmup), "--threads", str(threads), "--device", device,
+                     *(["--cpu-time"] if cpu_time else [])],
                     capture_output=True, text=True, check=False, env=env)
                 if out.returncode != 0:
                     print(f"{model_name} / {config} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
@@ -251,13 +256,17 @@ def main() -> None:
     parser.add_argument("--baseline-src", default=None,
                         help="with configurations 'baseline all-layer' / 'baseline per-layer': the src "
                              "directory of another tunefree checkout, measured in the same interleaved run")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time steps in CPU seconds of the process (all threads), not wall time: for a "
+                             "loaded machine; CPU only")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(*args.child, args.steps, args.warmup, args.threads, args.device)))
+        print(json.dumps(child(*args.child, args.steps, args.warmup, args.threads, args.device,
+                               args.cpu_time)))
         return
     check_device(args.device)
     configs = args.configs or available_configs()
@@ -265,7 +274,7 @@ def main() -> None:
         configs = ["non-private", *configs]
     models = args.models + [m for m in ("bert-tiny", "gpt2-tiny") if args.hf and m not in args.models]
     results = run(models, configs, args.rounds, args.steps, args.warmup, args.threads, args.device,
-                  args.baseline_src)
+                  args.baseline_src, args.cpu_time)
     print(table(results))
 
 

@@ -19,8 +19,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..dtypes import as_norm_precision
+from ..dtypes import norm_dtype
 from .calibration import PathChooser
+
+
+def materialised_sq_norms(grads: torch.Tensor) -> torch.Tensor:
+    """``‖gᵢ‖²`` of per-sample gradients ``[B, *shape]`` in float32 or wider, in one reduction pass
+    (no squared copy of the gradients)."""
+    if grads.numel() == 0:
+        return grads.new_zeros(grads.shape[0], dtype=norm_dtype(grads.dtype))
+    return torch.linalg.vector_norm(grads.flatten(1), dim=1, dtype=norm_dtype(grads.dtype)).square()
 
 
 class ClippedSum(NamedTuple):
@@ -75,8 +83,7 @@ class Materialized(PerSampleGrad):
         self.grads = grads
 
     def sq_norms(self) -> torch.Tensor:
-        flat = as_norm_precision(self.grads.flatten(1))
-        return (flat * flat).sum(1)
+        return materialised_sq_norms(self.grads)
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         grads = self.grads

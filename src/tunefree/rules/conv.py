@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Capture, ClippedSum, LayerRule, Materialized, PerSampleGrad
+from .base import Capture, ClippedSum, LayerRule, Materialized, PerSampleGrad, materialised_sq_norms
 from .calibration import GHOST, MATERIALISE, factored_estimates
-from .factored import FactoredGrad, chunked_clipped_sum, examples_per_chunk, flat_sq_norms
+from .factored import FactoredGrad, chunked_clipped_sum, examples_per_chunk
 
 
 def explicit_padding(module: nn.modules.conv._ConvNd) -> list[tuple[int, int]]:
@@ -129,7 +129,7 @@ class ConvWeightGrad(PerSampleGrad):
     def sq_norms_by(self, path: str) -> torch.Tensor:
         """The per-sample squared norms by ``path`` (``"ghost"`` or ``"materialise"``), keeping nothing."""
         if path == MATERIALISE:
-            return flat_sq_norms(self._per_sample(0, self.grad.shape[0]))
+            return materialised_sq_norms(self._per_sample(0, self.grad.shape[0]))
         module, groups, batch = self.module, self.module.groups, self.grad.shape[0]
         patches = unfold(pad_input(module, self.x) if any(self.padding) else self.x,
                          module.kernel_size, module.stride, module.dilation)
@@ -141,7 +141,7 @@ class ConvWeightGrad(PerSampleGrad):
     def sq_norms(self) -> torch.Tensor:
         if self._path(fused=False) == GHOST:
             return self.sq_norms_by(GHOST)
-        return flat_sq_norms(self.materialize())
+        return materialised_sq_norms(self.materialize())
 
     def clipped_sum(self, other_sq_norms: torch.Tensor,
                     weights_of: Callable[[torch.Tensor], torch.Tensor]) -> ClippedSum:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from ..dtypes import as_norm_precision
-from .base import ClippedSum, PerSampleGrad
+from .base import ClippedSum, PerSampleGrad, materialised_sq_norms
 from .calibration import GHOST, MATERIALISE, factored_estimates
 
 
@@ -23,12 +23,6 @@ def ghost_is_cheaper(positions: int, d_in: int, d_out: int) -> bool:
     """Ghost norm costs ~T²(d_in + d_out) per sample and group; materialising costs ~T·d_in·d_out."""
     estimates = factored_estimates(1, positions, d_in, d_out)
     return estimates[GHOST] <= estimates[MATERIALISE]
-
-
-def flat_sq_norms(grads: torch.Tensor) -> torch.Tensor:
-    """``‖gᵢ‖²`` of materialised per-sample gradients ``[B, *shape]``, in float32 or wider."""
-    flat = as_norm_precision(grads.flatten(1))
-    return (flat * flat).sum(1)
 
 
 def chunked_clipped_sum(per_sample: Callable[[int, int], torch.Tensor], batch: int, chunk: int,
@@ -42,7 +36,7 @@ def chunked_clipped_sum(per_sample: Callable[[int, int], torch.Tensor], batch: i
     for start in range(0, batch, chunk):
         stop = min(start + chunk, batch)
         grads = per_sample(start, stop)
-        sq_norms = flat_sq_norms(grads)
+        sq_norms = materialised_sq_norms(grads)
         weights = weights_of(sq_norms + other_sq_norms[start:stop])
         part = weights.to(grads.dtype) @ grads.reshape(stop - start, -1)
         total = part if total is None else total.add_(part)
@@ -83,7 +77,7 @@ class FactoredGrad(PerSampleGrad):
     def sq_norms_by(self, path: str) -> torch.Tensor:
         """The per-sample squared norms by ``path`` (``"ghost"`` or ``"materialise"``), keeping nothing."""
         if path == MATERIALISE:
-            return flat_sq_norms(self._per_sample(self.a, self.b))
+            return materialised_sq_norms(self._per_sample(self.a, self.b))
         a, b = as_norm_precision(self.a), as_norm_precision(self.b)
         if a.shape[2] == 1:  # ‖b aᵀ‖² = ‖a‖²‖b‖²
             return ((a * a).sum((2, 3)) * (b * b).sum((2, 3))).sum(1)
@@ -95,7 +89,7 @@ class FactoredGrad(PerSampleGrad):
         if self._path(fused=False) == GHOST:
             return self.sq_norms_by(GHOST)
         self._grads = self._per_sample(self.a, self.b)
-        return flat_sq_norms(self._grads)
+        return materialised_sq_norms(self._grads)
 
     def clipped_sum(self, other_sq_norms: torch.Tensor,
                     weights_of: Callable[[torch.Tensor], torch.Tensor]) -> ClippedSum:
