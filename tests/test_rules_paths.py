@@ -222,3 +222,18 @@ def test_two_dimensional_unfold_gives_the_convolution(kwargs):
     expected = F.conv2d(x, weight, stride=stride, dilation=dilation)
     torch.testing.assert_close((patches @ weight.reshape(5, -1).T).transpose(1, 2),
                                expected.flatten(2))
+
+
+def test_materialised_norms_too_large_to_keep_are_taken_slice_by_slice():
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(9, 1, 1, 8, generator=g, dtype=torch.float64)  # one example's gradient: 40 numbers,
+    b = torch.randn(9, 1, 1, 5, generator=g, dtype=torch.float64)  # the layer holds 9·13: 2 per slice
+    shape = torch.Size([5, 8])
+    per_example = (b.transpose(-1, -2) @ a).reshape(9, *shape)
+    grad = FactoredGrad(a, b, shape)
+    grad.chooser = PathChooser(fixed=MATERIALISE)
+    torch.testing.assert_close(grad.sq_norms(), per_example.flatten(1).pow(2).sum(1))
+    assert examples_per_chunk(40, a.numel() + b.numel()) == 2
+    grad.compact()
+    w = torch.rand(9, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(grad.weighted_sum(w), torch.einsum("b,bij->ij", w, per_example))

@@ -20,7 +20,7 @@ from torch import nn
 
 from .base import Capture, ClippedSum, LayerRule, Materialized, PerSampleGrad, materialised_sq_norms
 from .calibration import GHOST, MATERIALISE, factored_estimates
-from .factored import FactoredGrad, chunked_clipped_sum, examples_per_chunk
+from .factored import FactoredGrad, chunked_clipped_sum, chunked_sq_norms, examples_per_chunk
 
 
 def explicit_padding(module: nn.modules.conv._ConvNd) -> list[tuple[int, int]]:
@@ -129,7 +129,7 @@ class ConvWeightGrad(PerSampleGrad):
     def sq_norms_by(self, path: str) -> torch.Tensor:
         """The per-sample squared norms by ``path`` (``"ghost"`` or ``"materialise"``), keeping nothing."""
         if path == MATERIALISE:
-            return materialised_sq_norms(self._per_sample(0, self.grad.shape[0]))
+            return chunked_sq_norms(self._per_sample, self.grad.shape[0], self._chunk())
         module, groups, batch = self.module, self.module.groups, self.grad.shape[0]
         patches = unfold(pad_input(module, self.x) if any(self.padding) else self.x,
                          module.kernel_size, module.stride, module.dilation)
@@ -139,8 +139,9 @@ class ConvWeightGrad(PerSampleGrad):
         return FactoredGrad(a, b, module.weight.shape).sq_norms_by(GHOST)
 
     def sq_norms(self) -> torch.Tensor:
-        if self._path(fused=False) == GHOST:
-            return self.sq_norms_by(GHOST)
+        path = self._path(fused=False)
+        if path == GHOST or self._chunk() < self.grad.shape[0]:  # the batch's gradients do not fit
+            return self.sq_norms_by(path)
         return materialised_sq_norms(self.materialize())
 
     def clipped_sum(self, other_sq_norms: torch.Tensor,
@@ -155,9 +156,11 @@ class ConvWeightGrad(PerSampleGrad):
             sq_norms = self.sq_norms_by(GHOST)
             weights = weights_of(sq_norms + other_sq_norms)
             return ClippedSum(self._native_weighted_sum(weights), sq_norms, weights)
-        chunk = examples_per_chunk(self.module.weight.numel(), self.x.numel() + self.grad.numel())
-        return chunked_clipped_sum(self._per_sample, self.grad.shape[0], chunk, other_sq_norms,
+        return chunked_clipped_sum(self._per_sample, self.grad.shape[0], self._chunk(), other_sq_norms,
                                    weights_of)
+
+    def _chunk(self) -> int:
+        return examples_per_chunk(self.module.weight.numel(), self.x.numel() + self.grad.numel())
 
     def _per_sample(self, start: int, stop: int) -> torch.Tensor:
         return per_sample_weight_grads(self.module, self.x[start:stop], self.padding,

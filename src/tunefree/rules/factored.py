@@ -45,9 +45,20 @@ def chunked_clipped_sum(per_sample: Callable[[int, int], torch.Tensor], batch: i
     return ClippedSum(total.reshape(grads.shape[1:]), torch.cat(sq_parts), torch.cat(weight_parts))
 
 
-def examples_per_chunk(per_example: int, budget: int) -> int:
-    """How many examples' materialised gradients fit in ``budget`` elements (at least one)."""
-    return max(1, budget // max(1, per_example))
+def chunked_sq_norms(per_sample: Callable[[int, int], torch.Tensor], batch: int, chunk: int) -> torch.Tensor:
+    """``‖gᵢ‖²`` from per-sample gradients materialised ``chunk`` examples at a time."""
+    return torch.cat([materialised_sq_norms(per_sample(start, min(start + chunk, batch)))
+                      for start in range(0, batch, chunk)])
+
+
+# The most elements a slice of materialised per-sample gradients may hold (16 MiB in float32).
+SLICE_LIMIT = 2**22
+
+
+def examples_per_chunk(per_example: int, layer_elements: int) -> int:
+    """How many examples' materialised gradients one slice holds: no more elements than the layer's own
+    captured tensors (``layer_elements``) nor ``SLICE_LIMIT``, and at least one example."""
+    return max(1, min(layer_elements, SLICE_LIMIT) // max(1, per_example))
 
 
 class FactoredGrad(PerSampleGrad):
@@ -55,8 +66,9 @@ class FactoredGrad(PerSampleGrad):
     from ``[G·d_out, d_in]`` to the parameter's shape.
 
     Norms by ghost norm or by materialising ``gᵢ``, whichever ``chooser`` measured faster (else the cost
-    formula). In :meth:`clipped_sum` the materialised path forms the sum slice by slice of examples, with
-    no more memory than the layer's own ``a`` and ``b``."""
+    formula). The materialised path works slice by slice of examples (``examples_per_chunk``: no more
+    memory than the layer's own ``a`` and ``b``) unless the whole batch fits, which is then kept for the
+    weighted sum; in :meth:`clipped_sum` each slice gives its norms, clip weights and share of the sum."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, shape: torch.Size):
         self.a, self.b, self.shape = a, b, shape
@@ -74,10 +86,16 @@ class FactoredGrad(PerSampleGrad):
         run = (lambda path: self._clipped_sum_by(path, zeros, ones)) if fused else self.sq_norms_by
         return self.chooser.choose(key, estimates, run, self.a.device)
 
+    def _chunk(self) -> int:
+        return examples_per_chunk(math.prod(self.shape), self.a.numel() + self.b.numel())
+
+    def _slice(self, start: int, stop: int) -> torch.Tensor:
+        return self._per_sample(self.a[start:stop], self.b[start:stop])
+
     def sq_norms_by(self, path: str) -> torch.Tensor:
         """The per-sample squared norms by ``path`` (``"ghost"`` or ``"materialise"``), keeping nothing."""
         if path == MATERIALISE:
-            return materialised_sq_norms(self._per_sample(self.a, self.b))
+            return chunked_sq_norms(self._slice, self.a.shape[0], self._chunk())
         a, b = as_norm_precision(self.a), as_norm_precision(self.b)
         if a.shape[2] == 1:  # ‖b aᵀ‖² = ‖a‖²‖b‖²
             return ((a * a).sum((2, 3)) * (b * b).sum((2, 3))).sum(1)
@@ -86,8 +104,9 @@ class FactoredGrad(PerSampleGrad):
         return (gram_a * gram_b).sum((1, 2, 3))
 
     def sq_norms(self) -> torch.Tensor:
-        if self._path(fused=False) == GHOST:
-            return self.sq_norms_by(GHOST)
+        path = self._path(fused=False)
+        if path == GHOST or self._chunk() < self.a.shape[0]:  # the batch's gradients do not fit
+            return self.sq_norms_by(path)
         self._grads = self._per_sample(self.a, self.b)
         return materialised_sq_norms(self._grads)
 
@@ -103,10 +122,7 @@ class FactoredGrad(PerSampleGrad):
             sq_norms = self.sq_norms_by(GHOST)
             weights = weights_of(sq_norms + other_sq_norms)
             return ClippedSum(self.weighted_sum(weights), sq_norms, weights)
-        a, b = self.a, self.b
-        chunk = examples_per_chunk(math.prod(self.shape), a.numel() + b.numel())
-        return chunked_clipped_sum(lambda i, j: self._per_sample(a[i:j], b[i:j]), a.shape[0], chunk,
-                                   other_sq_norms, weights_of)
+        return chunked_clipped_sum(self._slice, self.a.shape[0], self._chunk(), other_sq_norms, weights_of)
 
     def _per_sample(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         grads = b.transpose(-1, -2) @ a.to(b.dtype)  # [B, G, d_out, d_in]
