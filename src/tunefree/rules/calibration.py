@@ -51,16 +51,17 @@ class PathChooser:
         self.timings_ms: dict[Hashable, dict[str, float]] = {}  # what each measured choice saw
 
     def choose(self, key: Hashable, estimates: dict[str, float], run: Callable[[str], object],
-               device: torch.device) -> str:
+               device: torch.device, timeable: bool = True) -> str:
         """The path for ``key``: ``fixed`` if set, else the cached choice, else the faster of
         ``run(path)`` timed for each path — or the one with the lower cost estimate (ghost on a tie)
-        when measuring is off, the layer is cheap, or the estimates are far apart."""
+        when measuring is off, the layer is cheap, the estimates are far apart, or not ``timeable``
+        (the caller's say: e.g. a path that would hold more memory than the estimate's pick)."""
         if self.fixed is not None:
             return self.fixed
         if key in self.choices:
             return self.choices[key]
         low, high = min(estimates.values()), max(estimates.values())
-        if not self.measure or low < self.min_cost or high > self.max_ratio * low:
+        if not (self.measure and timeable) or low < self.min_cost or high > self.max_ratio * low:
             choice = min(PATHS, key=estimates.__getitem__)
         else:
             best = {path: float("inf") for path in PATHS}

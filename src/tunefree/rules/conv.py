@@ -124,7 +124,13 @@ class ConvWeightGrad(PerSampleGrad):
         zeros = self.grad.new_zeros(batch, dtype=torch.float64)
         ones = lambda sq: torch.ones_like(sq, dtype=torch.float64)  # noqa: E731 - timing only
         run = (lambda path: self._clipped_sum_by(path, zeros, ones)) if fused else self.sq_norms_by
-        return self.chooser.choose(key, estimates, run, self.grad.device)
+        # time the ghost norm only where its unfolded patches and Gram matrices are no larger than the
+        # layer's own tensors (or the estimate picks it anyway): calibrating never raises the peak memory
+        positions = self.grad[0, 0].numel()
+        ghost_elements = batch * positions * (module.weight[0].numel() * module.groups + 2 * positions)
+        timeable = (ghost_elements <= self.x.numel() + self.grad.numel()
+                    or min(estimates, key=estimates.get) == GHOST)
+        return self.chooser.choose(key, estimates, run, self.grad.device, timeable)
 
     def sq_norms_by(self, path: str) -> torch.Tensor:
         """The per-sample squared norms by ``path`` (``"ghost"`` or ``"materialise"``), keeping nothing."""

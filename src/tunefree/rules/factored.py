@@ -84,7 +84,12 @@ class FactoredGrad(PerSampleGrad):
         zeros = self.a.new_zeros(batch, dtype=torch.float64)
         ones = lambda sq: torch.ones_like(sq, dtype=torch.float64)  # noqa: E731 - timing only
         run = (lambda path: self._clipped_sum_by(path, zeros, ones)) if fused else self.sq_norms_by
-        return self.chooser.choose(key, estimates, run, self.a.device)
+        # time the ghost norm only where its Gram matrices are no larger than the layer's own tensors
+        # (or the estimate picks it anyway), so that calibrating never raises the peak memory
+        ghost_elements = 2 * batch * groups * positions * positions
+        timeable = (ghost_elements <= self.a.numel() + self.b.numel()
+                    or min(estimates, key=estimates.get) == GHOST)
+        return self.chooser.choose(key, estimates, run, self.a.device, timeable)
 
     def _chunk(self) -> int:
         return examples_per_chunk(math.prod(self.shape), self.a.numel() + self.b.numel())
