@@ -15,12 +15,15 @@ with interpreter and library pages cancelled out. With ``--device cuda``: the CU
     python benchmarks/engine_overhead.py --rounds 3 --steps 10
     python benchmarks/engine_overhead.py --models digits-mlp --steps 200 --warmup 20   # the fixed tax
     python benchmarks/engine_overhead.py --device cuda --hf                              # on a GPU
+    python benchmarks/engine_overhead.py --configs "tunefree per-layer" "baseline per-layer" \
+        --baseline-src ../main/src                               # before/after in the same run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -116,10 +119,13 @@ def check_device(device: str) -> None:
 class _Meter:
     """Step time and training memory on the CPU (RSS high-water mark) or a CUDA device (allocator peak)."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, cpu_time: bool = False):
         import torch
 
         self.torch, self.cuda = torch, device.startswith("cuda")
+        # CPU seconds of the whole process (every thread) instead of wall time: on a shared, loaded
+        # machine it leaves out the time spent waiting for a core
+        self.clock = time.process_time if cpu_time else time.perf_counter
 
     def reset(self) -> None:
         if self.cuda:
@@ -133,18 +139,19 @@ class _Meter:
     def time(self, step) -> float:
         if self.cuda:
             self.torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = self.clock()
         step()
         if self.cuda:
             self.torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return self.clock() - start
 
     def peak_mb(self) -> float:
         peak = self.torch.cuda.max_memory_allocated() if self.cuda else 1024 * _rss_kb("VmHWM")
         return (peak - self.before) / 2**20
 
 
-def child(model_name: str, config: str, steps: int, warmup: int, threads: int, device: str = "cpu") -> dict:
+def child(model_name: str, config: str, steps: int, warmup: int, threads: int, device: str = "cpu",
+          cpu_time: bool = False) -> dict:
     import torch
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -161,7 +168,7 @@ def child(model_name: str, config: str, steps: int, warmup: int, threads: int, d
     _, x, y, loss_fn = model_fn_inputs
     del model_fn_inputs
     x, y = x.to(device), y.to(device)
-    meter = _Meter(device)
+    meter = _Meter(device, cpu_time)
     meter.reset()
     torch.manual_seed(0)
     model = benchmark(model_name)[0].to(device)
@@ -180,17 +187,29 @@ def available_configs() -> list[str]:
     return list(CONFIGS)
 
 
+def _child_command(config: str, baseline_src: str | None) -> tuple[str, dict | None]:
+    """The configuration a child runs and its environment: ``baseline …`` configurations run
+    tunefree from ``baseline_src`` (another checkout's ``src``), the rest from this one."""
+    if not config.startswith("baseline"):
+        return config, None
+    if baseline_src is None:
+        raise SystemExit(f"configuration {config!r} needs --baseline-src (a tunefree src directory)")
+    return config.replace("baseline", "tunefree", 1), {**os.environ, "PYTHONPATH": baseline_src}
+
+
 def run(models: list[str], configs: list[str], rounds: int, steps: int, warmup: int,
-        threads: int, device: str = "cpu") -> dict:
+        threads: int, device: str = "cpu", baseline_src: str | None = None, cpu_time: bool = False) -> dict:
     results: dict = {m: {c: [] for c in configs} for m in models}
     for r in range(rounds):
         for model_name in models:
             order = configs if r % 2 == 0 else list(reversed(configs))
             for config in order:
+                child_config, env = _child_command(config, baseline_src)
                 out = subprocess.run(
-                    [sys.executable, __file__, "--child", model_name, config, "--steps", str(steps),
-                     "--warmup", str(warmup), "--threads", str(threads), "--device", device],
-                    capture_output=True, text=True, check=False)
+                    [sys.executable, __file__, "--child", model_name, child_config, "--steps", str(steps),
+                     "--warmup", str(warmup), "--threads", str(threads), "--device", device,
+                     *(["--cpu-time"] if cpu_time else [])],
+                    capture_output=True, text=True, check=False, env=env)
                 if out.returncode != 0:
                     print(f"{model_name} / {config} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
                     results[model_name][config].append(None)
@@ -232,21 +251,30 @@ def main() -> None:
                         help="also the tiny Hugging Face models bert-tiny and gpt2-tiny (needs transformers)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:index]")
     parser.add_argument("--configs", nargs="+", default=None,
-                        help=f"subset of {', '.join(CONFIGS)} (non-private is always included)")
+                        help=f"subset of {', '.join(CONFIGS)}, or 'baseline all-layer' / "
+                             "'baseline per-layer' (with --baseline-src); non-private is always included")
+    parser.add_argument("--baseline-src", default=None,
+                        help="with configurations 'baseline all-layer' / 'baseline per-layer': the src "
+                             "directory of another tunefree checkout, measured in the same interleaved run")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time steps in CPU seconds of the process (all threads), not wall time: for a "
+                             "loaded machine; CPU only")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(*args.child, args.steps, args.warmup, args.threads, args.device)))
+        print(json.dumps(child(*args.child, args.steps, args.warmup, args.threads, args.device,
+                               args.cpu_time)))
         return
     check_device(args.device)
     configs = args.configs or available_configs()
     if "non-private" not in configs:
         configs = ["non-private", *configs]
     models = args.models + [m for m in ("bert-tiny", "gpt2-tiny") if args.hf and m not in args.models]
-    results = run(models, configs, args.rounds, args.steps, args.warmup, args.threads, args.device)
+    results = run(models, configs, args.rounds, args.steps, args.warmup, args.threads, args.device,
+                  args.baseline_src, args.cpu_time)
     print(table(results))
 
 

@@ -6,9 +6,10 @@ fresh subprocess (the timing and memory meter of ``engine_overhead.py``). Three 
 batch size (T 128, V 5k), sequence length T 128 → 2048 (B 4, V 5k) and vocabulary V 5k → 50k (B 4, T 128).
 
 Each linear layer takes the ghost norm (cost ~T²·(d_in + d_out) per example) or materialises its
-per-sample gradient (~T·d_in·d_out), whichever the rule's formula says is cheaper. The ``crossover``
-sweep times both on one linear layer across T, so that the T² term of the ghost norm and the choice
-are visible.
+per-sample gradient (~T·d_in·d_out), whichever the engine measured faster on the first step (the cost
+formula where the estimates are far apart). The ``crossover`` sweep times both on one linear layer across
+T, with the formula's and the measured pick, so that the T² term of the ghost norm and the choice are
+visible.
 
     python benchmarks/scaling.py --plot /tmp/scaling.png            # writes the PNG, prints the tables
 """
@@ -59,42 +60,34 @@ def child(config: str, batch: int, length: int, vocab: int, steps: int, threads:
 
 def crossover(lengths: list[int], d_in: int, d_out: int, batch: int, repeats: int) -> list[dict]:
     """Time of the ghost norm and of the materialised per-sample norm of one linear layer, per T,
-    and the path the rule takes."""
+    the path the cost formula takes and the path the engine's ``PathChooser`` measures faster (timed
+    at every T here, however far apart the estimates)."""
     import torch
 
-    from tunefree.rules.factored import ghost_is_cheaper
+    from tunefree.rules.calibration import GHOST, MATERIALISE, PathChooser
+    from tunefree.rules.factored import FactoredGrad, ghost_is_cheaper
 
     rows = []
     for length in lengths:
         a = torch.randn(batch, 1, length, d_in)
         b = torch.randn(batch, 1, length, d_out)
-        shape = torch.Size([d_out, d_in])
+        grad = FactoredGrad(a, b, torch.Size([d_out, d_in]))
         timings = {}
-        for name, fn in (("ghost_ms", lambda a=a, b=b: _ghost_sq_norms(a, b)),
-                         ("materialised_ms", lambda a=a, b=b, s=shape: _materialised_sq_norms(a, b, s))):
-            fn()
+        for name, path in (("ghost_ms", GHOST), ("materialised_ms", MATERIALISE)):
+            grad.sq_norms_by(path)
             samples = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                fn()
+                grad.sq_norms_by(path)
                 samples.append(time.perf_counter() - start)
             timings[name] = 1000 * min(samples)
+        grad.chooser = PathChooser(min_cost=0, max_ratio=float("inf"))
+        grad.sq_norms()
+        measured = next(iter(grad.chooser.choices.values()))
         rows.append({"length": length, **timings,
-                     "rule": "ghost" if ghost_is_cheaper(length, d_in, d_out) else "materialised"})
+                     "rule": "ghost" if ghost_is_cheaper(length, d_in, d_out) else "materialised",
+                     "measured": "ghost" if measured == GHOST else "materialised"})
     return rows
-
-
-def _ghost_sq_norms(a, b):
-    """The ghost norm ⟨aᵢaᵢᵀ, bᵢbᵢᵀ⟩ of ``FactoredGrad``, forced whatever the rule would choose."""
-    gram_a, gram_b = a @ a.transpose(-1, -2), b @ b.transpose(-1, -2)
-    return (gram_a * gram_b).sum((1, 2, 3))
-
-
-def _materialised_sq_norms(a, b, shape):
-    """The per-sample gradients of ``FactoredGrad`` materialised afresh, and their squared norms."""
-    from tunefree.rules.factored import FactoredGrad
-
-    return FactoredGrad(a, b, shape).materialize().flatten(1).pow(2).sum(1)
 
 
 def run_sweeps(sweeps: dict[str, list[int]], steps: int, threads: int) -> dict:
@@ -135,10 +128,11 @@ def tables(results: dict, cross: list[dict]) -> str:
                              f"({m['step_ms'] / base['step_ms']:.2f}×, {m['peak_mb'] / base['peak_mb']:.2f}×)"
                              if m and base else "failed")
             lines.append(f"| {row[knob]} | " + " | ".join(cells) + " |")
-    lines += ["\nper-sample norm of one linear layer (time, ms): ghost vs materialised, and the rule's pick",
-              "| T | ghost | materialised | rule |", "|---|---|---|---|"]
-    lines += [f"| {r['length']} | {r['ghost_ms']:.2f} | {r['materialised_ms']:.2f} | {r['rule']} |"
-              for r in cross]
+    lines += ["\nper-sample norm of one linear layer (time, ms): ghost vs materialised, the formula's pick"
+              " and the measured pick (PathChooser)",
+              "| T | ghost | materialised | formula | measured |", "|---|---|---|---|---|"]
+    lines += [f"| {r['length']} | {r['ghost_ms']:.2f} | {r['materialised_ms']:.2f} | {r['rule']} | "
+              f"{r['measured']} |" for r in cross]
     return "\n".join(lines)
 
 

@@ -32,6 +32,7 @@ from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
 from .privacy.plan import CountShare, LossShare, Plan, data_digest
 from .privacy.randomness import Randomness, run_randomness
+from .rules.calibration import PathChooser
 from .thresholds import QuantileEstimator, QuantileSettings
 
 
@@ -470,6 +471,8 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
     accumulator = StepAccumulator()  # the engine books into it, the optimizer releases from it
     clipping_engine = ClippingEngine(module, clip_groups, clip, loss_reduction, accumulator)
     clipping_engine.batch_source = schedule  # the Poisson loader tells the engine each batch's examples
+    if not randomness.secure:  # a seeded run repeats bit for bit: no norm path picked by a timing
+        clipping_engine.path_chooser = PathChooser(measure=False)
     if estimator is not None:
         clipping_engine.set_thresholds(estimator.thresholds())
     try:

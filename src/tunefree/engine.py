@@ -35,10 +35,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .accumulator import StepAccumulator
 from .clipping import ClipFunction
-from .dtypes import accumulation_dtype
+from .dtypes import accumulation_dtype, norm_dtype
 from .errors import PrivacyError
 from .grouping import ClipGroup
 from .rules import Capture, LayerRule, Materialized, PerSampleGrad, rule_for
+from .rules.calibration import PathChooser
 from .rules.generic import fallback_per_sample_grads
 
 # Modules whose statistics mix the examples of a batch, with the replacement to suggest.
@@ -176,6 +177,11 @@ class ClippingEngine:
     the examples are those of the model call (dimension 0 of its tensor inputs) and a logical step
     books one backward pass.
 
+    ``path_chooser``: how layers with two exact norm paths (ghost norm, materialised per-sample
+    gradients) pick one: timed once per layer shape by default; ``PathChooser(measure=False)`` follows the
+    cost formula (deterministic), ``PathChooser(fixed="ghost")`` forces a path. Privacy does not depend
+    on it.
+
     ``grad_scaler`` (set by ``DPOptimizer.attach_grad_scaler``): the ``torch.amp.GradScaler`` whose
     factor multiplies the loss. Each backward pass divides it out of the output gradients before any
     norm or clip weight, and an example whose output gradient or input overflows in a layer call adds
@@ -204,6 +210,7 @@ class ClippingEngine:
         self.retained_inputs: Capture | None = None
         self.grad_scaler: torch.amp.GradScaler | None = None
         self.thresholds: dict[str, float] = {g.name: g.threshold for g in groups}
+        self.path_chooser = PathChooser()
         self._leaked: set[str] = set()
         self._attach()
 
@@ -566,8 +573,10 @@ class ClippingEngine:
 
     def _per_sample(self, use: _Use) -> dict[str, PerSampleGrad]:
         if use.unit.rule is not None:
-            return use.unit.rule.per_sample_grads(use.unit.module, use.capture, use.grads,
-                                                  use.params)
+            grads = use.unit.rule.per_sample_grads(use.unit.module, use.capture, use.grads, use.params)
+            for grad in grads.values():
+                grad.chooser = self.path_chooser
+            return grads
         self._recomputing = True
         try:
             with torch.enable_grad(), _replayed_autocast(use.autocast):
@@ -578,8 +587,8 @@ class ClippingEngine:
 
     def _add_use(self, p: nn.Parameter, grad: PerSampleGrad) -> None:
         if self._pass.uses_of[p] == 1:
-            self._pass.sq_norms[p] = grad.sq_norms()
-            if not self._group_ready(self._group_of[p]):
+            if not self._group_ready(self._group_of[p]):  # kept until the group's last use
+                self._pass.sq_norms[p] = grad.sq_norms()
                 grad.compact()
             self._pass.per_param[p] = grad
         else:  # used more than once: the per-sample gradient is the sum over uses
@@ -591,24 +600,39 @@ class ClippingEngine:
         return self._pass.pending[group.name] == 0
 
     def _clip_group(self, group: ClipGroup) -> None:
+        """Clip weights from the group's per-sample norms, and its clipped sums into the accumulator.
+        The largest parameter whose norms are not yet known (for per-layer groups: the layer's weight)
+        forms its norms, weights and sum in one pass (``PerSampleGrad.clipped_sum``); the others get the
+        same weights."""
         if group.name in self._pass.clipped_groups:
             return
         self._pass.clipped_groups.add(group.name)
-        present = [p for p in group.params if p in self._pass.per_param]
+        per_param, known = self._pass.per_param, self._pass.sq_norms
+        present = [p for p in group.params if p in per_param]
         if not present:
             return
         scale = float(self._pass.batch) if self.loss_reduction == "mean" else 1.0
-        sq_norms = [self._pass.sq_norms[p] if p in self._pass.sq_norms else self._pass.per_param[p].sq_norms()
-                    for p in present]
-        sq = sq_norms[0]
-        for more in sq_norms[1:]:
-            sq = sq + more
-        norms = sq.sqrt().mul_(scale)
+        threshold = self.thresholds[group.name]
+
+        def weights_of(sq: torch.Tensor) -> torch.Tensor:
+            return self.clip.weights(sq.sqrt() * scale, threshold) * scale
+
+        pending = [p for p in present if p not in known]
+        fused = max(pending, key=lambda p: p.numel()) if pending else None
+        others = [p for p in present if p is not fused]
+        sq = torch.zeros(self._pass.batch, dtype=norm_dtype(present[0].dtype), device=present[0].device)
+        for p in others:
+            sq = sq + (known.pop(p) if p in known else per_param[p].sq_norms())
+        if fused is None:
+            weights = weights_of(sq)
+        else:
+            result = per_param.pop(fused).clipped_sum(sq, weights_of)
+            self.accumulator.add(fused, result.total)
+            sq, weights = sq + result.sq_norms, result.weights
+        for p in others:
+            self.accumulator.add(p, per_param.pop(p).weighted_sum(weights))
+        norms = sq.sqrt() * scale
         self._pass.finite_checks.append((group.name, (norms < NORM_LIMIT).all()))
-        weights = self.clip.weights(norms, self.thresholds[group.name]) * scale
-        for p in present:
-            self.accumulator.add(p, self._pass.per_param.pop(p).weighted_sum(weights))
-            self._pass.sq_norms.pop(p, None)
         self.accumulator.add_norms(group.name, norms)
 
     def _end_of_backward(self) -> None:

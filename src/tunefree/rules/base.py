@@ -3,23 +3,51 @@
 A :class:`PerSampleGrad` stands for the B per-sample gradients of one parameter in one call of a module.
 The engine asks it for the per-sample squared norms first (to compute clip weights), then for the weighted
 sum ``Σᵢ wᵢ gᵢ`` (book-keeping), or — when a parameter is used more than once in a step — for the
-materialised per-sample gradients, which it sums over the uses before taking norms.
+materialised per-sample gradients, which it sums over the uses before taking norms. When a clip group is
+complete the moment a parameter arrives (per-layer groups), the engine asks for both at once
+(:meth:`PerSampleGrad.clipped_sum`), so that a form can apply the clip weights in the same pass that
+forms the sum.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from ..dtypes import as_norm_precision
+from ..dtypes import norm_dtype
+from .calibration import PathChooser
+
+
+def materialised_sq_norms(grads: torch.Tensor) -> torch.Tensor:
+    """``‖gᵢ‖²`` of per-sample gradients ``[B, *shape]`` in float32 or wider, in one reduction pass
+    (no squared copy of the gradients)."""
+    if grads.numel() == 0:
+        return grads.new_zeros(grads.shape[0], dtype=norm_dtype(grads.dtype))
+    return torch.linalg.vector_norm(grads.flatten(1), dim=1, dtype=norm_dtype(grads.dtype)).square()
+
+
+class ClippedSum(NamedTuple):
+    """A parameter's clipped sum ``Σᵢ wᵢ gᵢ``, its per-sample squared norms ``‖gᵢ‖²`` and the clip
+    weights ``wᵢ`` that were applied (the group's other parameters must get the same ones)."""
+
+    total: torch.Tensor
+    sq_norms: torch.Tensor
+    weights: torch.Tensor
 
 
 class PerSampleGrad(ABC):
-    """The per-sample gradients ``g₁ … g_B`` of one parameter in one module call."""
+    """The per-sample gradients ``g₁ … g_B`` of one parameter in one module call.
+
+    ``chooser`` (set by the engine) picks, for forms with two exact norm paths, the faster one by
+    measurement; without it they follow their cost formula.
+    """
+
+    chooser: PathChooser | None = None
 
     @abstractmethod
     def sq_norms(self) -> torch.Tensor:
@@ -33,6 +61,16 @@ class PerSampleGrad(ABC):
     def materialize(self) -> torch.Tensor:
         """All per-sample gradients, shape ``[B, *param.shape]``."""
 
+    def clipped_sum(self, other_sq_norms: torch.Tensor,
+                    weights_of: Callable[[torch.Tensor], torch.Tensor]) -> ClippedSum:
+        """``Σᵢ wᵢ gᵢ`` with ``wᵢ = weights_of(‖gᵢ‖² + other_sq_normsᵢ)``: the clip weight of each
+        example from its squared norm over the whole clip group (``other_sq_norms``: the group's other
+        parameters). ``weights_of`` acts on each example's entry alone, so a form may apply it to
+        slices of examples."""
+        sq_norms = self.sq_norms()
+        weights = weights_of(sq_norms + other_sq_norms)
+        return ClippedSum(self.weighted_sum(weights), sq_norms, weights)
+
     def compact(self) -> None:  # noqa: B027 - optional hook, most forms have nothing to drop
         """Drop whatever is not needed for :meth:`weighted_sum` (called before the object is kept
         until the end of the backward pass)."""
@@ -45,8 +83,7 @@ class Materialized(PerSampleGrad):
         self.grads = grads
 
     def sq_norms(self) -> torch.Tensor:
-        flat = as_norm_precision(self.grads.flatten(1))
-        return (flat * flat).sum(1)
+        return materialised_sq_norms(self.grads)
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         grads = self.grads

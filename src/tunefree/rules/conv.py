@@ -1,20 +1,26 @@
 """``nn.Conv1d/2d/3d`` with any stride, padding (numbers, ``"same"``, ``"valid"``, any padding mode),
 dilation and groups.
 
-Per-sample norms come from a ghost norm on unfolded input patches when the layer has few output
-positions, otherwise from per-sample gradients computed by the native weight-gradient kernel. The
-weighted sum uses the native kernel on the padded input, so a layer kept until the end of the backward
-pass holds only its input and output gradient, as autograd would.
+Per-sample norms come from a ghost norm on unfolded input patches or from per-sample gradients computed by
+the native weight-gradient kernel, whichever is faster for the layer (measured, or by formula: ghost with
+few output positions). The weighted sum uses the native kernel on the padded input, so a layer kept until
+the end of the backward pass holds only its input and output gradient, as autograd would; a layer whose
+clip group is complete at once (per-layer clipping) forms norms and sum from the same per-sample
+gradients, a slice of examples at a time.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Capture, LayerRule, Materialized, PerSampleGrad
-from .factored import FactoredGrad, ghost_is_cheaper
+from .base import Capture, ClippedSum, LayerRule, Materialized, PerSampleGrad, materialised_sq_norms
+from .calibration import GHOST, MATERIALISE, factored_estimates
+from .factored import FactoredGrad, chunked_clipped_sum, chunked_sq_norms, examples_per_chunk
 
 
 def explicit_padding(module: nn.modules.conv._ConvNd) -> list[tuple[int, int]]:
@@ -53,6 +59,8 @@ def pad_input(module: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor:
 def unfold(x: torch.Tensor, kernel: tuple[int, ...], stride: tuple[int, ...],
            dilation: tuple[int, ...]) -> torch.Tensor:
     """Patches of a padded ``[B, C, *spatial]`` input: ``[B, L, C·∏k]``, channel-major like the weight."""
+    if len(kernel) == 2:  # the native im2col kernel: one pass, no strided gather
+        return F.unfold(x, kernel, dilation=dilation, stride=stride).transpose(1, 2)
     dims = len(kernel)
     for i, (k, s, d) in enumerate(zip(kernel, stride, dilation)):
         x = x.unfold(2 + i, d * (k - 1) + 1, s)[..., ::d]
@@ -61,7 +69,7 @@ def unfold(x: torch.Tensor, kernel: tuple[int, ...], stride: tuple[int, ...],
     # [B, C, L1..LD, k1..kD] -> [B, L1..LD, C, k1..kD]
     order = [0, *range(2, 2 + dims), 1, *range(2 + dims, 2 + 2 * dims)]
     x = x.permute(order)
-    return x.reshape(batch, int(torch.tensor(positions).prod()), -1)
+    return x.reshape(batch, math.prod(positions), -1)
 
 
 def per_sample_weight_grads(module: nn.modules.conv._ConvNd, x: torch.Tensor, padding: list[int],
@@ -81,9 +89,12 @@ def per_sample_weight_grads(module: nn.modules.conv._ConvNd, x: torch.Tensor, pa
 
 
 class ConvWeightGrad(PerSampleGrad):
-    """Conv weight gradients of one call. Norms by ghost norm on unfolded patches when that is cheaper
-    (few output positions), otherwise from the materialised per-sample gradients; the weighted sum from
-    those, or — when only (padded input, output gradient) were kept — with the native kernel."""
+    """Conv weight gradients of one call. Norms by ghost norm on unfolded patches or from the
+    materialised per-sample gradients, whichever ``chooser`` measured faster (else the cost formula:
+    ghost with few output positions); the weighted sum from the materialised gradients, or — when
+    only (padded input, output gradient) were kept — with the native kernel. In :meth:`clipped_sum` the
+    materialised path forms the sum slice by slice of examples, with no more memory than the layer's
+    own input and output gradient."""
 
     def __init__(self, module: nn.modules.conv._ConvNd, x: torch.Tensor, grad: torch.Tensor):
         padding = native_padding(module)
@@ -93,26 +104,81 @@ class ConvWeightGrad(PerSampleGrad):
         self.module, self.grad = module, grad
         self._grads: torch.Tensor | None = None
 
-    def _ghost_is_cheaper(self) -> bool:
+    def _estimates(self) -> dict[str, float]:
         groups = self.module.groups
+        return factored_estimates(self.grad.shape[0] * groups, self.grad[0, 0].numel(),
+                                  self.module.weight[0].numel(), self.grad.shape[1] // groups)
+
+    def _ghost_is_cheaper(self) -> bool:
+        estimates = self._estimates()
+        return estimates[GHOST] <= estimates[MATERIALISE]
+
+    def _path(self, fused: bool) -> str:
+        estimates = self._estimates()
+        if self.chooser is None:
+            return min(estimates, key=estimates.__getitem__)
+        module, batch = self.module, self.grad.shape[0]
+        key = ("conv", fused, tuple(module.weight.shape), module.stride, tuple(self.padding),
+               module.dilation, module.groups, tuple(self.x.shape[1:]), self.x.dtype, self.grad.dtype,
+               self.grad.device)
+        zeros = self.grad.new_zeros(batch, dtype=torch.float64)
+        ones = lambda sq: torch.ones_like(sq, dtype=torch.float64)  # noqa: E731 - timing only
+        run = (lambda path: self._clipped_sum_by(path, zeros, ones)) if fused else self.sq_norms_by
+        # time the ghost norm only where its unfolded patches and Gram matrices are no larger than the
+        # layer's own tensors (or the estimate picks it anyway): calibrating never raises the peak memory
         positions = self.grad[0, 0].numel()
-        d_in = self.module.weight[0].numel()
-        return ghost_is_cheaper(positions, d_in, self.grad.shape[1] // groups)
+        ghost_elements = batch * positions * (module.weight[0].numel() * module.groups + 2 * positions)
+        timeable = (ghost_elements <= self.x.numel() + self.grad.numel()
+                    or min(estimates, key=estimates.get) == GHOST)
+        return self.chooser.choose(key, estimates, run, self.grad.device, timeable)
+
+    def sq_norms_by(self, path: str) -> torch.Tensor:
+        """The per-sample squared norms by ``path`` (``"ghost"`` or ``"materialise"``), keeping nothing."""
+        if path == MATERIALISE:
+            return chunked_sq_norms(self._per_sample, self.grad.shape[0], self._chunk())
+        module, groups, batch = self.module, self.module.groups, self.grad.shape[0]
+        patches = unfold(pad_input(module, self.x) if any(self.padding) else self.x,
+                         module.kernel_size, module.stride, module.dilation)
+        positions = patches.shape[1]
+        a = patches.reshape(batch, positions, groups, -1).transpose(1, 2)
+        b = self.grad.reshape(batch, groups, -1, positions).transpose(-1, -2)
+        return FactoredGrad(a, b, module.weight.shape).sq_norms_by(GHOST)
 
     def sq_norms(self) -> torch.Tensor:
-        if self._ghost_is_cheaper():
-            module, groups, batch = self.module, self.module.groups, self.grad.shape[0]
-            patches = unfold(pad_input(module, self.x) if any(self.padding) else self.x,
-                             module.kernel_size, module.stride, module.dilation)
-            positions = patches.shape[1]
-            a = patches.reshape(batch, positions, groups, -1).transpose(1, 2)
-            b = self.grad.reshape(batch, groups, -1, positions).transpose(-1, -2)
-            return FactoredGrad(a, b, module.weight.shape).sq_norms()
-        return Materialized(self.materialize()).sq_norms()
+        path = self._path(fused=False)
+        if path == GHOST or self._chunk() < self.grad.shape[0]:  # the batch's gradients do not fit
+            return self.sq_norms_by(path)
+        return materialised_sq_norms(self.materialize())
+
+    def clipped_sum(self, other_sq_norms: torch.Tensor,
+                    weights_of: Callable[[torch.Tensor], torch.Tensor]) -> ClippedSum:
+        if self._grads is not None:
+            return super().clipped_sum(other_sq_norms, weights_of)
+        return self._clipped_sum_by(self._path(fused=True), other_sq_norms, weights_of)
+
+    def _clipped_sum_by(self, path: str, other_sq_norms: torch.Tensor,
+                        weights_of: Callable[[torch.Tensor], torch.Tensor]) -> ClippedSum:
+        if path == GHOST:
+            sq_norms = self.sq_norms_by(GHOST)
+            weights = weights_of(sq_norms + other_sq_norms)
+            return ClippedSum(self._native_weighted_sum(weights), sq_norms, weights)
+        return chunked_clipped_sum(self._per_sample, self.grad.shape[0], self._chunk(), other_sq_norms,
+                                   weights_of)
+
+    def _chunk(self) -> int:
+        return examples_per_chunk(self.module.weight.numel(), self.x.numel() + self.grad.numel())
+
+    def _per_sample(self, start: int, stop: int) -> torch.Tensor:
+        return per_sample_weight_grads(self.module, self.x[start:stop], self.padding,
+                                       self.grad[start:stop])
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         if self._grads is not None:
             return torch.tensordot(weights.to(self._grads.dtype), self._grads, dims=1)
+        return self._native_weighted_sum(weights)
+
+    def _native_weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        """``Σᵢ wᵢ gᵢ`` as one native weight-gradient call on the re-weighted output gradient."""
         module = self.module
         dims = len(module.kernel_size)
         scaled = self.grad * weights.to(self.grad.dtype).reshape(-1, *[1] * (dims + 1))
@@ -124,7 +190,7 @@ class ConvWeightGrad(PerSampleGrad):
 
     def materialize(self) -> torch.Tensor:
         if self._grads is None:
-            self._grads = per_sample_weight_grads(self.module, self.x, self.padding, self.grad)
+            self._grads = self._per_sample(0, self.grad.shape[0])
         return self._grads
 
     def compact(self) -> None:

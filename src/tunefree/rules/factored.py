@@ -3,42 +3,131 @@
 Linear layers (positions = tokens) and convolutions (positions = output pixels, ``a`` the unfolded input
 patches) both have this form, per channel group. The squared norm is computed either by the ghost norm
 ``‖gᵢ‖² = ⟨aᵢaᵢᵀ, bᵢbᵢᵀ⟩`` (cost ~T²·(d_in+d_out)) or by materialising ``gᵢ`` (cost ~T·d_in·d_out),
-whichever is cheaper for this layer and input.
+whichever is faster for this layer and input (measured once per shape by ``calibration.PathChooser``,
+else by the formula).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 
 from ..dtypes import as_norm_precision
-from .base import PerSampleGrad
+from .base import ClippedSum, PerSampleGrad, materialised_sq_norms
+from .calibration import GHOST, MATERIALISE, factored_estimates
 
 
 def ghost_is_cheaper(positions: int, d_in: int, d_out: int) -> bool:
     """Ghost norm costs ~T²(d_in + d_out) per sample and group; materialising costs ~T·d_in·d_out."""
-    return positions * (d_in + d_out) <= d_in * d_out
+    estimates = factored_estimates(1, positions, d_in, d_out)
+    return estimates[GHOST] <= estimates[MATERIALISE]
+
+
+def chunked_clipped_sum(per_sample: Callable[[int, int], torch.Tensor], batch: int, chunk: int,
+                        other_sq_norms: torch.Tensor,
+                        weights_of: Callable[[torch.Tensor], torch.Tensor]) -> ClippedSum:
+    """``Σᵢ wᵢ gᵢ`` from per-sample gradients materialised ``chunk`` examples at a time
+    (``per_sample(start, stop)``): each slice gives its examples' norms, their clip weights and its
+    share of the sum, then is dropped, so memory holds one slice and the norm and the summand of an
+    example come from the same tensor."""
+    total, sq_parts, weight_parts = None, [], []
+    for start in range(0, batch, chunk):
+        stop = min(start + chunk, batch)
+        grads = per_sample(start, stop)
+        sq_norms = materialised_sq_norms(grads)
+        weights = weights_of(sq_norms + other_sq_norms[start:stop])
+        part = weights.to(grads.dtype) @ grads.reshape(stop - start, -1)
+        total = part if total is None else total.add_(part)
+        sq_parts.append(sq_norms)
+        weight_parts.append(weights)
+    return ClippedSum(total.reshape(grads.shape[1:]), torch.cat(sq_parts), torch.cat(weight_parts))
+
+
+def chunked_sq_norms(per_sample: Callable[[int, int], torch.Tensor], batch: int, chunk: int) -> torch.Tensor:
+    """``‖gᵢ‖²`` from per-sample gradients materialised ``chunk`` examples at a time."""
+    return torch.cat([materialised_sq_norms(per_sample(start, min(start + chunk, batch)))
+                      for start in range(0, batch, chunk)])
+
+
+# The most elements a slice of materialised per-sample gradients may hold (16 MiB in float32).
+SLICE_LIMIT = 2**22
+
+
+def examples_per_chunk(per_example: int, layer_elements: int) -> int:
+    """How many examples' materialised gradients one slice holds: no more elements than the layer's own
+    captured tensors (``layer_elements``) nor ``SLICE_LIMIT``, and at least one example."""
+    return max(1, min(layer_elements, SLICE_LIMIT) // max(1, per_example))
 
 
 class FactoredGrad(PerSampleGrad):
     """``gᵢ`` per channel group from ``a: [B, G, T, d_in]`` and ``b: [B, G, T, d_out]``, reshaped
-    from ``[G·d_out, d_in]`` to the parameter's shape."""
+    from ``[G·d_out, d_in]`` to the parameter's shape.
+
+    Norms by ghost norm or by materialising ``gᵢ``, whichever ``chooser`` measured faster (else the cost
+    formula). The materialised path works slice by slice of examples (``examples_per_chunk``: no more
+    memory than the layer's own ``a`` and ``b``) unless the whole batch fits, which is then kept for the
+    weighted sum; in :meth:`clipped_sum` each slice gives its norms, clip weights and share of the sum."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, shape: torch.Size):
         self.a, self.b, self.shape = a, b, shape
         self._grads: torch.Tensor | None = None
 
-    def sq_norms(self) -> torch.Tensor:
-        _, _, positions, d_in = self.a.shape
+    def _path(self, fused: bool) -> str:
+        batch, groups, positions, d_in = self.a.shape
+        estimates = factored_estimates(batch * groups, positions, d_in, self.b.shape[-1])
+        if self.chooser is None:
+            return min(estimates, key=estimates.__getitem__)
+        key = ("factored", fused, tuple(self.a.shape[1:]), self.b.shape[-1], self.a.dtype, self.b.dtype,
+               self.a.device)
+        zeros = self.a.new_zeros(batch, dtype=torch.float64)
+        ones = lambda sq: torch.ones_like(sq, dtype=torch.float64)  # noqa: E731 - timing only
+        run = (lambda path: self._clipped_sum_by(path, zeros, ones)) if fused else self.sq_norms_by
+        # time the ghost norm only where its Gram matrices are no larger than the layer's own tensors
+        # (or the estimate picks it anyway), so that calibrating never raises the peak memory
+        ghost_elements = 2 * batch * groups * positions * positions
+        timeable = (ghost_elements <= self.a.numel() + self.b.numel()
+                    or min(estimates, key=estimates.get) == GHOST)
+        return self.chooser.choose(key, estimates, run, self.a.device, timeable)
+
+    def _chunk(self) -> int:
+        return examples_per_chunk(math.prod(self.shape), self.a.numel() + self.b.numel())
+
+    def _slice(self, start: int, stop: int) -> torch.Tensor:
+        return self._per_sample(self.a[start:stop], self.b[start:stop])
+
+    def sq_norms_by(self, path: str) -> torch.Tensor:
+        """The per-sample squared norms by ``path`` (``"ghost"`` or ``"materialise"``), keeping nothing."""
+        if path == MATERIALISE:
+            return chunked_sq_norms(self._slice, self.a.shape[0], self._chunk())
         a, b = as_norm_precision(self.a), as_norm_precision(self.b)
-        if ghost_is_cheaper(positions, d_in, b.shape[-1]):
-            if positions == 1:  # ‖b aᵀ‖² = ‖a‖²‖b‖²
-                return ((a * a).sum((2, 3)) * (b * b).sum((2, 3))).sum(1)
-            gram_a = a @ a.transpose(-1, -2)
-            gram_b = b @ b.transpose(-1, -2)
-            return (gram_a * gram_b).sum((1, 2, 3))
+        if a.shape[2] == 1:  # ‖b aᵀ‖² = ‖a‖²‖b‖²
+            return ((a * a).sum((2, 3)) * (b * b).sum((2, 3))).sum(1)
+        gram_a = a @ a.transpose(-1, -2)
+        gram_b = b @ b.transpose(-1, -2)
+        return (gram_a * gram_b).sum((1, 2, 3))
+
+    def sq_norms(self) -> torch.Tensor:
+        path = self._path(fused=False)
+        if path == GHOST or self._chunk() < self.a.shape[0]:  # the batch's gradients do not fit
+            return self.sq_norms_by(path)
         self._grads = self._per_sample(self.a, self.b)
-        flat = as_norm_precision(self._grads.flatten(1))
-        return (flat * flat).sum(1)
+        return materialised_sq_norms(self._grads)
+
+    def clipped_sum(self, other_sq_norms: torch.Tensor,
+                    weights_of: Callable[[torch.Tensor], torch.Tensor]) -> ClippedSum:
+        if self._grads is not None:
+            return super().clipped_sum(other_sq_norms, weights_of)
+        return self._clipped_sum_by(self._path(fused=True), other_sq_norms, weights_of)
+
+    def _clipped_sum_by(self, path: str, other_sq_norms: torch.Tensor,
+                        weights_of: Callable[[torch.Tensor], torch.Tensor]) -> ClippedSum:
+        if path == GHOST:
+            sq_norms = self.sq_norms_by(GHOST)
+            weights = weights_of(sq_norms + other_sq_norms)
+            return ClippedSum(self.weighted_sum(weights), sq_norms, weights)
+        return chunked_clipped_sum(self._slice, self.a.shape[0], self._chunk(), other_sq_norms, weights_of)
 
     def _per_sample(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         grads = b.transpose(-1, -2) @ a.to(b.dtype)  # [B, G, d_out, d_in]
