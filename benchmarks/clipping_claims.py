@@ -9,8 +9,8 @@ a tuned Abadi grid, PSAC and AUTO-V against AUTO-S, fixed and adaptive per-layer
 Protocol. Every private run uses Poisson sampling and the σ calibrated once per (task, ε) for a plain
 run of the planned length (adaptive thresholds spend the same ε: their count releases are paid inside
 that σ, see ``make_private``). For each configuration the whole grid runs on seed 0 and the grid point
-with the best *validation* accuracy is chosen; seeds 1 and 2 then run at that point only, and test
-accuracy is reported once, as mean ± sd over the three seeds.
+with the best *validation* accuracy is chosen; seeds 1 and 2 then run at that point only (more seeds
+with ``--chosen``), and test accuracy is reported once, as mean ± sd over the seeds.
 
 Grids. Automatic clipping (AUTO-S, AUTO-V, PSAC) has no threshold to tune: R = 1 (the library default;
 it only rescales the update), γ = 0.01 for AUTO-S and r = 0.1 for PSAC (the library defaults, which
@@ -127,6 +127,8 @@ def main() -> None:
     parser.add_argument("--adamw", action="store_true", help="also flat Abadi and AUTO-S under AdamW")
     parser.add_argument("--quick", action="store_true", help="digits-mlp, ε = 3, seed 0, a 2-point grid")
     parser.add_argument("--out", default=None, help="append the JSON lines to this file")
+    parser.add_argument("--chosen", default=None,
+                        help="JSON lines of earlier runs: no search, every seed runs at their chosen points")
     parser.add_argument("--summarise", default=None, help="print the table of a JSON-lines file and exit")
     args = parser.parse_args()
     if args.summarise:
@@ -135,6 +137,7 @@ def main() -> None:
     if args.quick:
         args.tasks, args.epsilons, args.seeds = ["digits-mlp"], [3.0], [0]
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    chosen = chosen_runs(args.chosen) if args.chosen else {}
     sink = open(args.out, "a") if args.out else None  # noqa: SIM115
     for name in args.tasks:
         task = TASKS[name]()
@@ -143,14 +146,17 @@ def main() -> None:
             sigma = tunefree.noise_multiplier(target_epsilon=epsilon, sample_rate=task.batch_size
                                               / len(task.train), steps=steps, delta=DELTA)
             for config in configurations(args.adamw):
-                search, *repeats = args.seeds
-                results = []
-                for r, lr in config.grid(args.quick):
-                    record = {"task": name, "privacy": epsilon, "sigma": sigma, "config": config.name,
-                              "R": r, "lr": lr, "seed": search, "search": True,
-                              **run(task, config, r, lr, sigma, search)}
-                    results.append(_emit(record, sink))
-                best = max(results, key=lambda record: record["valid"])
+                if args.chosen:
+                    best, repeats = chosen[(name, epsilon, config.name)][0], args.seeds
+                else:
+                    search, *repeats = args.seeds
+                    results = []
+                    for r, lr in config.grid(args.quick):
+                        record = {"task": name, "privacy": epsilon, "sigma": sigma, "config": config.name,
+                                  "R": r, "lr": lr, "seed": search, "search": True,
+                                  **run(task, config, r, lr, sigma, search)}
+                        results.append(_emit(record, sink))
+                    best = max(results, key=lambda record: record["valid"])
                 for seed in repeats:
                     _emit({**best, "seed": seed, "search": False,
                            **run(task, config, best["R"], best["lr"], sigma, seed)}, sink)
@@ -167,23 +173,59 @@ def _emit(record: dict, sink) -> dict:
     return record
 
 
-def summarise(path: str) -> None:
-    """One line per (task, ε, configuration): the valid-chosen grid point, valid and test accuracy at it
-    (mean ± sd over the seeds run there)."""
+CLAIMS = (  # (claim, configuration, the one it is compared with); Δ = first − second
+    ("AUTO-S vs tuned Abadi (SGD)", "auto-s all-layer fixed sgd", "abadi all-layer fixed sgd"),
+    ("AUTO-S vs tuned Abadi (AdamW)", "auto-s all-layer fixed adamw", "abadi all-layer fixed adamw"),
+    ("PSAC vs AUTO-S", "psac all-layer fixed sgd", "auto-s all-layer fixed sgd"),
+    ("AUTO-V vs AUTO-S", "auto-v all-layer fixed sgd", "auto-s all-layer fixed sgd"),
+    ("fixed per-layer vs flat, Abadi", "abadi per-layer fixed sgd", "abadi all-layer fixed sgd"),
+    ("fixed per-layer vs flat, AUTO-S", "auto-s per-layer fixed sgd", "auto-s all-layer fixed sgd"),
+    ("adaptive per-layer vs flat, Abadi", "abadi per-layer adaptive sgd", "abadi all-layer fixed sgd"),
+    ("adaptive per-layer vs flat, AUTO-S", "auto-s per-layer adaptive sgd", "auto-s all-layer fixed sgd"),
+)
+
+
+def chosen_runs(path: str) -> dict[tuple, tuple[dict, list[dict]]]:
+    """(task, ε, configuration) → (the seed-0 run chosen on validation, every run at its grid point)."""
     with open(path) as lines:
         rows = [json.loads(line) for line in lines]
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault((row["task"], row["privacy"], row["config"]), []).append(row)
-    for (task, epsilon, config), runs in groups.items():
+    chosen = {}
+    for key, runs in groups.items():
         best = max((r for r in runs if r["search"]), key=lambda r: r["valid"])
-        chosen = [r for r in runs if (r["R"], r["lr"]) == (best["R"], best["lr"])]
-        valid = [r["valid"] for r in chosen]
-        test = [r["test"] for r in chosen]
+        chosen[key] = best, [r for r in runs if (r["R"], r["lr"]) == (best["R"], best["lr"])]
+    return chosen
+
+
+def summarise(path: str) -> None:
+    """The table (one row per task, ε and configuration: the valid-chosen grid point, whether it is at the
+    grid's edge, valid and test accuracy at it as mean ± sd over the seeds run there, the ledger's ε),
+    then each claim's difference in mean test accuracy, in points."""
+    chosen = chosen_runs(path)
+    for (task, epsilon, config), (best, runs) in chosen.items():
+        test = [r["test"] for r in runs]
         spread = statistics.stdev(test) if len(test) > 1 else float("nan")
-        print(f"| {task} | {epsilon:g} | {config} | R {best['R']:g}, lr {best['lr']:g} | "
-              f"{statistics.mean(valid):.4f} | {statistics.mean(test):.4f} ± {spread:.4f} | {len(test)} | "
-              f"{max(r['epsilon'] for r in runs):.3f} |")
+        lrs = sorted({r["lr"] for r in _searched(path, task, epsilon, config) if r["R"] == best["R"]})
+        edge = " (edge)" if best["lr"] in (lrs[0], lrs[-1]) else ""
+        print(f"| {task} | {epsilon:g} | {config} | R {best['R']:g}, lr {best['lr']:.3g}{edge} | "
+              f"{statistics.mean(r['valid'] for r in runs):.3f} | {statistics.mean(test):.3f} ± "
+              f"{spread:.3f} | {len(test)} | {max(r['epsilon'] for r in runs):.3f} |")
+    for claim, first, second in CLAIMS:
+        cells = []
+        for task, epsilon, config in chosen:
+            if config == first and (task, epsilon, second) in chosen:
+                means = [statistics.mean(r["test"] for r in chosen[(task, epsilon, c)][1])
+                         for c in (first, second)]
+                cells.append(f"{task} ε={epsilon:g}: {100 * (means[0] - means[1]):+.1f}")
+        print(f"{claim}: " + "; ".join(cells))
+
+
+def _searched(path: str, task: str, epsilon: float, config: str) -> list[dict]:
+    with open(path) as lines:
+        return [row for row in map(json.loads, lines) if row["search"]
+                and (row["task"], row["privacy"], row["config"]) == (task, epsilon, config)]
 
 
 if __name__ == "__main__":
