@@ -200,26 +200,46 @@ def chosen_runs(path: str) -> dict[tuple, tuple[dict, list[dict]]]:
 
 
 def summarise(path: str) -> None:
-    """The table (one row per task, ε and configuration: the valid-chosen grid point, whether it is at the
-    grid's edge, valid and test accuracy at it as mean ± sd over the seeds run there, the ledger's ε),
-    then each claim's difference in mean test accuracy, in points."""
+    """For each ε a markdown table (a row per configuration, a column per task; a cell is the test accuracy
+    at the valid-chosen grid point, mean ± sd over the seeds run there, then the mean validation accuracy
+    and the point, ``*`` when it is at the edge of the grid), then each claim's difference in mean test
+    accuracy ± its standard error (unpaired), in points."""
     chosen = chosen_runs(path)
-    for (task, epsilon, config), (best, runs) in chosen.items():
-        test = [r["test"] for r in runs]
-        spread = statistics.stdev(test) if len(test) > 1 else float("nan")
-        lrs = sorted({r["lr"] for r in _searched(path, task, epsilon, config) if r["R"] == best["R"]})
-        edge = " (edge)" if best["lr"] in (lrs[0], lrs[-1]) else ""
-        print(f"| {task} | {epsilon:g} | {config} | R {best['R']:g}, lr {best['lr']:.3g}{edge} | "
-              f"{statistics.mean(r['valid'] for r in runs):.3f} | {statistics.mean(test):.3f} ± "
-              f"{spread:.3f} | {len(test)} | {max(r['epsilon'] for r in runs):.3f} |")
-    for claim, first, second in CLAIMS:
-        cells = []
-        for task, epsilon, config in chosen:
-            if config == first and (task, epsilon, second) in chosen:
-                means = [statistics.mean(r["test"] for r in chosen[(task, epsilon, c)][1])
-                         for c in (first, second)]
-                cells.append(f"{task} ε={epsilon:g}: {100 * (means[0] - means[1]):+.1f}")
-        print(f"{claim}: " + "; ".join(cells))
+    tasks = list(dict.fromkeys(task for task, _, _ in chosen))
+    for epsilon in sorted({epsilon for _, epsilon, _ in chosen}):
+        epsilons = {round(r["epsilon"], 3) for key, (_, runs) in chosen.items() if key[1] == epsilon
+                    for r in runs}
+        print(f"\nε = {epsilon:g} (ledger: {', '.join(map(str, sorted(epsilons)))})\n")
+        print("| configuration | " + " | ".join(tasks) + " |")
+        print("|---" * (len(tasks) + 1) + "|")
+        for config in dict.fromkeys(c for _, e, c in chosen if e == epsilon):
+            cells = [_cell(path, chosen, (task, epsilon, config)) for task in tasks]
+            print(f"| {config} | " + " | ".join(cells) + " |")
+        print()
+        for claim, first, second in CLAIMS:
+            cells = []
+            for task in tasks:
+                if (task, epsilon, first) in chosen and (task, epsilon, second) in chosen:
+                    tests = [[r["test"] for r in chosen[(task, epsilon, c)][1]] for c in (first, second)]
+                    error = (math.sqrt(sum(statistics.variance(t) / len(t) for t in tests))
+                             if min(map(len, tests)) > 1 else math.nan)
+                    difference = statistics.mean(tests[0]) - statistics.mean(tests[1])
+                    cells.append(f"{task} {100 * difference:+.1f} ± {100 * error:.1f}")
+            print(f"- {claim}: " + ", ".join(cells))
+
+
+def _cell(path: str, chosen: dict, key: tuple) -> str:
+    if key not in chosen:
+        return "–"
+    best, runs = chosen[key]
+    test = [r["test"] for r in runs]
+    spread = f"{statistics.stdev(test):.3f}" if len(test) > 1 else "?"
+    lrs = sorted({r["lr"] for r in _searched(path, *key) if r["R"] == best["R"]})
+    edge = "*" if best["lr"] in (lrs[0], lrs[-1]) else ""
+    point = f"lr {best['lr']:.3g}" if key[2].startswith("auto") or key[2].startswith("psac") else \
+        f"R {best['R']:g}, lr {best['lr']:.3g}"
+    return (f"{statistics.mean(test):.3f} ± {spread} (v {statistics.mean(r['valid'] for r in runs):.3f}; "
+            f"{point}{edge}; n={len(test)})")
 
 
 def _searched(path: str, task: str, epsilon: float, config: str) -> list[dict]:
