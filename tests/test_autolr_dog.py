@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.autolr_dog import AVERAGING, SIGNIFICANCE, WALK_MARGIN, DistanceOverGradients
+from tunefree.autolr_dog import AVERAGING, NOISE_BUDGET, SIGNIFICANCE, WALK_MARGIN, DistanceOverGradients
 from tunefree.optim import StepContext, StepReport, UpdateControl
 from tunefree.privacy.ledger import to_dict
 
@@ -30,13 +30,14 @@ class KnownNoise:
 
 
 def run_rule(gradients, std=0.0, batch=4.0, initial_distance=1e-2, noise_aware=True,
-             report=None, closure=None):
+             report=None, closure=None, planned_steps=None, noise_budget=NOISE_BUDGET):
     """SGD on one 3-vector with the given released gradients; returns the rule, the learning rates
     and the weights before each step."""
     weight = nn.Parameter(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64))
     optimizer = torch.optim.SGD([weight], lr=1.0)
     rule = DistanceOverGradients(KnownNoise([weight], std), batch, noise_aware=noise_aware,
-                                 initial_distance=initial_distance)
+                                 initial_distance=initial_distance, planned_steps=planned_steps,
+                                 noise_budget=noise_budget)
     lrs, weights = [], []
     for t, g in enumerate(gradients):
         weights.append(weight.detach().clone())
@@ -111,6 +112,72 @@ def test_pure_noise_does_not_blow_up_the_step():
     assert max(lrs) < 1.0  # r_ε ≈ 0.033 here: a step of order 1 would need real signal
 
 
+def noisy_gradients(steps, std, batch, d=3, signal=1.0):
+    g = torch.Generator().manual_seed(3)
+    return [signal + torch.randn(d, generator=g, dtype=torch.float64) * std / batch for _ in range(steps)]
+
+
+def test_noise_budget_bounds_the_step_by_the_walk_left_over_the_steps_left():
+    """η_t = min(DoG's η_t, √((B − Σ_{i<t} η_i² E)/((T − t)·E))) with B = (κ(1 + ‖x₀‖))² and E = d·(s/B)²
+    the noise energy of a step; with the budget binding from the start and constant noise it is the
+    constant κ(1 + ‖x₀‖)/√(T·E), and the planned run's expected noise walk Σ η_t² E is exactly B."""
+    std, batch, d, steps, kappa = 8.0, 1.0, 3, 12, 0.5
+    energy = d * (std / batch) ** 2
+    gradients = noisy_gradients(steps, std, batch)
+    rule, lrs, weights, _ = run_rule(gradients, std=std, batch=batch, planned_steps=steps, noise_budget=kappa,
+                                     initial_distance=10.0)
+    _, unbounded, _, _ = run_rule(gradients, std=std, batch=batch, initial_distance=10.0)
+    budget = (kappa * (1 + weights[0].norm().item())) ** 2
+    assert lrs[0] < unbounded[0]  # the budget binds: DoG alone would step further
+    walk = 0.0
+    for t, lr in enumerate(lrs):
+        assert lr == pytest.approx(math.sqrt((budget - walk) / ((steps - t) * energy)), rel=1e-12)
+        walk += lr ** 2 * energy
+    constant = kappa * (1 + weights[0].norm().item()) / math.sqrt(steps * energy)
+    assert lrs == [pytest.approx(constant, rel=1e-9)] * steps
+    assert walk == pytest.approx(budget, rel=1e-9)
+    assert rule.noise_walk([d])[0] == pytest.approx(budget, rel=1e-9)
+
+
+def test_noise_budget_falls_with_the_length_and_the_noise_of_the_run():
+    """The bound is κ(1 + ‖x₀‖)/√(T·E): four times the steps or twice the noise halve it."""
+    def first_lr(steps, std):
+        _, lrs, _, _ = run_rule(noisy_gradients(1, std, 1.0), std=std, batch=1.0, planned_steps=steps,
+                                noise_budget=0.5, initial_distance=10.0)
+        return lrs[0]
+    assert first_lr(40, 8.0) == pytest.approx(first_lr(10, 8.0) / 2, rel=1e-12)
+    assert first_lr(10, 16.0) == pytest.approx(first_lr(10, 8.0) / 2, rel=1e-12)
+
+
+def test_noise_budget_left_unspent_by_dog_is_spent_later():
+    """While DoG's own step is the smaller, the walk stays under the even share, and the bound on the
+    steps left grows: it never takes back budget that was not used."""
+    std, batch, steps = 8.0, 1.0, 10
+    rule, lrs, _, _ = run_rule(noisy_gradients(steps, std, batch), std=std, batch=batch, planned_steps=steps,
+                               noise_budget=0.5, initial_distance=1e-3)
+    energy = 3 * (std / batch) ** 2
+    assert lrs[0] < rule.walk_budget ** 0.5 / math.sqrt(steps * energy)  # DoG's tiny first step binds
+    assert sum(lr ** 2 for lr in lrs) * energy <= rule.walk_budget * (1 + 1e-12)
+
+
+def test_noise_budget_past_the_planned_steps_keeps_its_last_bound():
+    std, batch, steps = 8.0, 1.0, 4
+    rule, lrs, _, _ = run_rule(noisy_gradients(7, std, batch), std=std, batch=batch, planned_steps=steps,
+                               noise_budget=0.5, initial_distance=10.0)
+    assert lrs[steps:] == [pytest.approx(lrs[steps - 1], rel=1e-12)] * 3
+    assert all(lr > 0 for lr in lrs)
+
+
+def test_no_budget_without_a_planned_length_or_without_noise():
+    gradients = noisy_gradients(5, 8.0, 1.0)
+    _, plain, _, _ = run_rule(gradients, std=8.0, batch=1.0, noise_budget=None, planned_steps=5)
+    _, unplanned, _, _ = run_rule(gradients, std=8.0, batch=1.0, planned_steps=None)
+    assert plain == unplanned
+    _, noiseless, _, _ = run_rule(GRADIENTS, planned_steps=4, noise_budget=1e-3)
+    _, free, _, _ = run_rule(GRADIENTS, noise_budget=None)
+    assert noiseless == free  # no noise: no walk to budget
+
+
 def test_only_released_quantities_count():
     """Another private batch (its size, its norms, its closure) with the same released gradients gives
     the same learning rates: the rule is post-processing of the release."""
@@ -178,8 +245,28 @@ def test_dog_refuses_other_optimizers():
                     lambda m: torch.optim.SGD(m.parameters(), lr=1.0, momentum=0.9))
 
 
+def test_make_private_spends_the_noise_budget_over_the_planned_steps():
+    """The rule gets the plan's length and the option's κ; the run's expected noise walk stays within
+    (κ(1 + ‖x₀‖))², and a checkpoint of another budget is refused (it is in the plan's fingerprint)."""
+    model, engine = private_run(tunefree.AutoLR(mode="dog", noise_budget=0.05), steps=6)
+    rule = engine.dog_lr
+    assert rule.planned_steps == engine.planned_steps == 6 and rule.noise_budget == 0.05
+    energy = sum(d * v for d, v in rule.coordinate_variances(engine.clip_thresholds))
+    assert sum(lr ** 2 for lr in rule.history) * energy <= rule.walk_budget * (1 + 1e-9)
+    assert rule.history[-1] == pytest.approx(rule.budget_lr, rel=1e-12)  # the budget binds at this noise
+    _, other = private_run(tunefree.AutoLR(mode="dog", noise_budget=None), steps=6)
+    assert other.dog_lr.noise_budget is None and max(other.dog_lr.history) > max(rule.history)
+    with pytest.raises(ValueError, match="noise_budget"):
+        other.load_state_dict(engine.state_dict())
+
+
 def test_dog_options():
     assert tunefree.AutoLR(mode="dog").releases_per_update == 0
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="noise_budget"):
+            tunefree.AutoLR(mode="dog", noise_budget=bad)
+        with pytest.raises(ValueError, match="noise_budget"):
+            DistanceOverGradients(KnownNoise([], 0.0), 4.0, planned_steps=3, noise_budget=bad)
     with pytest.raises(ValueError, match="initial_distance"):
         tunefree.AutoLR(mode="dog", initial_distance=0.0)
     with pytest.raises(ValueError, match="initial_distance"):
@@ -189,12 +276,14 @@ def test_dog_options():
 def test_component_state_round_trip_continues_the_same_learning_rates():
     """Save the rule's state after two steps, load it into a fresh rule: the next steps (same released
     gradients, same weights) get the same learning rates and the same average as the uninterrupted rule."""
-    rule, lrs, weights, weight = run_rule(GRADIENTS[:2], std=0.3)
+    budgeted = {"std": 3.0, "planned_steps": 4, "noise_budget": 0.5, "initial_distance": 1.0}
+    rule, lrs, weights, weight = run_rule(GRADIENTS[:2], **budgeted)
     state = rule.state_dict()
-    resumed = DistanceOverGradients(KnownNoise([weight], 0.3), 4.0, initial_distance=1e-2)
+    resumed = DistanceOverGradients(KnownNoise([weight], 3.0), 4.0, initial_distance=1.0, planned_steps=4,
+                                    noise_budget=0.5)
     resumed.load_state_dict(state)
     optimizer = torch.optim.SGD([weight], lr=1.0)
-    _, full, _, full_last = run_rule(GRADIENTS, std=0.3)
+    _, full, _, full_last = run_rule(GRADIENTS, **budgeted)
     through, straight = [], []
     for t, g in enumerate(GRADIENTS[2:], start=2):
         weight.grad = torch.as_tensor(g, dtype=torch.float64).clone()
@@ -208,6 +297,7 @@ def test_component_state_round_trip_continues_the_same_learning_rates():
     assert through == straight
     torch.testing.assert_close(weight.detach(), full_last.detach(), rtol=0, atol=0)
     assert state["walk_variances"] and state["average"] is not None
+    assert full[2:] != run_rule(GRADIENTS, std=3.0, initial_distance=1.0)[1][2:]  # the budget was at work
 
 
 def test_engine_checkpoint_resumes_the_rule_bit_for_bit():

@@ -393,8 +393,10 @@ def _dog(optimizer: torch.optim.Optimizer, release: GradientRelease, plan: Plan)
             "AutoLR(mode='dog') sets the step size of plain SGD (DoG): pass "
             "torch.optim.SGD(model.parameters(), lr=1.0) without momentum or weight decay, "
             f"got {type(optimizer).__name__}")
+    settings = plan.settings["auto_lr"]
     return DistanceOverGradients(release, plan.expected_batch_size,
-                                 initial_distance=plan.settings["auto_lr"]["initial_distance"])
+                                 initial_distance=settings["initial_distance"], planned_steps=plan.steps,
+                                 noise_budget=settings["noise_budget"])
 
 
 def _check_data_parallel_options(quantile: QuantileSettings | None, auto: Any,
@@ -418,7 +420,8 @@ def _run_settings(clip: ClipFunction, groups: list[ClipGroup], quantile: Quantil
     """What identifies the run beyond its noise, for the plan's fingerprint."""
     learning_rate: dict[str, Any] = {}
     if auto is not None and auto.mode == "dog":
-        learning_rate = {"auto_lr": {"mode": auto.mode, "initial_distance": auto.initial_distance}}
+        learning_rate = {"auto_lr": {"mode": auto.mode, "initial_distance": auto.initial_distance,
+                                     "noise_budget": auto.noise_budget}}
     elif auto is not None:
         learning_rate = {"auto_lr": {"mode": auto.mode, "probes": auto.probes, "initial_lr": auto.initial_lr}}
     return {**learning_rate, "clipping": {"name": clip.name, "gamma": clip.gamma, "r": clip.r},

@@ -17,6 +17,16 @@ climb on the walk's upward swings (measured: without this margin the step oversh
 runs; benchmarks/RESULTS.md §5c). All of these are public (σ, the thresholds, q·N and the shapes), so
 this is still post-processing.
 
+DoG reads the distance travelled as the distance to go, which holds while the weights move by their
+signal. When the privacy noise dominates a long run, the noise walk itself is what moves the weights, and
+the larger the step, the further it carries them: a step that is right for a short run overshoots on a
+long one (benchmarks/RESULTS.md §5c, §5e). So the step also keeps to a **noise budget**: over the whole
+planned run the expected noise walk ``Σ_i η_i² E‖n_i‖²`` may reach at most ``(κ·(1 + ‖x_0‖))²``, spent
+evenly over the steps that remain, i.e. ``η_t ≤ √((budget − walk so far) / (steps left × E‖n_t‖²))``.
+With constant noise this is the constant ``η = κ(1 + ‖x_0‖)/√(T·E‖n‖²)``: the step falls as the run
+grows longer or noisier. Both factors are public (the planned length, σ, the thresholds, q·N, the
+initial weights), so the budget is post-processing too.
+
 As the DoG paper recommends, the component also keeps the polynomially averaged weights
 ``x̄_t = (1 − (γ+1)/(t+γ))·x̄_{t−1} + (γ+1)/(t+γ)·x_t`` (γ = 8), which average the noise out of the last
 steps; :meth:`DistanceOverGradients.apply_average` writes them into the model (post-processing too).
@@ -39,6 +49,7 @@ INITIAL_DISTANCE = 0.1  # r_ε = this × (1 + ‖x_0‖); DoG's 1e-6 is too smal
 AVERAGING = 8.0  # γ of the polynomial iterate average
 SIGNIFICANCE = 2.0  # the gradient energy counts once it exceeds this many deviations of the noise energy
 WALK_MARGIN = 1.0  # the distance counts once it exceeds the noise walk by this many of its deviations
+NOISE_BUDGET = 4.0  # κ: the planned run's noise walk may reach κ·(1 + ‖x_0‖) (RESULTS §5e)
 
 
 class DistanceOverGradients(StepComponent):
@@ -50,14 +61,27 @@ class DistanceOverGradients(StepComponent):
         noise_aware: subtract the known noise energy from the gradient energy and from the distance.
         initial_distance: DoG's r_ε relative to 1 + ‖x_0‖ (public; the default was chosen on the
             validation splits of the benchmark tasks, benchmarks/RESULTS.md §5c).
+        planned_steps: the planned length T of the run, over which the noise budget is spent (``None``:
+            no budget).
+        noise_budget: κ, the noise walk the planned run may reach relative to 1 + ‖x_0‖ (``None``: no
+            budget; the default was chosen on the validation splits, benchmarks/RESULTS.md §5e).
     """
 
     def __init__(self, release: GradientRelease, expected_batch_size: float, noise_aware: bool = True,
-                 initial_distance: float = INITIAL_DISTANCE):
+                 initial_distance: float = INITIAL_DISTANCE, planned_steps: int | None = None,
+                 noise_budget: float | None = NOISE_BUDGET):
         if not (initial_distance > 0 and math.isfinite(initial_distance)):
             raise ValueError(f"initial_distance must be a positive finite number, got {initial_distance}")
+        if noise_budget is not None and not (noise_budget > 0 and math.isfinite(noise_budget)):
+            raise ValueError(f"noise_budget must be a positive finite number or None, got {noise_budget}")
+        if planned_steps is not None and not (isinstance(planned_steps, int) and planned_steps >= 1):
+            raise ValueError(f"planned_steps must be a positive integer or None, got {planned_steps}")
         self.release, self.expected_batch_size = release, expected_batch_size
         self.noise_aware, self.initial_distance = noise_aware, initial_distance
+        self.planned_steps = planned_steps
+        self.noise_budget = None if planned_steps is None else noise_budget
+        self.walk_budget = math.inf  # (κ·(1 + ‖x_0‖))², set at the first step
+        self.budget_lr = math.inf  # the noise budget's step bound, kept past the planned steps
         self.origin: list[torch.Tensor] | None = None
         self.distance = 0.0  # r_t
         self.gradient_energy = 0.0  # Σ ‖g_i‖², less the noise energy when noise-aware
@@ -86,25 +110,41 @@ class DistanceOverGradients(StepComponent):
         with torch.no_grad():
             if self.origin is None:
                 self.origin = [p.detach().clone() for p in params]
-                self.distance = self.initial_distance * (1 + _norm(self.origin))
+                scale = 1 + _norm(self.origin)
+                self.distance = self.initial_distance * scale
+                if self.noise_budget is not None:
+                    self.walk_budget = (self.noise_budget * scale) ** 2
             moved = sum(float((p - x0).pow(2).sum()) for p, x0 in zip(params, self.origin))
             energy = sum(float(p.grad.pow(2).sum()) for p in params if p.grad is not None)
         variances = self.coordinate_variances(step.thresholds)
+        if not self.walk_variances:
+            self.walk_variances = [0.0] * len(variances)
+        walk, walk_deviation = self.noise_walk([d for d, _ in variances])
+        noise_energy = sum(d * v for d, v in variances)  # E‖n_t‖²
         if self.noise_aware:
-            walk, walk_deviation = self.noise_walk([d for d, _ in variances])
             moved -= walk + WALK_MARGIN * walk_deviation
-            energy -= sum(d * v for d, v in variances)
+            energy -= noise_energy
             self.noise_energy_variance += sum(2 * d * v * v for d, v in variances)
         self.distance = max(self.distance, math.sqrt(max(moved, 0.0)))
         self.gradient_energy += energy
         floor = SIGNIFICANCE * math.sqrt(self.noise_energy_variance)
-        self.lr = self.distance / math.sqrt(max(self.gradient_energy, floor, 1e-16))
-        if not self.walk_variances:
-            self.walk_variances = [0.0] * len(variances)
+        self.lr = min(self.distance / math.sqrt(max(self.gradient_energy, floor, 1e-16)),
+                      self._budget_lr(walk, noise_energy))
         self.walk_variances = [w + self.lr ** 2 * v for w, (_, v) in zip(self.walk_variances, variances)]
         self.history.append(self.lr)
         step.update.set_lr(self.lr)
         return []
+
+    def _budget_lr(self, walk: float, noise_energy: float) -> float:
+        """The largest step that keeps the expected noise walk of the planned run within the budget, the
+        budget left (less the walk ``walk`` so far) spent evenly over the steps left; past the planned
+        steps, the last such bound."""
+        if self.noise_budget is None or noise_energy <= 0:
+            return math.inf
+        steps_left = self.planned_steps - self.updates
+        if steps_left >= 1:
+            self.budget_lr = math.sqrt(max(self.walk_budget - walk, 0.0) / (steps_left * noise_energy))
+        return self.budget_lr
 
     def after_update(self, step: StepContext) -> list[dpa.DpEvent]:
         self.updates += 1
@@ -130,7 +170,7 @@ class DistanceOverGradients(StepComponent):
         return {"origin": self.origin, "distance": self.distance, "gradient_energy": self.gradient_energy,
                 "noise_energy_variance": self.noise_energy_variance,
                 "walk_variances": list(self.walk_variances), "lr": self.lr, "average": self.average,
-                "updates": self.updates}
+                "updates": self.updates, "walk_budget": self.walk_budget, "budget_lr": self.budget_lr}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.origin = None if state["origin"] is None else [t.clone() for t in state["origin"]]
@@ -138,6 +178,7 @@ class DistanceOverGradients(StepComponent):
         self.noise_energy_variance = state["noise_energy_variance"]
         self.walk_variances = list(state["walk_variances"])
         self.lr, self.updates = state["lr"], state["updates"]
+        self.walk_budget, self.budget_lr = state["walk_budget"], state["budget_lr"]
         self.average = None if state["average"] is None else [t.clone() for t in state["average"]]
 
 

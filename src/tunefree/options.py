@@ -116,7 +116,9 @@ class AutoLR:
     ``mode="dog"`` instead sets the step size of plain SGD from the released gradients alone by
     noise-aware DoG (``tunefree.autolr_dog``): it releases nothing, so it costs no ε, no extra forward
     and no closure, and ``interval``, ``probes``, ``loss_privacy``, ``gradient_noise_increase`` and
-    ``initial_lr`` do not apply. ``initial_distance`` is DoG's first move relative to 1 + ‖x₀‖."""
+    ``initial_lr`` do not apply. ``initial_distance`` is DoG's first move relative to 1 + ‖x₀‖;
+    ``noise_budget`` (κ) bounds the noise walk of the planned run by κ·(1 + ‖x₀‖), which keeps the step
+    small enough for long, noisy runs (``None`` turns it off; it needs the planned length)."""
 
     interval: int = 5
     loss_privacy: str = "gaussian"
@@ -125,6 +127,7 @@ class AutoLR:
     probes: str = "losses"
     initial_lr: float = 1e-4
     initial_distance: float = 0.1  # autolr_dog.INITIAL_DISTANCE
+    noise_budget: float | None = 4.0  # autolr_dog.NOISE_BUDGET
 
     def __post_init__(self) -> None:
         _count("AutoLR.interval", self.interval)
@@ -140,6 +143,8 @@ class AutoLR:
             raise ValueError(f"AutoLR.probes must be 'losses' or 'differences', got {self.probes!r}")
         _positive("AutoLR.initial_lr", self.initial_lr)
         _positive("AutoLR.initial_distance", self.initial_distance)
+        if self.noise_budget is not None:
+            _positive("AutoLR.noise_budget", self.noise_budget)
 
     @property
     def releases_per_update(self) -> int:
