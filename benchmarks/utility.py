@@ -4,12 +4,20 @@ validation accuracy; test accuracy is reported for the chosen ones only.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/utility.py --quick
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/utility.py --tasks digits-mlp --seeds 0 1 2
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/utility.py --lengths 1 4 --variants --lr-free \
+        --post tf-dog-noise-aware tf-dog-no-budget --out utility.jsonl          # the issue-11 table
+    python benchmarks/utility.py --summarise utility.jsonl
 
 Tasks (all offline): the 8×8 digits (scikit-learn) with an MLP and with a CNN; a synthetic tabular task
 (N = 60,000 from a fixed random teacher network, 5 classes); a character-level language model on the
 Python standard library's own sources (next character from the 16 before it). Private runs use AUTO-S
 clipping, Poisson sampling and the noise σ calibrated once per (task, ε) for the plain run; lr="auto"
 runs solve their loss noise on the plan so that they spend the same ε. Each run prints one JSON line.
+
+``--lengths`` multiplies each task's number of epochs (1: the task's own; 4: four times as long, at the σ
+that the longer run needs for the same ε). Every run keeps DoG's polynomial iterate average (γ = 8) of its
+weights, a post-processing any run can use; fixed-lr runs report both their last and their averaged
+weights, and the summary chooses between them on validation like any other grid point.
 """
 
 from __future__ import annotations
@@ -24,7 +32,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,7 +39,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
 
-SGD_GRID = (0.1, 0.3, 1.0, 3.0, 10.0)
+SGD_GRID = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 ADAMW_GRID = (0.001, 0.003, 0.01, 0.03, 0.1)
 AUTO_VARIANTS = {  # name: AutoLR fields
     "paper": {"mode": "paper"},
@@ -47,8 +54,9 @@ LR_FREE = {  # name: the optimizer, run privately on the released gradient (lr 1
     "dadapt-adam": lambda params: _package("dadaptation").DAdaptAdam(params, lr=1.0),
     "dadapt-sgd": lambda params: _package("dadaptation").DAdaptSGD(params, lr=1.0),
 }
-POST_PROCESSING = {  # tunefree's DoG on the released gradient of SGD: lr=AutoLR(mode="dog"), and the
-    "tf-dog-noise-aware": {"noise_aware": True},  # same rule without the noise correction (diagnostic)
+POST_PROCESSING = {  # tunefree's DoG on the released gradient of SGD: lr=AutoLR(mode="dog") (the library's
+    "tf-dog-noise-aware": {},  # default), without its noise budget, and without its noise correction
+    "tf-dog-no-budget": {"noise_budget": None},
     "tf-dog": {"noise_aware": False},
 }
 DELTA = 1e-5
@@ -140,7 +148,10 @@ def accuracy(model: nn.Module, data: TensorDataset) -> float:
 
 def run(task: Task, method: str, lr: float | None, sigma: float | None, seed: int,
         auto: tunefree.AutoLR | None = None) -> dict:
-    """One training run; ``sigma`` None is non-private. Returns accuracies, ε, lr at the end, time."""
+    """One training run; ``sigma`` None is non-private. Returns accuracies (of the averaged weights and
+    of the last iterate), ε, lr at the end, time."""
+    from tunefree.autolr_dog import AVERAGING
+
     torch.manual_seed(seed)
     model = task.model()
     if method in POST_PROCESSING:
@@ -154,8 +165,8 @@ def run(task: Task, method: str, lr: float | None, sigma: float | None, seed: in
                         generator=torch.Generator().manual_seed(seed))
     steps = math.ceil(task.epochs * len(task.train) / task.batch_size)
     engine = None
-    if method == "tf-dog-noise-aware":
-        auto = tunefree.AutoLR(mode="dog")
+    if method in POST_PROCESSING and method != "tf-dog":
+        auto = tunefree.AutoLR(mode="dog", **POST_PROCESSING[method])
     if sigma is not None:
         engine = tunefree.make_private(model, optimizer, loader, noise_multiplier=sigma, target_delta=DELTA,
                                        steps=steps, lr=auto, seed=seed)
@@ -163,9 +174,12 @@ def run(task: Task, method: str, lr: float | None, sigma: float | None, seed: in
         dog = engine.dog_lr
         if method == "tf-dog":  # the library's component with the noise correction off
             from tunefree.autolr_dog import DistanceOverGradients
-            dog = DistanceOverGradients(optimizer.release, optimizer.expected_batch_size, noise_aware=False)
+            dog = DistanceOverGradients(optimizer.release, optimizer.expected_batch_size, noise_aware=False,
+                                        planned_steps=steps)
             optimizer.components.append(dog)
     component = None if engine is None else engine.auto_lr
+    params = list(model.parameters())
+    average = [p.detach().clone() for p in params]  # DoG's polynomial average, for every method
     start, taken = time.perf_counter(), 0
     while taken < steps:
         for x, y in loader:
@@ -177,16 +191,20 @@ def run(task: Task, method: str, lr: float | None, sigma: float | None, seed: in
             optimizer.step((lambda x=x, y=y: F.cross_entropy(model(x), y, reduction="none"))
                            if component is not None else None)
             taken += 1
+            weight = (AVERAGING + 1) / (taken + AVERAGING)
+            with torch.no_grad():
+                for mean, p in zip(average, params):
+                    mean.mul_(1 - weight).add_(p.detach(), alpha=weight)
             if taken == steps:
                 break
     seconds = time.perf_counter() - start
     if engine is not None:
         engine.detach()
     model.eval()
-    last = {}
-    if method in POST_PROCESSING:  # the method's model is DoG's averaged one; the last iterate for reference
-        last = {"valid_last": accuracy(model, task.valid), "test_last": accuracy(model, task.test)}
-        dog.apply_average(list(model.parameters()))
+    last = {"valid_last": accuracy(model, task.valid), "test_last": accuracy(model, task.test)}
+    with torch.no_grad():
+        for p, mean in zip(params, average):
+            p.copy_(mean)
     return {"valid": accuracy(model, task.valid), "test": accuracy(model, task.test), **last,
             # ε from the ledger where the run has loss releases; a fixed-lr run spends the calibrated ε
             "epsilon": engine.epsilon() if component is not None else None, "seconds": seconds,
@@ -204,6 +222,8 @@ def _effective_lr(group: dict) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--lengths", nargs="+", type=float, default=[1.0],
+                        help="multiples of each task's own number of epochs")
     parser.add_argument("--epsilons", nargs="+", type=float, default=[1.0, 3.0, 8.0])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--intervals", nargs="+", type=int, default=[5])
@@ -231,15 +251,17 @@ def main() -> None:
             sink.flush()
         return record
 
-    for name in args.tasks:
+    for name, length in [(name, length) for name in args.tasks for length in args.lengths]:
         task = TASKS[name]()
+        task.epochs *= length
         steps = math.ceil(task.epochs * len(task.train) / task.batch_size)
         q = task.batch_size / len(task.train)
+        where = {"task": name, "length": length}
         grids = [] if args.skip_grid else [(m, {"sgd": SGD_GRID, "adamw": ADAMW_GRID}[m]) for m in args.grids]
         for seed in [] if args.skip_non_private else args.seeds:
             for method, grid in grids:
                 for lr in grid:
-                    emit({"task": name, "privacy": "none", "method": method, "lr": lr, "seed": seed,
+                    emit({**where, "privacy": "none", "method": method, "lr": lr, "seed": seed,
                           **run(task, method, lr, None, seed)})
         for epsilon in args.epsilons:
             sigma = tunefree.noise_multiplier(target_epsilon=epsilon, sample_rate=q, steps=steps,
@@ -247,15 +269,15 @@ def main() -> None:
             for seed in args.seeds:
                 for method, grid in grids:
                     for lr in grid:
-                        emit({"task": name, "privacy": epsilon, "sigma": sigma, "method": method, "lr": lr,
+                        emit({**where, "privacy": epsilon, "sigma": sigma, "method": method, "lr": lr,
                               "seed": seed, **run(task, method, lr, sigma, seed)})
                 for method in args.lr_free + args.post:
-                    emit({"task": name, "privacy": epsilon, "sigma": sigma, "method": method, "lr": "free",
+                    emit({**where, "privacy": epsilon, "sigma": sigma, "method": method, "lr": "free",
                           "seed": seed, **run(task, method, None, sigma, seed)})
                 for variant in args.variants:
                     for interval in args.intervals:
                         auto = tunefree.AutoLR(interval=interval, **AUTO_VARIANTS[variant])
-                        emit({"task": name, "privacy": epsilon, "sigma": sigma, "method": "adamw",
+                        emit({**where, "privacy": epsilon, "sigma": sigma, "method": "adamw",
                               "lr": f"auto:{variant}:K={interval}", "seed": seed,
                               **run(task, "adamw", None, sigma, seed, auto)})
     if sink:
@@ -263,19 +285,63 @@ def main() -> None:
 
 
 def summarise(path: str) -> None:
-    """Mean test accuracy of each configuration, the grid's best chosen on validation."""
+    """The issue-11 table (markdown) from the JSON lines of ``path``: per task, length and ε, the grid
+    point (optimizer, lr, last or averaged weights) chosen on validation over both private grids, and
+    each tunefree rule beside it; test accuracy is mean ± sd over the seeds, Δ its difference from the
+    chosen grid point's, and the target is Δ ≥ −1 point."""
     with open(path) as lines:
         rows = [json.loads(line) for line in lines]
-    groups: dict[tuple, list[dict]] = {}
+    runs: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["task"], str(r["privacy"]), r["method"], str(r["lr"])), []).append(r)
-    for key, runs in sorted(groups.items()):
-        valid = statistics.mean(r["valid"] for r in runs)
-        test = statistics.mean(r["test"] for r in runs)
-        spread = statistics.stdev([r["test"] for r in runs]) if len(runs) > 1 else float("nan")
-        print(*key, f"valid {valid:.4f}", f"test {test:.4f} ± {spread:.4f}", f"n {len(runs)}",
-              f"{np.mean([r['seconds'] / r['steps'] for r in runs]) * 1000:.1f} ms/step", sep=" | ")
+        runs.setdefault((r["task"], r.get("length", 1.0), str(r["privacy"]), r["method"], str(r["lr"])),
+                        []).append(r)
+
+    def mean(values: list[float]) -> float:
+        return statistics.mean(values)
+
+    def test_text(values: list[float]) -> str:
+        spread = statistics.stdev(values) if len(values) > 1 else float("nan")
+        return f"{mean(values):.3f} ± {spread:.3f}"
+
+    rules = [m for m in POST_PROCESSING if any(key[3] == m for key in runs)]
+    print("| task | length | ε | steps | best grid point (valid-chosen) | its valid / test | "
+          + " | ".join(f"{m}: valid / test, Δ test, η at the end" for m in rules) + " | non-private |")
+    print("|---|---|---|---|---|---|" + "---|" * len(rules) + "---|")
+    settings = sorted({key[:3] for key in runs if key[2] != "none"})
+    for task, length, privacy in settings:
+        grid = []
+        for (t, n, p, method, lr), group in runs.items():
+            if (t, n, p) == (task, length, privacy) and method in ("sgd", "adamw"):
+                for weights, suffix in (("averaged", ""), ("last", "_last")):
+                    grid.append((mean([r["valid" + suffix] for r in group]), method, lr, weights,
+                                 [r["test" + suffix] for r in group]))
+        if not grid:
+            continue
+        valid, method, lr, weights, tests = max(grid, key=lambda g: g[0])
+        steps = next(r["steps"] for key, group in runs.items() if key[:3] == (task, length, privacy)
+                     for r in group)
+        cells = [task, f"{length:g}×", privacy, str(steps), f"{method} {lr} ({weights})",
+                 f"{valid:.3f} / {test_text(tests)}"]
+        for rule in rules:
+            group = runs.get((task, length, privacy, rule, "free"), [])
+            if not group:
+                cells.append("–")
+                continue
+            rule_tests = [r["test"] for r in group]
+            delta = 100 * (mean(rule_tests) - mean(tests))
+            cells.append(f"{mean([r['valid'] for r in group]):.3f} / {test_text(rule_tests)}, "
+                         f"{delta:+.1f}{'' if delta >= -1 else ' (missed)'}, "
+                         f"{mean([r['final_lr'] for r in group]):.3g}")
+        public = [(mean([r["valid"] for r in g]), [r["test"] for r in g]) for key, g in runs.items()
+                  if key[:3] == (task, length, "none")]
+        cells.append(test_text(max(public, key=lambda v: v[0])[1]) if public else "–")
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if len(sys.argv) == 3 and sys.argv[1] == "--summarise":
+        summarise(sys.argv[2])
+    else:
+        main()
