@@ -149,7 +149,7 @@ def main() -> None:
               thresholds="adaptive")),
         ("auto-s, adaptive thresholds, q = 0.5, ε = 8",
          dict(sample_rate=0.5, target_epsilon=8.0, thresholds="adaptive")),
-        ('auto-s, lr="auto", q = 0.5, ε = 8', dict(sample_rate=0.5, target_epsilon=8.0, lr="auto")),
+        ("auto-s, HyFreeDP lr, q = 0.5, ε = 8", dict(sample_rate=0.5, target_epsilon=8.0, lr="hyfreedp")),
     ]
     print(f"m = {args.canaries} canaries, T = {args.steps} steps, δ = 1e-5, confidence 95%, "
           f"{torch.get_num_threads()} thread(s)\n")

@@ -1,8 +1,9 @@
-"""lr="auto" (HyFreeDP / GeN-DP) against a grid of fixed learning rates, on digits at ε = 3 with AdamW.
+"""HyFreeDP's learning rate (GeN-DP, ``--lr hyfreedp``) against a grid of fixed learning rates, on digits
+at ε = 3 with AdamW.
 
     python benchmarks/autolr_digits.py [--seeds 0 1 2]
 
-Prints three tables: test accuracy of the grid and of lr="auto" for K = 1, 5, 10 (mean ± sd over the
+Prints three tables: test accuracy of the grid and of HyFreeDP for K = 1, 5, 10 (mean ± sd over the
 seeds; the same budget for all, loss probes included for auto); training time per step with the
 overhead of auto against the fixed-LR runs (runs interleaved so machine noise hits all alike); and the
 loss noise σ_l that one joint accountant gives against the paper's separate accounting of the probes.
@@ -50,8 +51,8 @@ def _timed_steps(data, interval: int | None, steps: int = 60, warmup: int = 5) -
     engine = tunefree.make_private(
         model, torch.optim.AdamW(model.parameters(), lr=0.02),
         DataLoader(data.train, batch_size=256), noise_multiplier=3.0, target_delta=1e-5,
-        steps=steps + warmup, seed=0, **({"lr": "auto", "lr_update_interval": interval}
-                                         if interval else {}))
+        steps=steps + warmup, seed=0,
+        lr=tunefree.AutoLR(mode="safeguarded", interval=interval) if interval else None)
     times = []
     while len(times) < steps + warmup:
         for x, y in engine.data_loader:
@@ -65,7 +66,7 @@ def _timed_steps(data, interval: int | None, steps: int = 60, warmup: int = 5) -
 
 
 def step_overhead(data, rounds: int = 5) -> dict[int, list[float]]:
-    """Time per step of lr="auto" for each K over a fixed learning rate, interleaved by round."""
+    """Time per step of HyFreeDP for each K over a fixed learning rate, interleaved by round."""
     ratios: dict[int, list[float]] = {k: [] for k in INTERVALS}
     for _ in range(rounds):
         fixed = _timed_steps(data, None)
@@ -89,9 +90,9 @@ def main() -> None:
     for seed in args.seeds:  # interleaved: every configuration once per seed
         for lr in [*GRID, *(f"auto K={k}" for k in INTERVALS)]:
             auto = isinstance(lr, str)
-            extra = {"lr_update_interval": int(lr.split("=")[1])} if auto else {}
             config = TrainConfig(epsilon=args.epsilon, optimizer="adamw", seed=seed, quiet=True,
-                                 lr="auto" if auto else lr, extra=extra)
+                                 lr="hyfreedp" if auto else lr,
+                                 lr_update_interval=int(lr.split("=")[1]) if auto else None)
             runs.setdefault(str(lr), []).append(train(config, data))
             result = runs[str(lr)][-1]
             print(f"seed {seed} lr {lr}: {result['test_accuracy']:.4f} ε {result['epsilon']:.3f}",

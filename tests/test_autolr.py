@@ -51,7 +51,7 @@ def quadratic_engine(h=2.0, interval=1, optimizer=torch.optim.SGD, **kwargs):
     engine = tunefree.make_private(
         model, optimizer(model.parameters(), lr=0.1), DataLoader(data, batch_size=8),
         noise_multiplier=0.0, target_delta=1e-2, clipping="abadi", max_grad_norm=1e6, steps=60,
-        lr="auto", lr_update_interval=interval, seed=0, **kwargs)
+        lr=tunefree.AutoLR(mode="safeguarded", interval=interval), seed=0, **kwargs)
     return model, engine, w_star
 
 
@@ -98,20 +98,21 @@ def test_adam_steps_once_per_step():
     assert steps == {7}
 
 
-def classifier_engine(**kwargs):
-    """A small classifier on 400 random examples with lr="auto" at ε = 2."""
+def classifier_engine(interval=5, **kwargs):
+    """A small classifier on 400 random examples with HyFreeDP's learning rate at ε = 2."""
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(400, 5, generator=g), torch.randint(0, 3, (400,), generator=g))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
     engine = tunefree.make_private(
         model, torch.optim.AdamW(model.parameters()), DataLoader(data, batch_size=40),
-        target_epsilon=2.0, target_delta=1e-4, lr="auto", seed=0, **kwargs)
+        target_epsilon=2.0, target_delta=1e-4, lr=tunefree.AutoLR(mode="safeguarded", interval=interval),
+        seed=0, **kwargs)
     return model, engine
 
 
 def test_planned_run_meets_the_target_and_every_update_step_is_one_event():
-    model, engine = classifier_engine(epochs=2, lr_update_interval=3)
+    model, engine = classifier_engine(epochs=2, interval=3)
     assert engine.optimizer.release.noise_multiplier == pytest.approx(1.01 * engine.noise_multiplier)
     taken = 0
     for _ in range(2):
@@ -169,7 +170,7 @@ def test_lr_auto_needs_the_planned_length():
     with pytest.raises(ValueError, match="epochs or steps"):
         tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
                               DataLoader(data, batch_size=4), noise_multiplier=1.0,
-                              target_delta=1e-2, lr="auto")
+                              target_delta=1e-2, lr=tunefree.AutoLR(mode="safeguarded"))
 
 
 @pytest.mark.parametrize("scale", [0.5, 1.0, 3.0, 20.0])
@@ -187,7 +188,8 @@ def test_laplace_loss_privacy_runs_and_is_accounted():
     model = nn.Linear(8, 1, bias=False).double()
     engine = tunefree.make_private(
         model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=4),
-        target_epsilon=5.0, target_delta=1e-2, steps=10, lr="auto", loss_privacy="laplace", seed=0)
+        target_epsilon=5.0, target_delta=1e-2, steps=10,
+        lr=tunefree.AutoLR(mode="safeguarded", loss_privacy="laplace"), seed=0)
     run(model, engine, 10)
     assert 0.99 * 5.0 <= engine.epsilon() <= 5.0
 
@@ -201,7 +203,7 @@ def test_checkpoint_keeps_the_learning_rate_state():
 
 
 def test_adaptive_thresholds_and_auto_lr_share_one_budget():
-    model, engine = classifier_engine(steps=12, lr_update_interval=4, groups="per-layer",
+    model, engine = classifier_engine(steps=12, interval=4, groups="per-layer",
                                       thresholds="adaptive")
     while engine.steps < 12:
         for x, y in engine.data_loader:

@@ -168,7 +168,7 @@ def joint(releases):
 @pytest.mark.parametrize("auto", [
     tunefree.AutoLR(interval=3, mode="paper"),
     tunefree.AutoLR(interval=2, mode="paper", probes="differences", loss_privacy="laplace"),
-    tunefree.AutoLR(interval=1, probes="differences"),
+    tunefree.AutoLR(interval=1, mode="safeguarded", probes="differences"),
 ])
 def test_every_probe_release_is_in_the_ledger_as_the_plan_solved_it(auto):
     model, engine = paper_engine(auto, noise_multiplier=1.0, steps=7)

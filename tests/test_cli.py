@@ -130,12 +130,28 @@ def test_adaptive_per_layer_flags(tmp_path):
     assert first != last  # thresholds adapt
 
 
-def test_automatic_learning_rate(tmp_path):
+def test_the_default_learning_rate_is_automatic_and_the_averaged_model_is_kept(tmp_path):
+    """No --lr, no --optimizer: SGD with lr='auto' (its step set from the released gradients, no ε of its
+    own); every epoch's test accuracy, and the result's, is of the averaged weights the run keeps."""
     out = tmp_path / "run"
-    assert main(["train", "--epochs", "2", "--optimizer", "adamw", "--lr", "auto", "--quiet", "--seed", "0",
-                 "--out", str(out), "--json", str(tmp_path / "r.json")]) == 0
+    assert main(["train", "--epochs", "3", "--quiet", "--seed", "0", "--out", str(out),
+                 "--json", str(tmp_path / "r.json")]) == 0
     result = json.loads((tmp_path / "r.json").read_text())
-    assert result["config"]["lr"] == "auto" and result["config"]["optimizer"] == "adamw"
+    assert result["config"]["lr"] == "auto" and result["config"]["optimizer"] == "sgd"
+    assert 0.99 * 3.0 <= result["epsilon"] <= 3.0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert all(r["lr"] > 0 and "loss_bound" not in r for r in steps) and steps[0]["lr"] != steps[-1]["lr"]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert epochs[-1]["test_accuracy"] == result["test_accuracy"] > 0.5
+
+
+def test_hyfreedp_learning_rate(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--epochs", "2", "--optimizer", "adamw", "--lr", "hyfreedp", "--quiet", "--seed",
+                 "0", "--out", str(out), "--json", str(tmp_path / "r.json")]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["config"]["lr"] == "hyfreedp" and result["config"]["optimizer"] == "adamw"
     assert 0.99 * 3.0 <= result["epsilon"] <= 3.0  # every release, loss probes included
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "step"]

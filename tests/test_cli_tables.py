@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 import torch
 
+from tunefree import AutoLR
 from tunefree.cli import main, models, report, scaling
 from tunefree.cli import training as training_module
 from tunefree.cli.training import Progress
@@ -167,8 +168,10 @@ KNOB_RUNS = [
     (["--thresholds", "adaptive", "--target-quantile", "0.7", "--quantile-lr", "0.1",
       "--quantile-budget", "0.05"],
      {"thresholds": "adaptive", "target_quantile": 0.7, "quantile_lr": 0.1, "quantile_budget": 0.05}),
-    (["--lr", "auto", "--lr-update-interval", "3", "--loss-privacy", "laplace"],
-     {"lr": "auto", "lr_update_interval": 3, "loss_privacy": "laplace"}),
+    ([], {"lr": AutoLR()}),  # the default: SGD's automatic step size
+    (["--lr", "hyfreedp", "--lr-update-interval", "3", "--loss-privacy", "laplace"],
+     {"lr": AutoLR(mode="safeguarded", interval=3, loss_privacy="laplace")}),
+    (["--optimizer", "adam", "--lr", "0.01"], {"lr": None}),
 ]
 
 
@@ -193,8 +196,10 @@ def test_each_knob_reaches_make_private_as_its_keyword(monkeypatch, flags, keywo
     (["--psac-r", "0.1"], "--psac-r only apply to clipping='psac'"),
     (["--quantile-lr", "0.1"], "--quantile-lr only apply to thresholds='adaptive'"),
     (["--quantile-budget", "0.1"], "--quantile-budget only apply to thresholds='adaptive'"),
-    (["--lr-update-interval", "3"], "--lr-update-interval only apply to lr='auto'"),
-    (["--loss-privacy", "laplace"], "--loss-privacy only apply to lr='auto'"),
+    (["--lr-update-interval", "3"], "--lr-update-interval only apply to --lr hyfreedp"),
+    (["--loss-privacy", "laplace"], "--loss-privacy only apply to --lr hyfreedp"),
+    (["--optimizer", "adam"], "--lr auto .the default. sets the step size of plain SGD"),
+    (["--optimizer", "momentum", "--lr", "auto"], "with --optimizer momentum give a learning rate"),
     (["--quantile-budget", "1.5"], r"must be in \(0, 1\)"),
     (["--hidden", "256,0"], "every width must be at least 1"),
     (["--hidden", "wide"], "expected widths like 256,256"),

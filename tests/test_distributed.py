@@ -94,6 +94,9 @@ def _training_scenario(rank: int) -> dict:
     out["ledger"] = noisy.ledger.state_dict()
     out["epsilon"] = noisy.epsilon()
     out["bytes_per_step"] = noisy.optimizer.release.bytes_per_step()
+    dog = _private(DistributedDataParallel(_model()), SIGMA, lr="auto")
+    _train(dog, STEPS)
+    out["dog_weights"], out["dog_lrs"] = _weights(dog), list(dog.dog_lr.history)
     # The release of zero sums is its noise alone; secret randomness, as in a real run.
     wide = nn.Linear(200, 50)
     secret = tunefree.make_private(DistributedDataParallel(wide), torch.optim.SGD(wide.parameters(), lr=0.1),
@@ -114,7 +117,7 @@ def _training_scenario(rank: int) -> dict:
 def _failure_scenario(rank: int) -> dict:
     """Ranks set up differently are refused; then rank 1 fails inside a step and rank 0 must not update."""
     out: dict = {"refused": []}
-    for options in ({"thresholds": "adaptive"}, {"lr": "auto"}):
+    for options in ({"thresholds": "adaptive"}, {"lr": tunefree.AutoLR(mode="safeguarded")}):
         try:
             _private(DistributedDataParallel(_model()), SIGMA, **options)
         except ValueError as error:
@@ -212,6 +215,21 @@ def test_noisy_run_matches_one_process_with_the_same_seed(training):
         torch.testing.assert_close(training[0]["noisy_weights"][name], weight, rtol=0, atol=1e-5)
 
 
+def test_automatic_learning_rate_is_the_same_on_every_rank_and_as_in_one_process(training):
+    """lr='auto' (DoG within its noise budget) reads only the released gradient and the weights, which
+    every rank holds identically: the same learning rates, bit-identical weights, and those of the
+    one-process run with the same seed up to the all-reduce's rounding."""
+    first, second = training
+    assert first["dog_lrs"] == second["dog_lrs"] and len(first["dog_lrs"]) == STEPS
+    for name, weight in first["dog_weights"].items():
+        assert torch.equal(weight, second["dog_weights"][name])
+    single = _private(_model(), SIGMA, lr="auto")
+    _train(single, STEPS)
+    assert first["dog_lrs"] == pytest.approx(single.dog_lr.history, rel=1e-5)
+    for name, weight in _weights(single).items():
+        torch.testing.assert_close(first["dog_weights"][name], weight, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("source", [0, 1])
 def test_a_two_rank_checkpoint_resumes_in_one_process(training, source):
     """The sampler re-partitions exactly (step t's union batch does not depend on the world size), so a
@@ -246,7 +264,8 @@ def test_a_failing_rank_fails_the_step_on_every_rank_without_an_update(tmp_path)
     assert len(first["refused"]) == 3
     assert "its root is not sharded by FSDP2" in first["refused"][2]
     assert "thresholds='adaptive' is not supported with DistributedDataParallel" in first["refused"][0]
-    assert "lr='auto' is not supported with DistributedDataParallel" in first["refused"][1]
+    assert ("lr=AutoLR(mode='safeguarded') is not supported with DistributedDataParallel"
+            in first["refused"][1])
     assert "rank 1 was set up differently" in first["mismatch"]
     assert "rank 0 was set up differently" in second["mismatch"]
     for rank in (first, second):

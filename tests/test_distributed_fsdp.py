@@ -283,7 +283,7 @@ def test_refusals_and_a_raw_gradient_fail_closed(tmp_path):
         assert len(rank["refused"]) == 6
         assert "'0' (Conv1d) has a layer rule that reads its parameters" in rank["refused"][4]
         assert "'1' (PReLU) has no layer rule" in rank["refused"][5]
-        for option, message in zip(("thresholds='adaptive'", "lr='auto'", "audit_canaries",
+        for option, message in zip(("thresholds='adaptive'", "lr=AutoLR(mode='dog')", "audit_canaries",
                                     "physical_batch_size=4"), rank["refused"]):
             assert f"{option} is not supported with FSDP2 (fully_shard)" in message
         assert "root is not sharded by FSDP2" in rank["root not sharded"]

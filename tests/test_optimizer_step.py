@@ -16,6 +16,8 @@ import tunefree
 from tunefree import PrivacyError
 from tunefree import optim as optim_module
 
+HYFREEDP_EVERY_STEP = tunefree.AutoLR(mode="safeguarded", interval=1)
+
 
 def data(n=60):
     g = torch.Generator().manual_seed(0)
@@ -51,7 +53,8 @@ def step(engine, with_losses=False):
 def _full_run():
     """A run whose step has every part: both components (adaptive thresholds, lr='auto'). σ = 0 spares
     the budget split's calibration; the releases and their ledger records are those of any σ."""
-    engine = private(thresholds="adaptive", lr="auto", lr_update_interval=5, steps=8, noise_multiplier=0.0)
+    engine = private(thresholds="adaptive", lr=tunefree.AutoLR(mode="safeguarded"), steps=8,
+                     noise_multiplier=0.0)
     engine.optimizer.verify_every = 1  # the independence check runs on the failing step too
     return engine
 
@@ -192,7 +195,7 @@ def test_a_pre_hook_sees_the_optimizer_and_may_replace_the_closure():
 def test_hooks_on_the_original_optimizer_do_not_fire_in_auto_lr_probes():
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    engine = private(net, optimizer, lr="auto", lr_update_interval=1, steps=4, noise_multiplier=0.0)
+    engine = private(net, optimizer, lr=HYFREEDP_EVERY_STEP, steps=4, noise_multiplier=0.0)
     fired = {"pre": 0, "post": 0, "global": 0}
     optimizer.register_step_pre_hook(lambda *a: fired.__setitem__("pre", fired["pre"] + 1))
     optimizer.register_step_post_hook(lambda *a: fired.__setitem__("post", fired["post"] + 1))
@@ -210,7 +213,7 @@ def test_hooks_on_the_original_optimizer_do_not_fire_in_auto_lr_probes():
 def test_hooks_are_restored_when_a_probe_fails():
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    engine = private(net, optimizer, lr="auto", lr_update_interval=1, steps=4, noise_multiplier=0.0)
+    engine = private(net, optimizer, lr=HYFREEDP_EVERY_STEP, steps=4, noise_multiplier=0.0)
     fired = []
     optimizer.register_step_post_hook(lambda *a: fired.append(1))
     x, y = next(iter(engine.data_loader))
@@ -239,7 +242,7 @@ def test_training_past_the_planned_steps_warns_once():
 def test_probes_skip_hooks_even_with_a_scheduler_on_the_original_optimizer():
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    engine = private(net, optimizer, lr="auto", lr_update_interval=1, steps=4, noise_multiplier=0.0)
+    engine = private(net, optimizer, lr=HYFREEDP_EVERY_STEP, steps=4, noise_multiplier=0.0)
     torch.optim.lr_scheduler.StepLR(optimizer, step_size=10)  # wraps optimizer.step on the instance
     scheduler_step = vars(optimizer)["step"]
     fired = []

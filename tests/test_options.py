@@ -25,7 +25,8 @@ def test_defaults_unchanged():
     assert options.physical_batch_size is None and options.poisson_sampling
     assert (options.groups, options.max_grad_norm, options.accountant) == ("all-layer", 1.0, "pld")
     assert resolve(thresholds="adaptive").quantile == QuantileSettings(0.5, 0.3, 0.01)
-    assert resolve(lr="auto").auto_lr == AutoLR(5, "gaussian", 1.01)
+    assert resolve(lr="auto").auto_lr == AutoLR() and AutoLR().mode == "dog"
+    assert AutoLR().noise_budget == 4.0 and AutoLR().initial_distance == 0.1
     assert resolve(clipping="psac").clip == ClipFunction("psac", r=0.1)
 
 
@@ -37,8 +38,6 @@ def test_defaults_unchanged():
     ({"thresholds": "fixed"}, {"thresholds": Fixed()}),
     ({"thresholds": "adaptive", "target_quantile": 0.7, "quantile_lr": 0.1, "quantile_budget": 0.05},
      {"thresholds": AdaptiveQuantile(target=0.7, lr=0.1, budget=0.05)}),
-    ({"lr": "auto", "lr_update_interval": 3, "loss_privacy": "laplace", "gradient_noise_increase": 1.1},
-     {"lr": AutoLR(interval=3, loss_privacy="laplace", gradient_noise_increase=1.1)}),
     ({"max_physical_batch_size": 8}, {"physical_batch_size": 8}),
 ])
 def test_shortcut_equals_typed_form(legacy, typed):
@@ -52,13 +51,6 @@ def test_shortcut_equals_typed_form(legacy, typed):
     ({"target_quantile": 0.5}, ValueError, "target_quantile"),
     ({"quantile_lr": 0.5}, ValueError, "quantile_lr"),
     ({"quantile_budget": 0.5, "thresholds": AdaptiveQuantile()}, ValueError, "quantile_budget"),
-    ({"lr_update_interval": 3}, ValueError, "lr_update_interval"),
-    ({"loss_privacy": "gaussian"}, ValueError, "loss_privacy"),
-    ({"gradient_noise_increase": 1.1, "lr": AutoLR()}, ValueError, "gradient_noise_increase"),
-    ({"lr": "auto", "loss_privacy": "bogus"}, ValueError, "loss_privacy"),
-    ({"lr": "auto", "lr_update_interval": -3}, ValueError, "interval"),
-    ({"lr": "auto", "lr_update_interval": True}, TypeError, "interval"),
-    ({"lr": "auto", "gradient_noise_increase": 1.0}, ValueError, "> 1"),
     ({"lr": "fast"}, ValueError, "unknown lr"),
     ({"clipping": "bogus"}, ValueError, "unknown clipping"),
     ({"thresholds": "bogus"}, ValueError, "unknown thresholds"),
@@ -82,6 +74,31 @@ def test_shortcut_equals_typed_form(legacy, typed):
 def test_invalid_or_irrelevant_options_are_refused(kwargs, error, words):
     with pytest.raises(error, match=words):
         resolve(**kwargs)
+
+
+@pytest.mark.parametrize("fields, error, words", [
+    ({"mode": "safeguarded", "loss_privacy": "bogus"}, ValueError, "loss_privacy"),
+    ({"mode": "safeguarded", "interval": -3}, ValueError, "interval"),
+    ({"mode": "safeguarded", "interval": True}, TypeError, "interval"),
+    ({"mode": "safeguarded", "gradient_noise_increase": 1.0}, ValueError, "> 1"),
+    ({"mode": "fast"}, ValueError, "mode"),
+    ({"noise_budget": 0.0}, ValueError, "noise_budget"),
+    ({"probes": "differences"}, ValueError, r"AutoLR\(probes\) has no effect with mode='dog'"),
+    ({"interval": 3, "initial_lr": 0.1}, ValueError, r"AutoLR\(interval, initial_lr\) has no effect"),
+    ({"mode": "paper", "noise_budget": 2.0}, ValueError,
+     r"AutoLR\(noise_budget\) has no effect with mode='paper'"),
+])
+def test_auto_lr_fields_are_validated(fields, error, words):
+    with pytest.raises(error, match=words):
+        AutoLR(**fields)
+
+
+def test_hyfreedp_keywords_are_fields_of_auto_lr_only():
+    """lr_update_interval, loss_privacy and gradient_noise_increase were make_private keywords for
+    HyFreeDP; lr='auto' is DoG now, so they live in AutoLR(mode='safeguarded', ...) only."""
+    for keyword in ("lr_update_interval", "loss_privacy", "gradient_noise_increase"):
+        with pytest.raises(TypeError, match=keyword):
+            resolve(lr="auto", **{keyword: 3})
 
 
 def test_epsilon_and_sigma_are_exclusive_and_validated():

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tunefree import make_private
+from tunefree import AutoLR, make_private
 from tunefree.privacy.plan import CountShare, LossShare, Plan, data_digest
 
 
@@ -75,8 +75,9 @@ def test_combined_plan_does_not_depend_on_the_order_its_components_are_declared_
     assert first.noise_multiplier == replace(base, counts=counts).solve(2.0).noise_multiplier
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"thresholds": "adaptive", "groups": "per-layer", "lr": "auto",
-                                         "lr_update_interval": 3}], ids=["plain", "adaptive+auto"])
+@pytest.mark.parametrize("kwargs", [{}, {"thresholds": "adaptive", "groups": "per-layer",
+                                         "lr": AutoLR(mode="safeguarded", interval=3)}],
+                         ids=["plain", "adaptive+auto"])
 def test_recorded_ledger_spends_what_the_plan_said(kwargs):
     engine = engine_for(dataset(), **kwargs)
     plan = engine.plan
@@ -111,7 +112,7 @@ def test_fingerprint_changes_with_every_part_of_the_plan(change, named):
 
 
 def test_checkpoint_of_an_auto_lr_run_is_refused_by_a_fixed_lr_run():
-    auto = engine_for(dataset(), lr="auto")
+    auto = engine_for(dataset(), lr=AutoLR(mode="safeguarded"))
     train(auto, 2)
     fixed = engine_for(dataset())
     with pytest.raises(ValueError, match="other privacy settings(.|\n)*losses"):
@@ -120,15 +121,15 @@ def test_checkpoint_of_an_auto_lr_run_is_refused_by_a_fixed_lr_run():
 
 
 def test_component_states_are_restored_strictly():
-    engine = engine_for(dataset(), lr="auto")
+    engine = engine_for(dataset(), lr=AutoLR(mode="safeguarded"))
     train(engine, 2)
     state = copy.deepcopy(engine.state_dict())
-    resumed = engine_for(dataset(), lr="auto")
+    resumed = engine_for(dataset(), lr=AutoLR(mode="safeguarded"))
     resumed.load_state_dict(state)
     assert resumed.steps == 2
     state["components"] = {}
     with pytest.raises(ValueError, match="step components"):
-        engine_for(dataset(), lr="auto").load_state_dict(state)
+        engine_for(dataset(), lr=AutoLR(mode="safeguarded")).load_state_dict(state)
 
 
 @pytest.mark.parametrize("other,named", [(dataset(seed=1), "settings.data"),

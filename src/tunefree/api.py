@@ -237,9 +237,6 @@ def make_private(
     quantile_lr: float | None = None,
     quantile_budget: float | None = None,
     lr: str | AutoLR | None = None,
-    lr_update_interval: int | None = None,
-    loss_privacy: str | None = None,
-    gradient_noise_increase: float | None = None,
     verify_every: int | None = None,
     audit_canaries: int | None = None,
 ) -> DPEngine:
@@ -296,19 +293,17 @@ def make_private(
         quantile_lr: η, the geometric step of the update Cₖ ← Cₖ·exp(−η(b̃ₖ − q)) (default 0.3).
         quantile_budget: r in (0, 1), the fraction of the budget (of σ⁻², i.e. of Rényi-DP) spent on
             the count releases (default 0.01); the total stays ``target_epsilon``.
-        lr: ``None`` keeps the optimizer's learning rate (and any scheduler); ``"auto"`` or
-            ``AutoLR(interval=5, loss_privacy="gaussian", gradient_noise_increase=1.01)`` sets it by
-            GeN-DP (HyFreeDP) every ``lr_update_interval`` steps from privatised losses of the current
-            batch, which ``optimizer.step(closure)`` must supply (the closure returns per-sample
-            losses; with ``max_physical_batch_size``, those of the whole logical batch). The
-            gradient noise grows by ``gradient_noise_increase`` (γ) and the loss noise is solved so
-            that the whole run, every release included, spends what plain DP-SGD at σ would;
-            ``loss_privacy`` is ``"gaussian"`` (L2) or ``"laplace"`` (L1, accounted through a
-            dominating Gaussian). ``lr_update_interval``, ``loss_privacy`` and
-            ``gradient_noise_increase`` are legacy forms of ``AutoLR``'s fields, valid only with it.
-            ``AutoLR(mode="dog")`` with ``torch.optim.SGD`` instead sets the step size by noise-aware
-            DoG from the released gradients alone (no release, no ε, no closure; see
-            ``tunefree.autolr_dog`` and ``engine.dog_lr``).
+        lr: ``None`` keeps the optimizer's learning rate (and any scheduler). ``"auto"`` (``AutoLR()``)
+            sets the step size of plain ``torch.optim.SGD`` from the released gradients alone: noise-aware
+            DoG within a noise budget over the planned run (no release, no ε, no closure; see
+            ``tunefree.autolr_dog``); after training,
+            ``engine.dog_lr.apply_average(list(model.parameters()))`` loads its averaged weights, the model
+            to evaluate and keep. ``AutoLR(mode="safeguarded")``
+            (or ``"paper"``) is HyFreeDP for any optimizer: GeN-DP every ``interval`` steps from privatised
+            losses of the current batch, which ``optimizer.step(closure)`` must supply (the closure returns
+            per-sample losses; with ``physical_batch_size``, those of the whole logical batch); the
+            gradient noise grows by ``gradient_noise_increase`` and the loss noise is solved so that the
+            whole run, every release included, spends what plain DP-SGD at σ would.
         verify_every: besides the check before the first release, re-check example independence
             (``tunefree.independence``) every this many steps; ``None``: once.
         audit_canaries: m, audit this run (``tunefree.audit.audit_training(engine)`` after training):
@@ -335,17 +330,14 @@ def make_private(
         poisson_sampling=poisson_sampling, max_physical_batch_size=max_physical_batch_size,
         physical_batch_size=physical_batch_size, clip_gamma=clip_gamma, psac_r=psac_r,
         noise_allocation=noise_allocation, thresholds=thresholds, target_quantile=target_quantile,
-        quantile_lr=quantile_lr, quantile_budget=quantile_budget, lr=lr,
-        lr_update_interval=lr_update_interval, loss_privacy=loss_privacy,
-        gradient_noise_increase=gradient_noise_increase, verify_every=verify_every)
+        quantile_lr=quantile_lr, quantile_budget=quantile_budget, lr=lr, verify_every=verify_every)
     quantile, max_physical_batch_size = options.quantile, options.physical_batch_size
     auto = options.auto_lr
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
     if parallel is not None:
         _check_data_parallel_options(quantile, auto, poisson_sampling, audit_canaries,
-                                     "FSDP2 (fully_shard)" if isinstance(parallel, ShardedDataParallel)
-                                     else "DistributedDataParallel")
+                                     sharded=isinstance(parallel, ShardedDataParallel))
     if isinstance(parallel, ShardedDataParallel):
         check_sharded_options(max_physical_batch_size)
 
@@ -390,8 +382,9 @@ def _dog(optimizer: torch.optim.Optimizer, release: GradientRelease, plan: Plan)
                 for g in optimizer.param_groups)
     if type(optimizer) is not torch.optim.SGD or not plain:
         raise ValueError(
-            "AutoLR(mode='dog') sets the step size of plain SGD (DoG): pass "
-            "torch.optim.SGD(model.parameters(), lr=1.0) without momentum or weight decay, "
+            "lr='auto' (AutoLR(mode='dog')) sets the step size of plain SGD: pass "
+            "torch.optim.SGD(model.parameters(), lr=1.0) without momentum or weight decay, or "
+            "lr=tunefree.AutoLR(mode='safeguarded') (HyFreeDP) for another optimizer; "
             f"got {type(optimizer).__name__}")
     settings = plan.settings["auto_lr"]
     return DistanceOverGradients(release, plan.expected_batch_size,
@@ -399,19 +392,23 @@ def _dog(optimizer: torch.optim.Optimizer, release: GradientRelease, plan: Plan)
                                  noise_budget=settings["noise_budget"])
 
 
-def _check_data_parallel_options(quantile: QuantileSettings | None, auto: Any,
+def _check_data_parallel_options(quantile: QuantileSettings | None, auto: AutoLR | None,
                                  poisson_sampling: bool, audit_canaries: int | None = None,
-                                 kind: str = "DistributedDataParallel") -> None:
-    """Refuse what the data-parallel paths (DDP, FSDP2: ``kind``) do not reduce across ranks yet."""
+                                 sharded: bool = False) -> None:
+    """Refuse what the data-parallel paths (DDP; FSDP2 when ``sharded``) do not reduce across ranks yet.
+    DoG's learning rate reads only the released gradient and the weights, the same on every DDP rank;
+    under FSDP2 both are sharded, and its norms are not reduced across shards."""
+    kind = "FSDP2 (fully_shard)" if sharded else "DistributedDataParallel"
+    hyfreedp = auto is not None and (sharded or auto.mode != "dog")
     unsupported = [name for name, used in (("thresholds='adaptive'", quantile is not None),
-                                           ("lr='auto'", auto is not None),
+                                           (f"lr=AutoLR(mode={auto.mode!r})" if auto else "", hyfreedp),
                                            ("poisson_sampling=False", not poisson_sampling),
                                            ("audit_canaries", audit_canaries is not None)) if used]
     if unsupported:
         raise ValueError(
             f"{', '.join(unsupported)} is not supported with {kind} yet (their "
             "releases are not reduced across ranks): use fixed thresholds, the optimizer's learning "
-            "rate and tunefree's Poisson sampling, or train in one process")
+            "rate or lr='auto' (DDP only), and tunefree's Poisson sampling, or train in one process")
 
 
 def _run_settings(clip: ClipFunction, groups: list[ClipGroup], quantile: QuantileSettings | None,

@@ -145,7 +145,7 @@ class AutoLearningRate(StepComponent):
         if (self.state.steps - 1) % self.interval == 0:
             if step.closure is None:
                 raise ValueError(
-                    "lr='auto' refits the learning rate on this step and needs the batch's per-sample "
+                    "HyFreeDP's learning rate refits on this step and needs the batch's per-sample "
                     "losses: call optimizer.step(closure) with a closure returning them as a 1-D tensor "
                     "(e.g. lambda: F.cross_entropy(model(x), y, reduction='none'))")
             here = None
@@ -310,7 +310,7 @@ def _checked(losses: Any, examples: int, source: str) -> torch.Tensor:
     sensitivity of the release would not hold."""
     if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
         raise ValueError(
-            f"with lr='auto' {source} must give the batch's per-sample losses as a 1-D tensor "
+            f"with HyFreeDP's learning rate {source} must give the batch's per-sample losses as a 1-D tensor "
             f"(use reduction='none'); got {type(losses).__name__}"
             f"{'' if not isinstance(losses, torch.Tensor) else ' of shape ' + str(tuple(losses.shape))}")
     if losses.numel() != examples:

@@ -35,6 +35,8 @@ steps; :meth:`DistanceOverGradients.apply_average` writes them into the model (p
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import dp_accounting as dpa
@@ -165,6 +167,19 @@ class DistanceOverGradients(StepComponent):
         with torch.no_grad():
             for p, mean in zip(params, self.average):
                 p.copy_(mean)
+
+    @contextmanager
+    def averaged(self, params: list[torch.Tensor]) -> Iterator[None]:
+        """The averaged weights in ``params`` (the optimizer's parameters, in order) while the block runs,
+        e.g. to evaluate the model mid-run; the current weights are put back after it."""
+        current = [p.detach().clone() for p in params]
+        self.apply_average(params)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, value in zip(params, current):
+                    p.copy_(value)
 
     def state_dict(self) -> dict[str, Any]:
         return {"origin": self.origin, "distance": self.distance, "gradient_energy": self.gradient_energy,

@@ -104,26 +104,31 @@ class AdaptiveQuantile:
 
 @dataclass(frozen=True)
 class AutoLR:
-    """Learning rate set by GeN-DP every ``interval`` steps from privatised losses; the gradient noise
-    grows by ``gradient_noise_increase`` (> 1) so that the whole run spends what plain DP-SGD would.
+    """The automatic learning rate (``lr="auto"`` is ``AutoLR()``).
 
-    ``mode``: ``"paper"`` sets η to the fitted value (HyFreeDP, Algorithm 1), ``"safeguarded"`` adds
-    the safeguards of ``tunefree.autolr``. ``probes``: ``"losses"`` releases three clipped losses per
-    update (the paper), ``"differences"`` two clipped per-sample loss differences Lᵢ(w ± Δ) − Lᵢ(w).
-    ``initial_lr`` is η before the first fit (the paper's 10⁻⁴). None of them changes ε: every release
-    is accounted on the plan.
+    ``mode="dog"`` (the default) sets the step size of plain SGD from the released gradients alone
+    (``tunefree.autolr_dog``): noise-aware DoG, whose step is the distance travelled over the gradient
+    energy with the known privacy noise taken out of both, bounded by a noise budget that keeps the
+    planned run's noise walk within κ·(1 + ‖x₀‖) (``noise_budget`` κ; ``None`` turns it off). It
+    releases nothing: no ε, no extra forward, no closure. ``initial_distance`` is DoG's first move
+    relative to 1 + ‖x₀‖. Both constants were chosen on validation splits (benchmarks/RESULTS.md §5c,
+    §5e). The other fields do not apply to it.
 
-    ``mode="dog"`` instead sets the step size of plain SGD from the released gradients alone by
-    noise-aware DoG (``tunefree.autolr_dog``): it releases nothing, so it costs no ε, no extra forward
-    and no closure, and ``interval``, ``probes``, ``loss_privacy``, ``gradient_noise_increase`` and
-    ``initial_lr`` do not apply. ``initial_distance`` is DoG's first move relative to 1 + ‖x₀‖;
-    ``noise_budget`` (κ) bounds the noise walk of the planned run by κ·(1 + ‖x₀‖), which keeps the step
-    small enough for long, noisy runs (``None`` turns it off; it needs the planned length)."""
+    ``mode="safeguarded"`` or ``"paper"`` is HyFreeDP (GeN-DP) for any optimizer: every ``interval``
+    steps the learning rate is fitted to privatised losses of the current batch (``step(closure)``
+    must return per-sample losses); the gradient noise grows by ``gradient_noise_increase`` (> 1) so
+    that the whole run spends what plain DP-SGD would. ``"paper"`` sets η to the fitted value
+    (HyFreeDP, Algorithm 1), ``"safeguarded"`` adds the safeguards of ``tunefree.autolr``. ``probes``:
+    ``"losses"`` releases three clipped losses per update (the paper), ``"differences"`` two clipped
+    per-sample loss differences Lᵢ(w ± Δ) − Lᵢ(w). ``initial_lr`` is η before the first fit (the
+    paper's 10⁻⁴); ``loss_privacy`` is ``"gaussian"`` or ``"laplace"``. None of them changes ε: every
+    release is accounted on the plan. On the benchmark tasks it does not match a tuned learning rate
+    (benchmarks/RESULTS.md §5)."""
 
     interval: int = 5
     loss_privacy: str = "gaussian"
     gradient_noise_increase: float = 1.01
-    mode: str = "safeguarded"
+    mode: str = "dog"
     probes: str = "losses"
     initial_lr: float = 1e-4
     initial_distance: float = 0.1  # autolr_dog.INITIAL_DISTANCE
@@ -137,14 +142,25 @@ class AutoLR:
         if _positive("AutoLR.gradient_noise_increase", self.gradient_noise_increase) <= 1:
             raise ValueError("AutoLR.gradient_noise_increase must be > 1 (it pays for the loss releases), "
                              f"got {self.gradient_noise_increase}")
-        if self.mode not in ("safeguarded", "paper", "dog"):
-            raise ValueError(f"AutoLR.mode must be 'safeguarded', 'paper' or 'dog', got {self.mode!r}")
+        if self.mode not in ("dog", "safeguarded", "paper"):
+            raise ValueError(f"AutoLR.mode must be 'dog', 'safeguarded' or 'paper', got {self.mode!r}")
         if self.probes not in ("losses", "differences"):
             raise ValueError(f"AutoLR.probes must be 'losses' or 'differences', got {self.probes!r}")
         _positive("AutoLR.initial_lr", self.initial_lr)
         _positive("AutoLR.initial_distance", self.initial_distance)
         if self.noise_budget is not None:
             _positive("AutoLR.noise_budget", self.noise_budget)
+        default = AutoLR.__dataclass_fields__
+        own = ("initial_distance", "noise_budget") if self.mode == "dog" else (
+            "interval", "loss_privacy", "gradient_noise_increase", "probes", "initial_lr")
+        foreign = [name for name in ("interval", "loss_privacy", "gradient_noise_increase", "probes",
+                                     "initial_lr", "initial_distance", "noise_budget")
+                   if name not in own and getattr(self, name) != default[name].default]
+        if foreign:
+            raise ValueError(f"AutoLR({', '.join(foreign)}) has no effect with mode={self.mode!r}: drop "
+                             f"{'it' if len(foreign) == 1 else 'them'}, or choose the mode "
+                             f"{'they belong' if len(foreign) > 1 else 'it belongs'} to ('dog': "
+                             "initial_distance, noise_budget; 'safeguarded'/'paper': the others)")
 
     @property
     def releases_per_update(self) -> int:
@@ -251,18 +267,11 @@ def _quantile(thresholds: Any, target: Any, lr: Any, budget: Any) -> QuantileSet
                     f"got {thresholds!r}")
 
 
-def _auto_lr(lr: Any, interval: Any, loss_privacy: Any, increase: Any) -> AutoLR | None:
-    legacy = {"lr_update_interval": interval, "loss_privacy": loss_privacy,
-              "gradient_noise_increase": increase}
+def _auto_lr(lr: Any) -> AutoLR | None:
     if lr == "auto":
-        default = AutoLR()
-        lr = AutoLR(default.interval if interval is None else interval,
-                    default.loss_privacy if loss_privacy is None else loss_privacy,
-                    default.gradient_noise_increase if increase is None else increase)
-        legacy = {}
-    elif isinstance(lr, str):
+        return AutoLR()
+    if isinstance(lr, str):
         raise ValueError(f"unknown lr {lr!r}: use None (the optimizer's own), 'auto' or AutoLR(...)")
-    _refuse_irrelevant(legacy, "lr='auto' (or give them inside AutoLR(...))")
     if lr is None or isinstance(lr, AutoLR):
         return lr
     raise TypeError(f"lr must be None, 'auto' or AutoLR(...), got {lr!r}")
@@ -299,14 +308,11 @@ def resolve_options(
     quantile_lr: float | None = None,
     quantile_budget: float | None = None,
     lr: str | AutoLR | None = None,
-    lr_update_interval: int | None = None,
-    loss_privacy: str | None = None,
-    gradient_noise_increase: float | None = None,
     verify_every: int | None = None,
 ) -> RunOptions:
     """Validate ``make_private``'s keyword arguments into one :class:`RunOptions`.
 
-    Legacy keywords (``clip_gamma``, ``target_quantile``, ``lr_update_interval``...) keep their meaning;
+    Legacy keywords (``clip_gamma``, ``target_quantile``...) keep their meaning;
     given with a setting they do not apply to, or beside the typed form of the same setting, they are
     refused. ``max_physical_batch_size`` is an alias of ``physical_batch_size``.
     """
@@ -348,6 +354,6 @@ def resolve_options(
         physical_batch_size=batch,
         noise_allocation=_choice("noise_allocation", noise_allocation, NOISE_ALLOCATIONS),
         quantile=_quantile(thresholds, target_quantile, quantile_lr, quantile_budget),
-        auto_lr=_auto_lr(lr, lr_update_interval, loss_privacy, gradient_noise_increase),
+        auto_lr=_auto_lr(lr),
         verify_every=verify_every,
     )

@@ -16,6 +16,7 @@ import torch
 from numpy.random import Generator
 
 from ..api import DPEngine, make_private
+from ..options import AutoLR
 from .canaries import CanaryModel, canary_data, per_example_losses
 
 
@@ -29,7 +30,9 @@ class AuditSettings:
         sample_rate: q, Poisson sampling rate (a fraction with denominator ≤ 10⁴).
         noise_multiplier, target_epsilon: σ, or the ε the noise is calibrated for (one of them).
         delta: δ of the guarantee audited.
-        clipping, groups, thresholds, lr: as in ``make_private`` (``lr`` a number or ``"auto"``).
+        clipping, groups, thresholds: as in ``make_private``.
+        lr: the run's SGD learning rate: a number, ``"auto"`` (DoG, no release of its own) or
+            ``"hyfreedp"`` (HyFreeDP, whose loss releases the audit then covers too).
         real_examples: at least this many real (non-canary) examples.
         confidence: of ε_LB and of each check.
         seed: seeds membership, data and the run (a reproducible audit); ``None``: secure randomness.
@@ -91,13 +94,14 @@ def build_run(settings: AuditSettings, included: np.ndarray, generator: Generato
     data = canary_data(torch.as_tensor(included), settings.sample_rate, settings.real_examples,
                        generator)
     model = CanaryModel(len(included))
-    auto = settings.lr == "auto"
+    automatic = {"auto": "auto", "hyfreedp": AutoLR(mode="safeguarded")}
+    auto = automatic.get(settings.lr) if isinstance(settings.lr, str) else None
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1 if auto else float(settings.lr))
     loader = torch.utils.data.DataLoader(data.dataset, batch_size=data.batch_size)
     engine = make_private(
         model, optimizer, loader, target_delta=settings.delta, target_epsilon=settings.target_epsilon,
         noise_multiplier=settings.noise_multiplier, steps=settings.steps, clipping=settings.clipping,
-        groups=settings.groups, thresholds=settings.thresholds, lr="auto" if auto else None,
+        groups=settings.groups, thresholds=settings.thresholds, lr=auto,
         loss_reduction="sum", accountant=settings.accountant, seed=settings.seed)
     return engine, model
 

@@ -41,7 +41,7 @@ def add_parser(commands: Any, positive_float: Any, positive_int: Any, delta: Any
     audit.add_argument("--groups", choices=GROUPINGS, default="all-layer")
     audit.add_argument("--thresholds", choices=("fixed", "adaptive"), default="fixed")
     audit.add_argument("--lr", type=learning_rate, default=0.1,
-                       help="learning rate of the run's SGD, or 'auto' (default: 0.1)")
+                       help="learning rate of the run's SGD, 'auto' or 'hyfreedp' (default: 0.1)")
     audit.add_argument("--accountant", choices=ACCOUNTANTS, default="pld")
     audit.add_argument("--confidence", type=float, default=0.95,
                        help="confidence of ε_LB and of each check (default: 0.95)")

@@ -39,12 +39,12 @@ def check_parallel_options(thresholds: str, lr: float | str | None, audit_canari
                            ) -> None:
     """Refuse, before launching, the options whose releases are not reduced across ranks yet."""
     unsupported = [flag for flag, used in (("--thresholds adaptive", thresholds == "adaptive"),
-                                           ("--lr auto", lr == "auto"),
+                                           ("--lr hyfreedp", lr == "hyfreedp"),
                                            ("--audit-canaries", audit_canaries is not None)) if used]
     if unsupported:
         raise ValueError(f"{' and '.join(unsupported)} cannot run in several processes yet (their releases "
                          "are not reduced across ranks): drop --nproc-per-node, or use fixed thresholds, "
-                         "a numeric --lr and no audit")
+                         "--lr auto or a number, and no audit")
 
 
 def launch(argv: Sequence[str], nproc_per_node: int) -> int:

@@ -43,9 +43,9 @@ def _positive_int(text: str) -> int:
 
 
 def _learning_rate(text: str) -> float | str:
-    """A positive number, or ``auto`` where the automatic learning rate is available."""
-    if text == "auto":
-        return "auto"
+    """A positive number, ``auto`` (SGD's automatic step size) or ``hyfreedp`` (HyFreeDP's)."""
+    if text in ("auto", "hyfreedp"):
+        return text
     return _positive_float(text)
 
 
@@ -151,12 +151,13 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--optimizer", choices=list(OPTIMIZERS), default=defaults.optimizer,
                        help=f"base optimizer (default: {defaults.optimizer})")
     train.add_argument("--lr", type=_learning_rate, default=None,
-                       help="learning rate, or 'auto' to set it privately during training "
-                            "(HyFreeDP; default: chosen once per optimizer, see docs/cli.md)")
+                       help="'auto' (the default with --optimizer sgd): SGD's step size set from the "
+                            "released gradients, at no ε; 'hyfreedp': HyFreeDP's learning rate from "
+                            "privatised losses (any optimizer); or a number (needed with other optimizers)")
     train.add_argument("--lr-update-interval", type=_positive_int, default=None,
-                       help="with --lr auto only: K, steps between learning-rate updates (default: 5)")
+                       help="with --lr hyfreedp only: K, steps between learning-rate updates (default: 5)")
     train.add_argument("--loss-privacy", choices=("gaussian", "laplace"), default=None,
-                       help="with --lr auto only: noise of the privatised losses (default: gaussian)")
+                       help="with --lr hyfreedp only: noise of the privatised losses (default: gaussian)")
     train.add_argument("--accountant", choices=ACCOUNTANTS, default=defaults.accountant)
     train.add_argument("--seed", type=int, default=defaults.seed,
                        help="seed initialisation, sampling and noise for a reproducible run; anyone "
@@ -223,7 +224,8 @@ def _train_in_this_process(args: argparse.Namespace) -> int:
         target_quantile=args.target_quantile, quantile_lr=args.quantile_lr,
         quantile_budget=args.quantile_budget, clip_gamma=args.clip_gamma, psac_r=args.psac_r,
         noise_allocation=args.noise_allocation, lr_update_interval=args.lr_update_interval,
-        loss_privacy=args.loss_privacy, optimizer=args.optimizer, lr=args.lr,
+        loss_privacy=args.loss_privacy, optimizer=args.optimizer,
+        lr=TrainConfig.lr if args.lr is None else args.lr,
         accountant=args.accountant, seed=args.seed,
         audit_canaries=args.audit_canaries,
         out=str(args.out) if args.out else None, quiet=args.quiet)

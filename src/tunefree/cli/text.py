@@ -66,12 +66,12 @@ def _check(config: TextConfig) -> None:
     """Refuse a bad configuration before any data is read."""
     from .training import TrainConfig
 
+    if config.lr in ("auto", "hyfreedp"):
+        raise ValueError(f"--lr {config.lr} is not available for text models yet: give a number (default "
+                         f"{DEFAULT_TEXT_LR} with AdamW)")
     check_config(TrainConfig(epsilon=config.epsilon, delta=config.delta, epochs=config.epochs,
                              steps=config.steps, batch_size=config.batch_size, clipping=config.clipping,
-                             groups=config.groups, lr=config.lr, accountant=config.accountant))
-    if config.lr == "auto":
-        raise ValueError("--lr auto is not available for text models yet: give a number (default "
-                         f"{DEFAULT_TEXT_LR} with AdamW)")
+                             groups=config.groups, lr=config.resolved_lr(), accountant=config.accountant))
     if config.task is not None and config.task not in text_data.TASKS:
         raise ValueError(f"unknown task {config.task!r}: use one of {', '.join(text_data.TASKS)}")
     if config.max_length < 2:
@@ -250,7 +250,7 @@ def check_no_text_flags(args: argparse.Namespace) -> None:
 TABLE_FLAGS = {"schema": None, "hidden": None, "numeric_scaling": "private", "thresholds": "fixed",
                "target_quantile": None, "quantile_lr": None, "quantile_budget": None, "clip_gamma": None,
                "psac_r": None, "noise_allocation": "global", "lr_update_interval": None,
-               "loss_privacy": None, "optimizer": "adam", "audit_canaries": None}
+               "loss_privacy": None, "optimizer": "sgd", "audit_canaries": None}
 
 
 def command(args: argparse.Namespace) -> int:
@@ -262,9 +262,6 @@ def command(args: argparse.Namespace) -> int:
     if given:
         raise ValueError(f"{', '.join(given)} do not apply to text models (AdamW, fixed thresholds): "
                          "drop them")
-    if args.lr == "auto":
-        raise ValueError("--lr auto is not available for text models yet: give a number (default "
-                         f"{DEFAULT_TEXT_LR} with AdamW)")
     config = TextConfig(
         model=args.model, data=args.dataset, out=str(args.out) if args.out else "",
         text_column=args.text_column or "text", label_column=args.label_column, task=args.task,

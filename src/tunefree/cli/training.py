@@ -7,6 +7,7 @@ experiments reuse it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -22,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ..api import DPEngine, make_private
 from ..audit import audit_training
 from ..autolr import AutoLearningRate
-from ..options import resolve_options
+from ..options import AutoLR, resolve_options
 from ..privacy.calibration import MIN_NOISE_MULTIPLIER
 from . import datasets, launch, models, scaling, tables
 from .report import RunDirectory, norm_statistics
@@ -36,20 +37,13 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "radam": lambda params, lr: torch.optim.RAdam(params, lr=lr),
     "adagrad": lambda params, lr: torch.optim.Adagrad(params, lr=lr),
 }
-# The learning rate each optimizer gets when none is given: chosen once, by a sweep on the public
-# digits data at ε = 3 with AUTO-S clipping (R = 1) and the default model (docs/cli.md lists the
-# sweep). With AUTO-S the threshold R no longer matters, so these carry over to other data as sane
-# starting points; SGD's effective step is lr·R.
-DEFAULT_LR = {"sgd": 2.0, "momentum": 0.2, "adam": 0.02, "adamw": 0.02, "nadam": 0.02,
-              "radam": 0.02, "adagrad": 0.2}
-
-
 NUMERIC_SCALINGS = ("private", "none")
 # The papers' knobs: each is the make_private keyword of the same name; make_private (resolve_options)
 # refuses one given where it has no effect. Their command-line flags, for its messages.
 KNOBS = {"clip_gamma": "--clip-gamma", "psac_r": "--psac-r", "target_quantile": "--target-quantile",
-         "quantile_lr": "--quantile-lr", "quantile_budget": "--quantile-budget",
-         "lr_update_interval": "--lr-update-interval", "loss_privacy": "--loss-privacy"}
+         "quantile_lr": "--quantile-lr", "quantile_budget": "--quantile-budget"}
+# HyFreeDP's knobs (--lr hyfreedp): fields of its AutoLR.
+HYFREEDP_KNOBS = {"lr_update_interval": "--lr-update-interval", "loss_privacy": "--loss-privacy"}
 
 
 @dataclass
@@ -60,7 +54,11 @@ class TrainConfig:
     public schema (category sets, value ranges); ``numeric_scaling`` is ``"private"`` (numeric columns
     with no public range are standardised by an accounted private estimate) or ``"none"`` (fed as
     they are). ``hidden`` sizes the default MLP's hidden layers (``None``: one of 128). The papers'
-    knobs (``KNOBS`` and ``noise_allocation``) are the ``make_private`` keywords of the same names."""
+    knobs (``KNOBS`` and ``noise_allocation``) are the ``make_private`` keywords of the same names.
+    ``lr`` is ``"auto"`` (plain SGD's step size from the released gradients: ``make_private``'s
+    ``lr="auto"``; the model kept is its averaged one), ``"hyfreedp"`` (HyFreeDP's learning rate from
+    privatised losses, any optimizer; ``lr_update_interval`` and ``loss_privacy`` are its knobs) or a
+    number."""
 
     dataset: str = "digits"
     label_column: str = "label"
@@ -84,8 +82,8 @@ class TrainConfig:
     schema: str | None = None
     numeric_scaling: str = "private"
     hidden: tuple[int, ...] | None = None
-    optimizer: str = "adam"
-    lr: float | str | None = None  # a number, "auto" (GeN-DP), or None for the default
+    optimizer: str = "sgd"
+    lr: float | str = "auto"  # a number, "auto" (SGD's automatic step) or "hyfreedp"
     max_grad_norm: float = 1.0
     accountant: str = "pld"
     seed: int | None = None
@@ -95,9 +93,19 @@ class TrainConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # further make_private keywords
 
     def resolved_lr(self) -> float:
-        """The learning rate the optimizer is built with (with "auto", the starting value is set by
-        the automatic learning rate itself)."""
-        return DEFAULT_LR[self.optimizer] if self.lr in (None, "auto") else float(self.lr)
+        """The learning rate the optimizer is built with (an automatic learning rate sets its own)."""
+        return 1.0 if self.lr in ("auto", "hyfreedp") else float(self.lr)
+
+    def auto_lr(self) -> AutoLR | None:
+        """``make_private``'s ``lr``: the automatic learning rate asked for, or ``None`` for a number."""
+        if self.lr == "auto":
+            return AutoLR()
+        if self.lr == "hyfreedp":
+            fields = {name: value for name, value in (("interval", self.lr_update_interval),
+                                                      ("loss_privacy", self.loss_privacy))
+                      if value is not None}
+            return AutoLR(mode="safeguarded", **fields)
+        return None
 
 
 def default_delta(num_examples: int) -> float:
@@ -154,7 +162,7 @@ def check_config(config: TrainConfig) -> None:
         resolve_options(target_delta=0.5, target_epsilon=config.epsilon, epochs=config.epochs,
                         steps=config.steps, clipping=config.clipping, groups=config.groups,
                         thresholds=config.thresholds, noise_allocation=config.noise_allocation,
-                        lr="auto" if config.lr == "auto" else None, **_knobs(config))
+                        **_knobs(config))
     except (TypeError, ValueError) as error:
         message = str(error)
         for keyword, flag in KNOBS.items():
@@ -162,8 +170,17 @@ def check_config(config: TrainConfig) -> None:
         raise ValueError(message) from error
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {config.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
-    if config.lr not in (None, "auto") and not (float(config.lr) > 0 and math.isfinite(config.lr)):
-        raise ValueError(f"--lr must be a positive number or 'auto', got {config.lr}")
+    if config.lr not in ("auto", "hyfreedp") and not (
+            isinstance(config.lr, (int, float)) and config.lr > 0 and math.isfinite(config.lr)):
+        raise ValueError(f"--lr must be a positive number, 'auto' or 'hyfreedp', got {config.lr}")
+    if config.lr == "auto" and config.optimizer != "sgd":
+        raise ValueError(f"--lr auto (the default) sets the step size of plain SGD: with --optimizer "
+                         f"{config.optimizer} give a learning rate, --lr 0.01 say, or --lr hyfreedp "
+                         "(HyFreeDP's learning rate from privatised losses)")
+    given = [flag for name, flag in HYFREEDP_KNOBS.items() if getattr(config, name) is not None]
+    if given and config.lr != "hyfreedp":
+        raise ValueError(f"{', '.join(given)} only apply to --lr hyfreedp: drop them or add --lr hyfreedp")
+    config.auto_lr()  # its fields' own checks
 
 
 @torch.no_grad()
@@ -229,7 +246,7 @@ def _step(engine: DPEngine, x: torch.Tensor, y: torch.Tensor) -> tuple[float, in
     """One private step; returns the batch's summed loss, correct predictions and size."""
     engine.optimizer.zero_grad()
 
-    def per_sample_losses() -> torch.Tensor:  # for lr="auto": the batch's losses at probe points
+    def per_sample_losses() -> torch.Tensor:  # for HyFreeDP: the batch's losses at probe points
         return F.cross_entropy(engine.model(x), y, reduction="none")
 
     closure = per_sample_losses if engine.optimizer.closure_gives_per_sample_losses else None
@@ -299,7 +316,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
         target_epsilon=(1 - share) * config.epsilon, target_delta=(1 - share) * delta,
         epochs=config.epochs, steps=config.steps,
         clipping=config.clipping, groups=config.groups, max_grad_norm=config.max_grad_norm,
-        thresholds=config.thresholds, lr="auto" if config.lr == "auto" else None,
+        thresholds=config.thresholds, lr=config.auto_lr(),
         accountant=config.accountant, seed=config.seed, audit_canaries=config.audit_canaries,
         **{"noise_allocation": config.noise_allocation, **_knobs(config), **config.extra})
     if released is not None:
@@ -326,7 +343,8 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
                 break
         epsilon = engine.epsilon(delta)
         seen = max(totals[2], 1)
-        test_accuracy = accuracy(model, data.test)
+        with _model_kept(engine, model):
+            test_accuracy = accuracy(model, data.test)
         progress.update(epoch, i, engine.steps, totals[0] / seen, totals[1] / seen, epsilon, final=True)
         if run:
             run.log({"kind": "epoch", "epoch": epoch, "step": engine.steps, "epsilon": epsilon,
@@ -334,6 +352,8 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
                      "test_accuracy": test_accuracy})
     train_seconds = time.perf_counter() - started
     engine.detach()
+    if engine.dog_lr is not None:  # the model kept is the automatic learning rate's averaged one
+        engine.dog_lr.apply_average(list(model.parameters()))
     audit = None if config.audit_canaries is None else audit_training(engine)
     result = {
         "test_accuracy": test_accuracy, "epsilon": epsilon, "delta": delta, "delta_choice": delta_text,
@@ -350,7 +370,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
         "dataset": {"name": data.name, "train_examples": data.num_train,
                     "test_examples": len(data.test), "classes": data.num_classes},
         "config": {**asdict(config), "delta": delta,
-                   "lr": "auto" if config.lr == "auto" else config.resolved_lr()},
+                   "lr": config.lr},
         "audit": None if audit is None else {
             "epsilon_lower_bound": audit.epsilon_lower_bound, "confidence": audit.confidence,
             "canaries": audit.canaries, "verdict": audit.verdict},
@@ -359,6 +379,14 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
     if run:
         run.finish(result)
     return result
+
+
+def _model_kept(engine: DPEngine, model: nn.Module) -> contextlib.AbstractContextManager:
+    """The weights of the model the run would keep if it ended now: the averaged ones with the
+    automatic learning rate (post-processing of the releases), else the current ones."""
+    if engine.dog_lr is None:
+        return contextlib.nullcontext()
+    return engine.dog_lr.averaged(list(model.parameters()))
 
 
 def _step_record(engine: DPEngine, epoch: int, loss_sum: float, correct: int, size: int

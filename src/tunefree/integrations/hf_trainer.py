@@ -179,8 +179,10 @@ class PrivateTrainer(transformers.Trainer):
                              "as PrivateTrainer's own arguments and the length and batch sizes in "
                              "TrainingArguments")
         if privacy.get("lr") is not None:
-            raise ValueError("lr='auto' needs per-example losses from an optimizer closure, which the "
-                             "Trainer does not pass; use the Trainer's learning rate and scheduler")
+            raise ValueError("privacy={'lr': ...} is not supported: HyFreeDP needs per-example losses "
+                             "from an optimizer closure, which the Trainer does not pass, and lr='auto' "
+                             "(DoG) sets plain SGD's step, not the Trainer's AdamW; use the Trainer's "
+                             "learning rate and scheduler")
         self.accumulation_steps = args.gradient_accumulation_steps
         # The Trainer's loop sees one item per private step; the accumulation happens inside it.
         args = dataclasses.replace(args, gradient_accumulation_steps=1)

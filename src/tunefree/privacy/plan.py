@@ -192,7 +192,8 @@ class Plan:
                               target_epsilon, self.delta, self.accountant)
             plan = replace(plan, noise_multiplier=sigma)
         if plan.losses is not None and plan.steps is None:
-            raise ValueError("lr='auto' splits the budget over the planned run: give epochs or steps")
+            raise ValueError("HyFreeDP's learning rate (AutoLR(mode='safeguarded'/'paper')) splits the "
+                             "budget over the planned run: give epochs or steps")
         if plan.losses is None or plan.noise_multiplier == 0:
             return plan
         target = replace(plan, losses=None).epsilon() if target_epsilon is None else target_epsilon
