@@ -6,12 +6,13 @@ import math
 
 import dp_accounting as dpa
 import pytest
+from dp_accounting.pld import pld_privacy_accountant
 from prv_accountant import PRVAccountant
 from prv_accountant.privacy_random_variables import PoissonSubsampledGaussianMechanism
 from scipy.stats import norm
 
 import tunefree
-from tunefree.privacy.accounting import accountable, epsilon_of
+from tunefree.privacy.accounting import accountable, epsilon_of, planned_event
 from tunefree.privacy.ledger import Ledger
 
 
@@ -117,3 +118,24 @@ def test_ledger_composes_alternating_steps_as_two_self_compositions():
         dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.1, dpa.ComposedDpEvent(every_fifth)),
                                 20)])
     assert ledger.epsilon(1e-5) == pytest.approx(epsilon_of(expected, 1e-5), rel=1e-9)
+
+
+@pytest.mark.parametrize("event", [
+    planned_event(1.3, 0.05, 40),
+    dpa.ComposedDpEvent([dpa.GaussianDpEvent(20.0), dpa.GaussianDpEvent(20.0),
+                         planned_event(2.0, 0.2, 30)]),
+    dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(1.0, dpa.GaussianDpEvent(3.0)), 5),
+    dpa.ComposedDpEvent([planned_event(1.1, 0.1, 7), dpa.PoissonSampledDpEvent(0.0, dpa.GaussianDpEvent(1.0)),
+                         dpa.SelfComposedDpEvent(planned_event(0.9, 0.02, 3), 4)]),
+    dpa.ComposedDpEvent([planned_event(1.3, 0.05, 10),
+                         dpa.PoissonSampledDpEvent(0.05, dpa.LaplaceDpEvent(2.0))]),
+])
+def test_pld_epsilon_is_the_pld_accountants_to_the_last_bit(event):
+    """epsilon_of keeps the PLD of each release to answer a growing ledger quickly; it must give exactly
+    the figure of dp_accounting's PLD accountant (the Laplace case goes through the accountant itself),
+    the first time and again from the kept PLDs."""
+    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    accountant.compose(accountable(event))
+    expected = accountant.get_epsilon(1e-5)
+    assert epsilon_of(event, 1e-5) == expected
+    assert epsilon_of(event, 1e-5) == expected

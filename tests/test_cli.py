@@ -10,9 +10,11 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 import tunefree
-from tunefree.cli import main
+from tunefree.cli import datasets, main, models
+from tunefree.cli.training import accuracy
 from tunefree.data.poisson import planned_steps
 
 REPORT_KEYS = {"test_accuracy", "epsilon", "delta", "noise_multiplier", "steps", "train_seconds",
@@ -144,6 +146,10 @@ def test_the_default_learning_rate_is_automatic_and_the_averaged_model_is_kept(t
     assert all(r["lr"] > 0 and "loss_bound" not in r for r in steps) and steps[0]["lr"] != steps[-1]["lr"]
     epochs = [r for r in records if r["kind"] == "epoch"]
     assert epochs[-1]["test_accuracy"] == result["test_accuracy"] > 0.5
+    data = datasets.load("digits")  # the model kept is in the run directory, as evaluated
+    model = models.build("auto", data.kind, data.input_shape, data.num_classes)
+    model.load_state_dict(torch.load(out / result["model_file"]))
+    assert accuracy(model, data.test) == result["test_accuracy"]
 
 
 def test_hyfreedp_learning_rate(tmp_path):

@@ -116,8 +116,9 @@ class DistanceOverGradients(StepComponent):
                 self.distance = self.initial_distance * scale
                 if self.noise_budget is not None:
                     self.walk_budget = (self.noise_budget * scale) ** 2
-            moved = sum(float((p - x0).pow(2).sum()) for p, x0 in zip(params, self.origin))
-            energy = sum(float(p.grad.pow(2).sum()) for p in params if p.grad is not None)
+            weights = [p.detach() for p in params]
+            moved, energy = _squared_norms(torch._foreach_sub(weights, self.origin),
+                                           [p.grad for p in params if p.grad is not None])
         variances = self.coordinate_variances(step.thresholds)
         if not self.walk_variances:
             self.walk_variances = [0.0] * len(variances)
@@ -154,9 +155,8 @@ class DistanceOverGradients(StepComponent):
         with torch.no_grad():
             if self.average is None:
                 self.average = [p.detach().clone() for p in step.update.params]
-            else:
-                for mean, p in zip(self.average, step.update.params):
-                    mean.mul_(1 - weight).add_(p.detach(), alpha=weight)
+            else:  # x̄ ← x̄ + w·(x − x̄)
+                torch._foreach_lerp_(self.average, [p.detach() for p in step.update.params], weight)
         return []
 
     def apply_average(self, params: list[torch.Tensor]) -> None:
@@ -195,6 +195,18 @@ class DistanceOverGradients(StepComponent):
         self.lr, self.updates = state["lr"], state["updates"]
         self.walk_budget, self.budget_lr = state["walk_budget"], state["budget_lr"]
         self.average = None if state["average"] is None else [t.clone() for t in state["average"]]
+
+
+def _squared_norms(*parts: list[torch.Tensor]) -> list[float]:
+    """‖·‖² of each list of tensors, in float64, read off the device in one transfer."""
+    totals = []
+    for tensors in parts:
+        norms = [n.to(torch.float64) for n in torch._foreach_norm(tensors)] if tensors else []
+        totals.append(torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64))
+    devices = {t.device for t in totals}
+    if len(devices) > 1:
+        totals = [t.cpu() for t in totals]
+    return torch.stack(totals).tolist()
 
 
 def _norm(tensors: list[torch.Tensor]) -> float:

@@ -46,6 +46,13 @@ class RunDirectory:
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
 
+    def save_model(self, model: Any) -> str:
+        """The trained model's weights (its ``state_dict``), as ``model.pt``; returns the file's name."""
+        import torch
+
+        torch.save(model.state_dict(), self.path / "model.pt")
+        return "model.pt"
+
     def finish(self, report: dict[str, Any]) -> None:
         self._metrics.close()
         (self.path / "report.json").write_text(json.dumps(report, indent=2) + "\n")

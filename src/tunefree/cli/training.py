@@ -371,6 +371,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
                     "test_examples": len(data.test), "classes": data.num_classes},
         "config": {**asdict(config), "delta": delta,
                    "lr": config.lr},
+        "model_file": run.save_model(model) if run else None,
         "audit": None if audit is None else {
             "epsilon_lower_bound": audit.epsilon_lower_bound, "confidence": audit.confidence,
             "canaries": audit.canaries, "verdict": audit.verdict},

@@ -10,10 +10,11 @@ sound upper bound).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import dp_accounting as dpa
-from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.pld import pld_privacy_accountant, privacy_loss_distribution
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy.stats import norm
 
@@ -117,11 +118,61 @@ def epsilon_of(event: dpa.DpEvent, delta: float, accountant: str = "pld",
     if _is_non_private(event):
         return math.inf
     if accountant == "pld" and _smallest_noise(event) >= MIN_NOISE_SIGMA_FOR_PLD:
+        pld = _gaussian_pld(event, discretization)
+        if pld is not None:
+            return float(pld.get_epsilon_for_delta(delta))
         acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=discretization)
     else:
         acc = rdp_privacy_accountant.RdpAccountant()
     acc.compose(event)
     return float(acc.get_epsilon(delta))
+
+
+def _gaussian_pld(event: dpa.DpEvent, discretization: float):
+    """The PLD that ``dp_accounting``'s PLD accountant builds for ``event`` — the same calls in the same
+    order, so the same ε to the last bit (tested) — when ``event`` is made of Gaussian and Poisson-sampled
+    Gaussian releases; ``None`` for any other event. The PLD of one release is built once per (σ, q,
+    grid) and kept: a run's ε is asked for again and again as its ledger grows."""
+    releases = _gaussian_releases(event, 1)
+    if releases is None:
+        return None
+    pld = privacy_loss_distribution.identity(value_discretization_interval=discretization)
+    for release, count in releases:
+        if isinstance(release, dpa.GaussianDpEvent):
+            part = _release_pld(release.noise_multiplier / math.sqrt(count), 1.0, discretization)
+        else:
+            part = _release_pld(release.event.noise_multiplier, release.sampling_probability,
+                                discretization).self_compose(count)
+        pld = pld.compose(part)
+    return pld
+
+
+def _gaussian_releases(event: dpa.DpEvent, count: int) -> list[tuple[dpa.DpEvent, int]] | None:
+    """The releases of ``event`` with their counts, in the PLD accountant's order; ``None`` unless each
+    is a Gaussian or a Poisson-sampled Gaussian release (zero noise is handled before: ε = ∞)."""
+    if isinstance(event, dpa.SelfComposedDpEvent):
+        return _gaussian_releases(event.event, event.count * count)
+    if isinstance(event, dpa.ComposedDpEvent):
+        releases: list[tuple[dpa.DpEvent, int]] = []
+        for part in event.events:
+            found = _gaussian_releases(part, count)
+            if found is None:
+                return None
+            releases += found
+        return releases
+    if isinstance(event, dpa.GaussianDpEvent):
+        return [(event, count)]
+    if isinstance(event, dpa.PoissonSampledDpEvent) and isinstance(event.event, dpa.GaussianDpEvent):
+        return [] if event.sampling_probability == 0 else [(event, count)]
+    return None
+
+
+@functools.lru_cache(maxsize=4)
+def _release_pld(noise_multiplier: float, sampling_probability: float, discretization: float):
+    """The PLD of one (Poisson-sampled) Gaussian release, as the PLD accountant builds it."""
+    return privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=noise_multiplier, value_discretization_interval=discretization,
+        sampling_prob=sampling_probability)
 
 
 def planned_event(noise_multiplier: float, sample_rate: float, steps: int) -> dpa.DpEvent:
