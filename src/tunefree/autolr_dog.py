@@ -198,15 +198,17 @@ class DistanceOverGradients(StepComponent):
 
 
 def _squared_norms(*parts: list[torch.Tensor]) -> list[float]:
-    """‖·‖² of each list of tensors, in float64, read off the device in one transfer."""
-    totals = []
-    for tensors in parts:
-        norms = [n.to(torch.float64) for n in torch._foreach_norm(tensors)] if tensors else []
-        totals.append(torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64))
-    devices = {t.device for t in totals}
-    if len(devices) > 1:
-        totals = [t.cpu() for t in totals]
-    return torch.stack(totals).tolist()
+    """‖·‖² of each list of tensors (float64 sums of per-tensor norms), read off the device at once."""
+    norms = [torch._foreach_norm(tensors) if tensors else [] for tensors in parts]
+    flat = [n for part in norms for n in part]
+    if len({(n.dtype, n.device) for n in flat}) > 1:  # mixed precisions or devices: one common form
+        flat = [n.to(torch.float64).cpu() for n in flat]
+    squares = torch.stack(flat).to(torch.float64).square().tolist() if flat else []
+    totals, start = [], 0
+    for part in norms:
+        totals.append(math.fsum(squares[start:start + len(part)]))
+        start += len(part)
+    return totals
 
 
 def _norm(tensors: list[torch.Tensor]) -> float:
