@@ -238,6 +238,7 @@ def _train_in_this_process(args: argparse.Namespace) -> int:
     print(f"test accuracy {result['test_accuracy']:.4f} — {result['guarantee']}; "
           f"randomness: {result['randomness']}")
     print(result["delta_choice"])
+    print(f"learning rate: {result['learning_rate']}")
     if result["audit"]:
         found = result["audit"]
         print(f"audit: ε_LB {found['epsilon_lower_bound']:.3f} at {found['confidence']:.0%} confidence from "

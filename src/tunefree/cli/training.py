@@ -371,6 +371,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
                     "test_examples": len(data.test), "classes": data.num_classes},
         "config": {**asdict(config), "delta": delta,
                    "lr": config.lr},
+        "learning_rate": _learning_rate_text(config, engine),
         "model_file": run.save_model(model) if run else None,
         "audit": None if audit is None else {
             "epsilon_lower_bound": audit.epsilon_lower_bound, "confidence": audit.confidence,
@@ -380,6 +381,19 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
     if run:
         run.finish(result)
     return result
+
+
+def _learning_rate_text(config: TrainConfig, engine: DPEngine) -> str:
+    """How the run's learning rate was set, as the output states it."""
+    last = engine.optimizer.param_groups[0]["lr"]
+    if engine.dog_lr is not None:
+        first = engine.dog_lr.history[0] if engine.dog_lr.history else last
+        return (f"automatic (SGD, --lr auto): η = {first:.3g} at the first step and {last:.3g} at the last, "
+                "set from the released gradients (no ε); the model kept is the average of its weights")
+    if config.lr == "hyfreedp":
+        return (f"HyFreeDP ({config.optimizer}, --lr hyfreedp): from privatised losses, accounted in ε; "
+                f"η = {last:.3g} at the last step")
+    return f"{config.optimizer} at lr = {config.lr:g}, given by --lr"
 
 
 def _model_kept(engine: DPEngine, model: nn.Module) -> contextlib.AbstractContextManager:
