@@ -13,6 +13,7 @@ from models import MLP, ConvNet, EmbeddingModel, FallbackNet, NormNet, SequenceL
 from tunefree.clipping import CLIP_FUNCTIONS, ClipFunction
 from tunefree.engine import ClippingEngine
 from tunefree.grouping import make_groups
+from tunefree.rules.calibration import PathChooser
 
 
 def cross_entropy(reduction):
@@ -54,9 +55,11 @@ def groups_for(model, grouping):
     return make_groups(model, {"first": names[:half], "second": names[half:]}, thresholds)
 
 
-def run_engine(model, x, y, grouping, clip, reduction):
+def run_engine(model, x, y, grouping, clip, reduction, chooser=None):
     groups = groups_for(model, grouping)
     engine = ClippingEngine(model, groups, clip, loss_reduction=reduction)
+    if chooser is not None:
+        engine.path_chooser = chooser
     loss = cross_entropy(reduction)(model(x), y)
     loss.backward()
     sums, examples, norms = engine.pop_step()
@@ -66,11 +69,11 @@ def run_engine(model, x, y, grouping, clip, reduction):
 
 # float64 throughout: 1e-7 relative leaves room for AUTO-V amplifying tiny group norms
 # (w = R/‖g‖), while any real error in a rule is of order one.
-def assert_matches_brute_force(model, x, y, grouping, clip, reduction="mean"):
+def assert_matches_brute_force(model, x, y, grouping, clip, reduction="mean", chooser=None):
     model = model.double()
     x = x.double() if x.is_floating_point() else x
     reference = copy.deepcopy(model)
-    groups, sums, examples, norms = run_engine(model, x, y, grouping, clip, reduction)
+    groups, sums, examples, norms = run_engine(model, x, y, grouping, clip, reduction, chooser)
     assert examples == len(y)
     ref_groups = groups_for(reference, grouping)
     per_example = per_example_grads(reference, cross_entropy("mean"), x, y)
@@ -111,23 +114,15 @@ CONV_CASES = [
 ]
 
 
-def test_both_conv_norm_paths_are_exercised():
-    from tunefree.rules.conv import ConvWeightGrad
-
-    paths = set()
-    for dims, kwargs in CONV_CASES:
-        conv = ConvNet(dims, **kwargs).conv
-        x = torch.randn(4, *{1: (4, 11), 2: (4, 7, 8), 3: (4, 5, 6, 5)}[dims])
-        out = conv(x)
-        paths.add(ConvWeightGrad(conv, x, torch.ones_like(out))._ghost_is_cheaper())
-    assert paths == {True, False}
-
-
+@pytest.mark.parametrize("path", [None, "ghost", "materialise"], ids=["formula", "ghost", "materialise"])
 @pytest.mark.parametrize("dims,kwargs", CONV_CASES)
 @pytest.mark.parametrize("grouping", ["all-layer", "per-layer"])
-def test_convolutions_match_brute_force(dims, kwargs, grouping):
+def test_convolutions_match_brute_force(dims, kwargs, grouping, path):
+    """Every convolution variant by both norm paths (forced), and by the one the cost formula picks."""
     g = torch.Generator().manual_seed(2)
     size = {1: (4, 11), 2: (4, 7, 8), 3: (4, 5, 6, 5)}[dims]
     x = torch.randn(4, *size, generator=g)
     y = torch.randint(0, 3, (4,), generator=g)
-    assert_matches_brute_force(ConvNet(dims, **kwargs), x, y, grouping, ClipFunction("auto-s"))
+    chooser = None if path is None else PathChooser(fixed=path)
+    assert_matches_brute_force(ConvNet(dims, **kwargs), x, y, grouping, ClipFunction("auto-s"),
+                               chooser=chooser)

@@ -19,7 +19,7 @@ import tunefree
 from tunefree.clipping import ClipFunction
 from tunefree.engine import ClippingEngine
 from tunefree.grouping import make_groups
-from tunefree.rules.calibration import GHOST, MATERIALISE, PathChooser, factored_estimates
+from tunefree.rules.calibration import GHOST, MATERIALISE, UNFOLD_COST, PathChooser, factored_estimates
 from tunefree.rules.conv import ConvWeightGrad, unfold
 from tunefree.rules.factored import FactoredGrad, examples_per_chunk
 
@@ -174,6 +174,23 @@ def test_fixed_path_and_bad_arguments():
 
 def test_estimates_are_the_multiply_adds_of_each_path():
     assert factored_estimates(2, 5, 3, 4) == {GHOST: 2 * 25 * 7, MATERIALISE: 2 * 5 * 12}
+    # a convolution's ghost norm first writes its T·d_in unfolded patches
+    assert factored_estimates(2, 5, 3, 4, unfolded=True) == {GHOST: 2 * (25 * 7 + UNFOLD_COST * 5 * 3),
+                                                               MATERIALISE: 2 * 5 * 12}
+
+
+@pytest.mark.parametrize("conv, size, ghost", [
+    (nn.Conv2d(16, 32, 4, stride=2), (16, 13, 13), False),   # mnist-cnn's second layer: 25 positions
+    (nn.Conv2d(1, 16, 8, stride=2, padding=3), (1, 28, 28), False),  # its first: 196 positions
+    (nn.Conv2d(128, 128, 3, padding=1), (128, 4, 4), True),  # a resnet's 4×4 stage: 16 positions, wide
+    (nn.Conv2d(16, 32, 3, padding=1), (16, 16, 16), False),  # 256 positions, narrow
+])
+def test_the_formula_picks_the_measured_faster_conv_path(conv, size, ghost):
+    """Near the crossover the patches' unfolding decides (RESULTS §8.4: mnist-cnn's second layer, B 256,
+    ghost 5.4 ms against 3.3 ms materialised); far from it the multiply-adds do."""
+    x = torch.randn(2, *size)
+    grad = ConvWeightGrad(conv, x, torch.ones_like(conv(x)))
+    assert grad._ghost_is_cheaper() is ghost
 
 
 def _weights_of(calls):

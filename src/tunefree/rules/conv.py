@@ -107,7 +107,7 @@ class ConvWeightGrad(PerSampleGrad):
     def _estimates(self) -> dict[str, float]:
         groups = self.module.groups
         return factored_estimates(self.grad.shape[0] * groups, self.grad[0, 0].numel(),
-                                  self.module.weight[0].numel(), self.grad.shape[1] // groups)
+                                  self.module.weight[0].numel(), self.grad.shape[1] // groups, unfolded=True)
 
     def _ghost_is_cheaper(self) -> bool:
         estimates = self._estimates()
