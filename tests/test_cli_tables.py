@@ -63,6 +63,31 @@ def test_standardisation_noise_is_calibrated_to_each_release_sensitivity():
     assert released.events() == [dpa.GaussianDpEvent(sigma)] * 2
 
 
+class NegativeNoise:
+    """Every normal draw is −1: the released second moment comes out below the first one squared."""
+
+    def normal(self, shape, device, dtype):
+        return -torch.ones(shape, device=device, dtype=dtype)
+
+
+def test_a_spread_hidden_by_the_noise_is_never_divided_by_a_noisy_number_near_zero():
+    """A column far from zero with a small spread (u ≈ 0.5 ± 0.02): at this noise the released variance
+    is negative. The divisor is the variance's noise floor, so the standardised column stays within
+    2/√floor instead of growing to hundreds."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.stack([4.0 + 0.15 * torch.randn(2000, generator=g, dtype=torch.float64),
+                     torch.randn(2000, generator=g, dtype=torch.float64)], 1)
+    sigma, d, n = 30.0, 2, 2000
+    released = scaling.release(x, [0, 1], sigma, NegativeNoise())
+    u = torch.clamp(x / released.bound, -1, 1)
+    raw_variance = (u * u).mean(0) - sigma * math.sqrt(2 * d) / n - released.mean ** 2
+    assert raw_variance[0] < 0  # what the old divisor (1e-3) turned into |z| of hundreds
+    floor = scaling.variance_noise_floor(released.mean, sigma, d, n)
+    torch.testing.assert_close(released.std ** 2, torch.maximum(raw_variance, floor))
+    assert released.apply(x)[:, 0].abs().max() <= 2 / floor[0].sqrt()
+    assert released.std[1] ** 2 == raw_variance[1] > floor[1]  # a resolved spread is used as released
+
+
 def test_standardisation_budget_is_its_share_of_epsilon_and_delta():
     sigma = scaling.noise_for_share(3.0, 1e-5, "pld")
     spent = epsilon_of(dpa.ComposedDpEvent([dpa.GaussianDpEvent(sigma)] * 2), scaling.SHARE * 1e-5)

@@ -8,6 +8,9 @@ estimated with the Gaussian mechanism, in two releases over the d columns to sta
    Bⱼ = 2^k of the largest bin whose noisy count stands clear of the noise (> 4σ√d), or twice the
    noisy mode if none does (a small table);
 2. the moments: uⱼ = clip(xⱼ/Bⱼ, −1, 1); Σuⱼ and Σuⱼ² over the rows, L2 sensitivity √(2d), noise σ·√(2d).
+   The variance is never taken below twice the standard deviation of its own noise (public: σ√(2d)/N
+   per moment): a column whose spread the noise hides is scaled as if it had that spread, not divided by
+   a noisy number near zero (which blew such columns up to hundreds: RESULTS §5e).
 
 Each release is a Gaussian mechanism of noise multiplier σ: two ``GaussianDpEvent(σ)`` go into the ledger
 before the first training step. σ is calibrated so that the two spend ``SHARE`` of ε at ``SHARE`` of δ,
@@ -114,8 +117,17 @@ def release(x: torch.Tensor, columns: list[int] | tuple[int, ...], noise_multipl
     sums, _ = release_gaussian(sums, math.sqrt(2 * d), noise_multiplier, randomness)  # |u|, u² ≤ 1
     mean = (sums[:d] / rows).clamp(-1.0, 1.0)
     variance = sums[d:] / rows - mean ** 2
-    std = variance.clamp_min(MIN_STD ** 2).sqrt()
+    std = torch.maximum(variance, variance_noise_floor(mean, noise_multiplier, d, rows)).sqrt()
     return Standardisation(tuple(columns), bound, mean, std, noise_multiplier)
+
+
+def variance_noise_floor(mean: torch.Tensor, noise_multiplier: float, columns: int,
+                         rows: int) -> torch.Tensor:
+    """The smallest variance divided by: twice the noise's standard deviation in the released variance
+    E[u²] − mean² (each moment's noise has deviation r = σ√(2d)/N, so the variance's is at most
+    r·(1 + 2|mean|)), and never below ``MIN_STD``² (a constant column stays bounded)."""
+    resolution = noise_multiplier * math.sqrt(2 * columns) / rows
+    return (2 * resolution * (1 + 2 * mean.abs())).clamp_min(MIN_STD ** 2)
 
 
 def secret_randomness(seed: int | None) -> Randomness:
