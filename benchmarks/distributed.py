@@ -8,7 +8,8 @@ per-sample clipping, the all-reduce of the clipped sums, the noise and the ledge
 from os.urandom, and seeded noise for comparison) and the bytes
 each rank hands to the collectives per step: for non-private DDP, counted in a DDP communication hook
 (its gradient buckets); otherwise counted around ``torch.distributed``'s all-reduce, all-gather
-(output, the gathered parameters) and reduce-scatter (input, the full-size gradients or clipped sums).
+(output, the gathered parameters) and reduce-scatter (input, the full-size gradients or clipped sums; a
+list of chunks when the rows do not split evenly over the ranks).
 FSDP2 shards each Linear layer and the root (``fully_shard``).
 
     OMP_NUM_THREADS=1 python benchmarks/distributed.py --worlds 1 2 --steps 20
@@ -31,7 +32,9 @@ import time
 # the seed can remove the noise), here to separate the cost of the secret noise from the rest.
 CONFIGS = ("non-private DDP", "tunefree DDP", "tunefree DDP seeded",
            "non-private FSDP2", "tunefree FSDP2", "tunefree FSDP2 seeded")
-COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single")
+COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "reduce_scatter")
+COLUMNS = {"all-reduce": ("all_reduce",), "all-gather": ("all_gather_single",),
+           "reduce-scatter": ("reduce_scatter_single", "reduce_scatter")}
 
 
 def _model(width: int):
@@ -55,20 +58,22 @@ def _counting_ddp_hook(counter: dict):
 
 @contextlib.contextmanager
 def _counting_collectives(counter: dict):
-    """Within it, every all-reduce (its tensor), all-gather (its output) and reduce-scatter (its input)
-    of ``torch.distributed`` counts its bytes under its name (FSDP2 and tunefree's releases call them)."""
+    """Within it, every all-reduce (its tensor), all-gather (its output) and reduce-scatter (its input,
+    or its chunks) of ``torch.distributed`` counts its bytes under its name (FSDP2 and tunefree call
+    them)."""
     import torch.distributed as dist
 
     originals = {name: getattr(dist, name) for name in COLLECTIVES}
     counted_argument = {"all_reduce": "tensor", "all_gather_single": "output_tensor",
-                        "reduce_scatter_single": "input"}
+                        "reduce_scatter_single": "input", "reduce_scatter": "input_list"}
 
     def counting(name):
         signature = inspect.signature(originals[name])
 
         def counted(*args, **kwargs):
-            tensor = signature.bind(*args, **kwargs).arguments[counted_argument[name]]
-            counter[name] += tensor.numel() * tensor.element_size()
+            tensors = signature.bind(*args, **kwargs).arguments[counted_argument[name]]
+            counter[name] += sum(t.numel() * t.element_size()
+                                 for t in (tensors if isinstance(tensors, list) else [tensors]))
             return originals[name](*args, **kwargs)
         return counted
     for name in COLLECTIVES:
@@ -192,7 +197,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['config']} | {row['world']} | {row['threads']} | {row['params']} | "
-              f"{row['step_ms']:.1f} | " + " | ".join(str(row[name]) for name in COLLECTIVES) + " |")
+              f"{row['step_ms']:.1f} | " + " | ".join(str(sum(row[name] for name in names))
+                                                       for names in COLUMNS.values()) + " |")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,14 @@ tensors, and the tests compare the ranks with each other and with the same run i
 
 from __future__ import annotations
 
+import contextlib
 import math
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from gloo_harness import run_processes
 from torch import nn
@@ -19,6 +22,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
+from tunefree.accumulator import StepAccumulator
+from tunefree.distributed_fsdp import ShardedAccumulator
 from tunefree.errors import PrivacyError
 
 WORLD = 2
@@ -97,6 +102,101 @@ def _run_ranks(scenario, tmp_path: Path) -> list[dict]:
                          collective_timeout_s=COLLECTIVE_TIMEOUT_S)
 
 
+def _wide_model() -> nn.Module:
+    """Five Linear layers, three of 32 x 32: the largest layer holds 1056 of the 3557 parameters."""
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32),
+                         nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 5))
+
+
+class _LiveSums:
+    """Bytes of clipped sums alive at once: each storage handed to the accumulator, or to a
+    reduce-scatter, counts from then until it is freed (a weak reference to the storage: any tensor
+    still holding it, wherever, keeps it counted); the peak is read at each hand-over."""
+
+    def __init__(self):
+        self.alive: dict[int, int] = {}
+        self.peak = 0
+
+    def track(self, tensors) -> None:
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self.alive:
+                self.alive[storage.data_ptr()] = storage.nbytes()
+                weakref.finalize(storage, self.alive.pop, storage.data_ptr(), None)
+        self.peak = max(self.peak, sum(self.alive.values()))
+
+
+@contextlib.contextmanager
+def _watching(accumulator: type, live: _LiveSums, sent: list | None = None, booked: dict | None = None):
+    """Within it: ``live`` tracks every sum booked into ``accumulator`` (the class) and every input of a
+    reduce-scatter; ``sent`` lists each reduce-scatter's inputs (copies); ``booked`` keeps a copy of
+    each sum booked (zeros for a parameter no example reached)."""
+    add, single, chunked = accumulator.add, dist.reduce_scatter_single, dist.reduce_scatter
+
+    def watched_add(self, p, contribution):
+        if contribution is not None:
+            live.track([contribution])
+        if booked is not None:
+            booked[p] = torch.zeros(p.shape) if contribution is None else contribution.detach().clone()
+        add(self, p, contribution)
+
+    def watched(function, inputs_of):
+        def call(*args, **kwargs):
+            inputs = inputs_of(*args, **kwargs)
+            live.track(inputs)
+            if sent is not None:
+                sent.append([t.clone() for t in inputs])
+            return function(*args, **kwargs)
+        return call
+
+    accumulator.add = watched_add
+    dist.reduce_scatter_single = watched(single, lambda output, input, **_: [input])
+    dist.reduce_scatter = watched(chunked, lambda output, inputs, **_: list(inputs))
+    try:
+        yield
+    finally:
+        accumulator.add, dist.reduce_scatter_single, dist.reduce_scatter = add, single, chunked
+
+
+def _old_release(booked: dict, params: list) -> list[torch.Tensor]:
+    """This rank's shards as the release before streaming made them: every full-size sum kept until the
+    step, padded to ⌈rows/W⌉·W rows and reduce-scattered then."""
+    shards = []
+    for p in params:
+        full = booked[p]
+        rows = math.ceil(full.shape[0] / WORLD)
+        padded = torch.cat([full, full.new_zeros(rows * WORLD - full.shape[0], *full.shape[1:])])
+        shard = full.new_empty(rows, *full.shape[1:])
+        dist.reduce_scatter_single(shard, padded)
+        shards.append(shard[:p.to_local().shape[0]])
+    return shards
+
+
+def _streaming(rank: int) -> dict:
+    """Per grouping, one noise-free step of the wide model: the peak bytes of sums alive, the
+    reduce-scatters sent by the end of the backward pass and during the step, and whether the released
+    ``.grad`` shards are those of the release before streaming, bit for bit."""
+    out = {}
+    for grouping in ("all-layer", "per-layer"):
+        engine = _private(_sharded(_wide_model(), layers=5), 0.0, groups=grouping)
+        live, sent, booked = _LiveSums(), [], {}
+        x, y = next(iter(engine.data_loader))
+        with _watching(ShardedAccumulator, live, sent, booked):
+            F.cross_entropy(engine.model(x), y).backward()
+            in_backward = len(sent)
+            engine.optimizer.step()
+        params = [p for group in engine.groups for p in group.params]
+        old = _old_release(booked, params)
+        out[grouping] = {
+            "peak_bytes": live.peak, "sent_in_backward": in_backward, "sent_in_step": len(sent) - in_backward,
+            "params": len(params), "examples": engine.last_step.examples,
+            "nonzero sent": any(t.count_nonzero() for inputs in sent for t in inputs),
+            "same_as_before": all(torch.equal(p.grad.to_local(), shard / engine.optimizer.expected_batch_size)
+                                  for p, shard in zip(params, old))}
+    return out
+
+
 # ---------------------------------------------------------------------------- scenarios (run per rank)
 def _training_scenario(rank: int) -> dict:
     out: dict = {name: _train(_private(_sharded(_model()), 0.0, batch, **options), STEPS)
@@ -104,7 +204,7 @@ def _training_scenario(rank: int) -> dict:
     noisy = _private(_sharded(_model()), SIGMA)
     out["noisy"] = _train(noisy, STEPS)
     out["shard_shapes"] = {n: tuple(p.to_local().shape) for n, p in noisy.model.named_parameters()}
-    out["bytes_per_step"] = noisy.optimizer.release.bytes_per_step()
+    out["bytes_per_step"] = noisy.optimizer.accumulator.bytes_per_step()
     out["grad_is_sharded"] = all(isinstance(p.grad, DTensor) and p.grad.placements == p.placements
                                  for p in noisy.model.parameters())
     # Only the first layer sharded on its own; the root holds the other two (and reshards after forward).
@@ -122,6 +222,7 @@ def _training_scenario(rank: int) -> dict:
     out["noise"] = torch.cat([_full(t).reshape(-1) for draw in noise for t in draw.values()])
     out["local_noise"] = torch.cat([t.to_local().reshape(-1) for t in noise[0].values()])
     out["sensitivity"] = secret.sensitivity
+    out["streaming"] = _streaming(rank)
     return out
 
 
@@ -147,25 +248,40 @@ def _refusal_scenario(rank: int) -> dict:
         out["root not sharded"] = str(error)
 
     class TiedUse(nn.Module):
-        """Reads ``first.weight`` outside ``first``'s forward: an ordinary gradient in FSDP2's tensor."""
+        """Reads ``first.weight`` outside ``first``'s forward on the ranks ``readers``: an ordinary
+        gradient in FSDP2's tensor there."""
 
-        def __init__(self):
+        def __init__(self, readers=range(WORLD)):
             super().__init__()
             self.first, self.last = nn.Linear(6, 6), nn.Linear(6, 3)
+            self.readers = readers
 
         def forward(self, x):
-            return self.last(torch.tanh(self.first(x) + F.linear(x, self.first.weight)))
+            h = self.first(x)
+            if dist.get_rank() in self.readers:
+                h = h + F.linear(x, self.first.weight)
+            return self.last(torch.tanh(h))
 
-    tied = _private(fully_shard(TiedUse()), 0.0)
-    x, y = next(iter(tied.data_loader))
-    F.cross_entropy(tied.model(x), y).backward()
-    before = {n: _full(p) for n, p in tied.model.named_parameters()}
-    try:
-        tied.optimizer.step()
-    except PrivacyError as error:
-        out["tied"] = str(error)
-    out["tied unchanged"] = all(torch.equal(before[n], _full(p)) for n, p in tied.model.named_parameters())
-    out["tied ledger"] = tied.ledger.steps
+    def refused_step(engine) -> dict:
+        """One step, its refusal, and what was sent: each reduce-scatter input, whether it held nonzeros."""
+        sent = []
+        x, y = next(iter(engine.data_loader))
+        with _watching(ShardedAccumulator, _LiveSums(), sent):
+            F.cross_entropy(engine.model(x), y).backward()
+        before = {n: _full(p) for n, p in engine.model.named_parameters()}
+        try:
+            engine.optimizer.step()
+        except PrivacyError as error:
+            message = str(error)
+        return {"error": message, "ledger": engine.ledger.steps, "sent": len(sent),
+                "nonzero sent": any(t.count_nonzero() for inputs in sent for t in inputs),
+                "unchanged": all(torch.equal(before[n], _full(p))
+                                 for n, p in engine.model.named_parameters())}
+
+    out["tied"] = refused_step(_private(fully_shard(TiedUse()), 0.0))
+    # Per-layer groups send their sums inside the backward pass: the raw gradient is foreseen first.
+    out["tied per-layer"] = refused_step(_private(fully_shard(TiedUse()), 0.0, groups="per-layer"))
+    out["tied on rank 0"] = refused_step(_private(fully_shard(TiedUse(readers={0})), 0.0, groups="per-layer"))
     # detach(): a plain FSDP2 model again, whose reduce-scatter averages ordinary gradients.
     engine = _private(_sharded(_model()), 0.0)
     model = engine.detach()
@@ -173,6 +289,31 @@ def _refusal_scenario(rank: int) -> dict:
     F.cross_entropy(model(x), y).backward()
     out["detached grads"] = {n: _full(p.grad) for n, p in model.named_parameters()}
     return out
+
+
+def _failed_rank_scenario(rank: int) -> dict:
+    """A clean step, then a step whose norms overflow on rank 0 only (an infinite input): rank 0 refuses
+    it at the end of its backward pass, after its sums were sent, and leaves the run; rank 1 must not
+    release what it received."""
+    engine = _private(_sharded(_model()), SIGMA)
+    shards = list(engine.model.parameters())  # the module may hold unsharded ones after a failed backward
+    batches = iter(engine.data_loader)
+    for step in range(2):
+        x, y = next(batches)
+        if step == 1 and rank == 0:
+            x = torch.cat([torch.full_like(x[:1], math.inf), x])
+            y = torch.cat([y[:1], y])
+            engine.schedule.batch_examples += 1  # the loader's count of the batch, as if it had drawn it
+        engine.optimizer.zero_grad()
+        before = [p.to_local().clone() for p in shards]
+        try:
+            F.cross_entropy(engine.model(x), y).backward()
+            engine.optimizer.step()
+        except Exception as error:  # noqa: BLE001 - rank 0's PrivacyError, rank 1's failed collective
+            return {"failed at step": step + 1, "error": f"{type(error).__name__}: {error}",
+                    "ledger": engine.ledger.steps,
+                    "unchanged": all(torch.equal(b, p.to_local()) for b, p in zip(before, shards))}
+    return {"failed at step": None}
 
 
 # ---------------------------------------------------------------------------- tests
@@ -277,6 +418,55 @@ def test_sums_are_communicated_once_padded_to_the_shards(training):
     assert training[0]["bytes_per_step"] == 4 * expected
 
 
+def test_clipped_sums_are_sent_during_the_backward_pass(training):
+    """Each parameter's sum is reduce-scattered once, before the backward pass returns; the step sends
+    none (its one collective is the 4-byte agreement)."""
+    for rank in training:
+        for seen in rank["streaming"].values():
+            assert seen["sent_in_backward"] == seen["params"] == 10 and seen["sent_in_step"] == 0
+            assert seen["nonzero sent"] and seen["examples"] > 0
+
+
+def test_a_rank_holds_one_layer_of_full_size_sums_not_the_model(training):
+    """Measured: the bytes of sums alive at once on a rank (every storage booked or sent, until freed)
+    stay within the largest layer (plus one padded shard), for both groupings. The same probe on one
+    process, whose accumulator keeps every sum until the step, sees the whole model."""
+    model = _wide_model()
+    largest = max(sum(p.numel() for p in m.parameters()) for m in model if isinstance(m, nn.Linear))
+    shard = max(math.ceil(p.shape[0] / WORLD) * (p.numel() // p.shape[0]) for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    assert (largest, total) == (1056, 3557)
+    live = _LiveSums()
+    engine = _private(model, 0.0)
+    x, y = next(iter(engine.data_loader))
+    with _watching(StepAccumulator, live):
+        F.cross_entropy(engine.model(x), y).backward()
+        engine.optimizer.step()
+    assert live.peak >= 4 * total
+    for rank in training:
+        for seen in rank["streaming"].values():
+            assert 4 * largest <= seen["peak_bytes"] <= 4 * (largest + shard), seen["peak_bytes"]
+
+
+def test_released_shards_are_bit_identical_to_the_release_at_the_step(training):
+    """Noise-free: the released ``.grad`` shards equal, bit for bit, those of the release before streaming
+    (every full-size sum kept to the step, then padded and reduce-scattered)."""
+    for rank in training:
+        for seen in rank["streaming"].values():
+            assert seen["same_as_before"]
+
+
+def test_a_rank_failing_after_its_sums_were_sent_stops_every_rank(tmp_path):
+    """Streaming sends the sums before the step's checks; the step's agreement keeps the other ranks from
+    releasing them: rank 1 fails at it (rank 0 never arrives) with its weights and ledger untouched."""
+    first, second = _run_ranks(_failed_rank_scenario, tmp_path)
+    assert first["failed at step"] == second["failed at step"] == 2
+    assert "PrivacyError" in first["error"] and "NaN, infinite" in first["error"]
+    assert "PrivacyError" not in second["error"]
+    for rank in (first, second):
+        assert rank["unchanged"] and rank["ledger"] == 1
+
+
 def test_refusals_and_a_raw_gradient_fail_closed(tmp_path):
     first, second = _run_ranks(_refusal_scenario, tmp_path)
     for rank in (first, second):
@@ -288,8 +478,17 @@ def test_refusals_and_a_raw_gradient_fail_closed(tmp_path):
             assert f"{option} is not supported with FSDP2 (fully_shard)" in message
         assert "root is not sharded by FSDP2" in rank["root not sharded"]
         assert "fully_shard(model)" in rank["root not sharded"]
-        assert "['first.weight'] received ordinary (non-private) gradients" in rank["tied"]
-        assert rank["tied unchanged"] and rank["tied ledger"] == 0
+        for run in ("tied", "tied per-layer"):
+            assert "['first.weight'] received ordinary (non-private) gradients" in rank[run]["error"]
+            # every rank sent zeros in place of its sums (once per parameter), and nothing was applied
+            assert rank[run]["sent"] == 4 and not rank[run]["nonzero sent"]
+            assert rank[run]["unchanged"] and rank[run]["ledger"] == 0
+    # A raw gradient on rank 0 only: rank 0 sends zeros, rank 1 its sums; both refuse the step.
+    assert "['first.weight'] received ordinary" in first["tied on rank 0"]["error"]
+    assert "parameters on another rank received ordinary" in second["tied on rank 0"]["error"]
+    assert not first["tied on rank 0"]["nonzero sent"] and second["tied on rank 0"]["nonzero sent"]
+    for rank in (first, second):
+        assert rank["tied on rank 0"]["unchanged"] and rank["tied on rank 0"]["ledger"] == 0
     # after detach, FSDP2 reduce-scatters the (ordinary) gradients of both ranks' examples again
     model = _model()
     x, y = _data().tensors

@@ -1,9 +1,11 @@
 """``StepAccumulator``: what one logical step has booked so far.
 
-The engine writes into it after each backward pass (the clipped sums ``Σᵢ wᵢ gᵢ``, the number of examples
-and each clip group's per-sample norms); the optimizer pops it once per logical step and releases the sums
-through the gradient mechanism. It also enforces that each physical batch is booked by one backward pass
-only, so that no example adds more than one clipped gradient per step.
+The engine writes into it during and after each backward pass (each parameter's clipped sum ``Σᵢ wᵢ gᵢ``
+the moment its clip group is clipped, the number of examples and each clip group's per-sample norms); the
+optimizer pops it once per logical step and releases the sums through the gradient mechanism (an FSDP2
+run books into ``distributed_fsdp.ShardedAccumulator``, which keeps only this rank's shard of each sum).
+It also enforces that each physical batch is booked by one backward pass only, so that no example adds
+more than one clipped gradient per step.
 """
 
 from __future__ import annotations
@@ -43,8 +45,12 @@ class StepAccumulator:
         self._booked.add(serial)
         return True
 
-    def add(self, p: nn.Parameter, contribution: torch.Tensor) -> None:
-        """Add a clipped, weighted per-sample gradient sum for ``p``."""
+    def add(self, p: nn.Parameter, contribution: torch.Tensor | None) -> None:
+        """Add a clipped, weighted per-sample gradient sum for ``p`` (``None``: no example of this
+        backward pass reached ``p``). The engine books every trainable parameter once per backward pass,
+        clip group after clip group, each in its parameters' order."""
+        if contribution is None:
+            return
         total = self._sums.get(p)
         if total is None:
             self._sums[p] = contribution.to(accumulation_dtype(p.dtype)).reshape(p.shape)

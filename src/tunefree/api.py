@@ -18,6 +18,7 @@ from .clipping import ClipFunction
 from .data.poisson import StepSchedule, from_loader, planned_steps, sample_rate_of
 from .distributed import DataParallel, DistributedRelease, check_same_run, data_parallel, run_identity
 from .distributed_fsdp import (
+    ShardedAccumulator,
     ShardedDataParallel,
     ShardedRelease,
     check_sharded_options,
@@ -468,7 +469,9 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
     module = model if parallel is None else parallel.module
     ledger = Ledger(poisson_approximation=not poisson_sampling)
     # Hooks go on last, so that a refused argument leaves the model as it was given.
-    accumulator = StepAccumulator()  # the engine books into it, the optimizer releases from it
+    # The engine books into it, the optimizer releases from it; FSDP2 keeps only this rank's shards.
+    accumulator = ShardedAccumulator(parallel, clip_groups) if isinstance(parallel, ShardedDataParallel) \
+        else StepAccumulator()
     clipping_engine = ClippingEngine(module, clip_groups, clip, loss_reduction, accumulator)
     clipping_engine.batch_source = schedule  # the Poisson loader tells the engine each batch's examples
     if not randomness.secure:  # a seeded run repeats bit for bit: no norm path picked by a timing

@@ -13,10 +13,13 @@ for them and FSDP2's own reduce-scatter has nothing to reduce (it is switched of
 norms need no communication: a layer rule computes them from the layer's inputs and output gradients,
 which are whole on each rank (each rank holds its own examples and the full layer during its call).
 
-At the step, :class:`ShardedRelease` reduce-scatters each parameter's clipped sum (full size on every
-rank) so that rank r receives the sum over all ranks of its own shard, adds the Gaussian noise of its
-own shard's coordinates (each coordinate noised by exactly one rank: total variance σ²S² whatever the
-world size) and writes the result as the sharded ``.grad``. Every rank records the same event.
+The clipped sums never wait, full size, for the step: :class:`ShardedAccumulator` reduce-scatters each
+parameter's sum into FSDP2's dim-0 shards the moment the engine completes it (per-layer groups: in the
+backward pass, as each layer is clipped; all-layer groups: as each weighted sum is formed) and keeps only
+this rank's shard, the sum over all ranks of its own rows. At the step, :class:`ShardedRelease` has the
+ranks agree that none found an ordinary gradient, then adds the Gaussian noise of this rank's shard
+(each coordinate noised by exactly one rank: total variance σ²S² whatever the world size) and writes the
+result as the sharded ``.grad``. Every rank records the same event.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ import dp_accounting as dpa
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
+from .accumulator import StepAccumulator, StepResult
 from .dtypes import accumulation_dtype
 from .errors import PrivacyError
 from .grouping import ClipGroup
@@ -106,11 +111,11 @@ class ShardedDataParallel:
         return next(self.module.parameters()).device
 
     def raw_gradients(self) -> list[str]:
-        """Parameters whose unsharded tensor holds an ordinary (non-private) gradient: a use the engine
-        did not see (e.g. a parameter read outside its module's forward)."""
+        """Parameters whose unsharded tensor holds an ordinary (non-private) gradient, or, called inside a
+        backward pass, will receive one in it: a use the engine did not see (e.g. a parameter read
+        outside its module's forward)."""
         return sorted(str(fsdp_param._param_fqn) for fsdp_param in self._fsdp_params()
-                      if getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None) is not None
-                      or fsdp_param.unsharded_accumulated_grad is not None)
+                      if _receives_raw_gradient(fsdp_param))
 
     def _param_groups(self) -> Iterator[tuple]:
         """FSDP2's ``(state, parameter group)`` pairs of the model, each once."""
@@ -125,6 +130,16 @@ class ShardedDataParallel:
     def _fsdp_params(self) -> Iterator:
         for _, group in self._param_groups():
             yield from group.fsdp_params
+
+
+def _receives_raw_gradient(fsdp_param) -> bool:
+    """Whether FSDP2's unsharded tensor of a parameter holds an ordinary gradient, or will receive one
+    in the backward pass now running (autograd's graph reaches its gradient accumulator)."""
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    if fsdp_param.unsharded_accumulated_grad is not None or getattr(unsharded, "grad", None) is not None:
+        return True
+    return (unsharded is not None and unsharded.requires_grad and torch._C._current_graph_task_id() != -1
+            and torch._C._will_engine_execute_node(get_gradient_edge(unsharded).node))
 
 
 # Layer rules whose per-sample gradients need the layer's inputs and output gradients only (of the
@@ -189,12 +204,101 @@ def sharded_data_parallel(model: nn.Module) -> ShardedDataParallel | None:
     return ShardedDataParallel(model)
 
 
+class ShardedAccumulator(StepAccumulator):
+    """The step's bookings of an FSDP2 run, each clipped sum kept as this rank's shard only: the engine
+    books each parameter's full-size sum the moment it is complete, and it is reduce-scattered at once
+    into FSDP2's dim-0 shards (:func:`_launch_reduce_scatter`), so that rank r receives the sum over all
+    ranks of its own rows; the full-size sum is freed as soon as its reduce-scatter completes. At most
+    one reduce-scatter is in flight (asynchronous: it travels while the engine forms the next sum), so a
+    rank holds at most two full-size sums at once, not the model's.
+
+    The collectives match across ranks because the engine books every parameter once per backward pass,
+    in an order that does not depend on the data (clip group after clip group as the backward pass
+    reaches them, each in its parameters' order), a rank with no example included: it sends zeros.
+
+    Fail closed: before sending the first sum of a step, the rank looks for ordinary (non-private)
+    gradients, held or coming in the running backward pass (:meth:`ShardedDataParallel.raw_gradients`);
+    if it finds any it sends zeros in place of every sum of the step, keeping its place in the
+    collectives, and :class:`ShardedRelease` refuses the step on every rank. What travels is internal to
+    the run: nothing is released before the release's noise, which every rank adds only once all have
+    agreed to release.
+    """
+
+    def __init__(self, parallel: ShardedDataParallel, groups: Sequence[ClipGroup]):
+        super().__init__()
+        self.parallel, self.groups = parallel, list(groups)
+        self._shards: dict[nn.Parameter, torch.Tensor] = {}
+        self._in_flight: tuple | None = None  # (parameter, padded shard, work, inputs kept alive)
+        self._withheld: bool | None = None  # this step's sums replaced by zeros; None: not checked yet
+
+    def add(self, p: nn.Parameter, contribution: torch.Tensor | None) -> None:
+        """Send ``p``'s complete clipped sum of this backward pass (zeros for ``None``, or when the step
+        is withheld) to the ranks owning its rows, once the previous sum has arrived."""
+        if self._withheld is None:
+            self._withheld = bool(self.parallel.raw_gradients())
+        self._receive_in_flight()
+        dtype = accumulation_dtype(p.dtype)
+        if contribution is None or self._withheld:
+            full = torch.zeros(p.shape, dtype=dtype, device=p.device)
+        else:
+            full = contribution.to(dtype).reshape(p.shape)
+        del contribution  # the full-size sum lives on only as the reduce-scatter's input
+        shard, work, inputs = _launch_reduce_scatter(full, self.parallel.group, self.parallel.world_size)
+        self._in_flight = (p, shard, work, inputs)
+
+    def _receive_in_flight(self) -> None:
+        """Wait for the reduce-scatter in flight, keep this rank's rows of it (added to those of an
+        earlier pass of the step, if any) and free its full-size input."""
+        if self._in_flight is None:
+            return
+        p, shard, work, _ = self._in_flight
+        self._in_flight = None
+        work.wait()
+        local = shard.narrow(0, 0, p.to_local().shape[0])
+        earlier = self._shards.get(p)
+        self._shards[p] = local if earlier is None else earlier.add_(local)
+
+    def pop(self) -> StepResult:
+        """The step's bookings, with this rank's shard of every sum the ranks sent (a parameter no
+        backward pass of the step reached on any rank has none: its sum is zero)."""
+        self._receive_in_flight()
+        result = super().pop()
+        result.sums, self._shards, self._withheld = self._shards, {}, None
+        return result
+
+    def bytes_per_step(self) -> int:
+        """Bytes each rank puts into the reduce-scatters of one step: the clipped sums, in their
+        accumulation dtype, padded to FSDP2's shards."""
+        world = self.parallel.world_size
+        return sum(math.ceil(p.shape[0] / world) * world * (p.numel() // p.shape[0])
+                   * accumulation_dtype(p.dtype).itemsize for g in self.groups for p in g.params)
+
+
+def _launch_reduce_scatter(full: torch.Tensor, group: dist.ProcessGroup, world: int
+                           ) -> tuple[torch.Tensor, dist.Work, object]:
+    """Launch the reduce-scatter of ``full`` into FSDP2's padded dim-0 shards: ⌈rows/W⌉ rows each, the
+    last ones shorter or empty (padded with zero rows, which no rank keeps). Returns the padded shard
+    this rank receives, the work, and the inputs, which must stay alive until the work completes: the
+    tensor itself, or for uneven rows its whole chunks as views and the short ones padded (copies of
+    at most one shard each, never of the whole tensor)."""
+    rows = math.ceil(full.shape[0] / world)
+    shard = full.new_empty(rows, *full.shape[1:])
+    full = full.contiguous()
+    if rows * world == full.shape[0]:
+        return shard, dist.reduce_scatter_single(shard, full, group=group, async_op=True), full
+    chunks = [full.narrow(0, min(r * rows, full.shape[0]), max(0, min(rows, full.shape[0] - r * rows)))
+              for r in range(world)]
+    chunks = [c if c.shape[0] == rows else torch.cat([c, c.new_zeros(rows - c.shape[0], *c.shape[1:])])
+              for c in chunks]
+    return shard, dist.reduce_scatter(shard, chunks, group=group, async_op=True), chunks
+
+
 class ShardedRelease(GradientRelease):
-    """The gradient release of an FSDP2 run: each parameter's clipped sum (full size on every rank) is
-    reduce-scattered into FSDP2's dim-0 shards, and each rank adds the noise of its own shard's
-    coordinates, so that every coordinate receives exactly one draw (total variance σ²S² whatever the
-    world size) and rank r ends with rank r's rows of one process's release on the union batch. The
-    released ``.grad`` of each parameter is a DTensor placed as the parameter.
+    """The gradient release of an FSDP2 run: each rank holds its shard of every parameter's sum over all
+    ranks (:class:`ShardedAccumulator`) and adds the noise of its own shard's coordinates, so that every
+    coordinate receives exactly one draw (total variance σ²S² whatever the world size) and rank r ends
+    with rank r's rows of one process's release on the union batch. The released ``.grad`` of each
+    parameter is a DTensor placed as the parameter.
 
     Who draws the noise: with secret randomness, each rank its own shard, from its own ``os.urandom``.
     Seeded, every rank draws the whole noise in one process's order and keeps its own rows: the noise
@@ -212,40 +316,27 @@ class ShardedRelease(GradientRelease):
 
     def release(self, sums: dict[nn.Parameter, torch.Tensor], thresholds: Mapping[str, float]
                 ) -> tuple[dict[nn.Parameter, torch.Tensor], dpa.DpEvent]:
-        """This rank's shard of the noisy sum of every rank's clipped sums. A raw gradient on this rank
-        is refused before anything is communicated; a rank that fails or never arrives makes the
-        reduce-scatter fail (after the process group's timeout) before anything is released here."""
+        """This rank's shard of the noisy sum of every rank's clipped sums; ``sums`` holds this rank's
+        shards (:meth:`ShardedAccumulator.pop`; a parameter without one has sum zero on every rank).
+        The ranks first agree that none holds a raw gradient (one all-reduce): if any does, every rank
+        refuses the step before any noise is drawn, anything is released or recorded. A rank that
+        fails or never arrives makes that agreement fail (after the process group's timeout)."""
         leaked = self.parallel.raw_gradients()
-        if leaked:
+        if not self.parallel.every_rank(not leaked):
+            where = f"parameters {leaked}" if leaked else "parameters on another rank"
             raise PrivacyError(
-                f"parameters {leaked} received ordinary (non-private) gradients in FSDP2's unsharded "
-                "tensors: a parameter was used outside the forward of the module that owns it. Use it "
-                "only through its module; nothing of this step is released")
+                f"{where} received ordinary (non-private) gradients in FSDP2's unsharded tensors: a "
+                "parameter was used outside the forward of the module that owns it. Use it only "
+                "through its module; nothing of this step is released")
         stds = self.param_stds(thresholds)
-        in_flight = [(p, *self._reduce_scatter(p, self.clipped_sum(p, sums.get(p)))) for p, _ in stds]
-        shards = {}
-        for p, shard, work in in_flight:
-            work.wait()
-            shards[p] = shard.narrow(0, 0, p.to_local().shape[0])
+        shards = {p: sums[p] if p in sums else self._zero_shard(p) for p, _ in stds}
         add_shard_noise(shards, stds, self.randomness, self.parallel.shard)
         return {p: _as_sharded(shards[p], p) for p, _ in stds}, self.event()
 
-    def _reduce_scatter(self, p: nn.Parameter, full: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
-        """Launch the reduce-scatter of ``full`` (p's shape) into FSDP2's padded dim-0 shards."""
-        world = self.parallel.world_size
-        rows = math.ceil(full.shape[0] / world)  # FSDP2's (torch.chunk's) padded shard
-        if rows * world != full.shape[0]:
-            full = torch.cat([full, full.new_zeros(rows * world - full.shape[0], *full.shape[1:])])
-        shard = full.new_empty(rows, *full.shape[1:])
-        work = dist.reduce_scatter_single(shard, full.contiguous(), group=self.parallel.group, async_op=True)
-        return shard, work
-
-    def bytes_per_step(self) -> int:
-        """Bytes each rank puts into the reduce-scatters of one step: the clipped sums, in their
-        accumulation dtype, padded to FSDP2's shards."""
-        world = self.parallel.world_size
-        return sum(math.ceil(p.shape[0] / world) * world * (p.numel() // p.shape[0])
-                   * accumulation_dtype(p.dtype).itemsize for g in self.groups for p in g.params)
+    @staticmethod
+    def _zero_shard(p: nn.Parameter) -> torch.Tensor:
+        local = p.to_local()
+        return torch.zeros(local.shape, dtype=accumulation_dtype(p.dtype), device=local.device)
 
 
 def _as_sharded(local: torch.Tensor, like: nn.Parameter) -> torch.Tensor:

@@ -600,17 +600,32 @@ class ClippingEngine:
         return self._pass.pending[group.name] == 0
 
     def _clip_group(self, group: ClipGroup) -> None:
-        """Clip weights from the group's per-sample norms, and its clipped sums into the accumulator.
-        The largest parameter whose norms are not yet known (for per-layer groups: the layer's weight)
-        forms its norms, weights and sum in one pass (``PerSampleGrad.clipped_sum``); the others get the
-        same weights."""
+        """Clip weights from the group's per-sample norms, and its clipped sums into the accumulator,
+        one parameter at a time in the group's order (``None`` for a parameter no example of this pass
+        reached): every parameter's sum is complete when it is booked, and is formed only when its turn
+        comes, so that an accumulator that sends each sum on (FSDP2) holds few of them at once and
+        receives them in the same order on every rank, one with no example included."""
         if group.name in self._pass.clipped_groups:
             return
         self._pass.clipped_groups.add(group.name)
-        per_param, known = self._pass.per_param, self._pass.sq_norms
+        per_param = self._pass.per_param
         present = [p for p in group.params if p in per_param]
-        if not present:
-            return
+        weights, fused = self._clip_weights(group, present) if present else (None, {})
+        for p in group.params:
+            if p in fused:
+                self.accumulator.add(p, fused.pop(p))
+            elif p in per_param:
+                self.accumulator.add(p, per_param.pop(p).weighted_sum(weights))
+            else:
+                self.accumulator.add(p, None)
+
+    def _clip_weights(self, group: ClipGroup, present: list[nn.Parameter]
+                      ) -> tuple[torch.Tensor, dict[nn.Parameter, torch.Tensor]]:
+        """The group's clip weights from its per-sample norms (booked, with their overflow check) and
+        the clipped sum of the largest parameter whose norms were not yet known (for per-layer groups:
+        the layer's weight), formed with its norms and weights in one pass
+        (``PerSampleGrad.clipped_sum``); the group's other parameters get the same weights."""
+        per_param, known = self._pass.per_param, self._pass.sq_norms
         scale = float(self._pass.batch) if self.loss_reduction == "mean" else 1.0
         threshold = self.thresholds[group.name]
 
@@ -619,21 +634,20 @@ class ClippingEngine:
 
         pending = [p for p in present if p not in known]
         fused = max(pending, key=lambda p: p.numel()) if pending else None
-        others = [p for p in present if p is not fused]
         sq = torch.zeros(self._pass.batch, dtype=norm_dtype(present[0].dtype), device=present[0].device)
-        for p in others:
-            sq = sq + (known.pop(p) if p in known else per_param[p].sq_norms())
+        for p in present:
+            if p is not fused:
+                sq = sq + (known.pop(p) if p in known else per_param[p].sq_norms())
+        sums = {}
         if fused is None:
             weights = weights_of(sq)
         else:
             result = per_param.pop(fused).clipped_sum(sq, weights_of)
-            self.accumulator.add(fused, result.total)
-            sq, weights = sq + result.sq_norms, result.weights
-        for p in others:
-            self.accumulator.add(p, per_param.pop(p).weighted_sum(weights))
+            sums[fused], sq, weights = result.total, sq + result.sq_norms, result.weights
         norms = sq.sqrt() * scale
         self._pass.finite_checks.append((group.name, (norms < NORM_LIMIT).all()))
         self.accumulator.add_norms(group.name, norms)
+        return weights, sums
 
     def _end_of_backward(self) -> None:
         with torch.no_grad():

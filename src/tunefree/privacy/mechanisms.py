@@ -146,8 +146,9 @@ def add_shard_noise(shards: Mapping[nn.Parameter, torch.Tensor], params: Sequenc
 
     Secret randomness: each rank draws its own rows' noise from its own ``os.urandom``. Seeded: every
     rank draws one process's noise (by device and precision, in release order, as
-    ``GradientRelease.release`` does) and keeps its own rows, so the noise is that of one process with
-    that seed and every rank's stream stays at the same place."""
+    ``GradientRelease.release`` does; one parameter at a time, the same numbers as one draw of all)
+    and keeps its own rows, so the noise is that of one process with that seed and every rank's stream
+    stays at the same place."""
     noised = [(p, std) for p, std in params if std > 0]
     if randomness.secure:
         for p, std in noised:
@@ -158,8 +159,8 @@ def add_shard_noise(shards: Mapping[nn.Parameter, torch.Tensor], params: Sequenc
     for p, std in noised:
         by_kind.setdefault((shards[p].device, shards[p].dtype), []).append((p, std))
     for (device, dtype), entries in by_kind.items():
-        draws = randomness.normals([p.shape for p, _ in entries], device, dtype)
-        for (p, std), noise in zip(entries, draws):
+        for p, std in entries:
+            noise = randomness.normal(p.shape, device, dtype)
             start = math.ceil(p.shape[0] / world_size) * rank
             shards[p] += std * noise[start:start + shards[p].shape[0]]
 
