@@ -102,6 +102,10 @@ class AdaptiveQuantile:
             raise TypeError(f"AdaptiveQuantile.rescale must be True or False, got {self.rescale!r}")
 
 
+_DOG_FIELDS = ("initial_distance", "noise_budget")
+_HYFREEDP_FIELDS = ("interval", "loss_privacy", "gradient_noise_increase", "probes", "initial_lr")
+
+
 @dataclass(frozen=True)
 class AutoLR:
     """The automatic learning rate (``lr="auto"`` is ``AutoLR()``).
@@ -150,17 +154,13 @@ class AutoLR:
         _positive("AutoLR.initial_distance", self.initial_distance)
         if self.noise_budget is not None:
             _positive("AutoLR.noise_budget", self.noise_budget)
-        default = AutoLR.__dataclass_fields__
-        own = ("initial_distance", "noise_budget") if self.mode == "dog" else (
-            "interval", "loss_privacy", "gradient_noise_increase", "probes", "initial_lr")
-        foreign = [name for name in ("interval", "loss_privacy", "gradient_noise_increase", "probes",
-                                     "initial_lr", "initial_distance", "noise_budget")
-                   if name not in own and getattr(self, name) != default[name].default]
+        other_modes = _HYFREEDP_FIELDS if self.mode == "dog" else _DOG_FIELDS
+        fields = AutoLR.__dataclass_fields__
+        foreign = [name for name in other_modes if getattr(self, name) != fields[name].default]
         if foreign:
             raise ValueError(f"AutoLR({', '.join(foreign)}) has no effect with mode={self.mode!r}: drop "
-                             f"{'it' if len(foreign) == 1 else 'them'}, or choose the mode "
-                             f"{'they belong' if len(foreign) > 1 else 'it belongs'} to ('dog': "
-                             "initial_distance, noise_budget; 'safeguarded'/'paper': the others)")
+                             f"them, or choose their mode ('dog': {', '.join(_DOG_FIELDS)}; "
+                             f"'safeguarded'/'paper': {', '.join(_HYFREEDP_FIELDS)})")
 
     @property
     def releases_per_update(self) -> int:
