@@ -150,7 +150,7 @@ def run(task: Task, method: str, lr: float | None, sigma: float | None, seed: in
         auto: tunefree.AutoLR | None = None) -> dict:
     """One training run; ``sigma`` None is non-private. Returns accuracies (of the averaged weights and
     of the last iterate), ε, lr at the end, time."""
-    from tunefree.autolr_dog import AVERAGING
+    from tunefree.autolr_dog import update_average
 
     torch.manual_seed(seed)
     model = task.model()
@@ -191,10 +191,8 @@ def run(task: Task, method: str, lr: float | None, sigma: float | None, seed: in
             optimizer.step((lambda x=x, y=y: F.cross_entropy(model(x), y, reduction="none"))
                            if component is not None else None)
             taken += 1
-            weight = (AVERAGING + 1) / (taken + AVERAGING)
             with torch.no_grad():
-                for mean, p in zip(average, params):
-                    mean.mul_(1 - weight).add_(p.detach(), alpha=weight)
+                update_average(average, params, taken)
             if taken == steps:
                 break
     seconds = time.perf_counter() - start

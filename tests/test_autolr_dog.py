@@ -199,6 +199,27 @@ def test_polynomial_average():
     target = nn.Parameter(torch.zeros(3, dtype=torch.float64))
     rule.apply_average([target])
     torch.testing.assert_close(target.detach(), expected)
+    with rule.averaged():  # by default, the optimizer's own parameter, put back after the block
+        torch.testing.assert_close(last.detach(), expected)
+    assert not torch.equal(last.detach(), expected)
+    rule.apply_average()
+    torch.testing.assert_close(last.detach(), expected)
+
+
+def test_averaged_weights_go_only_where_they_fit():
+    """A list in another order, or one with a frozen parameter more, is refused rather than written
+    wrongly; a rule loaded from a checkpoint has no parameters to write into until it steps."""
+    rule, *_ = run_rule(GRADIENTS)
+    for wrong in ([nn.Parameter(torch.zeros(4, dtype=torch.float64))],
+                  [nn.Parameter(torch.zeros(3, dtype=torch.float64))] * 2):
+        with pytest.raises(ValueError, match="shapes are not those"):
+            rule.apply_average(wrong)
+    loaded = DistanceOverGradients(KnownNoise([], 0.0), 4.0)
+    loaded.load_state_dict(rule.state_dict())
+    with pytest.raises(ValueError, match="not stepped since it was loaded"):
+        loaded.apply_average()
+    with pytest.raises(ValueError, match="no step was taken"):
+        DistanceOverGradients(KnownNoise([], 0.0), 4.0).apply_average()
 
 
 def data(n=64):
@@ -258,6 +279,21 @@ def test_make_private_spends_the_noise_budget_over_the_planned_steps():
     assert other.dog_lr.noise_budget is None and max(other.dog_lr.history) > max(rule.history)
     with pytest.raises(ValueError, match="noise_budget"):
         other.load_state_dict(engine.state_dict())
+
+
+def test_lr_auto_without_a_planned_length_is_refused_unless_its_budget_is_off():
+    """The noise budget is spent over the planned steps: with σ given and no length there are none."""
+    torch.manual_seed(0)
+    model = MLP()
+
+    def make(auto):
+        return tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=1.0),
+                                     DataLoader(data(), batch_size=16), noise_multiplier=1.0,
+                                     target_delta=1e-3, lr=auto, seed=0)
+    with pytest.raises(ValueError, match="give epochs or steps"):
+        make("auto")
+    engine = make(tunefree.AutoLR(noise_budget=None))
+    assert engine.dog_lr.noise_budget is None and engine.dog_lr.planned_steps is None
 
 
 def test_dog_options():

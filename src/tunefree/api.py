@@ -128,7 +128,7 @@ class DPEngine:
     @property
     def dog_lr(self) -> DistanceOverGradients | None:
         """The DoG learning rate of ``AutoLR(mode="dog")`` (``None`` otherwise); after training,
-        ``engine.dog_lr.apply_average(list(model.parameters()))`` loads its averaged weights."""
+        ``engine.dog_lr.apply_average()`` loads its averaged weights into the optimizer's parameters."""
         return next((c for c in self.optimizer.components if isinstance(c, DistanceOverGradients)), None)
 
     @property
@@ -297,9 +297,8 @@ def make_private(
         lr: ``None`` keeps the optimizer's learning rate (and any scheduler). ``"auto"`` (``AutoLR()``)
             sets the step size of plain ``torch.optim.SGD`` from the released gradients alone: noise-aware
             DoG within a noise budget over the planned run (no release, no ε, no closure; see
-            ``tunefree.autolr_dog``); after training,
-            ``engine.dog_lr.apply_average(list(model.parameters()))`` loads its averaged weights, the model
-            to evaluate and keep. ``AutoLR(mode="safeguarded")``
+            ``tunefree.autolr_dog``); after training, ``engine.dog_lr.apply_average()`` loads its
+            averaged weights, the model to evaluate and keep. ``AutoLR(mode="safeguarded")``
             (or ``"paper"``) is HyFreeDP for any optimizer: GeN-DP every ``interval`` steps from privatised
             losses of the current batch, which ``optimizer.step(closure)`` must supply (the closure returns
             per-sample losses; with ``physical_batch_size``, those of the whole logical batch); the
@@ -388,6 +387,9 @@ def _dog(optimizer: torch.optim.Optimizer, release: GradientRelease, plan: Plan)
             "lr=tunefree.AutoLR(mode='safeguarded') (HyFreeDP) for another optimizer; "
             f"got {type(optimizer).__name__}")
     settings = plan.settings["auto_lr"]
+    if plan.steps is None and settings["noise_budget"] is not None:
+        raise ValueError("lr='auto' spends its noise budget over the planned run: give epochs or steps "
+                         "(or lr=tunefree.AutoLR(noise_budget=None) for DoG without it)")
     return DistanceOverGradients(release, plan.expected_batch_size,
                                  initial_distance=settings["initial_distance"], planned_steps=plan.steps,
                                  noise_budget=settings["noise_budget"])

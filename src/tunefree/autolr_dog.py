@@ -93,6 +93,7 @@ class DistanceOverGradients(StepComponent):
         self.lr = math.nan
         self.history: list[float] = []
         self.average: list[torch.Tensor] | None = None  # x̄_t
+        self.params: list[torch.Tensor] | None = None  # the optimizer's parameters, seen at each step
         self.updates = 0
 
     def coordinate_variances(self, thresholds: dict[str, float]) -> list[tuple[int, float]]:
@@ -112,10 +113,7 @@ class DistanceOverGradients(StepComponent):
         with torch.no_grad():
             if self.origin is None:
                 self.origin = [p.detach().clone() for p in params]
-                scale = 1 + _norm(self.origin)
-                self.distance = self.initial_distance * scale
-                if self.noise_budget is not None:
-                    self.walk_budget = (self.noise_budget * scale) ** 2
+                self.distance = self.initial_distance * self._origin_scale()
             weights = [p.detach() for p in params]
             moved, energy = _squared_norms(torch._foreach_sub(weights, self.origin),
                                            [p.grad for p in params if p.grad is not None])
@@ -138,6 +136,13 @@ class DistanceOverGradients(StepComponent):
         step.update.set_lr(self.lr)
         return []
 
+    def _origin_scale(self) -> float:
+        """1 + ‖x₀‖, the scale of DoG's first move and of the noise budget; sets the walk budget."""
+        scale = 1 + math.sqrt(_squared_norms(self.origin)[0])
+        if self.noise_budget is not None:
+            self.walk_budget = (self.noise_budget * scale) ** 2
+        return scale
+
     def _budget_lr(self, walk: float, noise_energy: float) -> float:
         """The largest step that keeps the expected noise walk of the planned run within the budget, the
         budget left (less the walk ``walk`` so far) spent evenly over the steps left; past the planned
@@ -151,27 +156,48 @@ class DistanceOverGradients(StepComponent):
 
     def after_update(self, step: StepContext) -> list[dpa.DpEvent]:
         self.updates += 1
-        weight = (AVERAGING + 1) / (self.updates + AVERAGING)
+        self.params = step.update.params
         with torch.no_grad():
             if self.average is None:
-                self.average = [p.detach().clone() for p in step.update.params]
-            else:  # x̄ ← x̄ + w·(x − x̄)
-                torch._foreach_lerp_(self.average, [p.detach() for p in step.update.params], weight)
+                self.average = [p.detach().clone() for p in self.params]
+            else:
+                update_average(self.average, self.params, self.updates)
         return []
 
-    def apply_average(self, params: list[torch.Tensor]) -> None:
-        """Write the averaged weights into ``params`` (the optimizer's parameters, in order): call once
-        training is done, before evaluating or saving the model."""
-        if self.average is None:
-            raise ValueError("no step was taken yet: there is no averaged model")
+    def apply_average(self, params: list[torch.Tensor] | None = None) -> None:
+        """Write the averaged weights into the optimizer's parameters (or into ``params``, the same
+        tensors' shapes in the optimizer's order): call once training is done, before evaluating or
+        saving the model."""
+        params = self._targets(params)
         with torch.no_grad():
             for p, mean in zip(params, self.average):
                 p.copy_(mean)
 
+    def _targets(self, params: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Where the averaged weights go: ``params`` if given (checked against the average's shapes,
+        so that a list in another order or with frozen parameters is refused, not written wrongly),
+        else the optimizer's parameters of the last step."""
+        if self.average is None:
+            raise ValueError("no step was taken yet: there is no averaged model")
+        if params is None:
+            if self.params is None:
+                raise ValueError("the rule has not stepped since it was loaded: pass the optimizer's "
+                                 "parameters, apply_average(list(optimizer_parameters))")
+            return self.params
+        params = list(params)
+        if [tuple(p.shape) for p in params] != [tuple(m.shape) for m in self.average]:
+            raise ValueError(
+                f"apply_average got {len(params)} tensors whose shapes are not those of the "
+                f"{len(self.average)} parameters the optimizer steps (in its order); call it without "
+                "arguments to write into the optimizer's parameters")
+        return params
+
     @contextmanager
-    def averaged(self, params: list[torch.Tensor]) -> Iterator[None]:
-        """The averaged weights in ``params`` (the optimizer's parameters, in order) while the block runs,
-        e.g. to evaluate the model mid-run; the current weights are put back after it."""
+    def averaged(self, params: list[torch.Tensor] | None = None) -> Iterator[None]:
+        """The averaged weights in the optimizer's parameters (or ``params``, as for
+        :meth:`apply_average`) while the block runs, e.g. to evaluate the model mid-run; the current
+        weights are put back after it."""
+        params = self._targets(params)
         current = [p.detach().clone() for p in params]
         self.apply_average(params)
         try:
@@ -185,16 +211,17 @@ class DistanceOverGradients(StepComponent):
         return {"origin": self.origin, "distance": self.distance, "gradient_energy": self.gradient_energy,
                 "noise_energy_variance": self.noise_energy_variance,
                 "walk_variances": list(self.walk_variances), "lr": self.lr, "average": self.average,
-                "updates": self.updates, "walk_budget": self.walk_budget, "budget_lr": self.budget_lr}
+                "updates": self.updates, "budget_lr": self.budget_lr}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.origin = None if state["origin"] is None else [t.clone() for t in state["origin"]]
         self.distance, self.gradient_energy = state["distance"], state["gradient_energy"]
         self.noise_energy_variance = state["noise_energy_variance"]
         self.walk_variances = list(state["walk_variances"])
-        self.lr, self.updates = state["lr"], state["updates"]
-        self.walk_budget, self.budget_lr = state["walk_budget"], state["budget_lr"]
+        self.lr, self.updates, self.budget_lr = state["lr"], state["updates"], state["budget_lr"]
         self.average = None if state["average"] is None else [t.clone() for t in state["average"]]
+        if self.origin is not None:
+            self._origin_scale()  # the walk budget, derived from the origin
 
 
 def _squared_norms(*parts: list[torch.Tensor]) -> list[float]:
@@ -211,5 +238,6 @@ def _squared_norms(*parts: list[torch.Tensor]) -> list[float]:
     return totals
 
 
-def _norm(tensors: list[torch.Tensor]) -> float:
-    return math.sqrt(sum(float(t.pow(2).sum()) for t in tensors))
+def update_average(average: list[torch.Tensor], params: list[torch.Tensor], step: int) -> None:
+    """DoG's polynomial average after step ``step`` (from 2): x̄ ← x̄ + w·(x − x̄), w = (γ+1)/(t+γ)."""
+    torch._foreach_lerp_(average, [p.detach() for p in params], (AVERAGING + 1) / (step + AVERAGING))

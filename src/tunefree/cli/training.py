@@ -343,7 +343,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
                 break
         epsilon = engine.epsilon(delta)
         seen = max(totals[2], 1)
-        with _model_kept(engine, model):
+        with _model_kept(engine):
             test_accuracy = accuracy(model, data.test)
         progress.update(epoch, i, engine.steps, totals[0] / seen, totals[1] / seen, epsilon, final=True)
         if run:
@@ -353,7 +353,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
     train_seconds = time.perf_counter() - started
     engine.detach()
     if engine.dog_lr is not None:  # the model kept is the automatic learning rate's averaged one
-        engine.dog_lr.apply_average(list(model.parameters()))
+        engine.dog_lr.apply_average()
     audit = None if config.audit_canaries is None else audit_training(engine)
     result = {
         "test_accuracy": test_accuracy, "epsilon": epsilon, "delta": delta, "delta_choice": delta_text,
@@ -396,12 +396,12 @@ def _learning_rate_text(config: TrainConfig, engine: DPEngine) -> str:
     return f"{config.optimizer} at lr = {config.lr:g}, given by --lr"
 
 
-def _model_kept(engine: DPEngine, model: nn.Module) -> contextlib.AbstractContextManager:
+def _model_kept(engine: DPEngine) -> contextlib.AbstractContextManager:
     """The weights of the model the run would keep if it ended now: the averaged ones with the
     automatic learning rate (post-processing of the releases), else the current ones."""
     if engine.dog_lr is None:
         return contextlib.nullcontext()
-    return engine.dog_lr.averaged(list(model.parameters()))
+    return engine.dog_lr.averaged()
 
 
 def _step_record(engine: DPEngine, epoch: int, loss_sum: float, correct: int, size: int
