@@ -26,7 +26,7 @@ import tunefree
 from tunefree.cli import datasets, models
 from tunefree.cli.training import TrainConfig, default_delta, train
 from tunefree.privacy.accounting import epsilon_of
-from tunefree.privacy.calibration import calibrate
+from tunefree.privacy.calibrate import calibrate
 from tunefree.privacy.plan import LossShare, Plan
 
 GRID = (0.001, 0.003, 0.01, 0.02, 0.03, 0.1)

@@ -64,8 +64,8 @@ def crossover(lengths: list[int], d_in: int, d_out: int, batch: int, repeats: in
     at every T here, however far apart the estimates)."""
     import torch
 
-    from tunefree.rules.calibration import GHOST, MATERIALISE, PathChooser
     from tunefree.rules.factored import FactoredGrad, ghost_is_cheaper
+    from tunefree.rules.paths import GHOST, MATERIALISE, PathChooser
 
     rows = []
     for length in lengths:

@@ -27,11 +27,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.engine import ClippingEngine
-from tunefree.optim import DPOptimizer
+from tunefree.persample.engine import ClippingEngine
 from tunefree.privacy.ledger import Ledger
 from tunefree.privacy.mechanisms import GradientRelease
 from tunefree.rules.base import PerSampleGrad
+from tunefree.step.optimizer import DPOptimizer
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 

@@ -150,7 +150,7 @@ def run(task: Task, method: str, lr: float | None, sigma: float | None, seed: in
         auto: tunefree.AutoLR | None = None) -> dict:
     """One training run; ``sigma`` None is non-private. Returns accuracies (of the averaged weights and
     of the last iterate), ε, lr at the end, time."""
-    from tunefree.autolr_dog import update_average
+    from tunefree.components.dog import update_average
 
     torch.manual_seed(seed)
     model = task.model()
@@ -173,7 +173,7 @@ def run(task: Task, method: str, lr: float | None, sigma: float | None, seed: in
         loader, optimizer = engine.data_loader, engine.optimizer
         dog = engine.dog_lr
         if method == "tf-dog":  # the library's component with the noise correction off
-            from tunefree.autolr_dog import DistanceOverGradients
+            from tunefree.components.dog import DistanceOverGradients
             dog = DistanceOverGradients(optimizer.release, optimizer.expected_batch_size, noise_aware=False,
                                         planned_steps=steps)
             optimizer.components.append(dog)

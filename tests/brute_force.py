@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tunefree.clipping import ClipFunction
-from tunefree.grouping import ClipGroup
+from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.groups import ClipGroup
 
 
 def per_example_grads(model: nn.Module, loss_fn, inputs, targets) -> list[dict[nn.Parameter, torch.Tensor]]:

@@ -10,10 +10,10 @@ import torch
 from brute_force import clipped_sum
 from torch import nn
 
-from tunefree.clipping import ClipFunction
-from tunefree.engine import ClippingEngine
-from tunefree.grouping import make_groups
-from tunefree.independence import verify_example_independence
+from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.groups import make_groups
+from tunefree.persample.engine import ClippingEngine
+from tunefree.persample.independence import verify_example_independence
 
 # loss_fn(model, batch) -> one loss per example, shape [n]
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]

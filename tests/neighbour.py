@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.clipping import ClipFunction
+from tunefree.clipping.functions import ClipFunction
 
 
 @dataclass

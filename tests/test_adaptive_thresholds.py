@@ -16,13 +16,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from tunefree import epsilon, make_private
-from tunefree.clipping import CLIP_FUNCTIONS, ClipFunction
-from tunefree.grouping import ClipGroup
-from tunefree.optim import StepReport
+from tunefree.clipping.functions import CLIP_FUNCTIONS, ClipFunction
+from tunefree.clipping.groups import ClipGroup
+from tunefree.components.thresholds import QuantileEstimator, QuantileSettings
 from tunefree.privacy.mechanisms import GradientRelease
 from tunefree.privacy.plan import CountShare, Plan
 from tunefree.privacy.randomness import Randomness
-from tunefree.thresholds import QuantileEstimator, QuantileSettings
+from tunefree.step.component import StepReport
 
 
 @pytest.fixture(autouse=True)

@@ -14,12 +14,12 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "tunefree"
 
 LAYERS: dict[str, int] = {
     "errors": 0, "dtypes": 0,
-    "clipping": 1, "grouping": 1, "rules": 1, "data": 1, "privacy": 1,
-    "accumulator": 2, "engine": 2, "independence": 2, "distributed": 2, "distributed_fsdp": 2,
-    "optim": 3,
-    "thresholds": 4, "autolr": 4, "autolr_dog": 4,
-    "options": 5,
-    "api": 6, "pipeline": 6,
+    "clipping": 1, "rules": 1, "data": 1, "privacy": 1,
+    "persample": 2, "parallel": 2,
+    "step": 3,
+    "components": 4,
+    "config": 5,
+    "api": 6, "run": 6, "pipeline": 6,
     "__init__": 7, "audit": 7, "integrations": 7,
     "cli": 8,
 }

@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.optim import UpdateControl
 from tunefree.privacy.accounting import dominating_gaussian, epsilon_of
+from tunefree.step.component import UpdateControl
 
 
 def quadratic_problem(h=2.0, d=8):

@@ -14,9 +14,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.autolr_dog import AVERAGING, NOISE_BUDGET, SIGNIFICANCE, WALK_MARGIN, DistanceOverGradients
-from tunefree.optim import StepContext, StepReport, UpdateControl
+from tunefree.components.dog import AVERAGING, NOISE_BUDGET, SIGNIFICANCE, WALK_MARGIN, DistanceOverGradients
 from tunefree.privacy.ledger import to_dict
+from tunefree.step.component import StepContext, StepReport, UpdateControl
 
 
 class KnownNoise:

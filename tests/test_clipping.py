@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tunefree.clipping import CLIP_FUNCTIONS, ClipFunction
+from tunefree.clipping.functions import CLIP_FUNCTIONS, ClipFunction
 
 NORMS = torch.tensor([0.0, 1e-45, 1e-30, 1e-12, 1e-6, 0.01, 0.5, 1.0, 3.0, 1e6, 1e30, 3e38])
 

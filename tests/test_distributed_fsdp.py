@@ -22,9 +22,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.accumulator import StepAccumulator
-from tunefree.distributed_fsdp import ShardedAccumulator
 from tunefree.errors import PrivacyError
+from tunefree.parallel.fsdp import ShardedAccumulator
+from tunefree.persample.accumulator import StepAccumulator
 
 WORLD = 2
 N, SEED, STEPS, SIGMA = 64, 7, 3, 1.3

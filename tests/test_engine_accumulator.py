@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tunefree.accumulator import StepAccumulator
+from tunefree.persample.accumulator import StepAccumulator
 
 
 def test_bookings_add_up_and_pop_starts_a_new_step():

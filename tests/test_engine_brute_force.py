@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from brute_force import clipped_sum, per_example_grads
 from models import MLP, ConvNet, EmbeddingModel, FallbackNet, NormNet, SequenceLinear, TiedLM
 
-from tunefree.clipping import CLIP_FUNCTIONS, ClipFunction
-from tunefree.engine import ClippingEngine
-from tunefree.grouping import make_groups
-from tunefree.rules.calibration import PathChooser
+from tunefree.clipping.functions import CLIP_FUNCTIONS, ClipFunction
+from tunefree.clipping.groups import make_groups
+from tunefree.persample.engine import ClippingEngine
+from tunefree.rules.paths import PathChooser
 
 
 def cross_entropy(reduction):

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from models import MLP
 from torch import nn
 
-from tunefree.clipping import ClipFunction
-from tunefree.engine import ClippingEngine
+from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
-from tunefree.grouping import make_groups
+from tunefree.persample.engine import ClippingEngine
 from tunefree.rules.factored import FactoredGrad
 
 

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from models import MLP
 from torch import nn
 
-from tunefree.clipping import ClipFunction
+from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.groups import make_groups
 from tunefree.data.poisson import StepSchedule, from_loader
-from tunefree.engine import ClippingEngine
 from tunefree.errors import PrivacyError
-from tunefree.grouping import make_groups
+from tunefree.persample.engine import ClippingEngine
 from tunefree.privacy.randomness import Randomness
 
 

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from brute_force import clipped_sum, per_example_grads
 from torch import nn
 
-from tunefree.clipping import ClipFunction
-from tunefree.engine import ClippingEngine
+from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
-from tunefree.grouping import make_groups
+from tunefree.persample.engine import ClippingEngine
 
 
 def test_user_forward_hook_registered_before_the_engine_is_exact():

@@ -10,12 +10,12 @@ import torch.nn.functional as F
 from hf_exact import assert_exact
 from torch import nn
 
-from tunefree.clipping import ClipFunction
+from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.groups import make_groups
 from tunefree.data.poisson import StepSchedule
-from tunefree.engine import ClippingEngine
 from tunefree.errors import PrivacyError
-from tunefree.grouping import make_groups
-from tunefree.independence import verify_example_independence
+from tunefree.persample.engine import ClippingEngine
+from tunefree.persample.independence import verify_example_independence
 
 
 class Positions(nn.Module):

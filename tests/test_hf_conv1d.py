@@ -13,9 +13,9 @@ from hf_exact import assert_exact
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from tunefree.clipping import ClipFunction
-from tunefree.engine import ClippingEngine
-from tunefree.grouping import make_groups
+from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.groups import make_groups
+from tunefree.persample.engine import ClippingEngine
 from tunefree.rules import rule_for
 from tunefree.rules.factored import ghost_is_cheaper
 from tunefree.rules.hf_conv1d import HFConv1DRule

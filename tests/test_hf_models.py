@@ -13,10 +13,10 @@ import torch.nn.functional as F
 import transformers as hf
 from hf_exact import assert_exact
 
-from tunefree.clipping import ClipFunction
-from tunefree.engine import ClippingEngine
+from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
-from tunefree.grouping import make_groups
+from tunefree.persample.engine import ClippingEngine
 
 B, L, V = 3, 6, 50
 NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}

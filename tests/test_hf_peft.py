@@ -9,10 +9,10 @@ import transformers as hf
 from hf_exact import assert_exact
 from test_hf_models import ENCODER, V, causal_lm_loss, classification_loss, text_batch, with_labels
 
-from tunefree.clipping import ClipFunction
-from tunefree.engine import ClippingEngine
-from tunefree.grouping import make_groups
-from tunefree.independence import verify_example_independence
+from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.groups import make_groups
+from tunefree.persample.engine import ClippingEngine
+from tunefree.persample.independence import verify_example_independence
 from tunefree.rules.linear import LinearRule
 
 

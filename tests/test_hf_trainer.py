@@ -15,8 +15,8 @@ from hf_exact import per_example_grads
 from test_hf_models import ENCODER, V
 
 import tunefree
-from tunefree.clipping import ClipFunction
-from tunefree.grouping import make_groups
+from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.groups import make_groups
 from tunefree.integrations.hf_trainer import PrivateTrainer, default_example_loss
 
 L = 6

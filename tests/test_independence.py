@@ -3,11 +3,11 @@ import torch
 from mixing_models import CenterMix, FunctionMix, TimeMajorLinear, fallback_mix, hook_mix
 from torch import nn
 
-from tunefree.clipping import ClipFunction
-from tunefree.engine import ClippingEngine
+from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
-from tunefree.grouping import make_groups
-from tunefree.independence import verify_example_independence
+from tunefree.persample.engine import ClippingEngine
+from tunefree.persample.independence import verify_example_independence
 
 
 def engine_for(model):

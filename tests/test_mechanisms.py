@@ -77,7 +77,7 @@ def test_secure_normals_are_standard_and_independent_across_shapes_and_pairs():
 def test_gradient_noise_follows_the_thresholds_it_is_released_at_and_adds_std_times_noise():
     from torch import nn
 
-    from tunefree.grouping import make_groups
+    from tunefree.clipping.groups import make_groups
     from tunefree.privacy.mechanisms import GradientRelease, group_noise_stds
 
     model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))

@@ -18,9 +18,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.clipping import ClipFunction
-from tunefree.engine import ClippingEngine
-from tunefree.grouping import make_groups
+from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.groups import make_groups
+from tunefree.persample.engine import ClippingEngine
 
 BF16_EPS = 2.0 ** -8  # bf16 keeps 8 significant bits: one rounding moves a value by up to 2⁻⁸ relative
 FP16_EPS = 2.0 ** -11

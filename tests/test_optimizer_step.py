@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
 from tunefree import PrivacyError
-from tunefree import optim as optim_module
+from tunefree.step import optimizer as optim_module
 
 HYFREEDP_EVERY_STEP = tunefree.AutoLR(mode="safeguarded", interval=1)
 

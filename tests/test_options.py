@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from tunefree.clipping import CLIP_FUNCTIONS, ClipFunction, register_clip_function
-from tunefree.options import PSAC, Abadi, AdaptiveQuantile, AutoLR, AutoS, AutoV, Fixed, resolve_options
-from tunefree.thresholds import QuantileSettings
+from tunefree.clipping.functions import CLIP_FUNCTIONS, ClipFunction, register_clip_function
+from tunefree.components.thresholds import QuantileSettings
+from tunefree.config import PSAC, Abadi, AdaptiveQuantile, AutoLR, AutoS, AutoV, Fixed, resolve_options
 
 BASE = {"target_delta": 1e-5, "noise_multiplier": 1.0}
 
@@ -132,7 +132,7 @@ def test_registered_clip_function_is_usable_by_name():
 def test_registered_grouping_is_usable_by_name():
     from torch import nn
 
-    from tunefree.grouping import GROUPINGS, make_groups, register_grouping
+    from tunefree.clipping.groups import GROUPINGS, make_groups, register_grouping
 
     @register_grouping("weights-apart")
     def weights_apart(model):

@@ -300,10 +300,10 @@ def test_a_pipeline_stage_needs_torch_distributed():
 def test_an_adaptive_stage_checkpoint_restores_every_stage_threshold():
     """The noise of a stage depends on all stages' thresholds: a resumed stage must not fall back to
     the initial ones (too little noise where another stage's threshold grew)."""
-    from tunefree.grouping import ClipGroup
+    from tunefree.clipping.groups import ClipGroup
+    from tunefree.components.thresholds import QuantileSettings
     from tunefree.pipeline import StageLayout, StageQuantileEstimator, StageRelease
     from tunefree.privacy.randomness import Randomness
-    from tunefree.thresholds import QuantileSettings
 
     def stage_parts():
         module = nn.Linear(4, 2)

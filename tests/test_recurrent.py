@@ -12,10 +12,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.clipping import CLIP_FUNCTIONS, ClipFunction
-from tunefree.engine import ClippingEngine
+from tunefree.clipping.functions import CLIP_FUNCTIONS, ClipFunction
+from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
-from tunefree.grouping import make_groups
+from tunefree.persample.engine import ClippingEngine
 from tunefree.rules import Capture, rule_for
 from tunefree.rules.recurrent import RecurrentRule
 

@@ -16,12 +16,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.clipping import ClipFunction
-from tunefree.engine import ClippingEngine
-from tunefree.grouping import make_groups
-from tunefree.rules.calibration import GHOST, MATERIALISE, UNFOLD_COST, PathChooser, factored_estimates
+from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.groups import make_groups
+from tunefree.persample.engine import ClippingEngine
 from tunefree.rules.conv import ConvWeightGrad, unfold
 from tunefree.rules.factored import FactoredGrad, examples_per_chunk
+from tunefree.rules.paths import GHOST, MATERIALISE, UNFOLD_COST, PathChooser, factored_estimates
 
 
 def _inputs(name: str, batch: int = 6):

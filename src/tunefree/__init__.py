@@ -1,15 +1,17 @@
 """tunefree: differentially private deep learning in PyTorch with no DP hyperparameters to tune."""
 
 from . import audit
-from .api import DPEngine, Guarantee, make_private
-from .clipping import CLIP_FUNCTIONS
+from .api import make_private
+from .clipping.functions import CLIP_FUNCTIONS
+from .clipping.groups import GROUPINGS
+from .config import PSAC, Abadi, AdaptiveQuantile, AutoLR, AutoS, AutoV, Fixed
 from .errors import PrivacyError
-from .grouping import GROUPINGS
-from .independence import verify_example_independence
-from .optim import DPOptimizer, StepReport
-from .options import PSAC, Abadi, AdaptiveQuantile, AutoLR, AutoS, AutoV, Fixed
+from .persample.independence import verify_example_independence
 from .pipeline import PrivatePipelineStage, make_private_pipeline
 from .privacy.calculator import epsilon, noise_multiplier
+from .run import DPEngine, Guarantee
+from .step.component import StepReport
+from .step.optimizer import DPOptimizer
 
 __all__ = [
     "CLIP_FUNCTIONS", "DPEngine", "DPOptimizer", "GROUPINGS", "PSAC", "Abadi", "AdaptiveQuantile",

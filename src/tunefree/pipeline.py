@@ -31,14 +31,15 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 
-from .api import DPEngine, make_private
+from .api import make_private
+from .clipping.groups import ClipGroup
+from .components.thresholds import QuantileEstimator, QuantileSettings
 from .errors import PrivacyError
-from .grouping import ClipGroup
-from .optim import StepReport
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease, group_noise_stds
 from .privacy.randomness import Randomness, side_randomness
-from .thresholds import QuantileEstimator, QuantileSettings
+from .run import DPEngine
+from .step.component import StepReport
 
 # Seeded runs: stage k > 0 draws its noise from this stream of the seed (stage 0 from the seed itself),
 # so that no two stages ever add the same noise numbers.

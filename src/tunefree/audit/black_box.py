@@ -16,9 +16,9 @@ import numpy as np
 from torch import nn
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
-from ..api import DPEngine
-from .canaries import design_generator
+from ..run import DPEngine
 from .combined import one_run_bounds
+from .design import design_generator
 from .result import AuditResult
 
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 import numpy as np
 
 from .bounds import clopper_pearson_epsilon_bound
-from .canaries import design_generator
+from .design import design_generator
 from .result import AuditResult
 from .whitebox import AuditSettings, build_run, observe
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..api import DPEngine
-from .canaries import design_generator
+from ..run import DPEngine
 from .checks import noise_check, separation_check
 from .combined import one_run_bounds
+from .design import design_generator
 from .result import AuditResult
 from .whitebox import AuditSettings, Observation, build_run, observe
 

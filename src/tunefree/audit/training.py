@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..api import DPEngine
+from ..run import DPEngine
 from .one_run import audit_observation
 from .result import AuditResult
 from .whitebox import Observation

@@ -15,9 +15,10 @@ import numpy as np
 import torch
 from numpy.random import Generator
 
-from ..api import DPEngine, make_private
-from ..options import AutoLR
-from .canaries import CanaryModel, canary_data, per_example_losses
+from ..api import make_private
+from ..config import AutoLR
+from ..run import DPEngine
+from .design import CanaryModel, canary_data, per_example_losses
 
 
 @dataclass(frozen=True)

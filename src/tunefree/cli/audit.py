@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..clipping import CLIP_FUNCTIONS
-from ..grouping import GROUPINGS
+from ..clipping.functions import CLIP_FUNCTIONS
+from ..clipping.groups import GROUPINGS
 from ..privacy.accounting import ACCOUNTANTS
 
 

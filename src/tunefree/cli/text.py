@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from ..api import DPEngine, make_private
+from ..api import make_private
+from ..run import DPEngine
 from . import text_data, text_models
 from .report import RunDirectory, norm_statistics
 from .training import Progress, check_config, delta_choice, loose_target_note

@@ -20,11 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ..api import DPEngine, make_private
+from ..api import make_private
 from ..audit import audit_training
-from ..autolr import AutoLearningRate
-from ..options import AutoLR, resolve_options
-from ..privacy.calibration import MIN_NOISE_MULTIPLIER
+from ..components.hyfreedp import AutoLearningRate
+from ..config import AutoLR, resolve_options
+from ..privacy.calibrate import MIN_NOISE_MULTIPLIER
+from ..run import DPEngine
 from . import datasets, launch, models, scaling, tables
 from .report import RunDirectory, norm_statistics
 

@@ -31,8 +31,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from ..api import DPEngine, make_private
+from ..api import make_private
 from ..data.poisson import PoissonDataLoader
+from ..run import DPEngine
 
 # example_loss(model, inputs) -> one loss per example, shape [n]: runs the model on the batch ``inputs``.
 ExampleLoss = Callable[[nn.Module, Mapping[str, Any]], torch.Tensor]

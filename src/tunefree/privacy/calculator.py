@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from .accounting import check_accountant, check_delta, epsilon_of, planned_event
-from .calibration import calibrate
+from .calibrate import calibrate
 
 
 def _check_run(sample_rate: float, steps: int) -> None:

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..clipping.groups import ClipGroup
 from ..dtypes import accumulation_dtype
-from ..grouping import ClipGroup
 from .mechanisms import GradientRelease, group_noise_stds
 from .randomness import Randomness, side_randomness
 

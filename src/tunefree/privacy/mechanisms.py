@@ -10,8 +10,8 @@ import dp_accounting as dpa
 import torch
 from torch import nn
 
+from ..clipping.groups import ClipGroup
 from ..dtypes import accumulation_dtype
-from ..grouping import ClipGroup
 from .randomness import Randomness
 
 NOISE_ALLOCATIONS = ("global", "equal-budget", "weighted")

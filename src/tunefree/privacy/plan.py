@@ -30,7 +30,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from .accounting import epsilon_of
-from .calibration import calibrate
+from .calibrate import calibrate
 
 LOSS_RELEASES_PER_UPDATE = 3  # privatised losses at w − Δ, w, w + Δ
 DIGEST_EXAMPLES = 3  # examples hashed into the data set's digest: the first, the middle, the last

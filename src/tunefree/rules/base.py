@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..dtypes import norm_dtype
-from .calibration import PathChooser
+from .paths import PathChooser
 
 
 def materialised_sq_norms(grads: torch.Tensor) -> torch.Tensor:

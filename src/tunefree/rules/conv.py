@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import Capture, ClippedSum, LayerRule, Materialized, PerSampleGrad, materialised_sq_norms
-from .calibration import GHOST, MATERIALISE, factored_estimates
 from .factored import FactoredGrad, chunked_clipped_sum, chunked_sq_norms, examples_per_chunk
+from .paths import GHOST, MATERIALISE, factored_estimates
 
 
 def explicit_padding(module: nn.modules.conv._ConvNd) -> list[tuple[int, int]]:

@@ -16,7 +16,7 @@ import torch
 
 from ..dtypes import as_norm_precision
 from .base import ClippedSum, PerSampleGrad, materialised_sq_norms
-from .calibration import GHOST, MATERIALISE, factored_estimates
+from .paths import GHOST, MATERIALISE, factored_estimates
 
 
 def ghost_is_cheaper(positions: int, d_in: int, d_out: int) -> bool:

@@ -11,11 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .clipping import CLIP_FUNCTIONS, ClipFunction
-from .grouping import GROUPINGS, GroupSpec
+from .clipping.functions import CLIP_FUNCTIONS, ClipFunction
+from .clipping.groups import GROUPINGS, GroupSpec
+from .components.thresholds import QuantileSettings
 from .privacy.accounting import check_accountant
 from .privacy.mechanisms import NOISE_ALLOCATIONS
-from .thresholds import QuantileSettings
 
 
 def _positive(option: str, value: Any) -> float:

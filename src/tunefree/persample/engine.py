@@ -33,14 +33,14 @@ from torch.autograd import Variable
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..clipping.functions import ClipFunction
+from ..clipping.groups import ClipGroup
+from ..dtypes import accumulation_dtype, norm_dtype
+from ..errors import PrivacyError
+from ..rules import Capture, LayerRule, Materialized, PerSampleGrad, rule_for
+from ..rules.generic import fallback_per_sample_grads
+from ..rules.paths import PathChooser
 from .accumulator import StepAccumulator
-from .clipping import ClipFunction
-from .dtypes import accumulation_dtype, norm_dtype
-from .errors import PrivacyError
-from .grouping import ClipGroup
-from .rules import Capture, LayerRule, Materialized, PerSampleGrad, rule_for
-from .rules.calibration import PathChooser
-from .rules.generic import fallback_per_sample_grads
 
 # Modules whose statistics mix the examples of a batch, with the replacement to suggest.
 SAMPLE_MIXING = {

@@ -24,10 +24,10 @@ from typing import Any
 import dp_accounting as dpa
 import torch
 
-from .grouping import ClipGroup
-from .optim import StepComponent, StepContext, StepReport
-from .privacy.mechanisms import release_counts
-from .privacy.randomness import Randomness
+from ..clipping.groups import ClipGroup
+from ..privacy.mechanisms import release_counts
+from ..privacy.randomness import Randomness
+from ..step.component import StepComponent, StepContext, StepReport
 
 DEFAULT_TARGET_QUANTILE = 0.5
 DEFAULT_QUANTILE_LR = 0.3

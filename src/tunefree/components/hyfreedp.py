@@ -36,10 +36,10 @@ from typing import Any
 import dp_accounting as dpa
 import torch
 
-from .errors import PrivacyError
-from .optim import StepComponent, StepContext, UpdateControl
-from .privacy.mechanisms import LOSS_PRIVACY, release_loss_sum
-from .privacy.randomness import Randomness
+from ..errors import PrivacyError
+from ..privacy.mechanisms import LOSS_PRIVACY, release_loss_sum
+from ..privacy.randomness import Randomness
+from ..step.component import StepComponent, StepContext, UpdateControl
 
 MODES = ("safeguarded", "paper")
 PROBES = ("losses", "differences")

@@ -24,11 +24,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .dtypes import accumulation_dtype
-from .errors import PrivacyError
-from .grouping import ClipGroup
-from .privacy.mechanisms import GradientRelease, add_bucket_noise
-from .privacy.randomness import Randomness
+from ..clipping.groups import ClipGroup
+from ..dtypes import accumulation_dtype
+from ..errors import PrivacyError
+from ..privacy.mechanisms import GradientRelease, add_bucket_noise
+from ..privacy.randomness import Randomness
 
 # The size of one all-reduce bucket, DDP's default (bucket_cap_mb=25).
 BUCKET_BYTES = 25 * 2**20

@@ -42,8 +42,8 @@ from typing import Any
 import dp_accounting as dpa
 import torch
 
-from .optim import StepComponent, StepContext
-from .privacy.mechanisms import GradientRelease
+from ..privacy.mechanisms import GradientRelease
+from ..step.component import StepComponent, StepContext
 
 # The constants were chosen once on the validation splits of the four tasks of benchmarks/utility.py at
 # ε ∈ {1, 3, 8} (benchmarks/RESULTS.md §5c).

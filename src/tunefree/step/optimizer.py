@@ -10,110 +10,24 @@ between only accumulate clipped sums.
 
 from __future__ import annotations
 
-import copy
-import types
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import dp_accounting as dpa
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .accumulator import StepAccumulator
-from .data.poisson import StepSchedule
-from .engine import ClippingEngine
-from .errors import PrivacyError
-from .independence import verify_example_independence
-from .privacy.ledger import Ledger
-from .privacy.mechanisms import GradientRelease
-from .rules import Capture
-
-
-class StepComponent:
-    """A piece of the private step beyond the gradient release (adaptive thresholds, automatic
-    learning rate...). It sees the step through a :class:`StepContext`, never the optimizer itself.
-    Every release it makes returns its DpEvent, which the optimizer records with the gradient's in the
-    step's single Poisson-sampled event."""
-
-    def before_update(self, step: StepContext) -> list[dpa.DpEvent]:
-        """After the noisy gradient is in ``.grad``, before the wrapped optimizer steps."""
-        return []
-
-    def after_update(self, step: StepContext) -> list[dpa.DpEvent]:
-        """After the wrapped optimizer stepped."""
-        return []
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs to continue identically."""
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - stateless by default
-        """Restore :meth:`state_dict`."""
-
-
-class UpdateControl:
-    """What a step component may do to the update of the wrapped optimizer: read the parameters, set
-    the learning rate, and see the update it would make now without making it. Inside, the optimizer
-    runs without step hooks: a trial step is not a real step."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self._optimizer = optimizer
-
-    @property
-    def params(self) -> list[torch.Tensor]:
-        return [p for group in self._optimizer.param_groups for p in group["params"]]
-
-    def set_lr(self, lr: float) -> None:
-        """The learning rate of every parameter group (public: chosen from released values only)."""
-        for group in self._optimizer.param_groups:
-            group["lr"] = lr
-
-    def trial_update(self) -> list[torch.Tensor]:
-        """The update Δ the optimizer would apply now to each of :attr:`params`; its state and the
-        weights are left exactly as they were."""
-        params = self.params
-        saved = [p.detach().clone() for p in params]
-        state = copy.deepcopy(self._optimizer.state_dict())
-        with _without_step_hooks(self._optimizer):
-            self._optimizer.step()
-        with torch.no_grad():
-            update = [p.detach() - w for p, w in zip(params, saved)]
-            for p, w in zip(params, saved):
-                p.copy_(w)
-        self._optimizer.load_state_dict(state)
-        return update
-
-
-@dataclass
-class StepContext:
-    """One private step as a component sees it.
-
-    ``report`` says what the step released from; ``closure`` is the user's closure (with ``lr="auto"``,
-    the batch's per-sample losses); ``update`` controls the wrapped optimizer's update;
-    ``thresholds`` are those the step clipped with, and a component that adapts them sets
-    ``next_thresholds`` (by group name) for the steps that follow."""
-
-    report: StepReport
-    closure: Callable[[], Any] | None
-    update: UpdateControl
-    thresholds: dict[str, float]
-    next_thresholds: dict[str, float] | None = None
-
-
-@dataclass
-class StepReport:
-    """What one private step did: examples in the logical batch (a private number, kept for
-    diagnostics only), each clip group's per-sample gradient norms and the thresholds they were
-    clipped with."""
-
-    step: int
-    examples: int
-    group_norms: dict[str, torch.Tensor] = field(default_factory=dict)
-    thresholds: dict[str, float] = field(default_factory=dict)  # those the step clipped with
+from ..data.poisson import StepSchedule
+from ..errors import PrivacyError
+from ..persample.accumulator import StepAccumulator
+from ..persample.engine import ClippingEngine
+from ..persample.independence import verify_example_independence
+from ..privacy.ledger import Ledger
+from ..privacy.mechanisms import GradientRelease
+from ..rules import Capture
+from .component import StepComponent, StepContext, StepReport, UpdateControl
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -398,25 +312,6 @@ class DPOptimizer(torch.optim.Optimizer):
             args, kwargs = result
             closure = args[1] if len(args) > 1 else kwargs.get("closure")
         return closure
-
-
-@contextmanager
-def _without_step_hooks(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Within it, ``optimizer.step()`` runs torch's bare step function, without the step hooks (the
-    user's and torch's global ones): a component's trial steps (lr="auto" probes) are not real steps."""
-    bare = getattr(type(optimizer).step, "__wrapped__", None)
-    if bare is None:
-        yield
-        return
-    wrapped = vars(optimizer).get("step")  # e.g. an LR scheduler's step counter on the instance
-    optimizer.step = types.MethodType(bare, optimizer)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        if wrapped is None:
-            del optimizer.step
-        else:
-            optimizer.step = wrapped  # type: ignore[method-assign]
 
 
 def _examples_in(inputs: Capture) -> int:

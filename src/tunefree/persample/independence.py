@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .errors import PrivacyError
+from ..errors import PrivacyError
 
 _FIX = ("Keep the example dimension first (batch_first=True), use no batch statistics (e.g. h - h.mean(0), "
         "BatchNorm), and no custom autograd.Function or hook that mixes examples.")

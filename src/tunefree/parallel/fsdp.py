@@ -33,17 +33,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from .accumulator import StepAccumulator, StepResult
-from .dtypes import accumulation_dtype
-from .errors import PrivacyError
-from .grouping import ClipGroup
-from .privacy.mechanisms import GradientRelease, add_shard_noise
-from .privacy.randomness import Randomness
-from .rules import rule_for
-from .rules.embedding import EmbeddingRule
-from .rules.hf_conv1d import HFConv1DRule
-from .rules.linear import LinearRule
-from .rules.norms import GroupNormRule, InstanceNormRule, LayerNormRule, RMSNormRule
+from ..clipping.groups import ClipGroup
+from ..dtypes import accumulation_dtype
+from ..errors import PrivacyError
+from ..persample.accumulator import StepAccumulator, StepResult
+from ..privacy.mechanisms import GradientRelease, add_shard_noise
+from ..privacy.randomness import Randomness
+from ..rules import rule_for
+from ..rules.embedding import EmbeddingRule
+from ..rules.hf_conv1d import HFConv1DRule
+from ..rules.linear import LinearRule
+from ..rules.norms import GroupNormRule, InstanceNormRule, LayerNormRule, RMSNormRule
 
 _RECIPE = ("call fully_shard on each layer (or block) and then on the root module, e.g. "
            "`for layer in model: fully_shard(layer)`, then `fully_shard(model)` (docs/distributed.md)")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .dtypes import accumulation_dtype
+from ..dtypes import accumulation_dtype
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Optional parts of the private step: adaptive thresholds, lr="auto" (DoG), HyFreeDP."""

@@ -1,0 +1,1 @@
+"""One private step, in order: the component protocol and the private optimizer."""
