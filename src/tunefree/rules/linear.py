@@ -11,6 +11,7 @@ from .factored import FactoredGrad
 
 class LinearRule(LayerRule):
     module_types = (nn.Linear,)
+    takes_declared_dim = True
 
     def per_sample_grads(
         self, module: nn.Module, capture: Capture, grad_outputs: list[torch.Tensor | None],
