@@ -87,8 +87,9 @@ def test_time_major_layer_is_refused_with_the_declaration_that_fixes_it():
     refusing = engine_for(model, schedule)
     schedule.on_batch(True, True, 4)
     x = torch.randn(6, 4, 3)  # [T, B, F]
-    with pytest.raises(PrivacyError, match=r"shows 6 examples in dimension 0.*holds 4: if this layer's "
-                                           r"tensors carry the examples in dimension 1.*batch_dim=\{'0': 1\}"):
+    message = r"shows 6 examples in dimension 0.*holds 4: if this layer's tensors carry the examples in " \
+        r"dimension 1.*batch_dim=\{'0': 1\}"
+    with pytest.raises(PrivacyError, match=message):
         model(x).sum().backward()
     refusing.detach()
     schedule = StepSchedule()

@@ -88,9 +88,9 @@ def test_rule_with_initial_state_and_unused_state(cell):
     n_states = 2 if cell == "lstm" else 1
     grad_outputs = [torch.randn_like(output)] + [None] * n_states  # h_n (and c_n) unused
     params = dict(module.named_parameters())
-    layout = RecurrentRule().layout(module, (x, hx), {}, len(grad_outputs), declared=0)
-    got = RecurrentRule().per_sample_grads(module, Capture((x, hx), {}), batch_first_grads(layout, grad_outputs),
-                                           params)
+    rule = RecurrentRule()
+    layout = rule.layout(module, (x, hx), {}, len(grad_outputs), declared=0)
+    got = rule.per_sample_grads(module, Capture((x, hx), {}), batch_first_grads(layout, grad_outputs), params)
     expected = brute_force(copy.deepcopy(module), x, hx, grad_outputs, True)
     for n in expected:
         torch.testing.assert_close(got[n].materialize(), expected[n], rtol=1e-10, atol=1e-12)

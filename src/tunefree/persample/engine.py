@@ -235,6 +235,7 @@ class ClippingEngine:
         self._broadcast: _Broadcast | None = None
         self.retain_inputs = False
         self.retained_inputs: Capture | None = None
+        self.retained_examples: int | None = None  # their examples, by provenance
         self.grad_scaler: torch.amp.GradScaler | None = None
         self.thresholds: dict[str, float] = {g.name: g.threshold for g in groups}
         self.path_chooser = PathChooser()
@@ -299,8 +300,7 @@ class ClippingEngine:
     def _new_forward(self, args: tuple, kwargs: dict) -> None:
         if self._capturing() and not self._pass.in_backward:
             self._check_trainable_set()
-            if self.retain_inputs and self.retained_inputs is None:
-                self.retained_inputs = _capture(args, kwargs)[0]
+            retain = self.retain_inputs and self.retained_inputs is None
             # Calls of a forward pass that never had a backward pass released nothing: forget them.
             for use in self._pass.uses:
                 use.superseded = not use.done
@@ -308,6 +308,9 @@ class ClippingEngine:
             self._reset_pass()
             self._pass.call_examples = _root_examples(args, kwargs, self.declared.root) \
                 if self._serial() == 0 else None
+            if retain:
+                self.retained_inputs = _capture(args, kwargs)[0]
+                self.retained_examples = self._expected_examples()
             if self._has_fallback:  # only the fallback needs to tell batch data from the model's own
                 self._pass.batch_storages = _storages(_flatten_call(args, kwargs)[0])
                 self._pass.model_storages = _storages([*self.model.parameters(),

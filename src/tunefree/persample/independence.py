@@ -59,8 +59,8 @@ def _perturbed(args: tuple, kwargs: dict, n: int, k: int, dim: int = 0) -> tuple
         rows = t.movedim(dim, 0)  # a view: writing its rows writes t
         if t.is_floating_point():
             rows[k] += _pattern(rows[k]) + 1.0
-        else:
-            rows[k] = rows[(k + 1) % n]
+        else:  # a neighbouring example's values: keeps any order the batch's rows are in (sorted lengths)
+            rows[k] = rows[k + 1 if k + 1 < n else k - 1]
         return t
     return tuple(change(a) for a in args), {key: change(v) for key, v in kwargs.items()}
 
@@ -87,14 +87,41 @@ Visit = Callable[[object, list[Seen]], None]
 
 
 def _seen(unit, args: tuple, kwargs: dict, output: object) -> list[Seen]:
-    """A unit call's float inputs and outputs, each with its axis from the call's layout."""
+    """A unit call's float inputs and outputs, each with its axis from the call's layout, and its inputs
+    that say where the examples are (offsets, batch sizes: axis :class:`Structure`, any dtype)."""
     outs = _floats(output)
     layout = unit.layout(args, kwargs, len(outs))
     leaves = tree_flatten((args, kwargs))[0]
-    inputs = [Seen(f"input {i}", x, None if isinstance(a, Structure) else a)
-              for i, (x, a) in enumerate(zip(leaves, layout.inputs))
-              if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    inputs = [Seen(f"input {i}", x, a) for i, (x, a) in enumerate(zip(leaves, layout.inputs))
+              if isinstance(x, torch.Tensor) and (x.is_floating_point() or isinstance(a, Structure))]
     return inputs + [Seen(f"output {i}", t, a) for i, (t, a) in enumerate(zip(outs, layout.outputs))]
+
+
+def _values(seen: list[Seen]) -> list[Seen]:
+    """The tensors whose values the forward check compares (not the structure of the examples, which
+    may move when one example's length changes)."""
+    return [s for s in seen if not isinstance(s.axis, Structure)]
+
+
+def _storage(x: torch.Tensor) -> int:
+    return x.untyped_storage().data_ptr() if x.layout == torch.strided else id(x)
+
+
+def _refuse_structure_from_inputs(unit, seen: list[Seen], model_inputs: set[int]) -> None:
+    """A tensor saying where the examples are (a bag's offsets, a PackedSequence's batch sizes), taken
+    straight from the model's inputs: changing one example's row of the inputs would move the others."""
+    for s in seen:
+        if isinstance(s.axis, Structure) and _storage(s.tensor) in model_inputs:
+            raise PrivacyError(
+                f"module {unit.name!r} ({type(unit.module).__name__}) takes its {s.what} (shape "
+                f"{tuple(s.tensor.shape)}), which says where each example's values are "
+                f"({s.axis.describe()}), "
+                "straight from the model's inputs: tunefree checks example independence by changing one "
+                "example's rows of the model's inputs, and cannot tell which of the other inputs' values "
+                "belong to that example. Give the model each example's values as one row, padded, with "
+                "their lengths (e.g. ids [B, L] and lengths [B]), and build the offsets or the packed "
+                "sequence inside forward (nn.EmbeddingBag also takes the padded ids [B, L] directly, "
+                "with padding_idx marking the padding)")
 
 
 def _forward(model: nn.Module, units: list, args: tuple, kwargs: dict, seed: int, visit: Visit) -> object:
@@ -114,10 +141,26 @@ def _forward(model: nn.Module, units: list, args: tuple, kwargs: dict, seed: int
             h.remove()
 
 
-def _record_fingerprints(records: dict[str, list], n: int) -> Visit:
-    """A visit that keeps every call's fingerprints (not its activations), by unit name in call order."""
+@dataclass(frozen=True)
+class _Call:
+    """What the forward check keeps of one unit call: its tensors' fingerprints, and its structure
+    tensors (a bag's offsets, a PackedSequence's batch sizes: a few integers each)."""
+
+    fingerprints: list
+    structure: list[torch.Tensor]
+
+
+def _structure(seen: list[Seen]) -> list[torch.Tensor]:
+    return [s.tensor.detach().clone() for s in seen if isinstance(s.axis, Structure)]
+
+
+def _record_fingerprints(records: dict[str, list], n: int, model_inputs: set[int]) -> Visit:
+    """A visit that keeps every call's fingerprints (not its activations), by unit name in call order;
+    ``model_inputs``: the storages of the model's per-example inputs."""
     def visit(unit, seen: list[Seen]) -> None:
-        records.setdefault(unit.name, []).append([_fingerprint(s.tensor, s.axis, n) for s in seen])
+        _refuse_structure_from_inputs(unit, seen, model_inputs)
+        fingerprints = [_fingerprint(s.tensor, s.axis, n) for s in _values(seen)]
+        records.setdefault(unit.name, []).append(_Call(fingerprints, _structure(seen)))
     return visit
 
 
@@ -125,16 +168,21 @@ def _compare(base: dict[str, list], n: int, k: int, label: int) -> Visit:
     """A visit that checks each call against the same call of ``base`` as it happens: only example
     ``k`` may differ."""
     calls: dict[str, int] = {}
+    regrouped = [False]  # whether a call's structure (hence the kernels' grouping of examples) changed
 
     def visit(unit, seen: list[Seen]) -> None:
         index = calls[unit.name] = calls.get(unit.name, -1) + 1
         before = base.get(unit.name, [])
-        if index >= len(before) or len(seen) != len(before[index]):
+        structure, seen = _structure(seen), _values(seen)
+        if index >= len(before) or len(seen) != len(before[index].fingerprints):
             raise PrivacyError(f"module {unit.name!r} mixes examples in its forward: changing example "
                                f"{label} changed which tensors it is called with. {_FIX}")
-        for a, s in zip(before[index], seen):
+        call = before[index]
+        regrouped[0] |= len(structure) != len(call.structure) or not all(
+            torch.equal(x, y) for x, y in zip(structure, call.structure))
+        for a, s in zip(call.fingerprints, seen):
             b = _fingerprint(s.tensor, s.axis, n)
-            if not _unchanged_elsewhere(a, b, k):
+            if not _unchanged_elsewhere(a, b, k, regrouped[0]):
                 raise PrivacyError(_forward_mixing(unit, s, a, b, k, label))
     return visit
 
@@ -167,6 +215,8 @@ class _Fingerprint:
     shape: tuple[int, ...]
     batched: bool
     rows: torch.Tensor
+    magnitude: torch.Tensor  # each row's |values| projected on |pattern|: the scale of its rounding
+    eps: float  # the tensor's machine epsilon
     other_dims: dict[int, _Fingerprint] = field(default_factory=dict)
 
 
@@ -180,27 +230,38 @@ def _fingerprint(t: torch.Tensor, axis: Axis | None, n: int, others: bool = True
                       for dim in range(t.dim()) if dim != axis.dim and t.shape[dim] == n}
     # Packed sequences and bags are padded to the longest example, which a changed example may change.
     shape = (n,) if batched and not isinstance(axis, Dim) else tuple(t.shape)
-    return _Fingerprint(shape, batched, _projection(rows.reshape(rows.shape[0], -1)), other_dims)
+    flat = rows.reshape(rows.shape[0], -1)
+    eps = torch.finfo(t.dtype).eps if t.is_floating_point() else 0.0
+    return _Fingerprint(shape, batched, _projection(flat), _projection(flat, absolute=True), eps, other_dims)
 
 
-def _projection(flat: torch.Tensor) -> torch.Tensor:
-    """Each row of ``flat`` projected on a fixed pattern, in float64."""
-    pattern = _pattern(flat[0]) + 2.0  # nowhere near zero
+def _projection(flat: torch.Tensor, absolute: bool = False) -> torch.Tensor:
+    """Each row of ``flat`` projected on a fixed pattern (``absolute``: |row| on |pattern|), in float64."""
+    pattern = _pattern(flat[0]) + 2.0  # nowhere near zero, and positive
     rows = max(1, _CHUNK // max(1, flat.shape[1]))  # a few rows at a time: no copy of the whole tensor
-    return torch.cat([(flat[i:i + rows] * pattern).sum(1, dtype=torch.float64)
-                      for i in range(0, flat.shape[0], rows)])
+    return torch.cat([((flat[i:i + rows].abs() if absolute else flat[i:i + rows]) * pattern)
+                      .sum(1, dtype=torch.float64) for i in range(0, flat.shape[0], rows)])
 
 
-def _unchanged_elsewhere(a: _Fingerprint, b: _Fingerprint | None, k: int) -> bool:
-    """Whether changing example k left the other examples as they were. A tensor without the batch on
-    its example axis (a shared table, a mask) must not change at all."""
+# When a call's structure changes (one example's length moves a PackedSequence's batch sizes), kernels
+# group the other examples differently and may round their values differently: only a change beyond this
+# many units of rounding (relative to each row's magnitude) counts then.
+_REGROUPED_ROUNDING = 256
+
+
+def _unchanged_elsewhere(a: _Fingerprint, b: _Fingerprint | None, k: int, regrouped: bool = False) -> bool:
+    """Whether changing example k left the other examples as they were: bit for bit, or, once the
+    examples' grouping changed (``regrouped``), within rounding. A tensor without the batch on its example
+    axis (a shared table, a mask) must not change at all."""
     if b is None or a.shape != b.shape or a.batched != b.batched:
         return False
-    if not a.batched:
-        return torch.equal(a.rows, b.rows)
     keep = torch.ones(a.rows.numel(), dtype=torch.bool, device=a.rows.device)
-    keep[k] = False
-    return torch.equal(a.rows[keep], b.rows[keep])
+    if a.batched:
+        keep[k] = False
+    if not regrouped:
+        return torch.equal(a.rows[keep], b.rows[keep])
+    bound = _REGROUPED_ROUNDING * a.eps * torch.maximum(a.magnitude, b.magnitude)
+    return bool(((a.rows - b.rows).abs() <= bound)[keep].all())
 
 
 def _rng_devices() -> list[int]:
@@ -211,17 +272,18 @@ def _rng_devices() -> list[int]:
 
 
 def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: dict | None = None,
-                                seed: int = 0) -> None:
+                                seed: int = 0, examples: int | None = None) -> None:
     """Raise PrivacyError unless example i's activations and output gradients at every trainable unit
     depend on example i alone. ``args``/``kwargs`` are one real batch's root-call inputs, examples in
     the dimension declared for the model's inputs (``engine.declared.root``, 0 by default; at least 2).
     Each unit's tensors are read where its calls' layout puts their examples. Costs three forwards without
     gradients, one with gradients and two backwards, all on four of the batch's examples (the first two
-    and the last two)."""
+    and the last two). ``examples``: the batch's count by provenance (the private loader's); without
+    it, that of the first input tensor."""
     kwargs = kwargs or {}
     root = engine.declared.root
-    n = next((t.shape[root] for t in tree_flatten((args, kwargs))[0]
-              if isinstance(t, torch.Tensor) and t.dim() > root), 0)
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > root]
+    n = examples if examples is not None else next((t.shape[root] for t in tensors), 0)
     if n < 2:
         raise ValueError("verify_example_independence needs a batch of at least 2 examples in dimension "
                          f"{root} of the model's inputs")
@@ -255,7 +317,9 @@ def _check_forward(model: nn.Module, units: list, args: tuple, kwargs: dict, row
     n = len(rows)
     with torch.no_grad():
         base: dict[str, list] = {}
-        _forward(model, units, args, kwargs, seed, _record_fingerprints(base, n))
+        inputs = {_storage(t) for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.dim() > root and t.shape[root] == n}
+        _forward(model, units, args, kwargs, seed, _record_fingerprints(base, n, inputs))
         for k in (0, n - 1):
             _forward(model, units, *_perturbed(args, kwargs, n, k, root), seed,
                      _compare(base, n, k, rows[k]))

@@ -117,7 +117,8 @@ def layout_hint(name: str, module: nn.Module, rule: LayerRule | None, dim: int, 
         key = "" if name == "(root)" else name
         return (f"if this layer's tensors carry the examples in dimension {found} (a time-major layout), "
                 f"declare it: make_private(..., batch_dim={{{key!r}: {found}}}) (dimension {dim} is the one "
-                f"declared for it now; batch_dim={found} declares it for the whole model and its inputs)")
+                "declared for it now; an entry for a parent module covers every layer under it, and "
+                f"batch_dim={found} the whole model and its inputs)")
     if hasattr(module, "batch_first"):
         return (f"its batch_first={module.batch_first} puts the examples in dimension {dim}, but they "
                 f"appear in dimension {found}: set batch_first={not module.batch_first}, or pass it tensors "

@@ -114,16 +114,17 @@ class EmbeddingBagRule(LayerRule):
             example, row, value = _max_entries(module, flat, ids, offsets, grad)
             column = torch.arange(width, device=grad.device).repeat(batch)
         else:
-            example, row, scale = _sum_entries(module, flat, starts, ends, weights)
-            value = (scale[:, None].to(grad.dtype) * grad[example]).reshape(-1)
+            example, row, scale = _sum_entries(module, flat, starts, ends, weights, grad.dtype)
+            value = (scale[:, None] * grad[example]).reshape(-1)
             column = torch.arange(width, device=grad.device).repeat(example.numel())
             example, row = example.repeat_interleave(width), row.repeat_interleave(width)
         return {"weight": RowEntriesGrad(example, row, column, value, batch, module.weight.shape)}
 
 
 def _sum_entries(module: nn.EmbeddingBag, flat: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
-                 weights: torch.Tensor | None):
-    """Each id that takes part: its bag, its row, and the factor of its bag's output gradient."""
+                 weights: torch.Tensor | None, dtype: torch.dtype):
+    """Each id that takes part: its bag, its row, and the factor (in ``dtype``) of its bag's output
+    gradient."""
     position = torch.arange(flat.numel(), device=flat.device)
     example = torch.bucketize(position, starts, right=True) - 1
     keep = (example >= 0) & (position < ends[example.clamp(min=0)])
@@ -134,8 +135,8 @@ def _sum_entries(module: nn.EmbeddingBag, flat: torch.Tensor, starts: torch.Tens
         scale = torch.ones(row.shape, device=flat.device) if weights is None else weights.reshape(-1)[keep]
     else:
         counts = torch.bincount(example, minlength=starts.numel())
-        scale = 1.0 / counts[example]
-    return example, row, scale
+        scale = 1.0 / counts[example].to(dtype)
+    return example, row, scale.to(dtype)
 
 
 def _max_entries(module: nn.EmbeddingBag, flat: torch.Tensor, ids: torch.Tensor,

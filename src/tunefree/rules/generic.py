@@ -7,8 +7,10 @@ example's output gradient is taken. Which inputs carry the examples, and where, 
 padding mask ``[B, S]``, a 3-D attention mask ``[B·heads, T, S]``, a 2-D one shared), for any other module
 the inputs derived from the batch, in the dimension declared for the module (0 by default); every other
 input (a shared positional table, a causal mask) is passed whole to every example, whatever its number of
-rows. Each example's output must then have the shape of its output gradient, or the call is refused. The
-forward must be deterministic (no dropout inside). Any failure is refused with the layer's name.
+rows. Each example's output must then have the shape of its output gradient, or the call is refused. Where
+vmap cannot batch the forward (the fused kernels of ``nn.RNN``/``GRU``/``LSTM`` called inside the module), the
+same objective is differentiated one example at a time. The forward must be deterministic (no dropout
+inside). Any failure is refused with the layer's name.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import PrivacyError
@@ -87,15 +90,56 @@ def fallback_per_sample_grads(
         return total
 
     grads_in = [g.detach() for g in grad_outputs if g is not None]
+    # The re-run differentiates only ``params``: the other parameters of the sub-tree (of layers that ran
+    # in the call, which their rules answer for) are constants in it, as the fused kernels of some layers
+    # (nn.LSTM) cannot batch their weight gradients under vmap.
+    variables = set(params.values())
+    constants = [p for p in module.parameters() if p.requires_grad and p not in variables]
     try:
-        per_sample = vmap(grad(example_objective), in_dims=(None, 0, 0), randomness="error")(
-            detached, batched, grads_in
-        )
+        for p in constants:
+            p.requires_grad_(False)
+        try:
+            per_sample = vmap(grad(example_objective), in_dims=(None, 0, 0), randomness="error")(
+                detached, batched, grads_in)
+        except PrivacyError:
+            raise
+        except Exception as error:  # noqa: BLE001 - e.g. a fused kernel without a batching rule
+            if "random" in str(error):
+                raise
+            per_sample = _one_at_a_time(example_objective, detached, batched, grads_in)
     except PrivacyError:
         raise
     except Exception as error:  # noqa: BLE001 - any failure of the re-run is refused, with its cause kept
         raise PrivacyError(_failure(name, module, leaves, axes, error)) from error
+    finally:
+        for p in constants:
+            p.requires_grad_(True)
     return {n: Materialized(g) for n, g in per_sample.items()}
+
+
+class _NoRandomness(TorchDispatchMode):
+    """Refuses any operation that draws random numbers (dropout): a re-run would draw other ones."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            raise RuntimeError(f"the forward calls {func}, which draws random numbers")
+        return func(*args, **(kwargs or {}))
+
+
+def _one_at_a_time(objective, variables: dict[str, torch.Tensor], batched: list[torch.Tensor],
+                   grads: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The per-example gradients by a plain autograd loop, one example at a time, where vmap cannot
+    batch the forward (the fused kernels of nn.RNN/GRU/LSTM): the same objective, the same values."""
+    rows: list[dict[str, torch.Tensor]] = []
+    examples = grads[0].shape[0]
+    with _NoRandomness():
+        for b in range(examples):
+            leaves = {n: v.clone().requires_grad_(True) for n, v in variables.items()}
+            total = objective(leaves, [x[b] for x in batched], [g[b] for g in grads])
+            found = torch.autograd.grad(total, list(leaves.values()), allow_unused=True)
+            rows.append({n: torch.zeros_like(v) if g is None else g
+                         for (n, v), g in zip(leaves.items(), found)})
+    return {n: torch.stack([row[n] for row in rows]) for n in variables}
 
 
 def _inputs_described(leaves: list[Any], axes: tuple[Axis | None, ...]) -> str:
