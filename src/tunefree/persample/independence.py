@@ -337,20 +337,31 @@ def _check_gradients(model: nn.Module, units: list, args: tuple, kwargs: dict, r
     handles: list = []
     try:
         output = _forward(model, units, args, kwargs, seed, _hook_gradients(probe, handles))
-        batched = [t for t in _floats(output) if t.dim() > root and t.shape[root] == n and t.requires_grad]
+        batched, dim = _batched_outputs(output, n, root)
         params = [p for u in units for p in u.direct.values() if p.requires_grad]
         if not handles or not batched:
             return
         for k in probes:
             weights = [_pattern(t) for t in batched]  # the loss Σ w·output, example k weighted 0
             for w in weights:
-                w.movedim(root, 0)[k] = 0
+                w.movedim(dim, 0)[k] = 0
             probe.example = k
             torch.autograd.grad(batched, params, grad_outputs=weights, allow_unused=True,
                                 retain_graph=k != probes[-1])  # returned, dropped: never in .grad
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _batched_outputs(output: object, n: int, root: int) -> tuple[list[torch.Tensor], int]:
+    """The model's outputs that carry the examples, and where: in the dimension declared for its inputs,
+    else in dimension 0 (a time-major model that pools over time). Weighting the wrong dimension makes
+    the probe refuse, never pass."""
+    for dim in dict.fromkeys((root, 0)):
+        batched = [t for t in _floats(output) if t.dim() > dim and t.shape[dim] == n and t.requires_grad]
+        if batched:
+            return batched, dim
+    return [], root
 
 
 @dataclass
