@@ -106,9 +106,20 @@ class Unit:
     declared_dim: int = 0  # the example dimension declared for it (batch_dim), for layers that take one
     example_dim: int | None = 0  # the one dimension all its tensors carry the examples in, if any
 
+    _plain: dict[tuple[int, int], CallLayout] = field(default_factory=dict)  # layouts of plain calls
+
     def layout(self, args: tuple, kwargs: dict, num_outputs: int) -> CallLayout:
-        """Where this call's inputs and floating-point outputs carry the examples."""
-        return call_layout(self.module, self.rule, self.declared_dim, args, kwargs, num_outputs)
+        """Where this call's inputs and floating-point outputs carry the examples (for a plain call of
+        a layer with one example dimension, made once per number of inputs and outputs)."""
+        plain = self.rule is not None and self.example_dim is not None and not kwargs \
+            and all(isinstance(x, torch.Tensor) for x in args)
+        key = (len(args), num_outputs)
+        if not plain or key not in self._plain:
+            layout = call_layout(self.module, self.rule, self.declared_dim, args, kwargs, num_outputs)
+            if not plain:
+                return layout
+            self._plain[key] = layout
+        return self._plain[key]
 
     def subtree_params(self) -> dict[nn.Parameter, None]:
         params = dict.fromkeys(self.direct.values())

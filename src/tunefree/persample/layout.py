@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from ..rules import LayerRule, known_layout
-from ..rules.layout import CallLayout, Dim, uniform_layout
+from ..rules.layout import CallLayout, uniform_layout
 
 BatchDim = int | Mapping[str, int]
 
@@ -95,7 +94,7 @@ def call_layout(module: nn.Module, rule: LayerRule | None, declared: int, args: 
     known = known_layout(module, args, kwargs, num_outputs)
     if known is not None:
         return known
-    return uniform_layout(tree_flatten((args, kwargs))[0], num_outputs, declared)
+    return uniform_layout(args, kwargs, num_outputs, declared)
 
 
 def only_from_batch(layout: CallLayout, leaves: list, from_batch: tuple[bool, ...],
@@ -137,6 +136,3 @@ def expand_rows(x: torch.Tensor, dim: int, examples: int) -> torch.Tensor:
 def has_one_row(x: torch.Tensor, dim: int) -> bool:
     return x.dim() > dim and x.shape[dim] == 1
 
-
-__all__ = ["BatchDim", "CallLayout", "DeclaredDims", "Dim", "call_layout", "example_dim", "expand_rows",
-           "has_one_row", "layout_hint", "only_from_batch"]

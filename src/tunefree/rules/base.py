@@ -18,7 +18,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from ..dtypes import norm_dtype
 from .layout import CallLayout, uniform_layout
@@ -138,7 +137,7 @@ class LayerRule(ABC):
         floating-point tensor outputs carry the examples."""
         dim = self.example_dim(module, declared)
         assert dim is not None, f"{type(self).__name__} must define layout()"
-        return uniform_layout(tree_flatten((args, kwargs))[0], num_outputs, dim)
+        return uniform_layout(args, kwargs, num_outputs, dim)
 
     def check(self, module: nn.Module, name: str) -> None:  # noqa: B027 - most rules accept all
         """Raise a clear error when this module's configuration mixes examples."""

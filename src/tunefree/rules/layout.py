@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+from torch.utils._pytree import tree_flatten
 
 
 class Axis(ABC):
@@ -153,8 +154,14 @@ class CallLayout:
     outputs: tuple[Axis, ...]
 
 
-def uniform_layout(leaves: list, num_outputs: int, dim: int) -> CallLayout:
+_DIMS = tuple(Dim(d) for d in range(8))  # the common axes, made once
+
+
+def uniform_layout(args: tuple, kwargs: dict, num_outputs: int, dim: int) -> CallLayout:
     """Every tensor input and every output carries the examples in dimension ``dim``."""
-    axis = Dim(dim)
+    axis = _DIMS[dim] if dim < len(_DIMS) else Dim(dim)
+    if not kwargs and all(isinstance(x, torch.Tensor) for x in args):  # a plain layer call: no pytree
+        return CallLayout((axis,) * len(args), (axis,) * num_outputs)
+    leaves = tree_flatten((args, kwargs))[0]
     return CallLayout(tuple(axis if isinstance(x, torch.Tensor) else None for x in leaves),
                       (axis,) * num_outputs)
