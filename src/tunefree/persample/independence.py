@@ -157,10 +157,14 @@ def _structure(seen: list[Seen]) -> list[torch.Tensor]:
 def _record_fingerprints(records: dict[str, list], n: int, model_inputs: set[int]) -> Visit:
     """A visit that keeps every call's fingerprints (not its activations), by unit name in call order;
     ``model_inputs``: the storages of the model's per-example inputs."""
+    structured = [False]  # a call with structure seen: from there on, keep the rows' magnitudes too
+
     def visit(unit, seen: list[Seen]) -> None:
         _refuse_structure_from_inputs(unit, seen, model_inputs)
-        fingerprints = [_fingerprint(s.tensor, s.axis, n) for s in _values(seen)]
-        records.setdefault(unit.name, []).append(_Call(fingerprints, _structure(seen)))
+        structure = _structure(seen)
+        structured[0] |= bool(structure)
+        fingerprints = [_fingerprint(s.tensor, s.axis, n, magnitude=structured[0]) for s in _values(seen)]
+        records.setdefault(unit.name, []).append(_Call(fingerprints, structure))
     return visit
 
 
@@ -181,7 +185,7 @@ def _compare(base: dict[str, list], n: int, k: int, label: int) -> Visit:
         regrouped[0] |= len(structure) != len(call.structure) or not all(
             torch.equal(x, y) for x, y in zip(structure, call.structure))
         for a, s in zip(call.fingerprints, seen):
-            b = _fingerprint(s.tensor, s.axis, n)
+            b = _fingerprint(s.tensor, s.axis, n, magnitude=regrouped[0])
             if not _unchanged_elsewhere(a, b, k, regrouped[0]):
                 raise PrivacyError(_forward_mixing(unit, s, a, b, k, label))
     return visit
@@ -215,12 +219,13 @@ class _Fingerprint:
     shape: tuple[int, ...]
     batched: bool
     rows: torch.Tensor
-    magnitude: torch.Tensor  # each row's |values| projected on |pattern|: the scale of its rounding
+    magnitude: torch.Tensor | None  # each row's |values| on |pattern|: the scale of its rounding (if kept)
     eps: float  # the tensor's machine epsilon
     other_dims: dict[int, _Fingerprint] = field(default_factory=dict)
 
 
-def _fingerprint(t: torch.Tensor, axis: Axis | None, n: int, others: bool = True) -> _Fingerprint:
+def _fingerprint(t: torch.Tensor, axis: Axis | None, n: int, others: bool = True,
+                 magnitude: bool = False) -> _Fingerprint:
     t = t.detach()
     batched = axis is not None and axis.examples(t) == n
     rows = axis.batch_first(t) if batched else t.reshape(1, -1)
@@ -232,7 +237,8 @@ def _fingerprint(t: torch.Tensor, axis: Axis | None, n: int, others: bool = True
     shape = (n,) if batched and not isinstance(axis, Dim) else tuple(t.shape)
     flat = rows.reshape(rows.shape[0], -1)
     eps = torch.finfo(t.dtype).eps if t.is_floating_point() else 0.0
-    return _Fingerprint(shape, batched, _projection(flat), _projection(flat, absolute=True), eps, other_dims)
+    scale = _projection(flat, absolute=True) if magnitude else None
+    return _Fingerprint(shape, batched, _projection(flat), scale, eps, other_dims)
 
 
 def _projection(flat: torch.Tensor, absolute: bool = False) -> torch.Tensor:
@@ -258,7 +264,7 @@ def _unchanged_elsewhere(a: _Fingerprint, b: _Fingerprint | None, k: int, regrou
     keep = torch.ones(a.rows.numel(), dtype=torch.bool, device=a.rows.device)
     if a.batched:
         keep[k] = False
-    if not regrouped:
+    if not regrouped or a.magnitude is None or b.magnitude is None:
         return torch.equal(a.rows[keep], b.rows[keep])
     bound = _REGROUPED_ROUNDING * a.eps * torch.maximum(a.magnitude, b.magnitude)
     return bool(((a.rows - b.rows).abs() <= bound)[keep].all())
