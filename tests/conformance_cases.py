@@ -22,6 +22,7 @@ from conformance_models import (
     NoisyScale,
     Recurrent,
     SequenceBias,
+    ShrinkingCellLoop,
     TimeMajor,
     Twice,
 )
@@ -401,6 +402,15 @@ def cell_cases() -> Iterator[Case]:
         "GRUCell": nn.GRUCell,
         "LSTMCell": nn.LSTMCell,
     }
+    yield Case(
+        "LSTMCell",
+        "stepped over sorted sequences on only those still running (part of the batch per call)",
+        ShrinkingCellLoop,
+        _with(x, _const(LENGTHS_SORTED)),
+        refused=r"shows \d examples.*holds 3: .*called on part of the batch.*call it on every example",
+        reason="a call on part of the batch cannot be attributed to examples: call it on every example "
+        "and mask, or use nn.LSTM with a PackedSequence (exact, above)",
+    )
     for kind, cell in cells.items():
         yield Case(kind, "called once per time step", lambda c=cell: CellLoop(c(3, 4)), x, two_paths=True)
         yield Case(

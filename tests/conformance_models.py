@@ -137,6 +137,23 @@ class CellLoop(nn.Module):
         return torch.stack(outputs, 1)
 
 
+class ShrinkingCellLoop(nn.Module):
+    """A cell stepped over sequences sorted by length, on only the sequences still running at each step
+    (as a hand-written loop over packed sequences does): its later calls see part of the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.LSTMCell(3, 4)
+
+    def forward(self, x, lengths):
+        h = c = x.new_zeros(x.shape[0], 4)
+        for t in range(x.shape[1]):
+            running = int((lengths > t).sum())
+            h_t, c_t = self.cell(x[:running, t], (h[:running], c[:running]))
+            h, c = torch.cat([h_t, h[running:]]), torch.cat([c_t, c[running:]])
+        return h
+
+
 class LinearLSTM(nn.Module):
     """An LSTM made of two nn.Linear layers (as some libraries build one): ``ih`` on the whole
     time-major sequence ``[T, B, F]`` at once, ``hh`` once per step on ``[B, H]``."""

@@ -950,11 +950,17 @@ def _batch_mismatch(unit: Unit, capture: Capture | None, grad: torch.Tensor, axi
               if isinstance(t, torch.Tensor)] if capture is not None else []
     seen = axis.examples(grad)
     shape = tuple(grad.shape)
+    partial = ("a layer called on part of the batch (e.g. only the sequences still running at a step of a "
+               "loop over packed sequences) cannot be attributed to examples: call it on every example (keep "
+               "finished sequences in the batch and mask their outputs, or use nn.LSTM/GRU/RNN, which take a "
+               "PackedSequence)")
     if seen == 1 and expected != 1:
         hint = ("a tensor with one row is broadcast over the batch (e.g. position ids of shape (1, L)): "
-                "expand it to one row per example, (B, ...), before the call")
+                f"expand it to one row per example, (B, ...), before the call; or {partial}")
     elif isinstance(axis, Dim) and expected in shape[:axis.dim] + (None,) + shape[axis.dim + 1:]:
         hint = layout_hint(unit.name, unit.module, unit.rule, axis.dim, shape.index(expected))
+    elif seen is not None and seen < expected:
+        hint = partial
     else:
         hint = ("feed the model the batches the private loader hands out, with one row per example "
                 "where each layer carries its examples")
