@@ -74,7 +74,7 @@ def _seed(seed: int) -> None:
 
 
 @dataclass(frozen=True)
-class Seen:
+class _Seen:
     """One float tensor of a unit call, as the checks read it: which input or output it is, and its
     axis (where the call's layout puts its examples; ``None``: not per example, it must not change)."""
 
@@ -83,21 +83,21 @@ class Seen:
     axis: Axis | None
 
 
-Visit = Callable[[object, list[Seen]], None]
+Visit = Callable[[object, list[_Seen]], None]
 
 
-def _seen(unit, args: tuple, kwargs: dict, output: object) -> list[Seen]:
+def _seen(unit, args: tuple, kwargs: dict, output: object) -> list[_Seen]:
     """A unit call's float inputs and outputs, each with its axis from the call's layout, and its inputs
     that say where the examples are (offsets, batch sizes: axis :class:`Structure`, any dtype)."""
     outs = _floats(output)
     layout = unit.layout(args, kwargs, len(outs))
     leaves = tree_flatten((args, kwargs))[0]
-    inputs = [Seen(f"input {i}", x, a) for i, (x, a) in enumerate(zip(leaves, layout.inputs))
+    inputs = [_Seen(f"input {i}", x, a) for i, (x, a) in enumerate(zip(leaves, layout.inputs))
               if isinstance(x, torch.Tensor) and (x.is_floating_point() or isinstance(a, Structure))]
-    return inputs + [Seen(f"output {i}", t, a) for i, (t, a) in enumerate(zip(outs, layout.outputs))]
+    return inputs + [_Seen(f"output {i}", t, a) for i, (t, a) in enumerate(zip(outs, layout.outputs))]
 
 
-def _values(seen: list[Seen]) -> list[Seen]:
+def _values(seen: list[_Seen]) -> list[_Seen]:
     """The tensors whose values the forward check compares (not the structure of the examples, which
     may move when one example's length changes)."""
     return [s for s in seen if not isinstance(s.axis, Structure)]
@@ -107,7 +107,7 @@ def _storage(x: torch.Tensor) -> int:
     return x.untyped_storage().data_ptr() if x.layout == torch.strided else id(x)
 
 
-def _refuse_structure_from_inputs(unit, seen: list[Seen], model_inputs: set[int]) -> None:
+def _refuse_structure_from_inputs(unit, seen: list[_Seen], model_inputs: set[int]) -> None:
     """A tensor saying where the examples are (a bag's offsets, a PackedSequence's batch sizes), taken
     straight from the model's inputs: changing one example's row of the inputs would move the others."""
     for s in seen:
@@ -150,7 +150,7 @@ class _Call:
     structure: list[torch.Tensor]
 
 
-def _structure(seen: list[Seen]) -> list[torch.Tensor]:
+def _structure(seen: list[_Seen]) -> list[torch.Tensor]:
     return [s.tensor.detach().clone() for s in seen if isinstance(s.axis, Structure)]
 
 
@@ -159,7 +159,7 @@ def _record_fingerprints(records: dict[str, list], n: int, model_inputs: set[int
     ``model_inputs``: the storages of the model's per-example inputs."""
     structured = [False]  # a call with structure seen: from there on, keep the rows' magnitudes too
 
-    def visit(unit, seen: list[Seen]) -> None:
+    def visit(unit, seen: list[_Seen]) -> None:
         _refuse_structure_from_inputs(unit, seen, model_inputs)
         structure = _structure(seen)
         structured[0] |= bool(structure)
@@ -174,7 +174,7 @@ def _compare(base: dict[str, list], n: int, k: int, label: int) -> Visit:
     calls: dict[str, int] = {}
     regrouped = [False]  # whether a call's structure (hence the kernels' grouping of examples) changed
 
-    def visit(unit, seen: list[Seen]) -> None:
+    def visit(unit, seen: list[_Seen]) -> None:
         index = calls[unit.name] = calls.get(unit.name, -1) + 1
         before = base.get(unit.name, [])
         structure, seen = _structure(seen), _values(seen)
@@ -191,7 +191,7 @@ def _compare(base: dict[str, list], n: int, k: int, label: int) -> Visit:
     return visit
 
 
-def _forward_mixing(unit, seen: Seen, a: _Fingerprint, b: _Fingerprint, k: int, label: int) -> str:
+def _forward_mixing(unit, seen: _Seen, a: _Fingerprint, b: _Fingerprint, k: int, label: int) -> str:
     where = "as a whole (not per example)" if not a.batched else \
         f"with its examples in {seen.axis.describe()}"
     found = next((dim for dim in a.other_dims if _unchanged_elsewhere(a.other_dims[dim],
@@ -382,14 +382,14 @@ class _Probe:
 def _hook_gradients(probe: _Probe, handles: list) -> Visit:
     """A visit that hooks every per-example unit tensor on the gradient path with a check of its
     gradient."""
-    def visit(unit, seen: list[Seen]) -> None:
+    def visit(unit, seen: list[_Seen]) -> None:
         handles.extend(s.tensor.register_hook(_zero_at(probe, s, unit.name)) for s in seen
                        if s.tensor.requires_grad and s.axis is not None
                        and s.axis.examples(s.tensor) == len(probe.rows))
     return visit
 
 
-def _zero_at(probe: _Probe, seen: Seen, name: str) -> Callable[[torch.Tensor], None]:
+def _zero_at(probe: _Probe, seen: _Seen, name: str) -> Callable[[torch.Tensor], None]:
     """A gradient hook refusing any nonzero gradient at the probed example of unit ``name``'s tensor."""
     what, shape, axis = seen.what, tuple(seen.tensor.shape), seen.axis
 

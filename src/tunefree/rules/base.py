@@ -136,7 +136,9 @@ class LayerRule(ABC):
         """Where this call's inputs (each leaf of ``tree_flatten((args, kwargs))``) and its
         floating-point tensor outputs carry the examples."""
         dim = self.example_dim(module, declared)
-        assert dim is not None, f"{type(self).__name__} must define layout()"
+        if dim is None:
+            raise NotImplementedError(f"{type(self).__name__} has no single example dimension: it must "
+                                      "define layout()")
         return uniform_layout(args, kwargs, num_outputs, dim)
 
     def check(self, module: nn.Module, name: str) -> None:  # noqa: B027 - most rules accept all

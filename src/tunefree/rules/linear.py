@@ -1,4 +1,5 @@
-"""``nn.Linear`` on inputs of any rank ≥ 2: ``[B, *, d_in]``, every middle position a token."""
+"""``nn.Linear`` on inputs of any rank ≥ 2: ``[B, *, d_in]``, every middle position a token (the examples in
+the dimension declared for the layer, handed to the rule batch-first)."""
 
 from __future__ import annotations
 
