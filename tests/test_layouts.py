@@ -228,3 +228,33 @@ def test_independence_check_reads_initial_states_in_dimension_1():
     model = WithInitialState()
     engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("abadi"), "sum")
     verify_example_independence(model, engine, (torch.randn(5, 4, 3), torch.randn(5, 2, 4)), {})
+
+
+class BatchFirstLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):  # x [B, T, 3], batch-first all along
+        return torch.tanh(self.fc(x))
+
+
+def test_a_wrong_declaration_is_refused_never_trusted():
+    """Declaring time-major for a batch-first layer: by the count when T ≠ B, by the check when T == B."""
+    def declared_engine(model):
+        return ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("abadi"), "sum",
+                              batch_dim={"fc": 1})
+    model = BatchFirstLinear()
+    engine = declared_engine(model)
+    with pytest.raises(tunefree.PrivacyError, match=r"'fc'.*shows 5 examples in dimension 1.*holds 4.*"
+                                                    r"batch_dim=\{'fc': 0\}"):
+        model(torch.randn(4, 5, 3)).sum().backward()
+    engine.detach()
+    engine = declared_engine(model)
+    x = torch.randn(4, 4, 3)  # T == B: the counts agree, the examples do not
+    model(x).sum().backward()
+    engine.pop_step()
+    message = (r"module 'fc' mixes examples in its forward.*dimension 1\).*changed only row \d of "
+               r"dimension 0.*batch_dim=\{'fc': 0\}")
+    with pytest.raises(tunefree.PrivacyError, match=message):
+        verify_example_independence(model, engine, (x,), {})
