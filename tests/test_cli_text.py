@@ -211,7 +211,7 @@ BAD_INPUTS = [
      "LoRA on this bert model failed"),
     (["--data", "{files}/reviews.csv", "--hidden", "8"], "--hidden do not apply to text models"),
     (["--data", "{files}/reviews.csv", "--audit-canaries", "100"], "--audit-canaries do not apply to text"),
-    (["--data", "{files}/reviews.csv", "--lr", "auto"], "--lr auto is not available for text models"),
+    (["--data", "{files}/reviews.csv", "--lr", "hyfreedp"], "--lr hyfreedp is not available for text models"),
     (["--model", "mlp", "--text-column", "review"], "--text-column apply to text models"),
 ]
 

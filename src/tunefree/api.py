@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from .clipping.functions import ClipFunction
 from .clipping.groups import ClipGroup, GroupSpec, make_groups, sensitivity
 from .components.dog import DistanceOverGradients
+from .components.dog_optimizers import OptimizerDoG
 from .components.hyfreedp import AutoLearningRate
 from .components.thresholds import QuantileEstimator, QuantileSettings
 from .config import AutoLR, Clipping, Thresholds, resolve_options
@@ -227,22 +228,19 @@ def make_private(
 
 
 def _dog(optimizer: torch.optim.Optimizer, release: GradientRelease, plan: Plan) -> DistanceOverGradients:
-    """The DoG rule of ``AutoLR(mode="dog")``: it sets the step size of plain SGD only."""
-    plain = all(not (g.get("momentum") or g.get("weight_decay") or g.get("nesterov"))
-                for g in optimizer.param_groups)
-    if type(optimizer) is not torch.optim.SGD or not plain:
-        raise ValueError(
-            "lr='auto' (AutoLR(mode='dog')) sets the step size of plain SGD: pass "
-            "torch.optim.SGD(model.parameters(), lr=1.0) without momentum or weight decay, or "
-            "lr=tunefree.AutoLR(mode='safeguarded') (HyFreeDP) for another optimizer; "
-            f"got {type(optimizer).__name__}")
+    """The DoG rule of ``AutoLR(mode="dog")``: DoG's SGD step, for plain SGD as it is and for other
+    optimizers translated to their learning rate (``tunefree.components.dog_optimizers``)."""
     settings = plan.settings["auto_lr"]
     if plan.steps is None and settings["noise_budget"] is not None:
         raise ValueError("lr='auto' spends its noise budget over the planned run: give epochs or steps "
                          "(or lr=tunefree.AutoLR(noise_budget=None) for DoG without it)")
-    return DistanceOverGradients(release, plan.expected_batch_size,
-                                 initial_distance=settings["initial_distance"], planned_steps=plan.steps,
-                                 noise_budget=settings["noise_budget"])
+    rule = dict(initial_distance=settings["initial_distance"], planned_steps=plan.steps,
+                noise_budget=settings["noise_budget"])
+    plain = all(not (g.get("momentum") or g.get("weight_decay") or g.get("nesterov"))
+                for g in optimizer.param_groups)
+    if type(optimizer) is torch.optim.SGD and plain:
+        return DistanceOverGradients(release, plan.expected_batch_size, **rule)
+    return OptimizerDoG(optimizer, release, plan.expected_batch_size, **rule)
 
 
 def _check_data_parallel_options(quantile: QuantileSettings | None, auto: AutoLR | None,

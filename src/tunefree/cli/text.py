@@ -25,10 +25,9 @@ from . import text_data, text_models
 from .report import RunDirectory, norm_statistics
 from .training import Progress, check_config, delta_choice, loose_target_note
 
-# AdamW's learning rate when --lr is not given: 5e-4, the order that private fine-tuning of BERT/GPT-2
-# sized models with AUTO-S/normalised clipping uses at batch sizes in the hundreds to thousands (not swept
-# here). With normalised per-example gradients Adam's step does not depend on the gradients' scale.
-DEFAULT_TEXT_LR = 5e-4
+# AdamW's learning rate when --lr is not given: "auto", make_private's lr="auto" (DoG's step within its
+# noise budget, translated to AdamW's learning rate; no ε), benchmarks/RESULTS.md §5f.
+DEFAULT_TEXT_LR = "auto"
 DEFAULT_TEXT_EPOCHS = 3
 
 
@@ -52,24 +51,25 @@ class TextConfig:
     epochs: float | None = DEFAULT_TEXT_EPOCHS
     steps: int | None = None
     batch_size: int = 256
-    lr: float | None = None
+    lr: float | str | None = None  # a number or "auto"; None: DEFAULT_TEXT_LR
     clipping: str = "auto-s"
     groups: str = "all-layer"
     accountant: str = "pld"
     seed: int | None = None
     quiet: bool = False
 
-    def resolved_lr(self) -> float:
-        return DEFAULT_TEXT_LR if self.lr is None else float(self.lr)
+    def resolved_lr(self) -> float | str:
+        """The learning rate asked for: a number or ``"auto"``."""
+        return DEFAULT_TEXT_LR if self.lr is None else self.lr if self.lr == "auto" else float(self.lr)
 
 
 def _check(config: TextConfig) -> None:
     """Refuse a bad configuration before any data is read."""
     from .training import TrainConfig
 
-    if config.lr in ("auto", "hyfreedp"):
-        raise ValueError(f"--lr {config.lr} is not available for text models yet: give a number (default "
-                         f"{DEFAULT_TEXT_LR} with AdamW)")
+    if config.lr == "hyfreedp":
+        raise ValueError("--lr hyfreedp is not available for text models yet: use --lr auto (the default) "
+                         "or give a number")
     check_config(TrainConfig(epsilon=config.epsilon, delta=config.delta, epochs=config.epochs,
                              steps=config.steps, batch_size=config.batch_size, clipping=config.clipping,
                              groups=config.groups, lr=config.resolved_lr(), accountant=config.accountant))
@@ -156,15 +156,18 @@ def train_text(config: TextConfig) -> dict[str, Any]:
     train_set = text_data.TextExamples(tensors, train_rows)
     test_set = text_data.TextExamples(tensors, test_rows)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.resolved_lr())
+    auto = config.resolved_lr() == "auto"
+    optimizer = torch.optim.AdamW(trainable, lr=1.0 if auto else config.resolved_lr())
     engine = make_private(model, optimizer, DataLoader(train_set, batch_size=config.batch_size),
                           target_epsilon=config.epsilon, target_delta=delta, epochs=config.epochs,
                           steps=config.steps, clipping=config.clipping, groups=config.groups,
-                          accountant=config.accountant, seed=config.seed)
+                          accountant=config.accountant, seed=config.seed, lr="auto" if auto else None)
     run, started = RunDirectory(config.out), time.perf_counter()
     epsilon = _train_loop(engine, task, config, delta, run)
     train_seconds = time.perf_counter() - started
     engine.detach()
+    if engine.dog_lr is not None:  # the model kept is the automatic learning rate's averaged one
+        engine.dog_lr.apply_average()
     text_models.save(model, tokenizer, run.path / "model")
     result = {
         **evaluate(model, test_set, task), "epsilon": epsilon, "delta": delta, "delta_choice": delta_text,
