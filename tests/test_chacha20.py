@@ -46,7 +46,7 @@ def reference_block(key: bytes, counter: int, nonce: tuple[int, int, int]) -> by
             x[r] ^= x[p]
             x[r] = ((x[r] << shift) | (x[r] >> (32 - shift))) & mask
 
-    state = [*chacha20.CONSTANTS, *struct.unpack("<8I", key), counter & mask, *nonce]
+    state = [*struct.unpack("<4I", b"expand 32-byte k"), *struct.unpack("<8I", key), counter & mask, *nonce]
     x = list(state)
     for _ in range(10):
         for a, b, c, d in ((0, 4, 8, 12), (1, 5, 9, 13), (2, 6, 10, 14), (3, 7, 11, 15),
@@ -110,14 +110,19 @@ def layout_reference(key: bytes, draw: int, dtype: torch.dtype) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-6), (torch.float64, 1e-13)])
-def test_gaussians_follow_the_documented_layout_on_the_cpu_and_in_the_kernel(kernel, dtype, tolerance):
+def test_gaussians_follow_the_documented_layout_on_the_cpu_and_in_the_kernel(kernel, dtype, tolerance,
+                                                                             monkeypatch):
+    """The CPU path and the CUDA kernel (interpreted; one launch per draw: keystream, Box–Muller and the
+    stores in one kernel) give the numbers of the module docstring's layout."""
     generator = ChaCha20Generator()
     cpu = generator.normals(2 * PAIRS, CPU, dtype)  # draw number 0: one group
     expected = layout_reference(generator._key(), 0, dtype)
     assert cpu.dtype == dtype and np.allclose(cpu.numpy(), expected, rtol=tolerance, atol=tolerance)
+    launches, launch = [], kernel._normals_kernel.run
+    monkeypatch.setattr(kernel._normals_kernel, "run", lambda *a, **k: launches.append(1) or launch(*a, **k))
     on_device = torch.empty(2 * PAIRS, dtype=dtype)
     kernel.normals(on_device, generator.device_key(CPU), 0)  # the CUDA kernel, interpreted
-    assert torch.allclose(on_device, cpu, rtol=tolerance, atol=tolerance)
+    assert torch.allclose(on_device, cpu, rtol=tolerance, atol=tolerance) and launches == [1]
 
 
 def test_extreme_words_give_finite_gaussians_with_tails_beyond_nine_sigma():

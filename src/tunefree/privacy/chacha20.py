@@ -47,7 +47,6 @@ from collections.abc import Iterator
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
-CONSTANTS = (0x61707865, 0x3320646E, 0x79622D32, 0x6B206574)  # "expand 32-byte k"
 BLOCK_BYTES = 64
 MAX_BLOCKS = 1 << 32  # blocks under one draw number (the 32-bit block counter)
 PAIRS = 1024  # Box–Muller pairs per group: a group gives 2048 Gaussians

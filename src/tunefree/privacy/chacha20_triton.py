@@ -11,8 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chacha20 import CONSTANTS
-
+CONSTANTS = (0x61707865, 0x3320646E, 0x79622D32, 0x6B206574)  # RFC 8439 §2.3: "expand 32-byte k"
 _TWO_PI = 6.283185307179586
 _BLOCKS_PER_PROGRAM = 256  # keystream kernel
 
