@@ -48,23 +48,34 @@ class NoiseSource(Protocol):
     seed: int | None
 
     @property
-    def description(self) -> str: ...
+    def description(self) -> str:
+        """How the run draws its randomness, as reports and checkpoints say it."""
 
     def normals(self, shapes: Sequence[torch.Size], device: torch.device, dtype: torch.dtype
-                ) -> list[torch.Tensor]: ...
+                ) -> list[torch.Tensor]:
+        """Independent standard Gaussians of each shape, on ``device`` in ``dtype`` (one draw)."""
 
-    def normal(self, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor: ...
+    def normal(self, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """``normals`` of one shape."""
 
     def normals_at(self, sizes: Sequence[int], ranges: Sequence[tuple[int, int]], device: torch.device,
-                   dtype: torch.dtype) -> list[torch.Tensor]: ...
+                   dtype: torch.dtype) -> list[torch.Tensor]:
+        """Gaussians for coordinates ``[a, b)`` of each of one draw's pieces of ``sizes`` coordinates (flat):
+        this process's part of noise that several processes share out. Every process asking about the
+        same pieces stays at the same place of a replayable stream."""
 
-    def owned_range(self, count: int, shard: tuple[int, int]) -> tuple[int, int]: ...
+    def owned_range(self, count: int, shard: tuple[int, int]) -> tuple[int, int]:
+        """Which coordinates ``[a, b)`` of ``count`` rank ``shard[0]`` of ``shard[1]`` noises when each
+        coordinate must be noised by exactly one rank."""
 
-    def inclusion(self, step: int, num_examples: int, sample_rate: float) -> torch.Tensor: ...
+    def inclusion(self, step: int, num_examples: int, sample_rate: float) -> torch.Tensor:
+        """Poisson sampling: which examples logical step ``step`` includes (bool, CPU)."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps (never a secret key)."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict``; a checkpoint of the other kind is refused."""
 
 
 def _derive(seed: int, *key: int) -> int:
