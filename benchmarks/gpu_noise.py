@@ -76,10 +76,10 @@ def correctness(device: torch.device, float64: bool) -> dict:
     for dtype in (torch.float32, torch.float64) if float64 else (torch.float32,):
         generator = ChaCha20Generator()
         on_device = generator.normals(1 << 20, device, dtype)  # draw number 0
-        draws = generator._draws
-        generator._draws = iter([0])  # the same draw number again, on the CPU
+        state = generator._state()
+        draws, state.draws = state.draws, iter([0])  # the same draw number again, on the CPU
         on_cpu = generator.normals(1 << 20, torch.device("cpu"), dtype)
-        generator._draws = draws
+        state.draws = draws
         difference = (on_device.cpu() - on_cpu).abs().max().item()
         out[f"max |gpu - cpu| {dtype}"] = difference
     return out

@@ -42,6 +42,7 @@ import importlib.util
 import itertools
 import math
 import os
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -51,6 +52,8 @@ BLOCK_BYTES = 64
 MAX_BLOCKS = 1 << 32  # blocks under one draw number (the 32-bit block counter)
 PAIRS = 1024  # Box–Muller pairs per group: a group gives 2048 Gaussians
 _CHUNK_GROUPS = 32  # CPU: groups turned into Gaussians at a time (their words stay in cache)
+_CHUNK_BLOCKS = 256 * _CHUNK_GROUPS  # the largest CPU chunk: 512 KiB of keystream
+_ZEROS = memoryview(bytes(_CHUNK_BLOCKS * BLOCK_BYTES))  # ChaCha20 of zeros is the keystream
 _TWO_PI = 2 * math.pi
 
 
@@ -69,60 +72,60 @@ class ChaCha20Generator:
     """Secret numbers from ChaCha20 under a key of this process (see the module's docstring).
 
     Not replayable by design: nothing in it can be saved, and every call draws numbers never drawn
-    before by this process."""
+    before by this process. Calls from several threads are served one at a time."""
 
     def __init__(self) -> None:
-        self._pid: int | None = None  # the process the key belongs to; keyed at the first draw
+        self._process: _ProcessState | None = None  # made at the first draw, again in a forked child
+
+    def _state(self) -> _ProcessState:
+        if self._process is None or self._process.pid != os.getpid():
+            self._process = _ProcessState()
+        return self._process
 
     def _key(self) -> bytes:
-        if self._pid != os.getpid():  # first draw, or a forked child: a key of its own
-            self._pid, self._secret = os.getpid(), os.urandom(32)
-            self._draws = itertools.count()
-            self._device_keys: dict[torch.device, torch.Tensor] = {}
-        return self._secret
+        return self._state().key
 
-    def _segments(self, blocks: int, unit: int = 1) -> list[tuple[int, int, int]]:
+    @staticmethod
+    def _segments(state: _ProcessState, blocks: int, unit: int = 1) -> list[tuple[int, int, int]]:
         """``(draw number, first block, blocks)`` for a draw of ``blocks`` blocks: a new draw number for
         each run of up to 2³² blocks (cut at a multiple of ``unit`` blocks, so that no group is split)."""
-        self._key()
         step = MAX_BLOCKS // unit * unit
-        return [(next(self._draws), start, min(step, blocks - start)) for start in range(0, blocks, step)]
+        return [(next(state.draws), start, min(step, blocks - start)) for start in range(0, blocks, step)]
 
     def device_key(self, device: torch.device) -> torch.Tensor:
         """The key as 8 little-endian int32 words on ``device`` (for the CUDA kernel)."""
-        key = self._key()
-        if device not in self._device_keys:
-            words = torch.frombuffer(bytearray(key), dtype=torch.int32)
-            self._device_keys[device] = words.to(device)
-        return self._device_keys[device]
-
-    def keystream(self, draw: int, blocks: int, chunk: int = 1 << 13) -> Keystream:
-        """The CPU keystream of draw number ``draw``, from block 0 on, in chunks of ``chunk`` blocks."""
-        return Keystream(self._key(), 0, nonce_words(draw), blocks, chunk)
+        state = self._state()
+        if device not in state.device_keys:
+            state.device_keys[device] = torch.frombuffer(bytearray(state.key), dtype=torch.int32).to(device)
+        return state.device_keys[device]
 
     def normals(self, count: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """``count`` independent standard Gaussians of ``dtype`` on ``device``, flat."""
         if count == 0:
             return torch.empty(0, device=device, dtype=dtype)
         groups, per_group = -(-count // (2 * PAIRS)), group_blocks(dtype)
-        segments = self._segments(groups * per_group, per_group)
+        state = self._state()
         if device.type == "cuda" and _triton_available():
             from . import chacha20_triton
 
+            key = self.device_key(device)
             out = torch.empty(groups * 2 * PAIRS, device=device, dtype=dtype)
-            for draw, first, blocks in segments:
-                start = first // per_group * 2 * PAIRS
-                chacha20_triton.normals(out[start:start + blocks // per_group * 2 * PAIRS],
-                                        self.device_key(device), draw)
+            with state.lock:
+                for draw, first, blocks in self._segments(state, groups * per_group, per_group):
+                    start = first // per_group * 2 * PAIRS
+                    chacha20_triton.normals(out[start:start + blocks // per_group * 2 * PAIRS], key, draw)
             return out[:count]
         work = torch.float64 if dtype == torch.float64 else torch.float32
         out = torch.empty(groups, 2, PAIRS, dtype=work)
-        scratch = _Scratch(min(groups, _CHUNK_GROUPS), work)
-        for draw, first, blocks in segments:
-            for chunk_first, words in self.keystream(draw, blocks, per_group * _CHUNK_GROUPS).chunks():
-                group = (first + chunk_first) // per_group
-                normals_from_words(words.view(-1, per_group * 16), out[group:group + len(words) // per_group],
-                                   scratch)
+        with state.lock:
+            scratch = state.scratch(work)
+            for draw, first, blocks in self._segments(state, groups * per_group, per_group):
+                stream = Keystream(state.key, 0, nonce_words(draw), blocks, per_group * _CHUNK_GROUPS,
+                                   state.buffer)
+                for chunk_first, words in stream.chunks():
+                    group = (first + chunk_first) // per_group
+                    normals_from_words(words.view(-1, per_group * 16),
+                                       out[group:group + len(words) // per_group], scratch)
         return out.view(-1)[:count].to(device=device, dtype=dtype)
 
     def bernoulli(self, count: int, probability: float) -> torch.Tensor:
@@ -133,15 +136,36 @@ class ChaCha20Generator:
             return torch.empty(0, dtype=torch.bool)
         blocks = -(-count // 8)
         words = torch.empty(blocks, 16, dtype=torch.int32)
-        for draw, start, length in self._segments(blocks):
-            for first, chunk in self.keystream(draw, length).chunks():
-                words[start + first:start + first + len(chunk)] = chunk
+        state = self._state()
+        with state.lock:
+            for draw, start, length in self._segments(state, blocks):
+                for first, chunk in Keystream(state.key, 0, nonce_words(draw), length,
+                                              buffer=state.buffer).chunks():
+                    words[start + first:start + first + len(chunk)] = chunk
         unsigned = words.view(torch.int64).reshape(-1)[:count]  # U − 2⁶³·[U ≥ 2⁶³] as int64
         threshold = math.floor(probability * 2.0**64)
         if threshold >= 1 << 64:
             return torch.ones(count, dtype=torch.bool)
         # U < T in unsigned integers ⇔ (U − 2⁶³) < (T − 2⁶³) in signed ones
         return (unsigned ^ torch.tensor(-(1 << 63))) < threshold - (1 << 63)
+
+
+class _ProcessState:
+    """What a generator holds in one process: the key (read from ``os.urandom``), the draw counter, the
+    CPU path's reused buffers and the lock that serialises draws. A forked child makes its own."""
+
+    def __init__(self) -> None:
+        self.pid, self.key = os.getpid(), os.urandom(32)
+        self.draws = itertools.count()
+        self.lock = threading.Lock()
+        self.buffer = bytearray(_CHUNK_BLOCKS * BLOCK_BYTES)
+        self.device_keys: dict[torch.device, torch.Tensor] = {}
+        self._scratch: dict[torch.dtype, _Scratch] = {}
+
+    def scratch(self, work: torch.dtype) -> _Scratch:
+        if work not in self._scratch:
+            self._scratch[work] = _Scratch(_CHUNK_GROUPS, work)
+        return self._scratch[work]
 
 
 @functools.cache
@@ -158,22 +182,23 @@ def _triton_available() -> bool:
 class Keystream:
     """``blocks`` blocks of ChaCha20 keystream on the CPU (OpenSSL, through ``cryptography``): block ``i``
     under block counter ``counter + i`` and nonce words ``nonce`` (state words 13-15). Handed out in
-    cache-sized chunks of words (int32, one row of 16 per block), in a buffer reused from chunk to chunk."""
+    cache-sized chunks of words (int32, one row of 16 per block) in one buffer, overwritten from chunk to
+    chunk (``buffer``: reuse the caller's)."""
 
     def __init__(self, key: bytes, counter: int, nonce: tuple[int, int, int], blocks: int,
-                 chunk: int = 1 << 13):
+                 chunk: int = _CHUNK_BLOCKS, buffer: bytearray | None = None):
         counter_and_nonce = b"".join(w.to_bytes(4, "little") for w in (counter, *nonce))
         self._cipher = Cipher(algorithms.ChaCha20(key, counter_and_nonce), mode=None).encryptor()
-        self._blocks, self._chunk = blocks, chunk
+        self._blocks, self._chunk = blocks, min(chunk, _CHUNK_BLOCKS)
+        self._buffer = bytearray(min(blocks, self._chunk) * BLOCK_BYTES) if buffer is None else buffer
 
     def chunks(self) -> Iterator[tuple[int, torch.Tensor]]:
         """``(first block, words)`` of each chunk, in order."""
         size = min(self._blocks, self._chunk)
-        zeros, buffer = memoryview(bytes(size * BLOCK_BYTES)), bytearray(size * BLOCK_BYTES)
-        words = torch.frombuffer(buffer, dtype=torch.int32).view(size, 16)
+        words = torch.frombuffer(self._buffer, dtype=torch.int32, count=size * 16).view(size, 16)
         for first in range(0, self._blocks, size):
             length = min(size, self._blocks - first)
-            self._cipher.update_into(zeros[:length * BLOCK_BYTES], buffer)  # keystream ⊕ 0
+            self._cipher.update_into(_ZEROS[:length * BLOCK_BYTES], self._buffer)  # keystream ⊕ 0
             yield first, words[:length]
 
 
