@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 CONSTANTS = (0x61707865, 0x3320646E, 0x79622D32, 0x6B206574)  # RFC 8439 §2.3: "expand 32-byte k"
-_TWO_PI = 6.283185307179586
+_TWO_PI = tl.constexpr(6.283185307179586)  # a global a kernel reads must be a constexpr
 _BLOCKS_PER_PROGRAM = 256  # keystream kernel
 
 
@@ -84,12 +84,12 @@ def _pairs(out_ptr, n, base, radius_low, radius_high, angle, dtype: tl.constexpr
 
 @triton.jit(do_not_specialize=["draw_lo", "draw_hi"])
 def _normals_kernel(out_ptr, n, key_ptr, draw_lo, draw_hi, C0: tl.constexpr, C1: tl.constexpr,
-                    C2: tl.constexpr, C3: tl.constexpr, ANGLE64: tl.constexpr):
+                    C2: tl.constexpr, C3: tl.constexpr, ANGLE64: tl.constexpr, GROUP_BLOCKS: tl.constexpr):
     """One group of 2048 Gaussians per program; lane k makes pairs 16k … 16k + 15 of the group from its
     radius blocks 2k, 2k + 1 and its angle block(s) 128 + k (32-bit angles) or 128 + 2k, 129 + 2k."""
     group = tl.program_id(0).to(tl.int64)
     lane = tl.arange(0, 64)
-    first = group * (256 if ANGLE64 else 192)
+    first = group * GROUP_BLOCKS
     nonce13, nonce14, nonce15 = 0, draw_lo.to(tl.uint32), draw_hi.to(tl.uint32)
     ra = _blocks(key_ptr, (first + 2 * lane).to(tl.uint32), nonce13, nonce14, nonce15, C0, C1, C2, C3)
     rb = _blocks(key_ptr, (first + 2 * lane + 1).to(tl.uint32), nonce13, nonce14, nonce15, C0, C1, C2, C3)
@@ -120,8 +120,9 @@ def _normals_kernel(out_ptr, n, key_ptr, draw_lo, draw_hi, C0: tl.constexpr, C1:
 def normals(out: torch.Tensor, key: torch.Tensor, draw: int) -> None:
     """Fill ``out`` (flat, a whole number of groups of 2048, on the key's device) with the Gaussians of
     draw number ``draw`` under ``key`` (8 int32 words): one kernel launch, one program per group."""
-    _normals_kernel[(out.numel() // 2048,)](out, out.numel(), key, draw & 0x7FFFFFFF, draw >> 31,
-                                            *CONSTANTS, ANGLE64=out.dtype == torch.float64)
+    angle64 = out.dtype == torch.float64
+    _normals_kernel[(out.numel() // 2048,)](out, out.numel(), key, draw & 0x7FFFFFFF, draw >> 31, *CONSTANTS,
+                                            ANGLE64=angle64, GROUP_BLOCKS=256 if angle64 else 192)
 
 
 @triton.jit
