@@ -212,6 +212,19 @@ def test_a_forked_child_reads_a_key_of_its_own(monkeypatch):
     assert generator._key() != parent_key
 
 
+def test_a_pickled_or_copied_source_carries_no_key_and_draws_its_own_numbers():
+    import copy
+    import pickle
+
+    source = SecretSource()
+    first = source.normal(torch.Size([64]), CPU, torch.float64)
+    key = source._generator._key()
+    assert key not in pickle.dumps(source)
+    for twin in (pickle.loads(pickle.dumps(source)), copy.deepcopy(source)):
+        assert not torch.equal(twin.normal(torch.Size([64]), CPU, torch.float64), first)
+        assert twin._generator._key() != key
+
+
 def test_every_draw_takes_a_new_draw_number_and_long_draws_continue_under_the_next(monkeypatch):
     """A draw longer than the block counter allows continues under the next draw number, cut between
     groups; each part is exactly the numbers of its own draw number."""

@@ -77,6 +77,13 @@ class ChaCha20Generator:
     def __init__(self) -> None:
         self._process: _ProcessState | None = None  # made at the first draw, again in a forked child
 
+    def __getstate__(self) -> dict:
+        """A pickled (or deep-copied) generator carries no key: the copy reads its own at its first draw."""
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._process = None
+
     def _state(self) -> _ProcessState:
         if self._process is None or self._process.pid != os.getpid():
             self._process = _ProcessState()
