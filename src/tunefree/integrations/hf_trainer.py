@@ -52,9 +52,9 @@ _SET_BY_TRAINER = ("target_epsilon", "target_delta", "noise_multiplier", "epochs
                    "loss_reduction", "physical_batch_size", "max_physical_batch_size", "poisson_sampling")
 # Computed from private data without noise (or, the gradient norm, before the release): never logged.
 _UNRELEASED_METRICS = ("loss", "train_loss", "grad_norm", "total_flos")
-OUTSIDE_THE_GUARANTEE = ("PrivateTrainer: evaluation metrics, and the checkpoint load_best_model_at_end picks by "
-                         "them, are computed from the evaluation data without noise: the guarantee covers "
-                         "train_dataset only, not eval_dataset")
+OUTSIDE_THE_GUARANTEE = ("PrivateTrainer: evaluation metrics, and the checkpoint load_best_model_at_end "
+                         "picks by them, are computed from the evaluation data without noise: the guarantee "
+                         "covers train_dataset only, not eval_dataset")
 
 
 def token_losses_per_example(logits: torch.Tensor, labels: torch.Tensor, next_token: bool) -> torch.Tensor:

@@ -246,7 +246,8 @@ def select_partitions(histograms: Sequence[Mapping[Any, int]], noise_multiplier:
     the exact, non-private selection (every key seen; the event spends ε = ∞)."""
     threshold = selection_threshold(noise_multiplier, len(histograms), threshold_delta)
     keys = [list(histogram) for histogram in histograms]
-    counts = torch.tensor([float(h[key]) for h, ks in zip(histograms, keys) for key in ks], dtype=torch.float64)
+    counts = torch.tensor([float(h[key]) for h, ks in zip(histograms, keys) for key in ks],
+                          dtype=torch.float64)
     if noise_multiplier > 0 and counts.numel():
         std = noise_multiplier * math.sqrt(len(histograms))
         counts = counts + std * randomness.normal(counts.shape, torch.device("cpu"), torch.float64)
