@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from tunefree.cli import main, text_data, text_models
+from tunefree.cli import text as text_module
 from tunefree.cli.split import held_out, split_key, table_rows
 from tunefree.privacy.accounting import epsilon_of, planned_event
 from tunefree.privacy.mechanisms import threshold_event
@@ -263,3 +264,21 @@ def test_unknown_task_and_missing_out_are_refused(files, capsys):
     assert exit_info.value.code == 2 and "invalid choice: 'translation'" in capsys.readouterr().err
     code = main(["train", "--model", str(files / "bert"), "--data", str(files / "reviews.csv")])
     assert code == 2 and "needs --out DIR" in capsys.readouterr().err
+
+
+def test_the_optimizer_asked_for_is_the_one_that_trains(files, tmp_path, monkeypatch):
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(model, optimizer, *args, **kwargs):
+        seen["optimizer"] = optimizer
+        raise Stop
+
+    monkeypatch.setattr(text_module, "make_private", capture)
+    with pytest.raises(Stop):
+        main(["train", "--model", str(files / "bert"), "--data", str(files / "reviews.csv"), "--out",
+              str(tmp_path / "run"), "--optimizer", "sgd", "--lr", "0.1", "--labels", "neg,pos",
+              "--max-length", "16", "--batch-size", "8", "--steps", "1", "--quiet"])
+    assert type(seen["optimizer"]) is torch.optim.SGD and seen["optimizer"].param_groups[0]["lr"] == 0.1
