@@ -120,3 +120,12 @@ def test_quantile_noise_has_the_stated_scale():
 def test_bad_arguments_are_refused(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_the_audit_curve_of_a_partition_selection_adds_its_p_to_every_delta():
+    from tunefree.audit.fdp import curve_of
+
+    sigma, p = 2.0, 1e-4
+    gaussian, selection = curve_of(dpa.GaussianDpEvent(sigma)), curve_of(threshold_event(sigma, p))
+    assert selection.epsilons.tolist() == gaussian.epsilons.tolist()
+    assert selection.deltas == pytest.approx(gaussian.deltas + p, abs=1e-15)

@@ -107,7 +107,7 @@ def _smallest_noise(event: dpa.DpEvent) -> float:
     return math.inf
 
 
-def _is_threshold(event: dpa.DpEvent) -> bool:
+def is_threshold(event: dpa.DpEvent) -> bool:
     """A (0, p) release: a non-private event Poisson-sampled with probability p (what a partition
     selection costs beyond its Gaussian part, ``privacy.mechanisms.threshold_event``)."""
     return (isinstance(event, dpa.PoissonSampledDpEvent)
@@ -118,7 +118,7 @@ def split_threshold_delta(event: dpa.DpEvent) -> tuple[dpa.DpEvent, float]:
     """``event`` without its top-level (0, p) releases, and the sum of their p: by composition (ε, δ)
     of the rest at δ − Σp is (ε, δ) of the whole. A (0, p) release nested inside a sampled event stays
     (and makes ε infinite)."""
-    if _is_threshold(event):
+    if is_threshold(event):
         return dpa.ComposedDpEvent([]), event.sampling_probability
     if isinstance(event, dpa.SelfComposedDpEvent):
         rest, delta = split_threshold_delta(event.event)
