@@ -18,7 +18,7 @@ from tunefree.privacy.mechanisms import (
     selection_threshold,
     threshold_event,
 )
-from tunefree.privacy.randomness import Randomness
+from tunefree.privacy.randomness import SeededSource
 
 
 class ConstantNoise:
@@ -59,7 +59,7 @@ def test_partition_selection_noise_has_the_stated_scale():
     std = sigma * math.sqrt(k)
     for count, expected in ((1, p / k), (tau, 0.5), (tau - std, norm.sf(1.0))):
         histograms = [{i: count for i in range(3000)} for _ in range(k)]
-        selected, _, _ = select_partitions(histograms, sigma, p, Randomness(seed=int(count * 10)))
+        selected, _, _ = select_partitions(histograms, sigma, p, SeededSource(int(count * 10)))
         share = sum(map(len, selected)) / 6000
         assert abs(share - expected) < 4 * math.sqrt(expected * (1 - expected) / 6000), (count, share)
 
@@ -104,7 +104,7 @@ def test_quantile_noise_has_the_stated_scale():
     probability Φ(c/(σ√2))."""
     sigma, c = 3.0, 2
     values = torch.zeros(c)
-    hits = sum(release_quantile(values, [1.0, 2.0], 0.5, sigma, Randomness(seed=i))[0] == 1.0
+    hits = sum(release_quantile(values, [1.0, 2.0], 0.5, sigma, SeededSource(i))[0] == 1.0
                for i in range(4000))
     expected = norm.cdf(c / (sigma * math.sqrt(2)))
     assert abs(hits / 4000 - expected) < 4 * math.sqrt(expected * (1 - expected) / 4000)

@@ -29,7 +29,7 @@ import dp_accounting as dpa
 import torch
 
 from ..privacy.mechanisms import release_gaussian
-from ..privacy.randomness import Randomness, side_randomness
+from ..privacy.randomness import NoiseSource, side_randomness
 from .releases import Budget, Release
 
 STANDARDISATION_STREAM = 0x5CA1E
@@ -106,7 +106,7 @@ def _magnitude_bins(x: torch.Tensor) -> torch.Tensor:
 
 
 def release(x: torch.Tensor, columns: list[int] | tuple[int, ...], noise_multiplier: float,
-            randomness: Randomness) -> Standardisation:
+            randomness: NoiseSource) -> Standardisation:
     """Privately estimate the scaling of ``columns`` of the training features ``x`` (rows are examples)."""
     if not columns:
         raise ValueError("no columns to standardise")
@@ -137,7 +137,7 @@ def release(x: torch.Tensor, columns: list[int] | tuple[int, ...], noise_multipl
 
 
 def _released(values: torch.Tensor, sensitivity: float, noise_multiplier: float,
-              randomness: Randomness) -> torch.Tensor:
+              randomness: NoiseSource) -> torch.Tensor:
     """The Gaussian release of ``values``; the values themselves in a non-private run (σ = 0)."""
     if noise_multiplier == 0:
         return values
@@ -153,7 +153,7 @@ def variance_noise_floor(mean: torch.Tensor, noise_multiplier: float, columns: i
     return (2 * resolution * (1 + 2 * mean.abs())).clamp_min(MIN_STD ** 2)
 
 
-def secret_randomness(seed: int | None) -> Randomness:
+def secret_randomness(seed: int | None) -> NoiseSource:
     """The standardisation's own noise source: secure by default; for a seeded run, a stream derived
     from the seed that no other release of the run draws from."""
     return side_randomness(seed, STANDARDISATION_STREAM)
