@@ -23,8 +23,6 @@ from tunefree.cli.split import held_out, split_key, table_rows
 class ZeroNoise:
     """The preprocessing releases' randomness with every draw 0: a release is then its exact value."""
 
-    secure = False
-
     def normal(self, shape, device, dtype):
         return torch.zeros(shape, device=device, dtype=dtype)
 
