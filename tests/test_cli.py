@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tunefree
-from tunefree.cli import datasets, main, models
+from tunefree.cli import main, models, preprocess
 from tunefree.cli.training import accuracy
 from tunefree.data.poisson import planned_steps
 
@@ -167,7 +167,7 @@ def test_the_default_learning_rate_is_automatic_and_the_averaged_model_is_kept(t
     assert all(r["lr"] > 0 and "loss_bound" not in r for r in steps) and steps[0]["lr"] != steps[-1]["lr"]
     epochs = [r for r in records if r["kind"] == "epoch"]
     assert epochs[-1]["test_accuracy"] == result["test_accuracy"] > 0.5
-    data = datasets.load("digits", seed=0)  # the model kept is in the run directory, as evaluated
+    data = preprocess.load("digits", seed=0)  # the model kept is in the run directory, as evaluated
     model = models.build("auto", data.kind, data.input_shape, data.num_classes)
     model.load_state_dict(torch.load(out / result["model_file"]))
     assert accuracy(model, data.test) == result["test_accuracy"]

@@ -1,4 +1,4 @@
-"""Every local data format, on small files the tests write themselves. ``datasets.load`` prepares without
+"""Every local data format, on small files the tests write themselves. ``preprocess.load`` prepares without
 noise by default (ε = ∞): what is tested here is reading and encoding; the private releases are tested in
 test_cli_private.py."""
 
@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import torch
 
-from tunefree.cli import datasets, tables
+from tunefree.cli import datasets, preprocess, tables
 from tunefree.cli.datasets import DataError
 
 
@@ -35,13 +35,13 @@ def test_mnist_idx_directory(tmp_path, compress):
         write_idx(tmp_path / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)),
                   compress=compress)
         write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte", np.arange(n) % 10, compress=compress)
-    data = datasets.load(str(tmp_path), labels=tuple("0123456789"))
+    data = preprocess.load(str(tmp_path), labels=tuple("0123456789"))
     assert data.kind == "image" and data.input_shape == (1, 28, 28) and data.num_classes == 10
     assert len(data.train) == 30 and len(data.test) == 10
     x, y = data.train.tensors
     assert x.min() >= 0 and x.max() <= 1 and y.tolist() == [i % 10 for i in range(30)]
     # classes no one declares are selected (here exactly: ε = ∞), and an "(other)" class follows them
-    selected = datasets.load(str(tmp_path))
+    selected = preprocess.load(str(tmp_path))
     assert selected.classes == (*"0123456789", "(other)") and selected.num_classes == 11
 
 
@@ -80,7 +80,7 @@ def test_cifar10_pickles(tmp_path):
         batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
                  b"labels": list(np.arange(n) % 10)}
         (tmp_path / name).write_bytes(pickle.dumps(batch))
-    data = datasets.load(str(tmp_path))
+    data = preprocess.load(str(tmp_path))
     assert data.input_shape == (3, 32, 32) and len(data.train) == 20 and len(data.test) == 6
 
 
@@ -92,7 +92,7 @@ def test_cifar_pickle_cannot_run_code(tmp_path):
     (tmp_path / "data_batch_1").write_bytes(pickle.dumps({b"data": Exploit(), b"labels": [0]}))
     (tmp_path / "test_batch").write_bytes(pickle.dumps({b"data": Exploit(), b"labels": [0]}))
     with pytest.raises(DataError, match="refusing to unpickle builtins.print"):
-        datasets.load(str(tmp_path))
+        preprocess.load(str(tmp_path))
 
 
 
@@ -129,7 +129,7 @@ def test_cifar_pickle_claiming_a_huge_array_is_refused_before_allocating(tmp_pat
     (tmp_path / "data_batch_1").write_bytes(payload())
     (tmp_path / "test_batch").write_bytes(payload())
     with pytest.raises(DataError, match=match):
-        datasets.load(str(tmp_path))
+        preprocess.load(str(tmp_path))
 
 
 @pytest.mark.parametrize("batch, match", [
@@ -142,7 +142,7 @@ def test_cifar_batch_of_the_wrong_shape_is_reported(tmp_path, batch, match):
     (tmp_path / "data_batch_1").write_bytes(pickle.dumps(batch))
     (tmp_path / "test_batch").write_bytes(pickle.dumps(batch))
     with pytest.raises(DataError, match=match):
-        datasets.load(str(tmp_path))
+        preprocess.load(str(tmp_path))
 
 def _table(n=50):
     rng = np.random.default_rng(1)
@@ -152,19 +152,19 @@ def _table(n=50):
 
 def test_csv_with_label_column(tmp_path):
     _table().to_csv(tmp_path / "data.csv", index=False)
-    data = datasets.load(str(tmp_path / "data.csv"), label_column="target", labels=("no", "yes"),
+    data = preprocess.load(str(tmp_path / "data.csv"), label_column="target", labels=("no", "yes"),
                          numeric_scaling="none", seed=3)
     assert data.kind == "table" and data.input_shape == (2,) and data.num_classes == 2
     assert len(data.train) + len(data.test) == 50
     # the keyed split is the same for the same seed
-    again = datasets.load(str(tmp_path / "data.csv"), label_column="target", labels=("no", "yes"),
+    again = preprocess.load(str(tmp_path / "data.csv"), label_column="target", labels=("no", "yes"),
                           numeric_scaling="none", seed=3)
     assert (data.test.tensors[0] == again.test.tensors[0]).all()
 
 
 def test_parquet(tmp_path):
     _table().to_parquet(tmp_path / "data.parquet")
-    data = datasets.load(str(tmp_path / "data.parquet"), label_column="target")
+    data = preprocess.load(str(tmp_path / "data.parquet"), label_column="target")
     assert data.input_shape == (2,)
 
 
@@ -183,7 +183,7 @@ def test_table_errors(tmp_path, problem, match):
         frame["label"] = "same"
     frame.to_csv(tmp_path / "t.csv", index=False)
     with pytest.raises(DataError, match=match):
-        datasets.load(str(tmp_path / "t.csv"))
+        preprocess.load(str(tmp_path / "t.csv"))
 
 
 
@@ -194,7 +194,7 @@ def test_empty_label_cell_is_refused_naming_column_and_row(tmp_path, numeric_lab
     rows = [f"{i},{i * 2},{label}" for i, label in enumerate(labels)]
     (tmp_path / "t.csv").write_text("a,b,target\n" + "\n".join(rows) + "\n")
     with pytest.raises(DataError, match=r"t.csv: column 'target' is empty in data row\(s\) \[4, 10\]"):
-        datasets.load(str(tmp_path / "t.csv"), label_column="target")
+        preprocess.load(str(tmp_path / "t.csv"), label_column="target")
 
 
 @pytest.mark.parametrize("column", ["b", "colour"])
@@ -204,7 +204,7 @@ def test_missing_feature_is_refused_naming_column_and_row(tmp_path, column):
     frame.loc[1, column] = None
     frame.to_csv(tmp_path / "t.csv", index=False)
     with pytest.raises(DataError, match=f"column '{column}' is missing or infinite in data row 2"):
-        datasets.load(str(tmp_path / "t.csv"))
+        preprocess.load(str(tmp_path / "t.csv"))
 
 
 def _mixed(n=40):
@@ -216,7 +216,7 @@ def _mixed(n=40):
 def test_text_and_bool_columns_are_one_hot_and_numeric_ones_left_for_scaling(tmp_path):
     frame = _mixed()
     frame.to_csv(tmp_path / "t.csv", index=False)
-    data = datasets.load(str(tmp_path / "t.csv"), numeric_scaling="none")
+    data = preprocess.load(str(tmp_path / "t.csv"), numeric_scaling="none")
     # colour's set is selected (exactly here, at ε = ∞) and has an "(other)" indicator; bool's is public
     assert data.feature_names == ("colour=blue", "colour=red", "colour=(other)", "size", "member=False",
                                   "member=True")
@@ -232,8 +232,8 @@ def test_json_lines_load_like_csv(tmp_path):
     frame = _mixed()
     frame.to_csv(tmp_path / "t.csv", index=False)
     frame.to_json(tmp_path / "t.jsonl", orient="records", lines=True)
-    from_csv = datasets.load(str(tmp_path / "t.csv"), numeric_scaling="none", seed=0)
-    from_jsonl = datasets.load(str(tmp_path / "t.jsonl"), numeric_scaling="none", seed=0)
+    from_csv = preprocess.load(str(tmp_path / "t.csv"), numeric_scaling="none", seed=0)
+    from_jsonl = preprocess.load(str(tmp_path / "t.jsonl"), numeric_scaling="none", seed=0)
     assert from_jsonl.feature_names == from_csv.feature_names
 
     def rows(data):  # every row, whichever split its cells' text put it in (JSON keeps 10 digits)
@@ -247,10 +247,10 @@ def test_a_schema_declares_categories_and_ranges(tmp_path):
     _mixed().to_parquet(tmp_path / "t.parquet")
     schema = tables.Schema.from_dict({"categorical": {"colour": ["red", "green", "blue"]},
                                       "numeric": {"size": [-500, 500]}})
-    data = datasets.load(str(tmp_path / "t.parquet"), schema=schema, seed=0)
+    data = preprocess.load(str(tmp_path / "t.parquet"), schema=schema, seed=0)
     assert data.feature_names[:4] == ("colour=red", "colour=green", "colour=blue", "size")
     assert data.encoder.unscaled() == [] and not data.encoder.columns[0].other
-    raw = datasets.load(str(tmp_path / "t.parquet"), numeric_scaling="none", seed=0)
+    raw = preprocess.load(str(tmp_path / "t.parquet"), numeric_scaling="none", seed=0)
     size = raw.feature_names.index("size")
     assert torch.allclose(data.train.tensors[0][:, 3], raw.train.tensors[0][:, size] / 500)
     assert (data.train.tensors[0][:, 1] == 0).all()  # "green" is declared but never occurs
@@ -261,20 +261,20 @@ def test_a_column_neither_numeric_nor_text_is_refused(tmp_path):
     frame["when"] = pd.Timestamp("2020-01-01")
     frame.to_parquet(tmp_path / "t.parquet")
     with pytest.raises(DataError, match="column 'when' has type datetime64.*neither numeric nor text"):
-        datasets.load(str(tmp_path / "t.parquet"))
+        preprocess.load(str(tmp_path / "t.parquet"))
 
 
 def test_empty_test_split_is_refused(tmp_path):
     (tmp_path / "t.csv").write_text("a,label\n1,0\n")  # one row: one of the splits is empty
     with pytest.raises(DataError, match="put none in the (test|training) split"):
-        datasets.load(str(tmp_path / "t.csv"))
+        preprocess.load(str(tmp_path / "t.csv"))
     rng = np.random.default_rng(0)
     write_idx(tmp_path / "train-images-idx3-ubyte", rng.integers(0, 256, (6, 4, 4)))
     write_idx(tmp_path / "train-labels-idx1-ubyte", np.arange(6) % 2)
     write_idx(tmp_path / "t10k-images-idx3-ubyte", np.zeros((0, 4, 4)))
     write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.zeros(0))
     with pytest.raises(DataError, match="the test split holds no examples"):
-        datasets.load(str(tmp_path))
+        preprocess.load(str(tmp_path))
 
 
 def test_test_labels_not_among_the_classes_are_other_or_refused(tmp_path):
@@ -284,8 +284,8 @@ def test_test_labels_not_among_the_classes_are_other_or_refused(tmp_path):
     write_idx(tmp_path / "t10k-images-idx3-ubyte", rng.integers(0, 256, (4, 4, 4)))
     write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.array([0, 7, 9, 7]))
     with pytest.raises(DataError, match=r"labels \['7', '9'\] are not among the declared classes"):
-        datasets.load(str(tmp_path), labels=("0", "1", "2"))
-    selected = datasets.load(str(tmp_path))  # selected classes: 7 and 9 are the "(other)" class
+        preprocess.load(str(tmp_path), labels=("0", "1", "2"))
+    selected = preprocess.load(str(tmp_path))  # selected classes: 7 and 9 are the "(other)" class
     assert selected.classes == ("0", "1", "2", "(other)")
     assert selected.test.tensors[1].tolist() == [0, 3, 3, 3]
 
@@ -299,7 +299,7 @@ def test_test_labels_not_among_the_classes_are_other_or_refused(tmp_path):
 def test_unreadable_tables_are_reported(tmp_path, name, content, match):
     (tmp_path / name).write_bytes(content)
     with pytest.raises(DataError, match=match):
-        datasets.load(str(tmp_path / name))
+        preprocess.load(str(tmp_path / name))
 
 def test_hugging_face_directories(tmp_path):
     import datasets as hf
@@ -309,37 +309,37 @@ def test_hugging_face_directories(tmp_path):
                                              for _ in range(20)],
                                    "label": [i % 4 for i in range(20)]})
     hf.DatasetDict({"train": images, "test": images.select(range(5))}).save_to_disk(tmp_path / "img")
-    data = datasets.load(str(tmp_path / "img"))
+    data = preprocess.load(str(tmp_path / "img"))
     assert data.kind == "image" and data.input_shape == (1, 8, 8) and len(data.test) == 5
     no_rows = images.filter(lambda example: False)
     hf.DatasetDict({"train": images, "test": no_rows}).save_to_disk(tmp_path / "no_test")
     with pytest.raises(DataError, match="the test split holds no examples"):
-        datasets.load(str(tmp_path / "no_test"))
+        preprocess.load(str(tmp_path / "no_test"))
     hf.DatasetDict({"train": images, "test": images.select([])}).save_to_disk(tmp_path / "no_shard")
     with pytest.raises(DataError, match="load_from_disk could not read it"):  # the library's IndexError
-        datasets.load(str(tmp_path / "no_shard"))
+        preprocess.load(str(tmp_path / "no_shard"))
     table = hf.Dataset.from_pandas(_table().rename(columns={"target": "label"}))
     table.save_to_disk(tmp_path / "tab")
-    data = datasets.load(str(tmp_path / "tab"))
+    data = preprocess.load(str(tmp_path / "tab"))
     assert data.kind == "table" and len(data.train) + len(data.test) == 50
 
 
 def test_unknown_inputs_are_reported(tmp_path):
     with pytest.raises(DataError, match="not found"):
-        datasets.load(str(tmp_path / "missing.csv"))
+        preprocess.load(str(tmp_path / "missing.csv"))
     (tmp_path / "x.txt").write_text("hello")
     with pytest.raises(DataError, match="unknown file format"):
-        datasets.load(str(tmp_path / "x.txt"))
+        preprocess.load(str(tmp_path / "x.txt"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="cannot tell the format"):
-        datasets.load(str(tmp_path / "empty"))
+        preprocess.load(str(tmp_path / "empty"))
 
 
 def test_digits_split_is_keyed_by_the_seed():
-    data = datasets.load("digits", seed=0)
+    data = preprocess.load("digits", seed=0)
     assert len(data.train) + len(data.test) == 1797 and 0.15 < len(data.test) / 1797 < 0.25
     assert data.input_shape == (1, 8, 8) and data.num_classes == 10 and data.releases == ()
     assert sorted(set(data.test.tensors[1].tolist())) == list(range(10))
-    assert torch.equal(datasets.load("digits", seed=0).test.tensors[0], data.test.tensors[0])
-    secret = [datasets.load("digits").test.tensors[0] for _ in range(2)]  # a secret key per run
+    assert torch.equal(preprocess.load("digits", seed=0).test.tensors[0], data.test.tensors[0])
+    secret = [preprocess.load("digits").test.tensors[0] for _ in range(2)]  # a secret key per run
     assert secret[0].shape != secret[1].shape or not torch.equal(*secret)

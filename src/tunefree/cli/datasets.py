@@ -349,12 +349,3 @@ def read(spec: str, label_column: str = "label", test_data: str | None = None) -
         return read_hf(path, label_column)
     test = None if test_data is None else read_frame(Path(test_data))
     return Raw(path.name, "table", read_frame(path), test_x=test)
-
-
-def load(spec: str, label_column: str = "label", **options: Any) -> LoadedData:
-    """``--dataset`` read and prepared (``preprocess.load``): the keyword arguments are its options and
-    budget. The default budget ε = ∞ prepares without noise: its releases spend ε = ∞ in any run they
-    go into (the built-in digits release nothing)."""
-    from .preprocess import load as prepared
-
-    return prepared(spec, label_column=label_column, **options)

@@ -234,7 +234,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _train_in_this_process(args: argparse.Namespace) -> int:
     from .launch import is_main_process
-    from .report import write_json
+    from .report import where_results_went, write_json
     from .training import TrainConfig, train
 
     if args.model not in MODELS:
@@ -278,16 +278,6 @@ def _train_in_this_process(args: argparse.Namespace) -> int:
         print(f"note: {result['note']}")
     print(where_results_went(args.out, args.json))
     return 0
-
-
-def where_results_went(out: Path | None, json_path: Path | None) -> str:
-    """The last line of a run: where its model and results are, or that they were kept nowhere."""
-    if out:
-        return (f"run directory: {out} (model.pt and model.json — `tunefree predict --run {out}` applies "
-                "them to new rows —, report.json, metrics.jsonl, plots)")
-    kept = f"the result is in {json_path}; " if json_path else ""
-    return (f"no --out: {kept}the model was not saved and no metrics or plots were written — pass --out DIR "
-            "to keep them")
 
 
 def _epsilon(args: argparse.Namespace) -> int:

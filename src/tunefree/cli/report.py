@@ -42,6 +42,16 @@ def write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(jsonable(value), indent=2) + "\n")
 
 
+def where_results_went(out: Path | None, json_path: Path | None) -> str:
+    """The last line of a run: where its model and results are, or that they were kept nowhere."""
+    if out:
+        return (f"run directory: {out} (model.pt and model.json — `tunefree predict --run {out}` applies "
+                "them to new rows —, report.json, metrics.jsonl, plots)")
+    kept = f"the result is in {json_path}; " if json_path else ""
+    return (f"no --out: {kept}the model was not saved and no metrics or plots were written — pass --out DIR "
+            "to keep them")
+
+
 class RunDirectory:
     """Writes the metrics of a run as they come and the report and plots at the end."""
 

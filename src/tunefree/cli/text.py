@@ -25,7 +25,7 @@ from ..api import make_private
 from ..run import DPEngine
 from . import text_data, text_models
 from .releases import OTHER, Budget, Release, delta_choice, private_length, select_sets
-from .report import OUTSIDE_THE_GUARANTEE, RunDirectory, write_json
+from .report import OUTSIDE_THE_GUARANTEE, RunDirectory, where_results_went, write_json
 from .split import held_out, split_key, table_rows
 from .tables import class_indices
 from .training import OPTIMIZERS, Progress, check_config, guarantee_text, loose_target_note
@@ -349,8 +349,6 @@ TABLE_FLAGS = {"schema": None, "hidden": None, "numeric_scaling": "private", "th
 
 def command(args: argparse.Namespace) -> int:
     """``tunefree train --model PATH``: build the configuration from the flags, train, print the result."""
-    from .main import where_results_went
-
     given = ["--" + name.replace("_", "-") for name, default in TABLE_FLAGS.items()
              if getattr(args, name) != default]
     if given:
