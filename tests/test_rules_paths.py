@@ -19,7 +19,8 @@ import tunefree
 from tunefree.clipping.functions import ClipFunction
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
-from tunefree.rules.conv import ConvWeightGrad, unfold
+from tunefree.rules.conv import ConvWeightGrad, patches
+from tunefree.rules import factored
 from tunefree.rules.factored import FactoredGrad, examples_per_chunk
 from tunefree.rules.paths import GHOST, MATERIALISE, UNFOLD_COST, PathChooser, factored_estimates
 
@@ -174,20 +175,20 @@ def test_fixed_path_and_bad_arguments():
 
 def test_estimates_are_the_multiply_adds_of_each_path():
     assert factored_estimates(2, 5, 3, 4) == {GHOST: 2 * 25 * 7, MATERIALISE: 2 * 5 * 12}
-    # a convolution's ghost norm first writes its T·d_in unfolded patches
+    # a convolution's paths both first copy its T·d_in patches
     assert factored_estimates(2, 5, 3, 4, unfolded=True) == {GHOST: 2 * (25 * 7 + UNFOLD_COST * 5 * 3),
-                                                               MATERIALISE: 2 * 5 * 12}
+                                                               MATERIALISE: 2 * (5 * 12 + UNFOLD_COST * 5 * 3)}
 
 
 @pytest.mark.parametrize("conv, size, ghost", [
-    (nn.Conv2d(16, 32, 4, stride=2), (16, 13, 13), False),   # mnist-cnn's second layer: 25 positions
+    (nn.Conv2d(16, 32, 4, stride=2), (16, 13, 13), True),   # mnist-cnn's second layer: 25 positions
     (nn.Conv2d(1, 16, 8, stride=2, padding=3), (1, 28, 28), False),  # its first: 196 positions
     (nn.Conv2d(128, 128, 3, padding=1), (128, 4, 4), True),  # a resnet's 4×4 stage: 16 positions, wide
     (nn.Conv2d(16, 32, 3, padding=1), (16, 16, 16), False),  # 256 positions, narrow
 ])
 def test_the_formula_picks_the_measured_faster_conv_path(conv, size, ghost):
-    """Near the crossover the patches' unfolding decides (RESULTS §8.4: mnist-cnn's second layer, B 256,
-    ghost 5.4 ms against 3.3 ms materialised); far from it the multiply-adds do."""
+    """Both paths copy the same patches, so the multiply-adds decide (one thread, RESULTS §8.5: mnist-cnn's
+    second layer at B 256, ghost 7.9 ms against 14.4 ms materialised)."""
     x = torch.randn(2, *size)
     grad = ConvWeightGrad(conv, x, torch.ones_like(conv(x)))
     assert grad._ghost_is_cheaper() is ghost
@@ -201,7 +202,8 @@ def _weights_of(calls):
 
 
 @pytest.mark.parametrize("path", [GHOST, MATERIALISE])
-def test_factored_clipped_sum_slices_examples_and_matches_explicit(path):
+def test_factored_clipped_sum_slices_examples_and_matches_explicit(path, monkeypatch):
+    monkeypatch.setattr(factored, "SLICE_LIMIT", 16)  # slices as small as the layer's own tensors
     g = torch.Generator().manual_seed(0)
     batch, groups, positions, d_in, d_out = 7, 2, 1, 6, 5
     a = torch.randn(batch, groups, positions, d_in, generator=g, dtype=torch.float64)
@@ -248,21 +250,36 @@ def test_conv_clipped_sum_matches_a_per_example_loop(path, kwargs):
     torch.testing.assert_close(result.weights, weights)
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"stride": (2, 1)}, {"dilation": (1, 2)},
-                                    {"stride": 3, "dilation": 2}])
-def test_two_dimensional_unfold_gives_the_convolution(kwargs):
+@pytest.mark.parametrize("dims, kwargs", [
+    (2, {}), (2, {"stride": (2, 1)}), (2, {"dilation": (1, 2)}), (2, {"stride": 3, "dilation": 2}),
+    (2, {"groups": 2, "stride": 2}), (2, {"groups": 4}), (1, {"stride": 2, "dilation": 3, "groups": 2}),
+    (3, {"stride": (1, 2, 1), "dilation": (2, 1, 1)}), (3, {"groups": 2}),
+])
+@pytest.mark.parametrize("layout", ["contiguous", "channels-last"])
+def test_patches_give_the_convolution(dims, kwargs, layout):
+    """The batched patches (one strided view of the input, copied once) times the weight are the
+    convolution, for every stride, dilation and grouping, whatever the input's memory layout."""
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(3, 4, 9, 8, generator=g, dtype=torch.float64)
-    weight = torch.randn(5, 4, 3, 2, generator=g, dtype=torch.float64)
-    stride, dilation = kwargs.get("stride", 1), kwargs.get("dilation", 1)
-    pair = lambda v: v if isinstance(v, tuple) else (v, v)  # noqa: E731
-    patches = unfold(x, (3, 2), pair(stride), pair(dilation))
-    expected = F.conv2d(x, weight, stride=stride, dilation=dilation)
-    torch.testing.assert_close((patches @ weight.reshape(5, -1).T).transpose(1, 2),
-                               expected.flatten(2))
+    size = {1: (11,), 2: (9, 8), 3: (6, 7, 5)}[dims]
+    x = torch.randn(3, 4, *size, generator=g, dtype=torch.float64)
+    if layout == "channels-last":  # the same values, strided differently
+        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
+    kernel = {1: (3,), 2: (3, 2), 3: (2, 3, 2)}[dims]
+    groups = kwargs.get("groups", 1)
+    weight = torch.randn(8, 4 // groups, *kernel, generator=g, dtype=torch.float64)
+    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
+    expected = conv(x, weight, **kwargs)
+    tuple_of = lambda v: v if isinstance(v, tuple) else (v,) * dims  # noqa: E731
+    a = patches(x, kernel, tuple_of(kwargs.get("stride", 1)), tuple_of(kwargs.get("dilation", 1)), groups)
+    assert a.shape == (3, groups, expected[0, 0].numel(), weight[0].numel())
+    assert a.transpose(-1, -2).is_contiguous()  # one copy, output positions innermost
+    per_group = weight.reshape(groups, 8 // groups, -1)  # [G, C_out/G, d_in]
+    out = (a @ per_group.transpose(-1, -2)[None]).transpose(-1, -2)  # [B, G, C_out/G, T]
+    torch.testing.assert_close(out.reshape(expected.shape), expected)
 
 
-def test_materialised_norms_too_large_to_keep_are_taken_slice_by_slice():
+def test_materialised_norms_too_large_to_keep_are_taken_slice_by_slice(monkeypatch):
+    monkeypatch.setattr(factored, "SLICE_LIMIT", 16)
     g = torch.Generator().manual_seed(4)
     a = torch.randn(9, 1, 1, 8, generator=g, dtype=torch.float64)  # one example's gradient: 40 numbers,
     b = torch.randn(9, 1, 1, 5, generator=g, dtype=torch.float64)  # the layer holds 9·13: 2 per slice
