@@ -19,8 +19,8 @@ import tunefree
 from tunefree.clipping.functions import ClipFunction
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
-from tunefree.rules.conv import ConvWeightGrad, patches
 from tunefree.rules import factored
+from tunefree.rules.conv import ConvWeightGrad, patches
 from tunefree.rules.factored import FactoredGrad, examples_per_chunk
 from tunefree.rules.paths import GHOST, MATERIALISE, UNFOLD_COST, PathChooser, factored_estimates
 
@@ -176,8 +176,9 @@ def test_fixed_path_and_bad_arguments():
 def test_estimates_are_the_multiply_adds_of_each_path():
     assert factored_estimates(2, 5, 3, 4) == {GHOST: 2 * 25 * 7, MATERIALISE: 2 * 5 * 12}
     # a convolution's paths both first copy its T·d_in patches
-    assert factored_estimates(2, 5, 3, 4, unfolded=True) == {GHOST: 2 * (25 * 7 + UNFOLD_COST * 5 * 3),
-                                                               MATERIALISE: 2 * (5 * 12 + UNFOLD_COST * 5 * 3)}
+    unfold = UNFOLD_COST * 5 * 3
+    assert factored_estimates(2, 5, 3, 4, unfolded=True) == {GHOST: 2 * (25 * 7 + unfold),
+                                                               MATERIALISE: 2 * (5 * 12 + unfold)}
 
 
 @pytest.mark.parametrize("conv, size, ghost", [
