@@ -228,10 +228,15 @@ def test_factored_clipped_sum_slices_examples_and_matches_explicit(path, monkeyp
         assert calls == [batch]
 
 
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole-batch", "sliced"])
 @pytest.mark.parametrize("path", [GHOST, MATERIALISE])
 @pytest.mark.parametrize("kwargs", [{"padding": 1}, {"stride": 2, "groups": 2},
                                     {"padding": 1, "padding_mode": "circular"}])
-def test_conv_clipped_sum_matches_a_per_example_loop(path, kwargs):
+def test_conv_clipped_sum_matches_a_per_example_loop(path, kwargs, sliced, monkeypatch):
+    """Norms alone and the fused clipped sum, over the whole batch at once or in slices of examples
+    (a slice limit smaller than the layer: the batch of 5 is split)."""
+    if sliced:
+        monkeypatch.setattr(factored, "SLICE_LIMIT", 1)
     g = torch.Generator().manual_seed(1)
     conv = nn.Conv2d(4, 6, 3, **kwargs).double()
     x = torch.randn(5, 4, 6, 7, generator=g, dtype=torch.float64)
@@ -244,8 +249,13 @@ def test_conv_clipped_sum_matches_a_per_example_loop(path, kwargs):
     weights = 1.0 / ((sq + other).sqrt() + 0.1)
     grad = ConvWeightGrad(conv, x, grad_out)
     grad.chooser = PathChooser(fixed=path)
+    slices = -(-5 // grad._chunk(path))
+    assert (slices > 1) is sliced
+    calls = []
     with torch.no_grad():
-        result = grad.clipped_sum(other, _weights_of([]))
+        torch.testing.assert_close(grad.sq_norms_by(path), sq)
+        result = grad.clipped_sum(other, _weights_of(calls))
+    assert len(calls) == (slices if path == MATERIALISE else 1)
     torch.testing.assert_close(result.total, torch.einsum("b,boihw->oihw", weights, per_example))
     torch.testing.assert_close(result.sq_norms, sq)
     torch.testing.assert_close(result.weights, weights)
@@ -306,3 +316,16 @@ def test_a_seeded_run_follows_the_cost_estimates_and_a_secure_run_times_the_path
 
     assert engine(seed=0).clipping_engine.path_chooser.measure is False
     assert engine(seed=None).clipping_engine.path_chooser.measure is True
+
+
+def test_the_number_of_slices_is_set_by_the_layer_not_the_batch():
+    """Slices of examples hold at most max(the layer's captured tensors, SLICE_LIMIT): the whole batch
+    while it fits, and never more slices than one example's work over its captured elements (+2 for
+    rounding)."""
+    per_example, captured = 100_000, 300  # one example's work is 333 times its captured tensors
+    slices = {batch: -(-batch // examples_per_chunk(per_example, batch * captured))
+              for batch in (1, 8, 41, 42, 64, 1024, 2**14, 2**17)}
+    assert slices[1] == slices[8] == slices[41] == 1  # 41 examples' work fits in SLICE_LIMIT
+    assert slices[42] == 2
+    assert max(slices.values()) <= per_example // captured + 2
+    assert abs(slices[2**14] - slices[2**17]) <= 1  # beyond SLICE_LIMIT: set by the layer's shape alone
