@@ -6,9 +6,13 @@ Two counts of one steady-state private step (forward, backward, optimizer step w
 
 * the aten operators the step dispatches (a ``TorchDispatchMode``), with the ``groups`` of every
   convolution call — a grouped convolution with one group per example is one call with a batch-sized
-  ``groups``;
+  ``groups``, which CUDA's kernels run as one launch per group;
 * every operator call the profiler records, nested ones included, which shows loops inside a kernel (the
   CPU's ``im2col`` selects each example in turn).
+
+Convolutions run both ways they make per-sample gradients: the batched matrix product (every device but
+the CPU: the dispatched calls, groups included, must agree) and the CPU's native grouped kernel (batch-sized
+``groups`` by design, one oneDNN primitive: the calls and the profiled nested calls must agree).
 """
 
 from __future__ import annotations
@@ -24,21 +28,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
+from tunefree.rules import conv as conv_rule
 from tunefree.rules.paths import PathChooser
 
 _CONVOLUTIONS = {torch.ops.aten.convolution: 8, torch.ops.aten.convolution_backward: 9}
 
 
 class _CountOps(TorchDispatchMode):
-    """Counts the aten operators dispatched, each convolution with its ``groups``."""
+    """Counts the aten operators dispatched, each convolution with its ``groups`` (if ``groups``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, groups: bool = True) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.groups = groups
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         key = str(func.overloadpacket)
-        if func.overloadpacket in _CONVOLUTIONS:
+        if self.groups and func.overloadpacket in _CONVOLUTIONS:
             key += f"(groups={args[_CONVOLUTIONS[func.overloadpacket]]})"
         self.counts[key] += 1
         return func(*args, **(kwargs or {}))
@@ -127,8 +133,8 @@ def _private_step(name: str, batch: int, groups: str, path: str | None):
     return step
 
 
-def _dispatched(step) -> Counter[str]:
-    with _CountOps() as mode:
+def _dispatched(step, groups: bool = True) -> Counter[str]:
+    with _CountOps(groups) as mode:
         step()
     return mode.counts
 
@@ -139,22 +145,27 @@ def _profiled(step) -> Counter[str]:
     return Counter(event.name for event in profile.events())
 
 
-CASES = [("conv", "ghost"), ("conv", "materialise"), ("mlp", None), ("transformer", None),
-         ("transformer", "materialise"), ("fallback", None)]
+def _differences(counts: tuple[Counter[str], Counter[str]]) -> dict[str, tuple[int, int]]:
+    small, large = counts
+    return {op: (small[op], large[op]) for op in small | large if small[op] != large[op]}
+
+
+CASES = [("conv", "ghost"), ("conv", "materialise"), ("conv-native", "ghost"), ("conv-native", "materialise"),
+         ("mlp", None), ("transformer", None), ("transformer", "materialise"), ("fallback", None)]
 
 
 @pytest.mark.parametrize("groups", ["all-layer", "per-layer"])
 @pytest.mark.parametrize("name, path", CASES, ids=[f"{n}-{p or 'formula'}" for n, p in CASES])
-def test_a_private_step_makes_the_same_calls_at_batch_8_and_64(name, path, groups):
+def test_a_private_step_makes_the_same_calls_at_batch_8_and_64(name, path, groups, monkeypatch):
+    native = name == "conv-native"
+    if name == "conv":  # per-sample gradients as on CUDA: by the batched matrix product
+        monkeypatch.setattr(conv_rule, "NATIVE_PER_SAMPLE", frozenset())
+    name = name.removesuffix("-native")
     small, large = _private_step(name, 8, groups, path), _private_step(name, 64, groups, path)
-    dispatched = _dispatched(small), _dispatched(large)
-    assert dispatched[0] == dispatched[1], {
-        op: (dispatched[0][op], dispatched[1][op]) for op in dispatched[0] | dispatched[1]
-        if dispatched[0][op] != dispatched[1][op]}
+    dispatched = _dispatched(small, groups=not native), _dispatched(large, groups=not native)
+    assert dispatched[0] == dispatched[1], _differences(dispatched)
     profiled = _profiled(small), _profiled(large)
-    assert profiled[0] == profiled[1], {
-        op: (profiled[0][op], profiled[1][op]) for op in profiled[0] | profiled[1]
-        if profiled[0][op] != profiled[1][op]}
+    assert profiled[0] == profiled[1], _differences(profiled)
     assert sum(dispatched[0].values()) > 50  # the counting saw the step
 
 

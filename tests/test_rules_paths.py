@@ -19,6 +19,7 @@ import tunefree
 from tunefree.clipping.functions import ClipFunction
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
+from tunefree.rules import conv as conv_rule
 from tunefree.rules import factored
 from tunefree.rules.conv import ConvWeightGrad, patches
 from tunefree.rules.factored import FactoredGrad, examples_per_chunk
@@ -188,8 +189,9 @@ def test_estimates_are_the_multiply_adds_of_each_path():
     (nn.Conv2d(16, 32, 3, padding=1), (16, 16, 16), False),  # 256 positions, narrow
 ])
 def test_the_formula_picks_the_measured_faster_conv_path(conv, size, ghost):
-    """Both paths copy the same patches, so the multiply-adds decide (one thread, RESULTS §8.5: mnist-cnn's
-    second layer at B 256, ghost 7.9 ms against 14.4 ms materialised)."""
+    """On the CPU the ghost norm copies the patches and the native kernel materialises without them; near
+    the crossover the copy decides (one thread, RESULTS §8.5: mnist-cnn's second layer at B 256, ghost
+    7.3 ms against 13–15 ms materialised); far from it the multiply-adds do."""
     x = torch.randn(2, *size)
     grad = ConvWeightGrad(conv, x, torch.ones_like(conv(x)))
     assert grad._ghost_is_cheaper() is ghost
@@ -228,15 +230,19 @@ def test_factored_clipped_sum_slices_examples_and_matches_explicit(path, monkeyp
         assert calls == [batch]
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-grads", "batched-matmul-grads"])
 @pytest.mark.parametrize("sliced", [False, True], ids=["whole-batch", "sliced"])
 @pytest.mark.parametrize("path", [GHOST, MATERIALISE])
 @pytest.mark.parametrize("kwargs", [{"padding": 1}, {"stride": 2, "groups": 2},
                                     {"padding": 1, "padding_mode": "circular"}])
-def test_conv_clipped_sum_matches_a_per_example_loop(path, kwargs, sliced, monkeypatch):
+def test_conv_clipped_sum_matches_a_per_example_loop(path, kwargs, sliced, native, monkeypatch):
     """Norms alone and the fused clipped sum, over the whole batch at once or in slices of examples
-    (a slice limit smaller than the layer: the batch of 5 is split)."""
+    (slices of 2: the batch of 5 is split in 3), with the per-sample gradients by
+    the native grouped kernel (CPU) or by the batched matrix product (other devices)."""
+    if not native:
+        monkeypatch.setattr(conv_rule, "NATIVE_PER_SAMPLE", frozenset())
     if sliced:
-        monkeypatch.setattr(factored, "SLICE_LIMIT", 1)
+        monkeypatch.setattr(conv_rule, "examples_per_chunk", lambda per_example, layer_elements: 2)
     g = torch.Generator().manual_seed(1)
     conv = nn.Conv2d(4, 6, 3, **kwargs).double()
     x = torch.randn(5, 4, 6, 7, generator=g, dtype=torch.float64)
@@ -249,8 +255,8 @@ def test_conv_clipped_sum_matches_a_per_example_loop(path, kwargs, sliced, monke
     weights = 1.0 / ((sq + other).sqrt() + 0.1)
     grad = ConvWeightGrad(conv, x, grad_out)
     grad.chooser = PathChooser(fixed=path)
-    slices = -(-5 // grad._chunk(path))
-    assert (slices > 1) is sliced
+    slices = 3 if sliced else 1
+    assert -(-5 // grad._chunk(path)) == slices
     calls = []
     with torch.no_grad():
         torch.testing.assert_close(grad.sq_norms_by(path), sq)

@@ -1,14 +1,17 @@
 """``nn.Conv1d/2d/3d`` with any stride, padding (numbers, ``"same"``, ``"valid"``, any padding mode),
 dilation and groups.
 
-Everything is batched over the examples: a layer's input patches are one strided view of its (padded)
-input, copied once into ``[B, G, T, C/G·∏k]`` (no per-example im2col), and from them the per-sample norms
-come by a ghost norm (two batched Gram products) or from the per-sample gradients (one batched matrix
-product with the output gradient), whichever is faster for the layer (measured, or by formula). The
-weighted sum uses the native weight-gradient kernel once on the re-weighted output gradient, so a layer
-kept until the end of the backward pass holds only its input and output gradient, as autograd would. A
-layer whose clip group is complete at once (per-layer clipping) forms norms and sum from the same
-per-sample gradients.
+Everything is batched over the examples, a fixed number of calls per layer whatever the batch size. The
+input patches are one strided view of the (padded) input, copied once into ``[B, G, C/G·∏k, T]`` (no
+per-example im2col). Per-sample norms come by a ghost norm on them (two batched Gram products) or from
+the per-sample gradients, whichever is faster for the layer (measured, or by formula). The per-sample
+gradients are one batched matrix product of the patches with the output gradient — except on devices in
+``NATIVE_PER_SAMPLE`` (the CPU), where the native weight-gradient kernel makes them in one grouped call
+(the batch as channel groups; oneDNN runs it as one primitive, several times faster there than the
+patches; CUDA's kernels would loop over the groups, one launch per example). The weighted sum uses the
+native weight-gradient kernel once on the re-weighted output gradient, so a layer kept until the end of
+the backward pass holds only its input and output gradient, as autograd would. A layer whose clip group
+is complete at once (per-layer clipping) forms norms and sum from the same per-sample gradients.
 
 The patches (and Gram matrices or per-sample gradients) of the whole batch are formed at once when they
 fit in the layer's own captured tensors (at least ``factored.SLICE_LIMIT`` elements); otherwise in slices
@@ -33,6 +36,9 @@ from .factored import (
     ghost_sq_norms,
 )
 from .paths import GHOST, MATERIALISE, factored_estimates
+
+# Device types whose native grouped weight-gradient kernel computes all per-sample gradients in one call.
+NATIVE_PER_SAMPLE = frozenset({"cpu"})
 
 
 def explicit_padding(module: nn.modules.conv._ConvNd) -> list[tuple[int, int]]:
@@ -89,6 +95,22 @@ def patches(x: torch.Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], d
     return copy.view(batch, groups, -1, math.prod(positions)).transpose(-1, -2)
 
 
+def native_per_sample(module: nn.modules.conv._ConvNd, x: torch.Tensor, padding: list[int],
+                      grad: torch.Tensor) -> torch.Tensor:
+    """All per-sample weight gradients ``[B, *weight.shape]`` from one native weight-gradient call: the
+    batch becomes channel groups (input ``[1, B·C_in, …]``, ``B·groups`` groups), so each example's
+    gradient comes out as its own slice, with no copy of the patches."""
+    batch, dims = grad.shape[0], len(module.kernel_size)
+    shape = module.weight.shape
+    # The kernel reads only the weight's shape when no input gradient is asked for.
+    stacked = grad.new_empty(batch * shape[0], *shape[1:])
+    grads = torch.ops.aten.convolution_backward(
+        grad.reshape(1, -1, *grad.shape[2:]), x.to(grad.dtype).reshape(1, -1, *x.shape[2:]),
+        stacked, None, module.stride, padding, module.dilation, False, [0] * dims,
+        batch * module.groups, [False, True, False])[1]
+    return grads.reshape(batch, *shape)
+
+
 class ConvWeightGrad(PerSampleGrad):
     """Conv weight gradients of one call. Norms by ghost norm or from the materialised per-sample
     gradients (both from the batched patches), whichever ``chooser`` measured faster (else the cost
@@ -111,7 +133,11 @@ class ConvWeightGrad(PerSampleGrad):
 
     def _estimates(self) -> dict[str, float]:
         groups, positions, d_in, d_out = self._sizes()
-        return factored_estimates(self.grad.shape[0] * groups, positions, d_in, d_out, unfolded=True)
+        estimates = factored_estimates(self.grad.shape[0] * groups, positions, d_in, d_out, unfolded=True)
+        if self._native():  # no patches to copy for the native kernel
+            estimates[MATERIALISE] = factored_estimates(self.grad.shape[0] * groups, positions, d_in,
+                                                        d_out)[MATERIALISE]
+        return estimates
 
     def _ghost_is_cheaper(self) -> bool:
         estimates = self._estimates()
@@ -135,12 +161,17 @@ class ConvWeightGrad(PerSampleGrad):
                     or min(estimates, key=estimates.get) == GHOST)
         return self.chooser.choose(key, estimates, run, self.grad.device, timeable)
 
+    def _native(self) -> bool:
+        return self.grad.device.type in NATIVE_PER_SAMPLE
+
     def _per_example(self, path: str) -> int:
-        """Working elements per example of a path: the patches, plus the two Gram matrices (ghost) or
-        the per-sample gradient (materialise)."""
+        """Working elements per example of a path: the patches and the two Gram matrices (ghost), the
+        per-sample gradient and (unless made natively) the patches (materialise)."""
         groups, positions, d_in, _ = self._sizes()
-        extra = 2 * groups * positions * positions if path == GHOST else self.module.weight.numel()
-        return groups * positions * d_in + extra
+        patches = groups * positions * d_in
+        if path == GHOST:
+            return patches + 2 * groups * positions * positions
+        return self.module.weight.numel() + (0 if self._native() else patches)
 
     def _chunk(self, path: str) -> int:
         return examples_per_chunk(self._per_example(path), self.x.numel() + self.grad.numel())
@@ -157,6 +188,8 @@ class ConvWeightGrad(PerSampleGrad):
         return a, b
 
     def _per_sample(self, start: int, stop: int) -> torch.Tensor:
+        if self._native():
+            return native_per_sample(self.module, self.x[start:stop], self.padding, self.grad[start:stop])
         return factored_per_sample(*self._factors(start, stop), self.module.weight.shape)
 
     def sq_norms_by(self, path: str) -> torch.Tensor:

@@ -74,9 +74,9 @@ class PathChooser:
         return choice
 
 
-# A pass that writes each element once (copying convolution patches) costs about this many multiply-adds
-# per element on the CPU: it is bound by memory, not arithmetic (RESULTS §8.4).
-UNFOLD_COST = 8
+# A pass that writes each element once (copying convolution patches from their strided view) costs about
+# this many multiply-adds per element on the CPU: it is bound by memory, not arithmetic (RESULTS §8.5).
+UNFOLD_COST = 2
 
 
 def factored_estimates(examples: int, positions: int, d_in: int, d_out: int,
