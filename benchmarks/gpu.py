@@ -24,7 +24,8 @@ nothing can be fetched there), carry the few missing packages as wheels, made he
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \\
         dp-accounting==0.6.0 dm-tree==0.1.10 opacus==1.6.0
 
-then run there (carry ``.whl``; about 5 minutes, ``--time-limit`` stops it in time with the rows done)::
+then run there (carry ``.whl``; ``--time-limit``, 330 s by default, stops starting children after it and
+reports them skipped, so the run ends within about 6 minutes — not yet timed on a GPU)::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site:src python3 benchmarks/gpu.py --device cuda --json $OUT/gpu.json > $OUT/gpu.md
