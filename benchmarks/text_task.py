@@ -70,9 +70,12 @@ def _classifier():
 
 
 @torch.no_grad()
-def cls_states() -> tuple[torch.Tensor, torch.Tensor]:
-    """[CLS] states of the frozen encoder for the drawn examples (cached), and their labels."""
-    cache = pathlib.Path(os.environ.get("TUNEFREE_BENCH_CACHE", "/tmp/tunefree-bench")) / "rt_cls48.pt"
+def sentence_states(pooling: str = "cls") -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen encoder's states for the drawn examples (cached), and their labels: the [CLS] state
+    (``"cls"``, what BertForSequenceClassification's pooler reads) or the mean over the tokens
+    (``"mean"``, the pooling all-MiniLM-L6-v2 was trained for)."""
+    name = "rt_cls48.pt" if pooling == "cls" else f"rt_{pooling}48.pt"
+    cache = pathlib.Path(os.environ.get("TUNEFREE_BENCH_CACHE", "/tmp/tunefree-bench")) / name
     if cache.exists():
         saved = torch.load(cache)
         return saved["x"], saved["y"]
@@ -86,7 +89,9 @@ def cls_states() -> tuple[torch.Tensor, torch.Tensor]:
         rows = order[start:start + 100].tolist()
         batch = tokenizer([texts[i] for i in rows], truncation=True, max_length=MAX_LENGTH, padding=True,
                           return_tensors="pt")
-        states.append(encoder(**batch).last_hidden_state[:, 0])
+        hidden = encoder(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        states.append(hidden[:, 0] if pooling == "cls" else (hidden * mask).sum(1) / mask.sum(1))
     x, y = torch.cat(states), labels[order]
     cache.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"x": x, "y": y}, cache)
@@ -104,8 +109,8 @@ class Head(nn.Module):
         return self.classifier(self.pooler.activation(self.pooler.dense(cls_state)))
 
 
-def splits() -> tuple[TensorDataset, TensorDataset, TensorDataset]:
-    x, y = cls_states()
+def splits(pooling: str = "cls") -> tuple[TensorDataset, TensorDataset, TensorDataset]:
+    x, y = sentence_states(pooling)
     n, v, _ = SIZES
     return (TensorDataset(x[:n], y[:n]), TensorDataset(x[n:n + v], y[n:n + v]),
             TensorDataset(x[n + v:], y[n + v:]))

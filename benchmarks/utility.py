@@ -144,15 +144,18 @@ def char_lm(n: int = 60_000, context: int = 16) -> Task:
     return Task("char-lm", train, valid, test, model, batch_size=1000, epochs=2)
 
 
-def text_sentiment() -> Task:
-    """Rotten Tomatoes snippets, all-MiniLM-L6-v2's last layers (``benchmarks/text_task.py``)."""
+def text_sentiment(pooling: str = "cls") -> Task:
+    """Rotten Tomatoes snippets, all-MiniLM-L6-v2's last layers (``benchmarks/text_task.py``) on its
+    [CLS] state (as BertForSequenceClassification) or on its mean-pooled state (``text-rt-mean``)."""
     import text_task
 
-    return Task("text-rt", *text_task.splits(), text_task.head, batch_size=256, epochs=10)
+    name = "text-rt" if pooling == "cls" else f"text-rt-{pooling}"
+    return Task(name, *text_task.splits(pooling), text_task.head, batch_size=256, epochs=10)
 
 
 TASKS = {"digits-mlp": lambda: digits(False), "digits-cnn": lambda: digits(True),
-         "tabular-60k": tabular, "char-lm": char_lm, "text-rt": text_sentiment}
+         "tabular-60k": tabular, "char-lm": char_lm, "text-rt": text_sentiment,
+         "text-rt-mean": lambda: text_sentiment("mean")}
 
 
 def accuracy(model: nn.Module, data: TensorDataset) -> float:
