@@ -63,6 +63,15 @@ def test_adam_factor_by_hand():
     assert math.sqrt(s2) < factors[0] < 1.0  # between the noise's deviation and the largest |g|
 
 
+def test_without_noise_the_factor_is_the_rms_of_the_second_moments_root():
+    """σ = 0 (a reference run): no walk to match; lr = η·√(mean v̂), the update of SGD's step length."""
+    rule, optimizer, weight = adam_rule(std=0.0)
+    steps_of(rule, optimizer, weight, GRADIENTS[:2], 0.0)
+    g = torch.tensor(GRADIENTS[:2], dtype=torch.float64)
+    v = (0.999 * 0.001 * g[0] ** 2 + 0.001 * g[1] ** 2) / (1 - 0.999 ** 2)
+    assert rule.factor == pytest.approx(math.sqrt(float(v.mean())), rel=1e-9) and rule.factor > 0
+
+
 def test_momentum_and_adagrad_factors():
     """Momentum μ: lr = (1 − μ)·η. Adagrad: its second moment is the sum of squares (no correction)."""
     rule, optimizer, weight = adam_rule(make=lambda w: torch.optim.SGD([w], lr=1.0, momentum=0.9))

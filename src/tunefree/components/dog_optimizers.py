@@ -12,9 +12,11 @@ So the learning rate that gives the same walk as DoG's SGD step is
     lr_t = η_t · √(Σ_j s_j² / Σ_j P_tj² s_j²),
 
 which for Adam with noise-dominated second moments (v̂_j ≈ s_j²) is ``η_t`` times the noise's standard
-deviation per coordinate. The factor reads only the released gradients (the second moments are those the
-optimizer itself forms from them, recomputed here with its β₂ and ε) and public noise scales: it is
-post-processing, with no ε and no ledger event, like DoG itself.
+deviation per coordinate. Without noise (σ = 0, a non-private reference run) there is no walk to match,
+and the factor is the rms of √v̂, which gives the update the length of the SGD step. The factor reads only
+the released gradients (the second moments are those the optimizer itself forms from them, recomputed here
+with its β₂ and ε) and public noise scales: it is post-processing, with no ε and no ledger event, like DoG
+itself.
 """
 
 from __future__ import annotations
@@ -118,8 +120,10 @@ class OptimizerDoG(DistanceOverGradients):
             weighted = torch.stack([(x * x).sum(dtype=torch.float64) for x in inverse]).tolist()
         noise = sum(p.numel() * v for p, v in zip(params, variances))
         preconditioned = sum(w * v for w, v in zip(weighted, variances))
-        if noise <= 0 or preconditioned <= 0:  # no noise: the factor of the noiseless update's scale
-            return math.sqrt(sum(p.numel() for p in params) / max(sum(weighted), 1e-300))
+        if noise <= 0:  # no noise (σ = 0): the step of SGD's length, at the rms of √v̂
+            with torch.no_grad():
+                total = sum(float(m.sum(dtype=torch.float64)) for m in self.moments) / correction
+            return math.sqrt(total / sum(p.numel() for p in params))
         return math.sqrt(noise / preconditioned)
 
     def state_dict(self) -> dict[str, Any]:
