@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from tunefree import epsilon, make_private
-from tunefree.clipping.functions import CLIP_FUNCTIONS, ClipFunction
+from tunefree.clipping.functions import CLIP_FUNCTIONS, clip_function
 from tunefree.clipping.groups import ClipGroup
 from tunefree.components.thresholds import QuantileEstimator, QuantileSettings
 from tunefree.privacy.mechanisms import GradientRelease
@@ -239,7 +239,7 @@ def test_each_step_clips_with_the_current_thresholds(clipping):
     ref_groups = [ClipGroup(g.name, g.param_names,
                             [dict(reference.named_parameters())[n] for n in g.param_names],
                             threshold=before[g.name]) for g in engine.groups]
-    expected, _ = clipped_sum(per_example, ref_groups, ClipFunction(clipping))
+    expected, _ = clipped_sum(per_example, ref_groups, clip_function(clipping))
     for g, ref in zip(engine.groups, ref_groups, strict=True):
         for p, ref_p in zip(g.params, ref.params, strict=True):
             torch.testing.assert_close(p.grad, expected[ref_p] / 64, rtol=1e-9, atol=1e-12)

@@ -13,7 +13,7 @@ import pathlib
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "tunefree"
 
 LAYERS: dict[str, int] = {
-    "errors": 0, "dtypes": 0,
+    "errors": 0, "dtypes": 0, "_validate": 0,
     "clipping": 1, "rules": 1, "data": 1, "privacy": 1,
     "persample": 2, "parallel": 2,
     "step": 3,

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from models import MLP
 from torch import nn
 
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
 from tunefree.persample.engine import ClippingEngine
@@ -16,7 +16,7 @@ from tunefree.rules.factored import FactoredGrad
 
 
 def engine_for(model, grouping="all-layer"):
-    return ClippingEngine(model, make_groups(model, grouping, 1.0), ClipFunction("auto-s"))
+    return ClippingEngine(model, make_groups(model, grouping, 1.0), clip_function("auto-s"))
 
 
 def test_batchnorm_is_refused_with_the_fix():

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from brute_force import clipped_sum, per_example_grads
 from torch import nn
 
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
 from tunefree.persample.engine import ClippingEngine
@@ -50,7 +50,7 @@ def test_shared_table_and_causal_mask_are_not_cut_when_the_batch_has_t_examples(
     torch.manual_seed(0)
     model = Positional().double()
     x, y = torch.randn(T, T, 2, dtype=torch.float64), torch.tensor([0, 1, 2, 1])  # B == T
-    clip = ClipFunction("abadi")
+    clip = clip_function("abadi")
     groups = make_groups(model, "per-layer", 0.5)
     engine = ClippingEngine(model, groups, clip)
     loss_fn(model(x), y).backward()
@@ -77,7 +77,7 @@ class Rescaled(nn.Module):
 
 def test_an_input_not_derived_from_the_batch_that_changes_the_output_shape_is_refused():
     model = Rescaled()
-    ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"))
+    ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"))
     x = torch.randn(5, T, 2)
     with pytest.raises(PrivacyError, match=r"MaskedMixer computed an output of shape \(5, 4, 3\).*"
                                            r"gradient has shape \(1, 4, 3\).*\(5, 4, 1\)"):

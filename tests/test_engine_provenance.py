@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from models import MLP
 from torch import nn
 
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.data.poisson import StepSchedule, from_loader
 from tunefree.errors import PrivacyError
@@ -17,7 +17,7 @@ from tunefree.privacy.randomness import Randomness
 
 
 def engine_for(model, source=None):
-    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"))
+    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"))
     engine.batch_source = source
     return engine
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tunefree.clipping.functions import CLIP_FUNCTIONS, ClipFunction, register_clip_function
+from tunefree.clipping.functions import CLIP_FUNCTIONS, register_clip_function
 from tunefree.components.thresholds import QuantileSettings
 from tunefree.config import PSAC, Abadi, AdaptiveQuantile, AutoLR, AutoS, AutoV, Fixed, resolve_options
 
@@ -20,14 +20,14 @@ def resolve(**kwargs):
 
 def test_defaults_unchanged():
     options = resolve()
-    assert options.clip == ClipFunction("auto-s", gamma=0.01)
+    assert options.clip == AutoS(gamma=0.01)
     assert options.quantile is None and options.auto_lr is None
     assert options.physical_batch_size is None and options.poisson_sampling
     assert (options.groups, options.max_grad_norm, options.accountant) == ("all-layer", 1.0, "pld")
     assert resolve(thresholds="adaptive").quantile == QuantileSettings(0.5, 0.3, 0.01)
     assert resolve(lr="auto").auto_lr == AutoLR() and AutoLR().mode == "dog"
     assert AutoLR().noise_budget == 4.0 and AutoLR().initial_distance == 0.1
-    assert resolve(clipping="psac").clip == ClipFunction("psac", r=0.1)
+    assert resolve(clipping="psac").clip == PSAC(r=0.1)
 
 
 @pytest.mark.parametrize("legacy, typed", [

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.clipping.functions import CLIP_FUNCTIONS, ClipFunction
+from tunefree.clipping.functions import CLIP_FUNCTIONS, clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
 from tunefree.persample.engine import ClippingEngine
@@ -115,7 +115,7 @@ def test_engine_clipped_sums_match_brute_force(clip, batch_first, T):
     ids = torch.randint(0, 7, (B, T))
     y = torch.randint(0, 3, (B,))
     groups = make_groups(model, "per-layer", 1.3)
-    clip = ClipFunction(clip)
+    clip = clip_function(clip)
     engine = ClippingEngine(model, groups, clip, loss_reduction="mean")
     F.cross_entropy(model(ids), y).backward()
     sums, examples, norms = engine.pop_step()

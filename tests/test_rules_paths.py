@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
 from tunefree.rules.conv import ConvWeightGrad, unfold
@@ -49,7 +49,7 @@ MODELS = ["sequence", "conv2d-groups", "conv2d-reflect-stride", "conv1d-dilated"
 
 
 def _engine_sums(model, x, y, grouping, chooser):
-    engine = ClippingEngine(model, make_groups(model, grouping, 1.3), ClipFunction("auto-s"))
+    engine = ClippingEngine(model, make_groups(model, grouping, 1.3), clip_function("auto-s"))
     engine.path_chooser = chooser
     F.cross_entropy(model(x), y).backward()
     sums, examples, norms = engine.pop_step()
@@ -66,7 +66,7 @@ def _assert_matches_brute_force(name, grouping, chooser):
     assert examples == len(y)
     groups, ref_groups = make_groups(model, grouping, 1.3), make_groups(reference, grouping, 1.3)
     per_example = per_example_grads(reference, lambda out, t: F.cross_entropy(out, t), x, y)
-    expected, expected_norms = clipped_sum(per_example, ref_groups, ClipFunction("auto-s"))
+    expected, expected_norms = clipped_sum(per_example, ref_groups, clip_function("auto-s"))
     for group, ref_group in zip(groups, ref_groups):
         torch.testing.assert_close(norms[group.name], expected_norms[ref_group.name], rtol=1e-7, atol=1e-10)
         for p, ref_p in zip(group.params, ref_group.params):
@@ -96,7 +96,7 @@ def test_measured_choice_matches_brute_force_and_takes_the_faster_path(name, gro
 
 def test_choice_is_made_once_per_shape_whatever_the_batch_size():
     model, x, y = _inputs("conv2d-groups", batch=6)
-    engine = ClippingEngine(model, make_groups(model, "per-layer", 1.0), ClipFunction("auto-s"))
+    engine = ClippingEngine(model, make_groups(model, "per-layer", 1.0), clip_function("auto-s"))
     engine.path_chooser = PathChooser(min_cost=0, max_ratio=float("inf"))
     F.cross_entropy(model(x), y).backward()
     engine.pop_step()

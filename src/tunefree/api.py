@@ -263,7 +263,7 @@ def _run_settings(clip: ClipFunction, groups: list[ClipGroup], quantile: Quantil
                                      "noise_budget": auto.noise_budget}}
     elif auto is not None:
         learning_rate = {"auto_lr": {"mode": auto.mode, "probes": auto.probes, "initial_lr": auto.initial_lr}}
-    return {**learning_rate, "clipping": {"name": clip.name, "gamma": clip.gamma, "r": clip.r},
+    return {**learning_rate, "clipping": {"gamma": 0.01, "r": 0.1, **clip.describe()},
             "groups": {g.name: [list(g.param_names), g.threshold] for g in groups},
             "thresholds": "fixed" if quantile is None else vars(quantile),
             "noise_allocation": noise_allocation, "loss_reduction": loss_reduction,
@@ -288,8 +288,8 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
     if quantile is not None:
         # Normalising clip functions keep the initial total sensitivity; Abadi's clips at the estimates
         # unless asked to rescale them (group-wise paper), which needs more than one group.
-        rescale = clip.name != "abadi" or quantile.rescale
-        if clip.name == "abadi" and quantile.rescale and len(clip_groups) < 2:
+        rescale = clip.normalising or quantile.rescale
+        if not clip.normalising and quantile.rescale and len(clip_groups) < 2:
             raise ValueError("AdaptiveQuantile(rescale=True) with Abadi clipping rescales the thresholds of "
                              "several clip groups to a fixed total; with one group the threshold would "
                              "never move: use groups='per-layer' (or similar) or rescale=False")

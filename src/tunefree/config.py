@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .clipping.functions import CLIP_FUNCTIONS, ClipFunction
+from .clipping.functions import CLIP_FUNCTIONS, PSAC, Abadi, AutoS, AutoV, ClipFunction
 from .clipping.groups import GROUPINGS, GroupSpec
 from .components.thresholds import QuantileSettings
 from .privacy.accounting import check_accountant
@@ -43,36 +43,6 @@ def _count(option: str, value: Any) -> int:
     if value < 1:
         raise ValueError(f"{option} must be ≥ 1, got {value}")
     return value
-
-
-@dataclass(frozen=True)
-class AutoS:
-    """AUTO-S clipping R/(‖g‖ + γ); γ only shapes small gradients, never the privacy guarantee."""
-
-    gamma: float = 0.01
-
-    def __post_init__(self) -> None:
-        _positive("AutoS.gamma", self.gamma)
-
-
-@dataclass(frozen=True)
-class AutoV:
-    """AUTO-V clipping R/‖g‖: every example contributes norm R."""
-
-
-@dataclass(frozen=True)
-class PSAC:
-    """DP-PSAC clipping R/(‖g‖ + r/(‖g‖ + r)); r has no effect on privacy."""
-
-    r: float = 0.1
-
-    def __post_init__(self) -> None:
-        _positive("PSAC.r", self.r)
-
-
-@dataclass(frozen=True)
-class Abadi:
-    """Abadi et al. clipping min(1, R/‖g‖)."""
 
 
 @dataclass(frozen=True)
@@ -170,7 +140,7 @@ class AutoLR:
         return 3 if self.probes == "losses" else 2
 
 
-Clipping = AutoS | AutoV | PSAC | Abadi
+Clipping = ClipFunction
 Thresholds = Fixed | AdaptiveQuantile
 
 _CLIP_SHORTCUTS: dict[str, Clipping] = {"auto-s": AutoS(), "auto-v": AutoV(), "psac": PSAC(),
@@ -214,7 +184,7 @@ def _clip_function(clipping: Any, clip_gamma: Any, psac_r: Any) -> ClipFunction:
         if clipping not in _CLIP_SHORTCUTS:
             if clipping in CLIP_FUNCTIONS:  # registered without a typed form
                 _refuse_irrelevant({"clip_gamma": clip_gamma, "psac_r": psac_r}, "clipping='auto-s'/'psac'")
-                return ClipFunction(clipping)
+                return CLIP_FUNCTIONS[clipping]()
             raise ValueError(f"unknown clipping {clipping!r}: use one of {', '.join(CLIP_FUNCTIONS)} "
                              "or AutoS(), AutoV(), PSAC(), Abadi()")
         if clipping == "auto-s" and clip_gamma is not None:
@@ -227,14 +197,8 @@ def _clip_function(clipping: Any, clip_gamma: Any, psac_r: Any) -> ClipFunction:
             clipping = _CLIP_SHORTCUTS[clipping]
     _refuse_irrelevant({"clip_gamma": clip_gamma}, "clipping='auto-s' (or use AutoS(gamma=...))")
     _refuse_irrelevant({"psac_r": psac_r}, "clipping='psac' (or use PSAC(r=...))")
-    if isinstance(clipping, AutoS):
-        return ClipFunction("auto-s", gamma=clipping.gamma)
-    if isinstance(clipping, PSAC):
-        return ClipFunction("psac", r=clipping.r)
-    if isinstance(clipping, AutoV):
-        return ClipFunction("auto-v")
-    if isinstance(clipping, Abadi):
-        return ClipFunction("abadi")
+    if isinstance(clipping, ClipFunction):
+        return clipping
     raise TypeError(f"clipping must be a name or AutoS/AutoV/PSAC/Abadi, got {clipping!r}")
 
 
