@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tunefree import epsilon, make_private
 from tunefree.clipping.functions import CLIP_FUNCTIONS, clip_function
 from tunefree.clipping.groups import ClipGroup
-from tunefree.components.thresholds import QuantileEstimator, QuantileSettings
+from tunefree.components.thresholds import AdaptiveQuantile, QuantileEstimator
 from tunefree.privacy.mechanisms import GradientRelease
 from tunefree.privacy.plan import CountShare, Plan
 from tunefree.privacy.randomness import Randomness
@@ -126,7 +126,7 @@ def _groups(thresholds: dict[str, float]) -> list[ClipGroup]:
 
 def test_update_divides_by_the_expected_batch_size():
     groups = _groups({"a": 1.0, "b": 2.0, "unused": 0.5})
-    settings = QuantileSettings(target_quantile=0.7, learning_rate=0.3, budget=0.01)
+    settings = AdaptiveQuantile(target=0.7, lr=0.3, budget=0.01)
     estimator = QuantileEstimator(groups, settings, 0.0, Randomness(0), expected_batch_size=8.0)
     norms = {"a": torch.tensor([0.5, 0.9, 1.0, 1.5, 3.0], dtype=torch.float64),
              "b": torch.tensor([0.1, 2.5, 4.0, 5.0, 9.0], dtype=torch.float64)}
@@ -154,7 +154,7 @@ def test_update_divides_by_the_expected_batch_size():
 
 def test_count_noise_has_standard_deviation_sigma_b():
     groups = _groups({"a": 1.0, "b": 1.0})
-    settings = QuantileSettings(target_quantile=0.5, learning_rate=1e-9, budget=0.05)
+    settings = AdaptiveQuantile(target=0.5, lr=1e-9, budget=0.05)
     count_std, expected_batch = 3.0, 10.0
     estimator = QuantileEstimator(groups, settings, count_std, Randomness(1), expected_batch)
     norms = {"a": torch.tensor([0.5, 2.0]), "b": torch.tensor([0.5, 0.7])}

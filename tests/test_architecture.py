@@ -19,7 +19,7 @@ LAYERS: dict[str, int] = {
     "step": 3,
     "components": 4,
     "config": 5,
-    "api": 6, "run": 6, "pipeline": 6,
+    "api": 6, "run": 6, "build": 6, "pipeline": 6,
     "__init__": 7, "audit": 7, "integrations": 7,
     "cli": 8,
 }

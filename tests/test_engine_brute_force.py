@@ -57,9 +57,7 @@ def groups_for(model, grouping):
 
 def run_engine(model, x, y, grouping, clip, reduction, chooser=None):
     groups = groups_for(model, grouping)
-    engine = ClippingEngine(model, groups, clip, loss_reduction=reduction)
-    if chooser is not None:
-        engine.path_chooser = chooser
+    engine = ClippingEngine(model, groups, clip, loss_reduction=reduction, path_chooser=chooser)
     loss = cross_entropy(reduction)(model(x), y)
     loss.backward()
     sums, examples, norms = engine.pop_step()

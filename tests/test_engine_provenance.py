@@ -17,9 +17,8 @@ from tunefree.privacy.randomness import Randomness
 
 
 def engine_for(model, source=None):
-    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"))
-    engine.batch_source = source
-    return engine
+    return ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"),
+                          batch_source=source)
 
 
 def loss_of(model, x, y):

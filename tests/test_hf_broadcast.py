@@ -55,8 +55,8 @@ def test_shared_position_ids_are_exact(source, grouping):
 def test_a_batch_of_one_and_an_empty_batch_need_no_expansion():
     model = Positions("buffer")
     schedule = StepSchedule()
-    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"))
-    engine.batch_source = schedule
+    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"),
+                            batch_source=schedule)
     for examples in (1, 0):
         schedule.on_batch(True, True, examples)
         loss(model, {"ids": torch.randint(0, 9, (examples, 5)), "y": torch.zeros(examples, dtype=torch.long)}

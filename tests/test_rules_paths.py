@@ -49,8 +49,8 @@ MODELS = ["sequence", "conv2d-groups", "conv2d-reflect-stride", "conv1d-dilated"
 
 
 def _engine_sums(model, x, y, grouping, chooser):
-    engine = ClippingEngine(model, make_groups(model, grouping, 1.3), clip_function("auto-s"))
-    engine.path_chooser = chooser
+    engine = ClippingEngine(model, make_groups(model, grouping, 1.3), clip_function("auto-s"),
+                            path_chooser=chooser)
     F.cross_entropy(model(x), y).backward()
     sums, examples, norms = engine.pop_step()
     engine.detach()
@@ -96,8 +96,8 @@ def test_measured_choice_matches_brute_force_and_takes_the_faster_path(name, gro
 
 def test_choice_is_made_once_per_shape_whatever_the_batch_size():
     model, x, y = _inputs("conv2d-groups", batch=6)
-    engine = ClippingEngine(model, make_groups(model, "per-layer", 1.0), clip_function("auto-s"))
-    engine.path_chooser = PathChooser(min_cost=0, max_ratio=float("inf"))
+    engine = ClippingEngine(model, make_groups(model, "per-layer", 1.0), clip_function("auto-s"),
+                            path_chooser=PathChooser(min_cost=0, max_ratio=float("inf")))
     F.cross_entropy(model(x), y).backward()
     engine.pop_step()
     first = dict(engine.path_chooser.timings_ms)
@@ -288,3 +288,19 @@ def test_a_seeded_run_follows_the_cost_estimates_and_a_secure_run_times_the_path
 
     assert engine(seed=0).clipping_engine.path_chooser.measure is False
     assert engine(seed=None).clipping_engine.path_chooser.measure is True
+
+
+def test_norm_path_is_a_performance_knob_of_make_private():
+    """``norm_path`` picks the chooser: forced paths, the cost formula, or timing (secret runs only)."""
+    def chooser(**options):
+        model = nn.Linear(3, 2)
+        data = TensorDataset(torch.randn(16, 3), torch.randn(16, 2))
+        engine = tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                       DataLoader(data, batch_size=4), target_delta=1e-5,
+                                       noise_multiplier=1.0, steps=2, **options)
+        return engine.clipping_engine.path_chooser
+
+    assert chooser(norm_path="ghost").fixed == "ghost"
+    assert chooser(norm_path="materialise", seed=0).fixed == "materialise"
+    assert chooser(norm_path="formula").measure is False and chooser(norm_path="formula").fixed is None
+    assert chooser(norm_path="auto", seed=0).measure is False

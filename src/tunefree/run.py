@@ -158,7 +158,7 @@ class DPEngine:
         noise, so keep the state as private as the data."""
         return {"ledger": self.ledger.state_dict(), "randomness": self.randomness.state_dict(),
                 "schedule": self.schedule.state_dict(),
-                "components": {name: c.state_dict() for name, c in self._components().items()},
+                "components": self.optimizer.component_states(),
                 "plan": self.plan.describe(), "fingerprint": self.plan.fingerprint()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -169,19 +169,7 @@ class DPEngine:
             raise ValueError(
                 "this checkpoint belongs to a run with other privacy settings; resume with the same "
                 "settings and the same data set. It differs in:\n  " + "\n  ".join(differences))
-        components = self._components()
-        if set(state["components"]) != set(components):
-            raise ValueError(
-                f"this checkpoint holds the state of the step components {sorted(state['components'])}, "
-                f"this run has {sorted(components)}; resume with the same settings")
+        self.optimizer.load_component_states(state["components"])  # checked first: refused as a whole
         self.ledger.load_state_dict(state["ledger"])
         self.randomness.load_state_dict(state["randomness"])
         self.schedule.load_state_dict(state["schedule"])
-        for name, component in components.items():
-            component.load_state_dict(state["components"][name])
-        estimator = self.quantile_estimator
-        if estimator is not None:
-            self.clipping_engine.set_thresholds(estimator.thresholds())
-
-    def _components(self) -> dict[str, Any]:
-        return {type(c).__name__: c for c in self.optimizer.components}

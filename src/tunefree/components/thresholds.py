@@ -24,25 +24,47 @@ from typing import Any
 import dp_accounting as dpa
 import torch
 
+from .._validate import flag, fraction, positive
 from ..clipping.groups import ClipGroup
 from ..privacy.mechanisms import release_counts
+from ..privacy.plan import CountShare
 from ..privacy.randomness import Randomness
 from ..step.component import StepComponent, StepContext, StepReport
 
-DEFAULT_TARGET_QUANTILE = 0.5
-DEFAULT_QUANTILE_LR = 0.3
-DEFAULT_QUANTILE_BUDGET = 0.01
+
+@dataclass(frozen=True)
+class Fixed:
+    """Clip thresholds fixed at ``max_grad_norm`` throughout: nothing is released for them."""
+
+    def share(self, num_groups: int) -> None:
+        """No share of the budget."""
+        return None
 
 
 @dataclass(frozen=True)
-class QuantileSettings:
-    """Private quantile estimation: target quantile q, learning rate η, budget fraction r; ``rescale``
-    keeps Abadi clipping's total sensitivity fixed (``C̃ₖ = C·Qₖ/‖Q‖``, see ``QuantileEstimator``)."""
+class AdaptiveQuantile:
+    """Thresholds tracking a private ``target`` quantile of each group's norms, moved by the geometric
+    step ``lr`` (η); ``budget`` (r) is the fraction of the privacy budget spent on the count releases
+    (the total ε is unchanged).
 
-    target_quantile: float = DEFAULT_TARGET_QUANTILE
-    learning_rate: float = DEFAULT_QUANTILE_LR
-    budget: float = DEFAULT_QUANTILE_BUDGET
+    ``rescale`` (Abadi clipping with several groups): the estimates Qₖ set only the groups' relative
+    thresholds, ``C̃ₖ = C·Qₖ/√(Σⱼ Qⱼ²)`` with C the initial total sensitivity (group-wise paper), so
+    the total sensitivity, and the noise, stay fixed. The normalising clip functions always do this."""
+
+    target: float = 0.5
+    lr: float = 0.3
+    budget: float = 0.01
     rescale: bool = False
+
+    def __post_init__(self) -> None:
+        fraction("AdaptiveQuantile.target", self.target)
+        positive("AdaptiveQuantile.lr", self.lr)
+        fraction("AdaptiveQuantile.budget", self.budget)
+        flag("AdaptiveQuantile.rescale", self.rescale)
+
+    def share(self, num_groups: int) -> CountShare:
+        """Its share of each step's budget: ``num_groups`` counts at a fraction ``budget`` of it."""
+        return CountShare(self.budget, num_groups)
 
 
 class QuantileEstimator(StepComponent):
@@ -60,7 +82,8 @@ class QuantileEstimator(StepComponent):
 
     Args:
         groups: the clip groups; each one's configured ``threshold`` is its initial estimate Qₖ.
-        settings: target quantile q, learning rate η and budget fraction r.
+        settings: target quantile q, learning rate η and budget fraction r (``rescale`` is decided by
+            ``scale``).
         count_std: σ_b, the noise standard deviation of each group's count (0 only when privacy is
             off, for debugging).
         randomness: the run's source of noise.
@@ -68,7 +91,9 @@ class QuantileEstimator(StepComponent):
         scale: ``None`` for ``Cₖ = Qₖ``; otherwise the constant total sensitivity ``√(Σₖ Cₖ²)``.
     """
 
-    def __init__(self, groups: Sequence[ClipGroup], settings: QuantileSettings, count_std: float,
+    state_key = "QuantileEstimator"
+
+    def __init__(self, groups: Sequence[ClipGroup], settings: AdaptiveQuantile, count_std: float,
                  randomness: Randomness, expected_batch_size: float, scale: float | None = None):
         if not (count_std >= 0 and math.isfinite(count_std)):
             raise ValueError(f"count_std must be a finite number ≥ 0, got {count_std}")
@@ -104,19 +129,17 @@ class QuantileEstimator(StepComponent):
         return counts
 
     def after_update(self, step: StepContext) -> list[dpa.DpEvent]:
-        """Release the counts against the estimates this step clipped with, update them, and set the
-        step's ``next_thresholds``."""
-        events = self.update(step.report)
-        step.next_thresholds = self.thresholds()
-        return events
+        """Release the counts against the estimates this step clipped with and update them (the next
+        step's thresholds follow from them: :meth:`thresholds`)."""
+        return self.update(step.report)
 
     def update(self, report: StepReport) -> list[dpa.DpEvent]:
         """Release the counts of ``report``'s norms against the current estimates and move them."""
         counts, event = release_counts(self.centred_counts(report), self.count_std, self.randomness)
         fractions = (counts / self.expected_batch_size + 0.5).tolist()
-        q, eta = self.settings.target_quantile, self.settings.learning_rate
-        for g, fraction in zip(self.groups, fractions, strict=True):
-            self.quantiles[g.name] *= math.exp(-eta * (fraction - q))
+        q, eta = self.settings.target, self.settings.lr
+        for g, below in zip(self.groups, fractions, strict=True):
+            self.quantiles[g.name] *= math.exp(-eta * (below - q))
         self.unclipped_fractions = {g.name: f for g, f in zip(self.groups, fractions, strict=True)}
         return [event]
 

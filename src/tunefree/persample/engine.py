@@ -169,18 +169,20 @@ class ClippingEngine:
             ``"sum"`` if it is their sum. Per-sample gradients are those of each example's own loss.
         accumulator: where each backward pass books its clipped sums (``make_private`` passes the one
             the private optimizer releases from); a new one by default, for standalone use.
-        Each group's clip threshold starts at its configured ``threshold``; ``set_thresholds`` moves them.
+        batch_source: where the number of examples of each physical batch comes from (a private run: the
+            Poisson loader's schedule). Every captured layer call must show exactly that many at its
+            example dimension, and each physical batch may be booked by one backward pass only. Without
+            it, the examples are those of the model call (dimension 0 of its tensor inputs) and a logical
+            step books one backward pass.
+        path_chooser: how layers with two exact norm paths (ghost norm, materialised per-sample
+            gradients) pick one: timed once per layer shape by default; ``PathChooser(measure=False)``
+            follows the cost formula (deterministic), ``PathChooser(fixed="ghost")`` forces a path.
+            Privacy does not depend on it.
+        retain_inputs: keep the inputs of the first model call from now on in ``retained_inputs``
+            (the private optimizer's independence check reads them before its first release).
 
-    ``batch_source`` (set by ``make_private`` to the Poisson loader's schedule) gives the number of
-    examples of each physical batch: every captured layer call must show exactly that many at its
-    example dimension, and each physical batch may be booked by one backward pass only. Without it,
-    the examples are those of the model call (dimension 0 of its tensor inputs) and a logical step
-    books one backward pass.
-
-    ``path_chooser``: how layers with two exact norm paths (ghost norm, materialised per-sample
-    gradients) pick one: timed once per layer shape by default; ``PathChooser(measure=False)`` follows the
-    cost formula (deterministic), ``PathChooser(fixed="ghost")`` forces a path. Privacy does not depend
-    on it.
+    Each group's clip threshold starts at its configured ``threshold``; the private step hands the
+    thresholds of each following step over with :meth:`begin_step`.
 
     ``grad_scaler`` (set by ``DPOptimizer.attach_grad_scaler``): the ``torch.amp.GradScaler`` whose
     factor multiplies the loss. Each backward pass divides it out of the output gradients before any
@@ -189,7 +191,9 @@ class ClippingEngine:
     """
 
     def __init__(self, model: nn.Module, groups: list[ClipGroup], clip: ClipFunction,
-                 loss_reduction: str = "mean", accumulator: StepAccumulator | None = None):
+                 loss_reduction: str = "mean", accumulator: StepAccumulator | None = None, *,
+                 batch_source: BatchSource | None = None, path_chooser: PathChooser | None = None,
+                 retain_inputs: bool = False):
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.model, self.groups, self.clip = model, groups, clip
@@ -201,16 +205,16 @@ class ClippingEngine:
         self._anchor = torch.zeros((), requires_grad=True)
         self._handles: list[Any] = []
         self.accumulator = StepAccumulator() if accumulator is None else accumulator
-        self.batch_source: BatchSource | None = None
+        self.batch_source = batch_source
         self._pass = _PassState()
         self._recomputing = False
         self._suspended = 0
         self._broadcast: _Broadcast | None = None
-        self.retain_inputs = False
+        self.retain_inputs = retain_inputs  # keep the next root call's inputs (the independence check)
         self.retained_inputs: Capture | None = None
         self.grad_scaler: torch.amp.GradScaler | None = None
         self.thresholds: dict[str, float] = {g.name: g.threshold for g in groups}
-        self.path_chooser = PathChooser()
+        self.path_chooser = PathChooser() if path_chooser is None else path_chooser
         self._leaked: set[str] = set()
         self._attach()
 
@@ -263,8 +267,9 @@ class ClippingEngine:
         finally:
             self._suspended -= 1
 
-    def set_thresholds(self, thresholds: Mapping[str, float]) -> None:
-        """The clip threshold of each group (by name) for the following backward passes."""
+    def begin_step(self, thresholds: Mapping[str, float]) -> None:
+        """The clip threshold of each group (by name) for the backward passes of the next step (the
+        private step, which owns them, hands them over)."""
         if set(thresholds) != set(self.thresholds):
             raise ValueError(f"thresholds must name exactly the clip groups {sorted(self.thresholds)}")
         self.thresholds = {name: float(value) for name, value in thresholds.items()}

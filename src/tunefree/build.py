@@ -1,0 +1,246 @@
+"""Complete objects from a :class:`RunConfig`: the model, optimizer and loader of a private run, each
+part constructed with everything it needs (nothing is set on an object after it is built).
+
+:func:`build_run` solves the plan once (every noise is read off it), then makes, in order: the Poisson
+loader, the clip groups, the step components of the options, the gradient mechanism, the ledger, the
+engine (hooks go on last, so that a refused argument leaves the model as it was given) and the private
+optimizer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from .clipping.groups import ClipGroup, make_groups, sensitivity
+from .components.dog import DistanceOverGradients, DoG
+from .components.hyfreedp import AutoLearningRate, HyFreeDP
+from .components.thresholds import AdaptiveQuantile, QuantileEstimator
+from .config import RunConfig
+from .data.poisson import StepSchedule, from_loader, planned_steps, sample_rate_of
+from .errors import SettingsRefused
+from .parallel.ddp import DataParallel, DistributedRelease, check_same_run, data_parallel, run_identity
+from .parallel.fsdp import (
+    ShardedAccumulator,
+    ShardedDataParallel,
+    ShardedRelease,
+    check_sharded_options,
+    sharded_data_parallel,
+)
+from .persample.accumulator import StepAccumulator
+from .persample.engine import ClippingEngine
+from .privacy.canaries import CanaryRelease, GradientCanaries, canary_randomness
+from .privacy.ledger import Ledger
+from .privacy.mechanisms import GradientRelease
+from .privacy.plan import Plan, data_digest
+from .privacy.randomness import Randomness, run_randomness
+from .rules.paths import path_chooser
+from .run import DPEngine
+from .step.component import StepComponent
+from .step.optimizer import DPOptimizer
+
+Parallel = DataParallel | ShardedDataParallel
+
+
+def detect_parallel(model: nn.Module) -> Parallel | None:
+    """How ``model`` spans processes: FSDP2 (sharded parameters), DDP, or ``None`` (one process)."""
+    return sharded_data_parallel(model) or data_parallel(model)
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """What a run is before anything is hooked: its randomness, logical-step schedule, clip groups and
+    solved plan (every noise is read off it). A pipeline stage exchanges it with the other stages before
+    its parts are made."""
+
+    config: RunConfig
+    module: nn.Module
+    randomness: Randomness
+    schedule: StepSchedule
+    groups: list[ClipGroup]
+    plan: Plan
+
+
+def plan_run(config: RunConfig, model: nn.Module, data_loader: Any, parallel: Parallel | None = None
+             ) -> PlannedRun:
+    """The plan of ``config`` over ``model`` and ``data_loader``; ``parallel`` is the model's data
+    parallelism (:func:`detect_parallel`)."""
+    if not isinstance(data_loader, DataLoader):
+        raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
+    if parallel is not None:
+        _check_data_parallel_options(config, sharded=isinstance(parallel, ShardedDataParallel))
+    if isinstance(parallel, ShardedDataParallel):
+        check_sharded_options(config.performance.physical_batch_size)
+    randomness = run_randomness(config.seed, False)
+    num_examples, sample_rate = sample_rate_of(data_loader)
+    check_delta(config.target_delta, num_examples)
+    module = model if parallel is None else parallel.module
+    groups = make_groups(module, config.groups, config.max_grad_norm)
+    plan = Plan(
+        sample_rate=sample_rate, steps=planned_steps(config.epochs, config.steps, sample_rate),
+        num_examples=num_examples, delta=config.target_delta, accountant=config.accountant,
+        noise_multiplier=0.0 if config.noise_multiplier is None else config.noise_multiplier,
+        counts=config.thresholds.share(len(groups)), losses=None if config.lr is None else config.lr.share(),
+        settings=_settings(config, groups, data_loader.dataset, num_examples),
+    ).solve(config.target_epsilon)
+    if parallel is not None:
+        check_same_run(parallel, run_identity(plan.describe(), groups, randomness))
+    return PlannedRun(config, module, randomness, StepSchedule(), groups, plan)
+
+
+def build_run(config: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: Any,
+              parallel: Parallel | None = None) -> DPEngine:
+    """The private run of ``config`` over ``model`` (hooked in place), ``optimizer`` and ``data_loader``;
+    ``parallel`` is the model's data parallelism (:func:`detect_parallel`)."""
+    run = plan_run(config, model, data_loader, parallel)
+    canaries = None if config.audit_canaries is None else GradientCanaries(
+        config.audit_canaries, run.groups, run.plan.sample_rate, canary_randomness(config.seed))
+    release = _release(run, parallel, canaries)
+    return assemble(run, model, optimizer, data_loader, release, threshold_component(run), parallel=parallel,
+                    canaries=canaries)
+
+
+def assemble(run: PlannedRun, model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: Any,
+             release: GradientRelease, thresholds: StepComponent | None, *, parallel: Parallel | None = None,
+             sampling: Any = None, canaries: GradientCanaries | None = None) -> DPEngine:
+    """The parts of a planned run, in order: the Poisson loader (drawing its samples from ``sampling``,
+    by default the run's randomness), the step components (``thresholds``, then the learning-rate rule),
+    the engine (hooks go on last, so that a refused argument leaves the model as it was given) and the
+    private optimizer releasing through ``release``."""
+    config, plan, schedule = run.config, run.plan, run.schedule
+    if config.poisson_sampling:
+        loader: Any = from_loader(data_loader, run.randomness if sampling is None else sampling, schedule,
+                                  config.performance.physical_batch_size,
+                                  shard=(0, 1) if parallel is None else parallel.shard)
+    else:
+        loader = data_loader
+        warnings.warn(
+            "poisson_sampling=False: the loader is not Poisson-sampled, so the reported ε is the "
+            "Poisson approximation, not a proof of privacy", stacklevel=4)
+    components = [c for c in (thresholds, _learning_rate(run, optimizer, release)) if c is not None]
+    # The engine books into the accumulator, the optimizer releases from it; FSDP2 keeps only this rank's
+    # shards.
+    accumulator = ShardedAccumulator(parallel, run.groups) if isinstance(parallel, ShardedDataParallel) \
+        else StepAccumulator()
+    chooser = path_chooser(config.performance.norm_path, replayable=not run.randomness.secure)
+    engine = ClippingEngine(run.module, run.groups, config.clipping, config.loss_reduction, accumulator,
+                            batch_source=schedule, retain_inputs=True, path_chooser=chooser)
+    try:
+        private_optimizer = DPOptimizer(
+            optimizer, engine, release, Ledger(poisson_approximation=not config.poisson_sampling),
+            plan.sample_rate, plan.expected_batch_size, schedule, accumulator, components=components,
+            planned_steps=plan.steps, verify_every=config.performance.verify_every,
+            every_rank=parallel.every_rank if isinstance(parallel, ShardedDataParallel) else None)
+    except ValueError:
+        engine.detach()
+        raise
+    if parallel is not None:
+        parallel.take_over()
+    return DPEngine(model=model, optimizer=private_optimizer, data_loader=loader, clipping_engine=engine,
+                    ledger=private_optimizer.ledger, randomness=run.randomness, schedule=schedule,
+                    groups=run.groups, plan=plan, parallel=parallel, canaries=canaries)
+
+
+def check_delta(delta: float, num_examples: int | None) -> None:
+    """δ must be far below 1/N: a δ of 1/N allows leaking whole examples."""
+    if num_examples is not None and delta >= 1 / num_examples:
+        raise SettingsRefused(
+            f"target_delta={delta:.3g} is not below 1/N = {1 / num_examples:.3g} for N = "
+            f"{num_examples} examples: such a δ allows leaking whole examples; use δ ≪ 1/N, "
+            f"e.g. {1 / num_examples ** 1.1:.2g}"
+        )
+
+
+def _release(run: PlannedRun, parallel: Parallel | None,
+             canaries: GradientCanaries | None) -> GradientRelease:
+    """The gradient mechanism, at the plan's gradient noise."""
+    allocation, plan, groups, randomness = run.config.noise_allocation, run.plan, run.groups, run.randomness
+    if isinstance(parallel, ShardedDataParallel):
+        return ShardedRelease(groups, plan.gradient_noise, randomness, allocation, parallel)
+    if parallel is not None:
+        return DistributedRelease(groups, plan.gradient_noise, randomness, allocation, parallel)
+    release = GradientRelease(groups, plan.gradient_noise, randomness, allocation)
+    return release if canaries is None else CanaryRelease(release, canaries)
+
+
+def threshold_component(run: PlannedRun) -> QuantileEstimator | None:
+    """The estimator of adaptive thresholds. Normalising clip functions keep the initial total
+    sensitivity; Abadi's clips at the estimates unless asked to rescale them (group-wise paper), which
+    needs more than one group."""
+    rule, groups = run.config.thresholds, run.groups
+    if not isinstance(rule, AdaptiveQuantile):
+        return None
+    normalising = run.config.clipping.normalising
+    if not normalising and rule.rescale and len(groups) < 2:
+        raise SettingsRefused(
+            "AdaptiveQuantile(rescale=True) with Abadi clipping rescales the thresholds of several clip "
+            "groups to a fixed total; with one group the threshold would never move: use "
+            "groups='per-layer' (or similar) or rescale=False")
+    scale = sensitivity(groups) if normalising or rule.rescale else None
+    return QuantileEstimator(groups, rule, run.plan.count_std, run.randomness, run.plan.expected_batch_size,
+                             scale)
+
+
+def _learning_rate(run: PlannedRun, optimizer: torch.optim.Optimizer,
+                   release: GradientRelease) -> StepComponent | None:
+    """The component of ``lr``: HyFreeDP at the plan's loss noise, or DoG (plain SGD only)."""
+    rule, plan = run.config.lr, run.plan
+    if isinstance(rule, HyFreeDP):
+        return AutoLearningRate(rule, plan.loss_noise, plan.expected_batch_size, run.randomness)
+    if not isinstance(rule, DoG):
+        return None
+    plain = all(not (g.get("momentum") or g.get("weight_decay") or g.get("nesterov"))
+                for g in optimizer.param_groups)
+    if type(optimizer) is not torch.optim.SGD or not plain:
+        raise ValueError(
+            "lr='auto' (AutoLR(mode='dog')) sets the step size of plain SGD: pass "
+            "torch.optim.SGD(model.parameters(), lr=1.0) without momentum or weight decay, or "
+            "lr=tunefree.AutoLR(mode='safeguarded') (HyFreeDP) for another optimizer; "
+            f"got {type(optimizer).__name__}")
+    if plan.steps is None and rule.noise_budget is not None:
+        raise ValueError("lr='auto' spends its noise budget over the planned run: give epochs or steps "
+                         "(or lr=tunefree.AutoLR(noise_budget=None) for DoG without it)")
+    return DistanceOverGradients(release, plan.expected_batch_size, rule, planned_steps=plan.steps)
+
+
+def _check_data_parallel_options(config: RunConfig, sharded: bool) -> None:
+    """Refuse what the data-parallel paths (DDP; FSDP2 when ``sharded``) do not reduce across ranks yet.
+    DoG's learning rate reads only the released gradient and the weights, the same on every DDP rank;
+    under FSDP2 both are sharded, and its norms are not reduced across shards."""
+    kind = "FSDP2 (fully_shard)" if sharded else "DistributedDataParallel"
+    lr = config.lr
+    hyfreedp = lr is not None and (sharded or lr.mode != "dog")
+    unsupported = [name for name, used in (
+        ("thresholds='adaptive'", isinstance(config.thresholds, AdaptiveQuantile)),
+        (f"lr=AutoLR(mode={lr.mode!r})" if lr else "", hyfreedp),
+        ("poisson_sampling=False", not config.poisson_sampling),
+        ("audit_canaries", config.audit_canaries is not None)) if used]
+    if unsupported:
+        raise SettingsRefused(
+            f"{', '.join(unsupported)} is not supported with {kind} yet (their "
+            "releases are not reduced across ranks): use fixed thresholds, the optimizer's learning "
+            "rate or lr='auto' (DDP only), and tunefree's Poisson sampling, or train in one process")
+
+
+def _settings(config: RunConfig, groups: list[ClipGroup], dataset: Any, num_examples: int) -> dict[str, Any]:
+    """What identifies the run beyond its noise, for the plan's fingerprint (format 1)."""
+    learning_rate: dict[str, Any] = {}
+    lr = config.lr
+    if isinstance(lr, DoG):
+        learning_rate = {"auto_lr": {"mode": lr.mode, "initial_distance": lr.initial_distance,
+                                     "noise_budget": lr.noise_budget}}
+    elif isinstance(lr, HyFreeDP):
+        learning_rate = {"auto_lr": {"mode": lr.mode, "probes": lr.probes, "initial_lr": lr.initial_lr}}
+    rule = config.thresholds
+    thresholds: Any = "fixed" if not isinstance(rule, AdaptiveQuantile) else {
+        "target_quantile": float(rule.target), "learning_rate": float(rule.lr), "budget": float(rule.budget),
+        "rescale": rule.rescale}
+    return {**learning_rate, "clipping": {"gamma": 0.01, "r": 0.1, **config.clipping.describe()},
+            "groups": {g.name: [list(g.param_names), g.threshold] for g in groups},
+            "thresholds": thresholds, "noise_allocation": config.noise_allocation,
+            "loss_reduction": config.loss_reduction, "data": data_digest(dataset, num_examples)}
