@@ -38,7 +38,7 @@ from .privacy.canaries import CanaryRelease, GradientCanaries, canary_randomness
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
 from .privacy.plan import Plan, data_digest
-from .privacy.randomness import Randomness, run_randomness
+from .privacy.randomness import NoiseSource, run_randomness
 from .rules.paths import path_chooser
 from .run import DPEngine
 from .step.component import StepComponent
@@ -60,7 +60,7 @@ class PlannedRun:
 
     config: RunConfig
     module: nn.Module
-    randomness: Randomness
+    randomness: NoiseSource
     schedule: StepSchedule
     groups: list[ClipGroup]
     plan: Plan
@@ -127,7 +127,7 @@ def assemble(run: PlannedRun, model: nn.Module, optimizer: torch.optim.Optimizer
     # shards.
     accumulator = ShardedAccumulator(parallel, run.groups) if isinstance(parallel, ShardedDataParallel) \
         else StepAccumulator()
-    chooser = path_chooser(config.performance.norm_path, replayable=not run.randomness.secure)
+    chooser = path_chooser(config.performance.norm_path, replayable=run.randomness.replayable)
     engine = ClippingEngine(run.module, run.groups, config.clipping, config.loss_reduction, accumulator,
                             batch_source=schedule, retain_inputs=True, path_chooser=chooser)
     try:

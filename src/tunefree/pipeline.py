@@ -37,7 +37,7 @@ from .config import RunConfig
 from .errors import PrivacyError
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease, group_noise_stds
-from .privacy.randomness import Randomness, side_randomness
+from .privacy.randomness import NoiseSource, side_randomness
 from .run import DPEngine
 from .step.component import StepReport
 
@@ -81,7 +81,7 @@ class StageRelease(GradientRelease):
     thresholds and sizes, so the K stage releases together are exactly the release of one process with
     one clip group per stage: one Gaussian event of multiplier σ, recorded by every stage."""
 
-    def __init__(self, groups: list[ClipGroup], noise_multiplier: float, randomness: Randomness,
+    def __init__(self, groups: list[ClipGroup], noise_multiplier: float, randomness: NoiseSource,
                  allocation: str, layout: StageLayout):
         super().__init__(groups, noise_multiplier, randomness, allocation)
         if len(self.groups) != 1:
@@ -115,7 +115,7 @@ class StageQuantileEstimator(QuantileEstimator):
     state_key = "StageQuantileEstimator"
 
     def __init__(self, group: ClipGroup, settings: AdaptiveQuantile, count_noise: float,
-                 randomness: Randomness, expected_batch_size: float, release: StageRelease,
+                 randomness: NoiseSource, expected_batch_size: float, release: StageRelease,
                  scale: float | None):
         layout = release.layout
         super().__init__([group], settings, count_noise * math.sqrt(layout.num_stages) / 2, randomness,
@@ -160,7 +160,7 @@ class _SharedSampling:
     """The Poisson sample of each step, drawn by the first stage and broadcast to the others, so that
     every stage trains on the same examples (secret randomness cannot be replayed elsewhere)."""
 
-    def __init__(self, randomness: Randomness, layout: StageLayout, device: torch.device):
+    def __init__(self, randomness: NoiseSource, layout: StageLayout, device: torch.device):
         self.randomness, self.layout, self.device = randomness, layout, device
 
     def inclusion(self, step: int, num_examples: int, sample_rate: float) -> torch.Tensor:
@@ -367,7 +367,7 @@ def make_private_pipeline(
     run = plan_run(config, stage_module, data_loader)
     local = threshold_component(run)  # refuses what one stage's group cannot do
     described = {k: v for k, v in run.plan.describe().items() if k != "settings.groups"}
-    described.update(secure=run.randomness.secure, physical_batch_size=physical_batch_size)
+    described.update(secret=run.randomness.secret, physical_batch_size=physical_batch_size)
     facts = {"run": described, "threshold": float(max_grad_norm), "size": run.groups[0].size}
     gathered = _exchange(facts, group, stage_index)
     layout = StageLayout(stage_index, num_stages, tuple(f["threshold"] for f in gathered),

@@ -40,7 +40,7 @@ from .._validate import count, one_of, positive
 from ..errors import PrivacyError
 from ..privacy.mechanisms import LOSS_PRIVACY, release_loss_sum
 from ..privacy.plan import LossShare
-from ..privacy.randomness import Randomness
+from ..privacy.randomness import NoiseSource
 from ..step.component import StepComponent, StepContext, UpdateControl
 
 MODES = ("safeguarded", "paper")
@@ -136,7 +136,7 @@ class AutoLearningRate(StepComponent):
     closure_gives_per_sample_losses = True
 
     def __init__(self, settings: HyFreeDP, loss_noise: float, expected_batch_size: float,
-                 randomness: Randomness):
+                 randomness: NoiseSource):
         self.settings, self.loss_noise = settings, loss_noise
         self.interval, self.loss_privacy = settings.interval, settings.loss_privacy
         self.mode, self.probes = settings.mode, settings.probes
