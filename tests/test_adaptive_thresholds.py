@@ -64,7 +64,7 @@ def run_steps(engine, steps: int, loss_fn=F.cross_entropy, before_step=None) -> 
 # ---------------------------------------------------------------- Proposition 3.1 and the ledger
 @pytest.mark.parametrize("sigma,budget,groups", [(0.8, 0.01, 1), (1.3, 0.1, 7), (4.0, 0.5, 120)])
 def test_proposition_3_1_identity(sigma, budget, groups):
-    plan = Plan(0.1, 10, 100, 1e-5, noise_multiplier=sigma, counts=CountShare(budget, groups))
+    plan = Plan(0.1, 10, 100, 1e-5, noise_multiplier=sigma, shares=(CountShare(budget, groups),))
     gradient, count_std = plan.gradient_noise, plan.count_std
     # equation (3.1), and Remark 3.1: the counts cost the fraction r = Kσ²/(4σ_b²)
     assert gradient == pytest.approx((sigma ** -2 - groups / (2 * count_std) ** 2) ** -0.5,
@@ -93,7 +93,8 @@ def test_joint_accounting_equals_target():
     assert k == 2
     # every step: ONE sampled event composing the gradient release and the K count releases
     step = dpa.PoissonSampledDpEvent(0.05, dpa.ComposedDpEvent([
-        dpa.GaussianDpEvent(gradient), dpa.GaussianDpEvent(2 * count_std / math.sqrt(k))]))
+        dpa.GaussianDpEvent(gradient), dpa.GaussianDpEvent(engine.plan.count_noise)]))
+    assert engine.plan.count_noise == pytest.approx(2 * count_std / math.sqrt(k), rel=1e-12)
     assert engine.ledger.event() == dpa.ComposedDpEvent([dpa.SelfComposedDpEvent(step, steps)])
     spent = engine.epsilon()
     assert 0.99 * target <= spent <= target
@@ -155,15 +156,17 @@ def test_update_divides_by_the_expected_batch_size():
 def test_count_noise_has_standard_deviation_sigma_b():
     groups = _groups({"a": 1.0, "b": 1.0})
     settings = AdaptiveQuantile(target=0.5, lr=1e-9, budget=0.05)
-    count_std, expected_batch = 3.0, 10.0
-    estimator = QuantileEstimator(groups, settings, count_std, SeededSource(1), expected_batch)
+    count_noise, expected_batch = 3.0, 10.0
+    estimator = QuantileEstimator(groups, settings, count_noise, SeededSource(1), expected_batch)
+    count_std = count_noise * math.sqrt(2) / 2
+    assert estimator.count_std == count_std
     norms = {"a": torch.tensor([0.5, 2.0]), "b": torch.tensor([0.5, 0.7])}
     exact = torch.tensor([(1 - 1) / expected_batch + 0.5, (2 - 1) / expected_batch + 0.5])
     draws = []
     for step in range(4000):
         events = estimator.update(StepReport(step, 2, norms))
         draws.append(torch.tensor([estimator.unclipped_fractions[g.name] for g in groups]))
-    assert events == [dpa.GaussianDpEvent(2 * count_std / math.sqrt(2))]
+    assert events == [dpa.GaussianDpEvent(count_noise)]
     noise = (torch.stack(draws) - exact) * expected_batch
     assert noise.mean(0).abs().max() < 5 * count_std / math.sqrt(4000)
     assert (noise.std(0) / count_std - 1).abs().max() < 5 / math.sqrt(2 * 4000)

@@ -174,7 +174,7 @@ def joint(releases):
 def test_every_probe_release_is_in_the_ledger_as_the_plan_solved_it(auto):
     model, engine = paper_engine(auto, noise_multiplier=1.0, steps=7)
     plan = engine.plan
-    assert plan.losses.releases == auto.releases_per_update
+    assert plan.losses.releases_per_update == auto.releases_per_update
     assert plan.loss_noise > 0 and auto_component(engine).loss_noise == plan.loss_noise
     for _ in range(7):
         one_step(model, engine)

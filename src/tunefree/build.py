@@ -81,12 +81,15 @@ def plan_run(config: RunConfig, model: nn.Module, data_loader: Any, parallel: Pa
     check_delta(config.target_delta, num_examples)
     module = model if parallel is None else parallel.module
     groups = make_groups(module, config.groups, config.max_grad_norm)
+    # each component's option declares its share of the budget (in the order of its component's releases)
+    shares = (config.thresholds.share(len(groups)), None if config.lr is None else config.lr.share())
     plan = Plan(
         sample_rate=sample_rate, steps=planned_steps(config.epochs, config.steps, sample_rate),
         num_examples=num_examples, delta=config.target_delta, accountant=config.accountant,
         noise_multiplier=0.0 if config.noise_multiplier is None else config.noise_multiplier,
-        counts=config.thresholds.share(len(groups)), losses=None if config.lr is None else config.lr.share(),
-        settings=_settings(config, groups, data_loader.dataset, num_examples),
+        shares=tuple(share for share in shares if share is not None),
+        settings={**config.identity(), "groups": {g.name: [list(g.param_names), g.threshold] for g in groups},
+                  "data": data_digest(data_loader.dataset, num_examples)},
     ).solve(config.target_epsilon)
     if parallel is not None:
         check_same_run(parallel, run_identity(plan.describe(), groups, randomness))
@@ -182,7 +185,7 @@ def threshold_component(run: PlannedRun) -> QuantileEstimator | None:
             "groups to a fixed total; with one group the threshold would never move: use "
             "groups='per-layer' (or similar) or rescale=False")
     scale = sensitivity(groups) if normalising or rule.rescale else None
-    return QuantileEstimator(groups, rule, run.plan.count_std, run.randomness, run.plan.expected_batch_size,
+    return QuantileEstimator(groups, rule, run.plan.count_noise, run.randomness, run.plan.expected_batch_size,
                              scale)
 
 
@@ -225,22 +228,3 @@ def _check_data_parallel_options(config: RunConfig, sharded: bool) -> None:
             f"{', '.join(unsupported)} is not supported with {kind} yet (their "
             "releases are not reduced across ranks): use fixed thresholds, the optimizer's learning "
             "rate or lr='auto' (DDP only), and tunefree's Poisson sampling, or train in one process")
-
-
-def _settings(config: RunConfig, groups: list[ClipGroup], dataset: Any, num_examples: int) -> dict[str, Any]:
-    """What identifies the run beyond its noise, for the plan's fingerprint (format 1)."""
-    learning_rate: dict[str, Any] = {}
-    lr = config.lr
-    if isinstance(lr, DoG):
-        learning_rate = {"auto_lr": {"mode": lr.mode, "initial_distance": lr.initial_distance,
-                                     "noise_budget": lr.noise_budget}}
-    elif isinstance(lr, HyFreeDP):
-        learning_rate = {"auto_lr": {"mode": lr.mode, "probes": lr.probes, "initial_lr": lr.initial_lr}}
-    rule = config.thresholds
-    thresholds: Any = "fixed" if not isinstance(rule, AdaptiveQuantile) else {
-        "target_quantile": float(rule.target), "learning_rate": float(rule.lr), "budget": float(rule.budget),
-        "rescale": rule.rescale}
-    return {**learning_rate, "clipping": {"gamma": 0.01, "r": 0.1, **config.clipping.describe()},
-            "groups": {g.name: [list(g.param_names), g.threshold] for g in groups},
-            "thresholds": thresholds, "noise_allocation": config.noise_allocation,
-            "loss_reduction": config.loss_reduction, "data": data_digest(dataset, num_examples)}

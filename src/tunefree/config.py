@@ -25,6 +25,7 @@ from .components.thresholds import AdaptiveQuantile, Fixed
 from .errors import SettingsRefused
 from .privacy.accounting import ACCOUNTANTS
 from .privacy.mechanisms import NOISE_ALLOCATIONS
+from .privacy.plan import Plan
 from .rules.paths import NORM_PATHS
 
 __all__ = ["PSAC", "Abadi", "AdaptiveQuantile", "AutoLR", "AutoS", "AutoV", "DoG", "Fixed", "HyFreeDP",
@@ -264,6 +265,32 @@ def _typed(option: str, value: Any, kinds: type | tuple[type, ...], expected: st
 def _describe(option: Any) -> dict[str, Any]:
     """A typed option as plain values: its kind and its fields."""
     return {"kind": type(option).__name__, **{f.name: getattr(option, f.name) for f in fields(option)}}
+
+
+def read_description(description: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpoint's plan description in today's format (2): one of 0.1 (format 1, no ``"format"``
+    key) is read as the description the same run has today, so that its checkpoints keep loading."""
+    if description.get("format", 1) != 1:
+        return dict(description)
+    read = Plan.read_format_1(description)
+    clip = read.pop("settings.clipping", {})
+    constant = {"auto-s": "gamma", "psac": "r"}.get(clip.get("name"))
+    read["settings.clipping"] = {"name": clip.get("name"), **({constant: clip[constant]} if constant else {})}
+    thresholds = read.pop("settings.thresholds", "fixed")
+    read["settings.thresholds"] = {"kind": "Fixed"} if thresholds == "fixed" else {
+        "kind": "AdaptiveQuantile", "target": thresholds["target_quantile"],
+        "lr": thresholds["learning_rate"], "budget": thresholds["budget"], "rescale": thresholds["rescale"]}
+    lr = read.pop("settings.auto_lr", None)
+    if lr is not None and lr["mode"] == "dog":
+        lr = {"kind": "DoG", "initial_distance": lr["initial_distance"], "noise_budget": lr["noise_budget"],
+              "noise_aware": True}
+    elif lr is not None:
+        losses = description["losses"]
+        lr = {"kind": "HyFreeDP", "interval": losses["interval"], "loss_privacy": losses["privacy"],
+              "gradient_noise_increase": losses["increase"], "mode": lr["mode"], "probes": lr["probes"],
+              "initial_lr": lr["initial_lr"]}
+    read["settings.lr"] = lr
+    return read
 
 
 def resolve_options(**keywords: Any) -> RunConfig:

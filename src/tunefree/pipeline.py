@@ -118,8 +118,8 @@ class StageQuantileEstimator(QuantileEstimator):
                  randomness: NoiseSource, expected_batch_size: float, release: StageRelease,
                  scale: float | None):
         layout = release.layout
-        super().__init__([group], settings, count_noise * math.sqrt(layout.num_stages) / 2, randomness,
-                         expected_batch_size, scale)
+        super().__init__([group], settings, count_noise, randomness, expected_batch_size, scale)
+        self.joint_counts = layout.num_stages  # this stage's count is one of the K stages' counts
         self.release, self.layout = release, layout
         self.estimates = list(layout.thresholds)  # every stage's Qₖ
 
@@ -132,15 +132,14 @@ class StageQuantileEstimator(QuantileEstimator):
 
     def update(self, report: StepReport) -> list[dpa.DpEvent]:
         (group,) = self.groups
-        super().update(report)
-        joint = dpa.GaussianDpEvent(2 * self.count_std / math.sqrt(self.layout.num_stages))
+        events = super().update(report)  # the joint event of the K counts, as every stage records it
         estimates = [0.0] * self.layout.num_stages
         dist.all_gather_object(estimates, self.quantiles[group.name], group=self.layout.group)
         self.estimates = [float(q) for q in estimates]
         norm = math.sqrt(sum(q * q for q in self.estimates))
         self.release.stage_thresholds = tuple(
             q if self.scale is None else self.scale * q / norm for q in self.estimates)
-        return [joint]
+        return events
 
     def state_dict(self) -> dict[str, Any]:
         """With every stage's estimate: a resumed stage must noise for all stages' current thresholds."""

@@ -13,6 +13,7 @@ from .clipping.groups import ClipGroup, sensitivity
 from .components.dog import DistanceOverGradients
 from .components.hyfreedp import AutoLearningRate
 from .components.thresholds import QuantileEstimator
+from .config import read_description
 from .data.poisson import StepSchedule
 from .parallel.ddp import DataParallel
 from .parallel.fsdp import ShardedDataParallel
@@ -164,8 +165,9 @@ class DPEngine:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; a state of another plan (other noise, sampling, length, data
         set, groups, clipping, thresholds or learning-rate policy) is refused, naming what differs."""
-        if state.get("fingerprint") != self.plan.fingerprint():
-            differences = self.plan.differences(state.get("plan", {}))
+        description = read_description(state.get("plan", {}))  # a checkpoint of 0.1 is read as today's
+        if description != self.plan.describe():
+            differences = self.plan.differences(description)
             raise ValueError(
                 "this checkpoint belongs to a run with other privacy settings; resume with the same "
                 "settings and the same data set. It differs in:\n  " + "\n  ".join(differences))

@@ -84,8 +84,8 @@ class QuantileEstimator(StepComponent):
         groups: the clip groups; each one's configured ``threshold`` is its initial estimate Qₖ.
         settings: target quantile q, learning rate η and budget fraction r (``rescale`` is decided by
             ``scale``).
-        count_std: σ_b, the noise standard deviation of each group's count (0 only when privacy is
-            off, for debugging).
+        count_noise: σ_c, the noise multiplier of the joint release of the groups' counts (each count
+            gets noise of standard deviation σ_b = σ_c·√K/2; 0 only when privacy is off, for debugging).
         randomness: the run's source of noise.
         expected_batch_size: q·N; the noisy count is divided by it, never by the private batch size.
         scale: ``None`` for ``Cₖ = Qₖ``; otherwise the constant total sensitivity ``√(Σₖ Cₖ²)``.
@@ -93,17 +93,24 @@ class QuantileEstimator(StepComponent):
 
     state_key = "QuantileEstimator"
 
-    def __init__(self, groups: Sequence[ClipGroup], settings: AdaptiveQuantile, count_std: float,
+    joint_counts: int | None = None  # counts in the joint release (None: this estimator's groups)
+
+    def __init__(self, groups: Sequence[ClipGroup], settings: AdaptiveQuantile, count_noise: float,
                  randomness: NoiseSource, expected_batch_size: float, scale: float | None = None):
-        if not (count_std >= 0 and math.isfinite(count_std)):
-            raise ValueError(f"count_std must be a finite number ≥ 0, got {count_std}")
+        if not (count_noise >= 0 and math.isfinite(count_noise)):
+            raise ValueError(f"count_noise must be a finite number ≥ 0, got {count_noise}")
         if scale is not None and not (scale > 0 and math.isfinite(scale)):
             raise ValueError(f"scale must be a positive number or None, got {scale}")
-        self.groups, self.settings, self.count_std = list(groups), settings, count_std
+        self.groups, self.settings, self.count_noise = list(groups), settings, count_noise
         self.randomness, self.expected_batch_size = randomness, expected_batch_size
         self.scale = scale
         self.quantiles = {g.name: g.threshold for g in self.groups}
         self.unclipped_fractions: dict[str, float] | None = None
+
+    @property
+    def count_std(self) -> float:
+        """σ_b, the noise standard deviation of each count: σ_c·√K/2 for K counts released jointly."""
+        return self.count_noise * math.sqrt(self.joint_counts or len(self.groups)) / 2
 
     def thresholds(self) -> dict[str, float]:
         """The clip threshold of each group (by name) that follows from the current estimates."""
@@ -135,7 +142,8 @@ class QuantileEstimator(StepComponent):
 
     def update(self, report: StepReport) -> list[dpa.DpEvent]:
         """Release the counts of ``report``'s norms against the current estimates and move them."""
-        counts, event = release_counts(self.centred_counts(report), self.count_std, self.randomness)
+        counts, event = release_counts(self.centred_counts(report), self.count_noise, self.randomness,
+                                       self.joint_counts)
         fractions = (counts / self.expected_batch_size + 0.5).tolist()
         q, eta = self.settings.target, self.settings.lr
         for g, below in zip(self.groups, fractions, strict=True):

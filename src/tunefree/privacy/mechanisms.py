@@ -160,17 +160,19 @@ def add_shard_noise(shards: Mapping[nn.Parameter, torch.Tensor], params: Sequenc
             shards[p] += std * noise.view(shards[p].shape)
 
 
-def release_counts(centred_counts: torch.Tensor, count_std: float,
-                   randomness: NoiseSource) -> tuple[torch.Tensor, dpa.DpEvent]:
-    """Releases K centred clip counts (each of sensitivity ½) with Gaussian noise of standard
-    deviation ``count_std``; the event is one Gaussian of multiplier ``count_std/(½√K)``."""
-    if not (count_std >= 0 and math.isfinite(count_std)):
-        raise ValueError(f"count_std must be a finite number ≥ 0, got {count_std}")
+def release_counts(centred_counts: torch.Tensor, noise_multiplier: float, randomness: NoiseSource,
+                   joint: int | None = None) -> tuple[torch.Tensor, dpa.DpEvent]:
+    """Releases centred clip counts (each of sensitivity ½) as part of one Gaussian release of ``joint``
+    counts (by default these; a pipeline stage releases its one count of the stages' K) of noise
+    multiplier σ_c: each count gets noise of standard deviation ``σ_c·√joint/2`` (the joint release's
+    sensitivity is √joint/2), and the event is that of the joint release, Gaussian of multiplier σ_c."""
+    if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+        raise ValueError(f"the counts' noise multiplier must be a finite number ≥ 0, got {noise_multiplier}")
     counts = centred_counts.to(torch.float64)
-    if count_std > 0:
-        counts = counts + count_std * randomness.normal(counts.shape, torch.device("cpu"), torch.float64)
-    multiplier = 2 * count_std / math.sqrt(counts.numel())
-    return counts, dpa.GaussianDpEvent(multiplier)
+    std = noise_multiplier * math.sqrt(counts.numel() if joint is None else joint) / 2
+    if std > 0:
+        counts = counts + std * randomness.normal(counts.shape, torch.device("cpu"), torch.float64)
+    return counts, dpa.GaussianDpEvent(noise_multiplier)
 
 
 def release_gaussian(values: torch.Tensor, sensitivity: float, noise_multiplier: float,
