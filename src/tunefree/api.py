@@ -45,6 +45,7 @@ def make_private(
     lr: str | LearningRateRule | None = None,
     verify_every: int | None = None,
     audit_canaries: int | None = None,
+    batch_dim: int | Mapping[str, int] = 0,
     norm_path: str = "auto",
 ) -> DPEngine:
     """Make ``model`` train with an (ε, δ)-DP guarantee, accounted exactly from every release.
@@ -109,6 +110,15 @@ def make_private(
             m gradient canaries, each a member with probability ½, released with the gradient on a
             block of coordinates outside the model (``tunefree.privacy.canaries``). They touch no
             private data, so the ledger and ε are unchanged, and never reach the model or optimizer.
+        batch_dim: where the model's layers carry the examples of a batch, for layers whose type does not
+            fix it (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, HF ``Conv1D``, custom
+            modules): ``0`` (batch-first, the default), another dimension for the whole model and its
+            inputs (``1``: time-major ``[T, B, …]``), or a mapping from module names to dimensions (``""``:
+            the model itself; a module takes its closest named ancestor's entry), e.g.
+            ``{"encoder": 1}``. Recurrent layers and ``nn.MultiheadAttention`` follow their
+            ``batch_first``, convolutions and GroupNorm dimension 0. Privacy does not rest on it: a layer
+            whose tensors do not show the batch's examples where declared is refused, and so is one whose
+            examples mix (``verify_every``).
         norm_path: ``"auto"`` (default), ``"formula"``, ``"ghost"`` or ``"materialise"``: how layers
             with two exact per-sample norm paths pick one (timed per layer shape; a seeded run follows
             the cost formula). Speed only: both paths give the exact norms.
@@ -138,5 +148,5 @@ def make_private(
         physical_batch_size=physical_batch_size, clip_gamma=clip_gamma, psac_r=psac_r,
         noise_allocation=noise_allocation, thresholds=thresholds, target_quantile=target_quantile,
         quantile_lr=quantile_lr, quantile_budget=quantile_budget, lr=lr, verify_every=verify_every,
-        norm_path=norm_path, audit_canaries=audit_canaries)
+        norm_path=norm_path, audit_canaries=audit_canaries, batch_dim=batch_dim)
     return build_run(config, model, optimizer, data_loader, parallel)

@@ -132,7 +132,7 @@ def assemble(run: PlannedRun, model: nn.Module, optimizer: torch.optim.Optimizer
         else StepAccumulator()
     chooser = path_chooser(config.performance.norm_path, replayable=run.randomness.replayable)
     engine = ClippingEngine(run.module, run.groups, config.clipping, config.loss_reduction, accumulator,
-                            batch_source=schedule, retain_inputs=True, path_chooser=chooser)
+                            config.batch_dim, batch_source=schedule, retain_inputs=True, path_chooser=chooser)
     try:
         private_optimizer = DPOptimizer(
             optimizer, engine, release, Ledger(poisson_approximation=not config.poisson_sampling),

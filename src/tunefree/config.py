@@ -104,6 +104,7 @@ class RunConfig:
     thresholds: Thresholds = field(default_factory=Fixed)
     lr: LearningRateRule | None = None
     audit_canaries: int | None = None
+    batch_dim: int | Mapping[str, int] = 0
     performance: Performance = field(default_factory=Performance)
 
     def __post_init__(self) -> None:
@@ -133,6 +134,7 @@ class RunConfig:
         if self.audit_canaries is not None and count("audit_canaries", self.audit_canaries) < 2:
             raise ValueError(f"audit_canaries must be at least 2 (half are members, half not), "
                              f"got {self.audit_canaries}")
+        _check_batch_dim(self.batch_dim)
         _typed("performance", self.performance, Performance, "Performance(...)")
         # what the fields must agree on
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
@@ -260,6 +262,19 @@ def _named(option: str, name: str, shortcuts: Mapping[str, Any]) -> Any:
 def _typed(option: str, value: Any, kinds: type | tuple[type, ...], expected: str) -> None:
     if not isinstance(value, kinds):
         raise TypeError(f"{option} must be {expected}, got {value!r}")
+
+
+def _check_batch_dim(value: Any) -> None:
+    """A dimension (an int ≥ 0), or a mapping from module names to dimensions (names are checked
+    against the model when the engine is built)."""
+    entries = value.items() if isinstance(value, Mapping) else [("", value)]
+    for key, dim in entries:
+        if not isinstance(key, str):
+            raise TypeError(f"batch_dim's keys must be module names (str), got {key!r}")
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"batch_dim must be an int or a mapping of module names to ints, got {value!r}")
+        if dim < 0:
+            raise ValueError(f"batch_dim must name dimensions ≥ 0, got {value!r}")
 
 
 def _describe(option: Any) -> dict[str, Any]:
