@@ -20,7 +20,7 @@ LAYERS: dict[str, int] = {
     "components": 4,
     "config": 5,
     "api": 6, "run": 6, "build": 6, "pipeline": 6,
-    "__init__": 7, "audit": 7, "integrations": 7,
+    "__init__": 7, "extend": 7, "audit": 7, "integrations": 7,
     "cli": 8,
 }
 

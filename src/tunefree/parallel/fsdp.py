@@ -40,10 +40,6 @@ from ..persample.accumulator import StepAccumulator, StepResult
 from ..privacy.mechanisms import GradientRelease, add_shard_noise
 from ..privacy.randomness import NoiseSource
 from ..rules import rule_for
-from ..rules.embedding import EmbeddingRule
-from ..rules.hf_conv1d import HFConv1DRule
-from ..rules.linear import LinearRule
-from ..rules.norms import GroupNormRule, InstanceNormRule, LayerNormRule, RMSNormRule
 
 _RECIPE = ("call fully_shard on each layer (or block) and then on the root module, e.g. "
            "`for layer in model: fully_shard(layer)`, then `fully_shard(model)` (docs/distributed.md)")
@@ -142,20 +138,16 @@ def _receives_raw_gradient(fsdp_param) -> bool:
             and torch._C._will_engine_execute_node(get_gradient_edge(unsharded).node))
 
 
-# Layer rules whose per-sample gradients need the layer's inputs and output gradients only (of the
-# parameters, their shapes): FSDP2 holds the full parameters only during the layer's forward, not when
-# the engine clips in the backward pass. Convolutions (their weighted sum runs the convolution backward
-# with the weight) and recurrent layers (per-example autograd through the weights) are not among them.
-_INPUTS_ONLY_RULES = (LinearRule, EmbeddingRule, LayerNormRule, GroupNormRule, RMSNormRule, InstanceNormRule,
-                      HFConv1DRule)
-
-
 def _check_layer_rules(model: nn.Module) -> None:
-    """Every module owning trainable parameters needs a layer rule that reads no parameter value."""
+    """Every module owning trainable parameters needs a layer rule that reads no parameter value
+    (``LayerRule.reads_parameters`` False: its per-sample gradients need the layer's inputs and output
+    gradients only): FSDP2 holds the full parameters only during the layer's forward, not when the engine
+    clips in the backward pass. Convolutions (their weighted sum runs the convolution backward with the
+    weight) and recurrent layers (per-example autograd through the weights) read them."""
     for name, module in model.named_modules():
         direct = {n for n, p in module.named_parameters(recurse=False) if p.requires_grad}
         rule = rule_for(module, direct) if direct else None
-        if direct and not isinstance(rule, _INPUTS_ONLY_RULES):
+        if direct and (rule is None or rule.reads_parameters):
             what = ("has no layer rule (tunefree's generic fallback re-runs it per example with its "
                     "parameters)" if rule is None else "has a layer rule that reads its parameters")
             raise ValueError(

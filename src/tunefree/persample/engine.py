@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..clipping.functions import ClipFunction
 from ..clipping.groups import ClipGroup
 from ..dtypes import accumulation_dtype, norm_dtype
-from ..errors import PrivacyError
+from ..errors import ModelRefused, PrivacyError
 from ..rules import Capture, LayerRule, Materialized, PerSampleGrad, rule_for
 from ..rules.generic import fallback_per_sample_grads
 from ..rules.layout import Axis, CallLayout, Dim
@@ -53,8 +53,9 @@ from .layout import (
     only_from_batch,
 )
 
-# Modules whose statistics mix the examples of a batch, with the replacement to suggest.
-SAMPLE_MIXING = {
+# Modules whose statistics mix the examples of a batch, with the replacement to suggest (add one with
+# tunefree.extend.register_example_mixing).
+SAMPLE_MIXING: dict[type[nn.Module], str] = {
     nn.modules.batchnorm._BatchNorm: "nn.GroupNorm (or nn.LayerNorm)",
 }
 
@@ -976,7 +977,7 @@ def _batch_mismatch(unit: Unit, capture: Capture | None, grad: torch.Tensor, axi
 def check_model(model: nn.Module) -> None:
     """Refuse compiled models and modules that mix examples, with the fix to use."""
     if any(type(module).__name__ == "OptimizedModule" for module in model.modules()):
-        raise PrivacyError(
+        raise ModelRefused(
             "the model (or one of its modules) was compiled with torch.compile before make_private; "
             "compiled code bypasses the hooks that clip each example's gradient: call make_private "
             "on the plain model"
@@ -984,7 +985,7 @@ def check_model(model: nn.Module) -> None:
     for name, module in model.named_modules():
         for kind, fix in SAMPLE_MIXING.items():
             if isinstance(module, kind):
-                raise PrivacyError(
+                raise ModelRefused(
                     f"'{name or type(model).__name__}' is a {type(module).__name__}, which mixes "
                     f"the examples of a batch (its statistics, and so each example's gradient, depend "
                     f"on the other examples); replace it with {fix}"
@@ -1005,7 +1006,7 @@ def build_units(model: nn.Module, declared: DeclaredDims | None = None) -> list[
         if rule is not None:
             rule.check(module, name or "(root)")
         elif module._forward_hooks or module._forward_pre_hooks:
-            raise PrivacyError(
+            raise ModelRefused(
                 f"module '{name or '(root)'}' ({type(module).__name__}) has forward hooks registered "
                 "before make_private, and no layer rule: tunefree re-runs such a module one example at "
                 "a time and cannot replay what a hook does to it; remove the hook, or register it on "
