@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from brute_force import clipped_sum
+from support import pop_step
 from torch import nn
 
 from tunefree.clipping.functions import clip_function
@@ -99,7 +100,7 @@ def _engine_run(
                             path_chooser=PathChooser(measure=False, fixed=path))
     try:
         _loss(model(*inputs), weights).backward()
-        sums, examples, norms = engine.pop_step()
+        sums, examples, norms = pop_step(engine)
         assert examples == EXAMPLES
         if check:
             verify_example_independence(model, engine, inputs, {}, examples=EXAMPLES)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 from brute_force import clipped_sum
+from support import pop_step
 from torch import nn
 
 from tunefree.clipping.functions import clip_function
@@ -41,7 +42,7 @@ def assert_exact(model: nn.Module, loss_fn: LossFn, batch: dict[str, torch.Tenso
     clip_fn = clip_function(clip)
     engine = ClippingEngine(model, make_groups(model, grouping, 1.0), clip_fn, loss_reduction="sum")
     loss_fn(model, batch).sum().backward()
-    sums, examples, norms = engine.pop_step()
+    sums, examples, norms = pop_step(engine)
     verify_example_independence(model, engine, (), batch)
     engine.detach()
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from brute_force import clipped_sum, per_example_grads
 from models import MLP, ConvNet, EmbeddingModel, FallbackNet, NormNet, SequenceLinear, TiedLM
+from support import pop_step
 
 from tunefree.clipping.functions import CLIP_FUNCTIONS, clip_function
 from tunefree.clipping.groups import make_groups
@@ -60,7 +61,7 @@ def run_engine(model, x, y, grouping, clip, reduction, chooser=None):
     engine = ClippingEngine(model, groups, clip, loss_reduction=reduction, path_chooser=chooser)
     loss = cross_entropy(reduction)(model(x), y)
     loss.backward()
-    sums, examples, norms = engine.pop_step()
+    sums, examples, norms = pop_step(engine)
     engine.detach()
     return groups, sums, examples, norms
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from brute_force import clipped_sum, per_example_grads
+from support import pop_step
 from torch import nn
 
 from tunefree.clipping.functions import clip_function
@@ -54,7 +55,7 @@ def test_shared_table_and_causal_mask_are_not_cut_when_the_batch_has_t_examples(
     groups = make_groups(model, "per-layer", 0.5)
     engine = ClippingEngine(model, groups, clip)
     loss_fn(model(x), y).backward()
-    sums, examples, _ = engine.pop_step()
+    sums, examples, _ = pop_step(engine)
     engine.detach()
     expected, _ = clipped_sum(per_example_grads(model, loss_fn, x, y), groups, clip)
     assert examples == T

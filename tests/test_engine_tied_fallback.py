@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from brute_force import clipped_sum, per_example_grads
+from support import pop_step
 from torch import nn
 
 from tunefree.clipping.functions import clip_function
@@ -66,7 +67,7 @@ def assert_tok_and_gain_match_brute_force(model):
     clip = clip_function("abadi")
     engine, groups = engine_for(model, clip)
     F.cross_entropy(model(ids), y).backward()
-    sums, examples, _ = engine.pop_step()
+    sums, examples, _ = pop_step(engine)
     engine.detach()
     expected, _ = clipped_sum(per_example_grads(model, F.cross_entropy, ids, y), groups, clip)
     assert examples == 4

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from brute_force import clipped_sum, per_example_grads
+from support import pop_step
 from torch import nn
 
 from tunefree.clipping.functions import clip_function
@@ -27,7 +28,7 @@ def test_user_forward_hook_registered_before_the_engine_is_exact():
     groups = make_groups(model, "all-layer", 0.1)
     engine = ClippingEngine(model, groups, clip)
     F.cross_entropy(model(x), y).backward()
-    sums, examples, norms = engine.pop_step()
+    sums, examples, norms = pop_step(engine)
     engine.detach()
     assert examples == 5
     per_example = per_example_grads(reference, F.cross_entropy, x, y)

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from brute_force import clipped_sum, per_example_grads
+from support import pop_step
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -75,7 +76,7 @@ def test_a_rule_registered_from_user_code_is_exact_against_the_brute_force_loop(
     engine = ClippingEngine(net, groups, tunefree.Abadi(), loss_reduction="sum")
     calls.clear()
     loss(net(x), y).backward()
-    sums, examples, _ = engine.pop_step()
+    sums, examples, _ = pop_step(engine)
     engine.detach()
     assert calls == ["Scale"] and examples == shape[0]
     expected, _ = clipped_sum(per_example_grads(net, loss, x, y), groups, tunefree.Abadi())
@@ -105,7 +106,7 @@ def test_the_rule_shown_in_the_docs_registers_from_user_code_and_is_exact():
         groups = make_groups(net, "per-layer", 1.0)
         engine = ClippingEngine(net, groups, tunefree.Abadi(), loss_reduction="sum")
         loss(net(x), y).backward()
-        sums, _, _ = engine.pop_step()
+        sums, _, _ = pop_step(engine)
         engine.detach()
         expected, _ = clipped_sum(per_example_grads(net, loss, x, y), groups, tunefree.Abadi())
         for p in net.parameters():

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_exact import assert_exact
+from support import pop_step
 from torch import nn
 
 from tunefree.clipping.functions import clip_function
@@ -61,7 +62,7 @@ def test_a_batch_of_one_and_an_empty_batch_need_no_expansion():
         schedule.on_batch(True, True, examples)
         loss(model, {"ids": torch.randint(0, 9, (examples, 5)), "y": torch.zeros(examples, dtype=torch.long)}
              ).sum().backward()
-        assert engine.pop_step()[1] == examples
+        assert pop_step(engine)[1] == examples
         schedule.on_step()
 
 

@@ -7,6 +7,7 @@ import peft
 import pytest
 import transformers as hf
 from hf_exact import assert_exact
+from support import pop_step
 from test_hf_models import ENCODER, V, causal_lm_loss, classification_loss, text_batch, with_labels
 
 from tunefree.clipping.functions import clip_function
@@ -77,7 +78,7 @@ def test_lora_dropout_passes_the_independence_check_and_writes_no_ordinary_gradi
     engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"))
     batch = text_batch()
     causal_lm_loss(model, batch).mean().backward()
-    sums, examples, norms = engine.pop_step()
+    sums, examples, norms = pop_step(engine)
     verify_example_independence(model, engine, (), batch)
     assert examples == 3 and norms["all"].gt(0).all() and len(sums) == 4
     assert all(p.grad is None for p in model.parameters())

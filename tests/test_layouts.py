@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from support import pop_step
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -253,7 +254,7 @@ def test_a_wrong_declaration_is_refused_never_trusted():
     engine = declared_engine(model)
     x = torch.randn(4, 4, 3)  # T == B: the counts agree, the examples do not
     model(x).sum().backward()
-    engine.pop_step()
+    pop_step(engine)
     message = (r"module 'fc' mixes examples in its forward.*dimension 1\).*changed only row \d of "
                r"dimension 0.*batch_dim=\{'fc': 0\}")
     with pytest.raises(tunefree.PrivacyError, match=message):

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from brute_force import clipped_sum, per_example_grads
 from models import FallbackNet
+from support import pop_step
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -79,7 +80,7 @@ def test_bf16_autocast_norms_and_clipped_sums_match_brute_force_in_the_same_auto
         assert logits.dtype == torch.bfloat16
         loss = F.cross_entropy(logits, y)
     loss.backward()
-    sums, examples, norms = engine.pop_step()
+    sums, examples, norms = pop_step(engine)
     assert examples == len(y)
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -110,7 +111,7 @@ def test_generic_fallback_replays_the_autocast_of_the_forward(dtype):
     with torch.autocast("cpu", dtype=dtype):
         loss = F.cross_entropy(model(x), y)
     loss.backward()
-    _, _, norms = engine.pop_step()
+    _, _, norms = pop_step(engine)
     with torch.autocast("cpu", dtype=dtype):
         grads = per_example_grads(reference, F.cross_entropy, x, y)
     _, expected = clipped_sum(grads, make_groups(reference, "per-layer", 1.0), clip_function("auto-s"))
@@ -130,7 +131,7 @@ def test_autocast_clipped_contributions_respect_the_bound():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = F.cross_entropy(model(ids), y, reduction="sum")
     loss.backward()
-    sums, _, norms = engine.pop_step()
+    sums, _, norms = pop_step(engine)
     for group in groups:
         total = torch.sqrt(sum((sums[p].double() ** 2).sum() for p in group.params))
         assert (norms[group.name] > group.threshold).all()
@@ -340,7 +341,7 @@ def test_full_bf16_parameters_train_in_bf16_with_float32_release():
     groups = make_groups(model, "per-layer", 1.0)
     engine = ClippingEngine(model, groups, clip_function("auto-s"), loss_reduction="mean")
     F.cross_entropy(model(x), y).backward()
-    sums, _, norms = engine.pop_step()
+    sums, _, norms = pop_step(engine)
     grads = per_example_grads(reference, F.cross_entropy, x, y)
     _, expected_norms = clipped_sum(grads, make_groups(reference, "per-layer", 1.0), clip_function("auto-s"))
     for group in groups:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from brute_force import clipped_sum, per_example_grads
+from support import pop_step
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -128,7 +129,7 @@ def test_engine_clipped_sums_match_brute_force(clip, batch_first, T):
     clip = clip_function(clip)
     engine = ClippingEngine(model, groups, clip, loss_reduction="mean")
     F.cross_entropy(model(ids), y).backward()
-    sums, examples, norms = engine.pop_step()
+    sums, examples, norms = pop_step(engine)
     engine.detach()
     assert examples == B
     ref_groups = make_groups(reference, "per-layer", 1.3)

@@ -144,7 +144,7 @@ def assemble(run: PlannedRun, model: nn.Module, optimizer: torch.optim.Optimizer
         raise
     if parallel is not None:
         parallel.take_over()
-    return DPEngine(model=model, optimizer=private_optimizer, data_loader=loader, clipping_engine=engine,
+    return DPEngine(model=model, optimizer=private_optimizer, data_loader=loader, clipper=engine,
                     ledger=private_optimizer.ledger, randomness=run.randomness, schedule=schedule,
                     groups=run.groups, plan=plan, parallel=parallel, canaries=canaries)
 

@@ -56,16 +56,21 @@ class DPEngine:
     """
 
     def __init__(self, *, model: nn.Module, optimizer: DPOptimizer, data_loader: Any,
-                 clipping_engine: ClippingEngine, ledger: Ledger, randomness: NoiseSource,
+                 clipper: ClippingEngine, ledger: Ledger, randomness: NoiseSource,
                  schedule: StepSchedule, groups: list[ClipGroup], plan: Plan,
                  parallel: DataParallel | ShardedDataParallel | None = None,
                  canaries: GradientCanaries | None = None):
         self.model, self.optimizer, self.data_loader = model, optimizer, data_loader
-        self.clipping_engine, self.ledger, self.randomness = clipping_engine, ledger, randomness
+        self.clipper, self.ledger, self.randomness = clipper, ledger, randomness
         self.schedule, self.groups, self.plan = schedule, groups, plan
         self.parallel = parallel  # the data-parallel rank and world size (None: one process)
         # make_private(audit_canaries=m): the canaries' releases, for tunefree.audit.audit_training
         self.canaries = canaries
+
+    @property
+    def clipping_engine(self) -> ClippingEngine:
+        """The per-sample clipper hooked into the model (:attr:`clipper`; the older name)."""
+        return self.clipper
 
     @property
     def noise_multiplier(self) -> float:
@@ -99,8 +104,8 @@ class DPEngine:
 
     @property
     def clip_thresholds(self) -> dict[str, float]:
-        """Each clip group's current threshold, by group name."""
-        return dict(self.clipping_engine.thresholds)
+        """Each clip group's current threshold, by group name (those the next step clips with)."""
+        return dict(self.optimizer.thresholds)
 
     @property
     def quantile_estimator(self) -> QuantileEstimator | None:
@@ -109,9 +114,17 @@ class DPEngine:
         return next((c for c in components if isinstance(c, QuantileEstimator)), None)
 
     @property
+    def lr_rule(self) -> AutoLearningRate | DistanceOverGradients | None:
+        """The learning-rate rule of the run: DoG for ``lr="auto"``, HyFreeDP for
+        ``AutoLR(mode="safeguarded"/"paper")`` (``None`` when the optimizer's own learning rate is kept)."""
+        return next((c for c in self.optimizer.components
+                     if isinstance(c, (AutoLearningRate, DistanceOverGradients))), None)
+
+    @property
     def auto_lr(self) -> AutoLearningRate | None:
-        """The automatic learning rate of ``lr="auto"`` (``None`` with a fixed learning rate); e.g.
-        ``engine.auto_lr.record_training_losses(losses)`` hands it L(w) from the training forward."""
+        """HyFreeDP's learning rate (``AutoLR(mode="safeguarded"/"paper")``; ``None`` otherwise, and under
+        ``lr="auto"``, which is DoG: :attr:`dog_lr`); e.g. ``engine.auto_lr.record_training_losses(losses)``
+        hands it L(w) from the training forward. Deprecated name: use :attr:`lr_rule`."""
         return next((c for c in self.optimizer.components if isinstance(c, AutoLearningRate)), None)
 
     @property
@@ -146,7 +159,7 @@ class DPEngine:
     def detach(self) -> nn.Module:
         """Remove every hook; the model is a plain module (or DDP model) again and the private optimizer
         is done."""
-        self.clipping_engine.detach()
+        self.clipper.detach()
         if self.parallel is not None:
             self.parallel.release_model()
         return self.model

@@ -26,7 +26,6 @@ from torch.utils.data import TensorDataset
 from . import tables
 from .tables import DataError
 
-FORMATS = ("digits", "idx", "cifar10", "csv", "jsonl", "parquet", "hf")
 SPLIT_SEED = 0  # the train/test split is fixed, independent of the training seed
 
 

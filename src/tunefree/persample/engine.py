@@ -747,11 +747,6 @@ class ClippingEngine:
     def _reset_pass(self) -> None:
         self._pass = _PassState()
 
-    @property
-    def captured_calls(self) -> int:
-        """Layer calls of the current forward pass captured and awaiting its backward pass."""
-        return len(self._pass.uses)
-
     # ------------------------------------------------------------------ results
     def _non_private_grad(self, name: str) -> None:
         self._leaked.add(name)
@@ -773,13 +768,6 @@ class ClippingEngine:
                 "see (was the model in eval mode, or called under torch.no_grad?); run training steps "
                 "with model.train() and let the private optimizer produce the gradients"
             )
-
-    def pop_step(self) -> tuple[dict[nn.Parameter, torch.Tensor], int, dict[str, torch.Tensor]]:
-        """Hand over the clipped sums, example count and per-group norms booked so far
-        (``accumulator.pop()`` as a tuple) — for standalone use of the engine; a private run's
-        optimizer pops the accumulator itself."""
-        result = self.accumulator.pop()
-        return result.sums, result.examples, result.group_norms
 
 
 # Tensor methods and attributes that read a parameter's metadata or switch its flags, not its values.

@@ -115,7 +115,7 @@ class StepReport:
 @contextmanager
 def _without_step_hooks(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Within it, ``optimizer.step()`` runs torch's bare step function, without the step hooks (the
-    user's and torch's global ones): a component's trial steps (lr="auto" probes) are not real steps."""
+    user's and torch's global ones): a component's trial steps (HyFreeDP's loss probes) are not real steps."""
     bare = getattr(type(optimizer).step, "__wrapped__", None)
     if bare is None:
         yield

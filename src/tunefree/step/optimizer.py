@@ -231,9 +231,10 @@ class DPOptimizer(torch.optim.Optimizer):
         """One optimizer step on privatised gradients (only at the end of a logical batch).
 
         ``closure``, if given, is evaluated first with gradients enabled, as ``torch.optim`` does: it
-        runs the forward and backward pass of the current batch and returns the loss. With
-        ``lr="auto"`` it instead returns the current batch's per-sample losses (a 1-D tensor) and
-        tunefree evaluates it, without gradients, at the probe points of the learning-rate fit.
+        runs the forward and backward pass of the current batch and returns the loss. With HyFreeDP's
+        learning rate (``AutoLR(mode="safeguarded"/"paper")``) it instead returns the current batch's
+        per-sample losses (a 1-D tensor) and tunefree evaluates it, without gradients, at the probe
+        points of the learning-rate fit.
         """
         self._check_trainable_set()
         logical = self.schedule.ends_logical
