@@ -24,14 +24,9 @@ from .components.thresholds import AdaptiveQuantile, QuantileEstimator
 from .config import RunConfig
 from .data.poisson import StepSchedule, from_loader, planned_steps, sample_rate_of
 from .errors import SettingsRefused
-from .parallel.ddp import DataParallel, DistributedRelease, check_same_run, data_parallel, run_identity
-from .parallel.fsdp import (
-    ShardedAccumulator,
-    ShardedDataParallel,
-    ShardedRelease,
-    check_sharded_options,
-    sharded_data_parallel,
-)
+from .parallel.base import FSDP2, ONE_PROCESS, Parallelism, Single
+from .parallel.ddp import check_same_run, data_parallel, run_identity
+from .parallel.fsdp import check_sharded_options, sharded_data_parallel
 from .persample.accumulator import StepAccumulator
 from .persample.engine import ClippingEngine
 from .privacy.canaries import CanaryRelease, GradientCanaries, canary_randomness
@@ -44,12 +39,10 @@ from .run import DPEngine
 from .step.component import StepComponent
 from .step.optimizer import DPOptimizer
 
-Parallel = DataParallel | ShardedDataParallel
 
-
-def detect_parallel(model: nn.Module) -> Parallel | None:
-    """How ``model`` spans processes: FSDP2 (sharded parameters), DDP, or ``None`` (one process)."""
-    return sharded_data_parallel(model) or data_parallel(model)
+def detect_parallel(model: nn.Module) -> Parallelism:
+    """How ``model`` spans processes: FSDP2 (sharded parameters), DDP, or one process."""
+    return sharded_data_parallel(model) or data_parallel(model) or Single()
 
 
 @dataclass(frozen=True)
@@ -64,22 +57,23 @@ class PlannedRun:
     schedule: StepSchedule
     groups: list[ClipGroup]
     plan: Plan
+    parallel: Parallelism
 
 
-def plan_run(config: RunConfig, model: nn.Module, data_loader: Any, parallel: Parallel | None = None
+def plan_run(config: RunConfig, model: nn.Module, data_loader: Any, parallel: Parallelism | None = None
              ) -> PlannedRun:
-    """The plan of ``config`` over ``model`` and ``data_loader``; ``parallel`` is the model's data
-    parallelism (:func:`detect_parallel`)."""
+    """The plan of ``config`` over ``model`` and ``data_loader``; ``parallel`` is how the run spans
+    processes (:func:`detect_parallel`; one process by default)."""
+    parallel = Single() if parallel is None else parallel
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
-    if parallel is not None:
-        _check_data_parallel_options(config, sharded=isinstance(parallel, ShardedDataParallel))
-    if isinstance(parallel, ShardedDataParallel):
+    _check_parallel_options(config, parallel)
+    if parallel.kind == FSDP2:
         check_sharded_options(config.performance.physical_batch_size)
     randomness = run_randomness(config.seed, False)
     num_examples, sample_rate = sample_rate_of(data_loader)
     check_delta(config.target_delta, num_examples)
-    module = model if parallel is None else parallel.module
+    module = getattr(parallel, "module", model)
     groups = make_groups(module, config.groups, config.max_grad_norm)
     # each component's option declares its share of the budget (in the order of its component's releases)
     shares = (config.thresholds.share(len(groups)), None if config.lr is None else config.lr.share())
@@ -91,45 +85,45 @@ def plan_run(config: RunConfig, model: nn.Module, data_loader: Any, parallel: Pa
         settings={**config.identity(), "groups": {g.name: [list(g.param_names), g.threshold] for g in groups},
                   "data": data_digest(data_loader.dataset, num_examples)},
     ).solve(config.target_epsilon)
-    if parallel is not None:
+    if parallel.kind != ONE_PROCESS:
         check_same_run(parallel, run_identity(plan.describe(), groups, randomness))
-    return PlannedRun(config, module, randomness, StepSchedule(), groups, plan)
+    return PlannedRun(config, module, randomness, StepSchedule(), groups, plan, parallel)
 
 
 def build_run(config: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: Any,
-              parallel: Parallel | None = None) -> DPEngine:
+              parallel: Parallelism | None = None) -> DPEngine:
     """The private run of ``config`` over ``model`` (hooked in place), ``optimizer`` and ``data_loader``;
-    ``parallel`` is the model's data parallelism (:func:`detect_parallel`)."""
+    ``parallel`` is how the run spans processes (:func:`detect_parallel`; one process by default)."""
     run = plan_run(config, model, data_loader, parallel)
     canaries = None if config.audit_canaries is None else GradientCanaries(
         config.audit_canaries, run.groups, run.plan.sample_rate, canary_randomness(config.seed))
-    release = _release(run, parallel, canaries)
-    return assemble(run, model, optimizer, data_loader, release, threshold_component(run), parallel=parallel,
-                    canaries=canaries)
+    release = GradientRelease(run.groups, run.plan.gradient_noise, run.randomness, config.noise_allocation,
+                              run.parallel)
+    if canaries is not None:
+        release = CanaryRelease(release, canaries)
+    return assemble(run, model, optimizer, data_loader, release, threshold_component(run), canaries=canaries)
 
 
 def assemble(run: PlannedRun, model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: Any,
-             release: GradientRelease, thresholds: StepComponent | None, *, parallel: Parallel | None = None,
-             sampling: Any = None, canaries: GradientCanaries | None = None) -> DPEngine:
+             release: GradientRelease, thresholds: StepComponent | None, *, sampling: Any = None,
+             canaries: GradientCanaries | None = None) -> DPEngine:
     """The parts of a planned run, in order: the Poisson loader (drawing its samples from ``sampling``,
     by default the run's randomness), the step components (``thresholds``, then the learning-rate rule),
     the engine (hooks go on last, so that a refused argument leaves the model as it was given) and the
     private optimizer releasing through ``release``."""
-    config, plan, schedule = run.config, run.plan, run.schedule
+    config, plan, schedule, parallel = run.config, run.plan, run.schedule, run.parallel
     if config.poisson_sampling:
         loader: Any = from_loader(data_loader, run.randomness if sampling is None else sampling, schedule,
-                                  config.performance.physical_batch_size,
-                                  shard=(0, 1) if parallel is None else parallel.shard)
+                                  config.performance.physical_batch_size, shard=parallel.shard)
     else:
         loader = data_loader
         warnings.warn(
             "poisson_sampling=False: the loader is not Poisson-sampled, so the reported ε is the "
             "Poisson approximation, not a proof of privacy", stacklevel=4)
     components = [c for c in (thresholds, _learning_rate(run, optimizer, release)) if c is not None]
-    # The engine books into the accumulator, the optimizer releases from it; FSDP2 keeps only this rank's
-    # shards.
-    accumulator = ShardedAccumulator(parallel, run.groups) if isinstance(parallel, ShardedDataParallel) \
-        else StepAccumulator()
+    # The engine books into the accumulator, the optimizer releases from it; its sink is the parallelism's
+    # (FSDP2 keeps only this rank's shards).
+    accumulator = StepAccumulator(parallel.sink(run.groups))
     chooser = path_chooser(config.performance.norm_path, replayable=run.randomness.replayable)
     engine = ClippingEngine(run.module, run.groups, config.clipping, config.loss_reduction, accumulator,
                             config.batch_dim, batch_source=schedule, retain_inputs=True, path_chooser=chooser)
@@ -138,12 +132,11 @@ def assemble(run: PlannedRun, model: nn.Module, optimizer: torch.optim.Optimizer
             optimizer, engine, release, Ledger(poisson_approximation=not config.poisson_sampling),
             plan.sample_rate, plan.expected_batch_size, schedule, accumulator, components=components,
             planned_steps=plan.steps, verify_every=config.performance.verify_every,
-            every_rank=parallel.every_rank if isinstance(parallel, ShardedDataParallel) else None)
+            every_rank=parallel.agree if parallel.kind == FSDP2 else None)
     except ValueError:
         engine.detach()
         raise
-    if parallel is not None:
-        parallel.take_over()
+    parallel.take_over()
     return DPEngine(model=model, optimizer=private_optimizer, data_loader=loader, clipper=engine,
                     ledger=private_optimizer.ledger, randomness=run.randomness, schedule=schedule,
                     groups=run.groups, plan=plan, parallel=parallel, canaries=canaries)
@@ -157,18 +150,6 @@ def check_delta(delta: float, num_examples: int | None) -> None:
             f"{num_examples} examples: such a δ allows leaking whole examples; use δ ≪ 1/N, "
             f"e.g. {1 / num_examples ** 1.1:.2g}"
         )
-
-
-def _release(run: PlannedRun, parallel: Parallel | None,
-             canaries: GradientCanaries | None) -> GradientRelease:
-    """The gradient mechanism, at the plan's gradient noise."""
-    allocation, plan, groups, randomness = run.config.noise_allocation, run.plan, run.groups, run.randomness
-    if isinstance(parallel, ShardedDataParallel):
-        return ShardedRelease(groups, plan.gradient_noise, randomness, allocation, parallel)
-    if parallel is not None:
-        return DistributedRelease(groups, plan.gradient_noise, randomness, allocation, parallel)
-    release = GradientRelease(groups, plan.gradient_noise, randomness, allocation)
-    return release if canaries is None else CanaryRelease(release, canaries)
 
 
 def threshold_component(run: PlannedRun) -> QuantileEstimator | None:
@@ -186,7 +167,7 @@ def threshold_component(run: PlannedRun) -> QuantileEstimator | None:
             "groups='per-layer' (or similar) or rescale=False")
     scale = sensitivity(groups) if normalising or rule.rescale else None
     return QuantileEstimator(groups, rule, run.plan.count_noise, run.randomness, run.plan.expected_batch_size,
-                             scale)
+                             scale, run.parallel)
 
 
 def _learning_rate(run: PlannedRun, optimizer: torch.optim.Optimizer,
@@ -194,7 +175,7 @@ def _learning_rate(run: PlannedRun, optimizer: torch.optim.Optimizer,
     """The component of ``lr``: HyFreeDP at the plan's loss noise, or DoG (plain SGD only)."""
     rule, plan = run.config.lr, run.plan
     if isinstance(rule, HyFreeDP):
-        return AutoLearningRate(rule, plan.loss_noise, plan.expected_batch_size, run.randomness)
+        return AutoLearningRate(rule, plan.loss_noise, plan.expected_batch_size, run.randomness, run.parallel)
     if not isinstance(rule, DoG):
         return None
     plain = all(not (g.get("momentum") or g.get("weight_decay") or g.get("nesterov"))
@@ -211,20 +192,22 @@ def _learning_rate(run: PlannedRun, optimizer: torch.optim.Optimizer,
     return DistanceOverGradients(release, plan.expected_batch_size, rule, planned_steps=plan.steps)
 
 
-def _check_data_parallel_options(config: RunConfig, sharded: bool) -> None:
-    """Refuse what the data-parallel paths (DDP; FSDP2 when ``sharded``) do not reduce across ranks yet.
-    DoG's learning rate reads only the released gradient and the weights, the same on every DDP rank;
-    under FSDP2 both are sharded, and its norms are not reduced across shards."""
-    kind = "FSDP2 (fully_shard)" if sharded else "DistributedDataParallel"
+def _check_parallel_options(config: RunConfig, parallel: Parallelism) -> None:
+    """Refuse the options the run's parallelism does not run: each option lists the kinds it runs under
+    (``parallelisms``). Several processes need tunefree's Poisson sampler (it gives each rank its shard),
+    and the audit canaries are released in one process only."""
+    if parallel.kind == ONE_PROCESS:
+        return
     lr = config.lr
-    hyfreedp = lr is not None and (sharded or lr.mode != "dog")
-    unsupported = [name for name, used in (
-        ("thresholds='adaptive'", isinstance(config.thresholds, AdaptiveQuantile)),
-        (f"lr=AutoLR(mode={lr.mode!r})" if lr else "", hyfreedp),
+    unsupported = [name for name, refused in (
+        ("thresholds='adaptive'", parallel.kind not in config.thresholds.parallelisms),
+        (f"lr=AutoLR(mode={lr.mode!r})" if lr else "",
+         lr is not None and parallel.kind not in lr.parallelisms),
         ("poisson_sampling=False", not config.poisson_sampling),
-        ("audit_canaries", config.audit_canaries is not None)) if used]
+        ("audit_canaries", config.audit_canaries is not None)) if refused]
     if unsupported:
+        kind = "FSDP2 (fully_shard)" if parallel.kind == FSDP2 else "DistributedDataParallel"
         raise SettingsRefused(
-            f"{', '.join(unsupported)} is not supported with {kind} yet (their "
-            "releases are not reduced across ranks): use fixed thresholds, the optimizer's learning "
-            "rate or lr='auto' (DDP only), and tunefree's Poisson sampling, or train in one process")
+            f"{', '.join(unsupported)} is not supported with {kind} yet: use the optimizer's learning rate "
+            "(or, under DDP, lr='auto' or HyFreeDP: under FSDP2 they would read norms of sharded "
+            "parameters), tunefree's Poisson sampling and no audit canaries, or train in one process")

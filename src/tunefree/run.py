@@ -15,8 +15,7 @@ from .components.hyfreedp import AutoLearningRate
 from .components.thresholds import QuantileEstimator
 from .config import read_description
 from .data.poisson import StepSchedule
-from .parallel.ddp import DataParallel
-from .parallel.fsdp import ShardedDataParallel
+from .parallel.base import Parallelism
 from .persample.engine import ClippingEngine
 from .privacy.canaries import GradientCanaries
 from .privacy.ledger import Ledger
@@ -58,12 +57,11 @@ class DPEngine:
     def __init__(self, *, model: nn.Module, optimizer: DPOptimizer, data_loader: Any,
                  clipper: ClippingEngine, ledger: Ledger, randomness: NoiseSource,
                  schedule: StepSchedule, groups: list[ClipGroup], plan: Plan,
-                 parallel: DataParallel | ShardedDataParallel | None = None,
-                 canaries: GradientCanaries | None = None):
+                 parallel: Parallelism, canaries: GradientCanaries | None = None):
         self.model, self.optimizer, self.data_loader = model, optimizer, data_loader
         self.clipper, self.ledger, self.randomness = clipper, ledger, randomness
         self.schedule, self.groups, self.plan = schedule, groups, plan
-        self.parallel = parallel  # the data-parallel rank and world size (None: one process)
+        self.parallel = parallel  # how the run spans processes (its kind, rank and world size)
         # make_private(audit_canaries=m): the canaries' releases, for tunefree.audit.audit_training
         self.canaries = canaries
 
@@ -160,8 +158,7 @@ class DPEngine:
         """Remove every hook; the model is a plain module (or DDP model) again and the private optimizer
         is done."""
         self.clipper.detach()
-        if self.parallel is not None:
-            self.parallel.release_model()
+        self.parallel.release_model()
         return self.model
 
     def state_dict(self) -> dict[str, Any]:

@@ -44,6 +44,7 @@ import dp_accounting as dpa
 import torch
 
 from .._validate import flag, positive
+from ..parallel.base import DDP, ONE_PROCESS
 from ..privacy.mechanisms import GradientRelease
 from ..step.component import StepComponent, StepContext
 
@@ -65,6 +66,9 @@ class DoG:
     on validation splits (benchmarks/RESULTS.md §5c, §5e)."""
 
     mode: ClassVar[str] = "dog"
+    # it reads only the released gradient and the weights, the same on every DDP rank; under FSDP2 both are
+    # sharded and its norms would be this rank's only
+    parallelisms: ClassVar[tuple[str, ...]] = (ONE_PROCESS, DDP)
     releases_per_update: ClassVar[int] = 0  # values released at each learning-rate update
 
     initial_distance: float = INITIAL_DISTANCE

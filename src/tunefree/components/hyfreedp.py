@@ -31,14 +31,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import dp_accounting as dpa
 import torch
 
 from .._validate import count, one_of, positive
 from ..errors import PrivacyError
-from ..privacy.mechanisms import LOSS_PRIVACY, release_loss_sum
+from ..parallel.base import DDP, ONE_PROCESS
+from ..privacy.mechanisms import LOSS_PRIVACY, SINGLE_PROCESS, Reduction, release_loss_sum
 from ..privacy.plan import LossShare
 from ..privacy.randomness import NoiseSource
 from ..step.component import StepComponent, StepContext, UpdateControl
@@ -68,6 +69,10 @@ class HyFreeDP:
     ``loss_privacy`` is ``"gaussian"`` or ``"laplace"``. None of them changes ε: every release is
     accounted on the plan. On the benchmark tasks it does not match a tuned learning rate
     (benchmarks/RESULTS.md §5)."""
+
+    # under DDP every rank's loss sums are summed and noised once; under FSDP2 its trial update would read
+    # norms of sharded parameters
+    parallelisms: ClassVar[tuple[str, ...]] = (ONE_PROCESS, DDP)
 
     interval: int = 5  # K: see benchmarks/RESULTS.md for the measurement behind it
     loss_privacy: str = "gaussian"
@@ -130,17 +135,19 @@ class AutoLearningRate(StepComponent):
             (Gaussian standard deviation, or Laplace scale for ``loss_privacy="laplace"``).
         expected_batch_size: q·N; the noisy sums are divided by it.
         randomness: the run's source of noise.
+        parallelism: the run's; under several processes each loss sum is every process's, noised once.
     """
 
     state_key = "AutoLearningRate"
     closure_gives_per_sample_losses = True
 
     def __init__(self, settings: HyFreeDP, loss_noise: float, expected_batch_size: float,
-                 randomness: NoiseSource):
+                 randomness: NoiseSource, parallelism: Reduction = SINGLE_PROCESS):
         self.settings, self.loss_noise = settings, loss_noise
         self.interval, self.loss_privacy = settings.interval, settings.loss_privacy
         self.mode, self.probes = settings.mode, settings.probes
         self.expected_batch_size, self.randomness = expected_batch_size, randomness
+        self.parallelism = parallelism
         self.state = AutoLRState(lr=settings.initial_lr)
         self._relative_update = 0.0
         self._training_losses: list[torch.Tensor] = []
@@ -223,7 +230,7 @@ class AutoLearningRate(StepComponent):
         values = values.detach().to(torch.float64)
         clipped = values * (bound / values.abs().clamp_min(bound))
         noisy, event = release_loss_sum(float(clipped.sum()), bound, self.loss_noise, self.loss_privacy,
-                                        self.randomness)
+                                        self.randomness, self.parallelism)
         return noisy / self.expected_batch_size, event
 
     # ------------------------------------------------------------------ the fit

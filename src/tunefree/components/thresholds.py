@@ -19,14 +19,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import dp_accounting as dpa
 import torch
 
 from .._validate import flag, fraction, positive
 from ..clipping.groups import ClipGroup
-from ..privacy.mechanisms import release_counts
+from ..parallel.base import DDP, FSDP2, ONE_PROCESS
+from ..privacy.mechanisms import SINGLE_PROCESS, Reduction, release_counts
 from ..privacy.plan import CountShare
 from ..privacy.randomness import NoiseSource
 from ..step.component import StepComponent, StepContext, StepReport
@@ -35,6 +36,8 @@ from ..step.component import StepComponent, StepContext, StepReport
 @dataclass(frozen=True)
 class Fixed:
     """Clip thresholds fixed at ``max_grad_norm`` throughout: nothing is released for them."""
+
+    parallelisms: ClassVar[tuple[str, ...]] = (ONE_PROCESS, DDP, FSDP2)  # the kinds it runs under
 
     def share(self, num_groups: int) -> None:
         """No share of the budget."""
@@ -50,6 +53,9 @@ class AdaptiveQuantile:
     ``rescale`` (Abadi clipping with several groups): the estimates Qₖ set only the groups' relative
     thresholds, ``C̃ₖ = C·Qₖ/√(Σⱼ Qⱼ²)`` with C the initial total sensitivity (group-wise paper), so
     the total sensitivity, and the noise, stay fixed. The normalising clip functions always do this."""
+
+    # its counts are summed over the processes and noised once (Parallelism.noisy_values)
+    parallelisms: ClassVar[tuple[str, ...]] = (ONE_PROCESS, DDP, FSDP2)
 
     target: float = 0.5
     lr: float = 0.3
@@ -89,6 +95,8 @@ class QuantileEstimator(StepComponent):
         randomness: the run's source of noise.
         expected_batch_size: q·N; the noisy count is divided by it, never by the private batch size.
         scale: ``None`` for ``Cₖ = Qₖ``; otherwise the constant total sensitivity ``√(Σₖ Cₖ²)``.
+        parallelism: the run's; under several processes each count is the sum of every process's
+            (the norms never leave their process), noised once.
     """
 
     state_key = "QuantileEstimator"
@@ -96,14 +104,15 @@ class QuantileEstimator(StepComponent):
     joint_counts: int | None = None  # counts in the joint release (None: this estimator's groups)
 
     def __init__(self, groups: Sequence[ClipGroup], settings: AdaptiveQuantile, count_noise: float,
-                 randomness: NoiseSource, expected_batch_size: float, scale: float | None = None):
+                 randomness: NoiseSource, expected_batch_size: float, scale: float | None = None,
+                 parallelism: Reduction = SINGLE_PROCESS):
         if not (count_noise >= 0 and math.isfinite(count_noise)):
             raise ValueError(f"count_noise must be a finite number ≥ 0, got {count_noise}")
         if scale is not None and not (scale > 0 and math.isfinite(scale)):
             raise ValueError(f"scale must be a positive number or None, got {scale}")
         self.groups, self.settings, self.count_noise = list(groups), settings, count_noise
         self.randomness, self.expected_batch_size = randomness, expected_batch_size
-        self.scale = scale
+        self.scale, self.parallelism = scale, parallelism
         self.quantiles = {g.name: g.threshold for g in self.groups}
         self.unclipped_fractions: dict[str, float] | None = None
 
@@ -143,7 +152,7 @@ class QuantileEstimator(StepComponent):
     def update(self, report: StepReport) -> list[dpa.DpEvent]:
         """Release the counts of ``report``'s norms against the current estimates and move them."""
         counts, event = release_counts(self.centred_counts(report), self.count_noise, self.randomness,
-                                       self.joint_counts)
+                                       self.joint_counts, self.parallelism)
         fractions = (counts / self.expected_batch_size + 0.5).tolist()
         q, eta = self.settings.target, self.settings.lr
         for g, below in zip(self.groups, fractions, strict=True):
