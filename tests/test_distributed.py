@@ -34,6 +34,7 @@ GROUPED = {"groups": "per-layer", "physical_batch_size": 3, "clipping": "abadi"}
 ADAPTIVE = {"groups": "per-layer", "clipping": "abadi",
             "thresholds": tunefree.AdaptiveQuantile(lr=1.0, budget=0.1)}
 HYFREEDP = {"lr": tunefree.AutoLR(mode="safeguarded", interval=2, loss_privacy="laplace")}
+CANARIES = 8
 
 
 def _data() -> TensorDataset:
@@ -135,6 +136,12 @@ def _components_scenario(rank: int) -> dict:
     _train(hyfreedp, STEPS, with_losses=True)
     out["hyfreedp_lrs"] = [fit.lr_after for fit in hyfreedp.auto_lr.state.history]
     out["hyfreedp_weights"], out["hyfreedp_ledger"] = _weights(hyfreedp), hyfreedp.ledger.state_dict()
+    for name, seed in (("canaries", SEED), ("secret canaries", None)):
+        audited = _private(DistributedDataParallel(_model()), SIGMA, audit_canaries=CANARIES, seed=seed)
+        _train(audited, STEPS)
+        canaries = audited.canaries
+        out[name] = {"included": canaries.included, "z": canaries.z, "shift": canaries.shift,
+                     "weights": _weights(audited), "epsilon": audited.epsilon()}
     return out
 
 
@@ -149,7 +156,7 @@ def _train_noting_thresholds(engine, steps: int) -> list[dict[str, float]]:
 def _failure_scenario(rank: int) -> dict:
     """Ranks set up differently are refused; then rank 1 fails inside a step and rank 0 must not update."""
     out: dict = {"refused": []}
-    for options in ({"audit_canaries": 4}, {"poisson_sampling": False}):
+    for options in ({"poisson_sampling": False},):
         try:
             _private(DistributedDataParallel(_model()), SIGMA, **options)
         except ValueError as error:
@@ -294,10 +301,9 @@ def test_a_plain_model_under_several_processes_is_warned_about(training):
 
 def test_a_failing_rank_fails_the_step_on_every_rank_without_an_update(tmp_path):
     first, second = _run_ranks(_failure_scenario, tmp_path)
-    assert len(first["refused"]) == 3
-    assert "its root is not sharded by FSDP2" in first["refused"][2]
-    assert "audit_canaries is not supported with DistributedDataParallel" in first["refused"][0]
-    assert "poisson_sampling=False is not supported with DistributedDataParallel" in first["refused"][1]
+    assert len(first["refused"]) == 2
+    assert "its root is not sharded by FSDP2" in first["refused"][1]
+    assert "poisson_sampling=False is not supported with DistributedDataParallel" in first["refused"][0]
     assert "rank 1 was set up differently" in first["mismatch"]
     assert "rank 0 was set up differently" in second["mismatch"]
     for rank in (first, second):
@@ -347,6 +353,25 @@ def test_hyfreedp_under_ddp_fits_the_learning_rate_of_one_process(components):
     assert first["hyfreedp_ledger"] == single.ledger.state_dict()
     for name, weight in _weights(single).items():
         torch.testing.assert_close(first["hyfreedp_weights"][name], weight, rtol=0, atol=1e-5)
+
+
+def test_audit_canaries_under_ddp_are_one_set_released_once_as_in_one_process(components):
+    """The ranks share the canaries (a seeded run's stream, or rank 0's secret seed), rank 0 alone adds
+    their contributions, and the block is reduced and noised with the model's sums: every rank observes
+    the same releases, those of the one-process run with the same seed, at the same ε."""
+    first, second = components
+    for name in ("canaries", "secret canaries"):
+        assert (first[name]["included"] == second[name]["included"]).all()
+        assert all((a == b).all() for a, b in zip(first[name]["z"], second[name]["z"], strict=True))
+        assert first[name]["shift"] == second[name]["shift"] and len(first[name]["z"]) == STEPS
+    single = _private(_model(), SIGMA, audit_canaries=CANARIES)
+    _train(single, STEPS)
+    assert (first["canaries"]["included"] == single.canaries.included).all()
+    for ours, theirs in zip(first["canaries"]["z"], single.canaries.z, strict=True):
+        assert ours == pytest.approx(theirs, abs=1e-5)  # the all-reduce's rounding, in noise stds
+    assert first["canaries"]["epsilon"] == single.epsilon()
+    for name, weight in _weights(single).items():  # the model's release is untouched by the canaries
+        torch.testing.assert_close(first["canaries"]["weights"][name], weight, rtol=0, atol=1e-5)
 
 
 def test_sharded_sampler_partitions_the_one_process_batch():

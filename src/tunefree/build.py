@@ -33,7 +33,7 @@ from .privacy.canaries import CanaryRelease, GradientCanaries, canary_randomness
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
 from .privacy.plan import Plan, data_digest
-from .privacy.randomness import NoiseSource, run_randomness
+from .privacy.randomness import NoiseSource, run_randomness, secret_seed
 from .rules.paths import path_chooser
 from .run import DPEngine
 from .step.component import StepComponent
@@ -95,12 +95,16 @@ def build_run(config: RunConfig, model: nn.Module, optimizer: torch.optim.Optimi
     """The private run of ``config`` over ``model`` (hooked in place), ``optimizer`` and ``data_loader``;
     ``parallel`` is how the run spans processes (:func:`detect_parallel`; one process by default)."""
     run = plan_run(config, model, data_loader, parallel)
-    canaries = None if config.audit_canaries is None else GradientCanaries(
-        config.audit_canaries, run.groups, run.plan.sample_rate, canary_randomness(config.seed))
     release = GradientRelease(run.groups, run.plan.gradient_noise, run.randomness, config.noise_allocation,
                               run.parallel)
-    if canaries is not None:
-        release = CanaryRelease(release, canaries)
+    canaries = None
+    if config.audit_canaries is not None:
+        seed = config.seed
+        if seed is None and run.parallel.kind != ONE_PROCESS:  # the ranks share the canaries' randomness
+            seed = run.parallel.from_first(secret_seed())
+        canaries = GradientCanaries(config.audit_canaries, run.groups, run.plan.sample_rate,
+                                    canary_randomness(seed))
+        release = CanaryRelease(release, canaries, adds_contributions=run.parallel.shard[0] == 0)
     return assemble(run, model, optimizer, data_loader, release, threshold_component(run), canaries=canaries)
 
 
@@ -194,8 +198,8 @@ def _learning_rate(run: PlannedRun, optimizer: torch.optim.Optimizer,
 
 def _check_parallel_options(config: RunConfig, parallel: Parallelism) -> None:
     """Refuse the options the run's parallelism does not run: each option lists the kinds it runs under
-    (``parallelisms``). Several processes need tunefree's Poisson sampler (it gives each rank its shard),
-    and the audit canaries are released in one process only."""
+    (``parallelisms``). Several processes need tunefree's Poisson sampler (it gives each rank its shard);
+    FSDP2 releases sharded parameters only, so the audit canaries' block is not released there."""
     if parallel.kind == ONE_PROCESS:
         return
     lr = config.lr
@@ -204,10 +208,11 @@ def _check_parallel_options(config: RunConfig, parallel: Parallelism) -> None:
         (f"lr=AutoLR(mode={lr.mode!r})" if lr else "",
          lr is not None and parallel.kind not in lr.parallelisms),
         ("poisson_sampling=False", not config.poisson_sampling),
-        ("audit_canaries", config.audit_canaries is not None)) if refused]
+        ("audit_canaries", config.audit_canaries is not None and parallel.kind == FSDP2)) if refused]
     if unsupported:
         kind = "FSDP2 (fully_shard)" if parallel.kind == FSDP2 else "DistributedDataParallel"
         raise SettingsRefused(
             f"{', '.join(unsupported)} is not supported with {kind} yet: use the optimizer's learning rate "
             "(or, under DDP, lr='auto' or HyFreeDP: under FSDP2 they would read norms of sharded "
-            "parameters), tunefree's Poisson sampling and no audit canaries, or train in one process")
+            "parameters), tunefree's Poisson sampling and (under FSDP2) no audit canaries, or DDP, or "
+            "train in one process")

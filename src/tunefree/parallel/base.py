@@ -36,6 +36,9 @@ class Parallelism(Reduction, Protocol):
     def agree(self, flag: bool) -> bool:
         """Whether ``flag`` is True on every process (a collective: every process must call it)."""
 
+    def from_first(self, value: int) -> int:
+        """Process 0's ``value``, on every process (a collective)."""
+
     def take_over(self) -> None:
         """Switch the wrapper's own gradient synchronisation off while tunefree owns the model."""
 
@@ -54,6 +57,9 @@ class Single(OneProcess):
 
     def agree(self, flag: bool) -> bool:
         return flag
+
+    def from_first(self, value: int) -> int:
+        return value
 
     def take_over(self) -> None:
         """Nothing to take over."""

@@ -110,6 +110,10 @@ class DataParallel:
         """Whether ``flag`` is True on every rank (a collective)."""
         return all_ranks(flag, self.group, self._collective_device())
 
+    def from_first(self, value: int) -> int:
+        """Rank 0's ``value``, on every rank (a collective)."""
+        return first_rank(value, self.group)
+
     def buckets(self, params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
         """The release's all-reduce buckets of ``params`` (in release order), made once."""
         key = tuple(id(p) for p in params)
@@ -137,6 +141,13 @@ def reduce_values(values: torch.Tensor, noise: torch.Tensor, randomness: NoiseSo
     local = local.to(device)
     dist.all_reduce(local, group=group)
     return local.cpu().reshape(values.shape)
+
+
+def first_rank(value: int, group: dist.ProcessGroup) -> int:
+    """Rank 0 of ``group``'s ``value``, on every rank of it (a collective)."""
+    shared = [value]
+    dist.broadcast_object_list(shared, group_src=0, group=group)
+    return int(shared[0])
 
 
 def all_ranks(flag: bool, group: dist.ProcessGroup, device: torch.device) -> bool:

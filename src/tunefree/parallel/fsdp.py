@@ -41,7 +41,7 @@ from ..privacy.mechanisms import add_shard_noise
 from ..privacy.randomness import NoiseSource
 from ..rules import rule_for
 from .base import FSDP2
-from .ddp import all_ranks, reduce_values
+from .ddp import all_ranks, first_rank, reduce_values
 
 _RECIPE = ("call fully_shard on each layer (or block) and then on the root module, e.g. "
            "`for layer in model: fully_shard(layer)`, then `fully_shard(model)` (docs/distributed.md)")
@@ -104,6 +104,10 @@ class ShardedDataParallel:
         passes gather parameters from every rank, so a forward that one rank runs alone (the
         independence check) would wait forever: the ranks decide together."""
         return all_ranks(flag, self.group, self._collective_device())
+
+    def from_first(self, value: int) -> int:
+        """Rank 0's ``value``, on every rank (a collective)."""
+        return first_rank(value, self.group)
 
     def sink(self, groups: Sequence[ClipGroup]) -> ShardSink:
         """Each clipped sum reduce-scattered into this rank's shard as it is booked."""

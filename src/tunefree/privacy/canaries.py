@@ -11,10 +11,13 @@ model's coordinates, with the host group's noise. The noisy block is recorded, t
 reaches the model, the optimizer or the user's outputs.
 
 Privacy: no private example has a gradient on the block, so its release is canary contributions plus
-fresh noise — independent of the private data. It costs the data nothing and the ledger records nothing
-for it (ε is the same with or without canaries). The model's coordinates keep their noise scale (the
-``"weighted"`` noise allocation, whose scales depend on group sizes, is refused). Canary membership and
-sampling come from a stream of their own: secure in a secure run, derived from the seed in a seeded one.
+fresh noise — independent of the private data. Under data parallelism every rank holds the same canaries
+(their randomness is shared: rank 0's secret seed, or the run's seed), only rank 0 adds their
+contributions, and the block is reduced and noised with the model's sums. It costs the data nothing and
+the ledger records nothing for it (ε is the same with or without canaries). The model's coordinates keep
+their noise scale (the ``"weighted"`` noise allocation, whose scales depend on group sizes, is refused).
+Canary membership and sampling come from a stream of their own: secure in a secure run, derived from the
+seed in a seeded one.
 Observations cover the steps since ``make_private``; they are not part of the run's checkpoint.
 """
 
@@ -79,8 +82,10 @@ class CanaryRelease:
     same call (and with the same noise scale) as the model's coordinates, records the block and returns
     the model's sums only. It is what it decorates in every other respect (σ, groups, noise scales)."""
 
-    def __init__(self, release: GradientRelease, canaries: GradientCanaries):
+    def __init__(self, release: GradientRelease, canaries: GradientCanaries,
+                 adds_contributions: bool = True):
         self.model_release, self.canaries = release, canaries
+        self.adds_contributions = adds_contributions  # under data parallelism, rank 0 only
         host = canaries.host
         self._with_block = release.with_groups(
             [replace(g, params=[*g.params, canaries.block]) if g is host else g for g in release.groups])
@@ -92,7 +97,9 @@ class CanaryRelease:
         host = self.canaries.host
         block = self.canaries.block
         block_sum = self.canaries.block_sum(thresholds[host.name])
-        noisy, event = self._with_block.release({**sums, block: block_sum}, thresholds)
+        if self.adds_contributions:
+            sums = {**sums, block: block_sum}
+        noisy, event = self._with_block.release(sums, thresholds)
         self.canaries.record(noisy.pop(block), thresholds[host.name], self._claimed_std(thresholds))
         return noisy, event
 
@@ -117,5 +124,6 @@ class CanaryRelease:
 
 
 def canary_randomness(seed: int | None) -> NoiseSource:
-    """The canaries' own stream: secure unless the run is seeded."""
+    """The canaries' own stream: secure unless the run is seeded (or under data parallelism, where the
+    ranks share one: ``seed`` is then rank 0's :func:`~.randomness.secret_seed` for a secret run)."""
     return side_randomness(seed, CANARY_STREAM)

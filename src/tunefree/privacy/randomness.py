@@ -277,6 +277,12 @@ def run_randomness(seed: int | None, secure_rng: bool) -> NoiseSource:
     return SecretSource() if seed is None else SeededSource(seed)
 
 
+def secret_seed() -> int:
+    """A seed drawn from ``os.urandom``, for randomness several processes must share without anyone
+    outside knowing it (the audit canaries of a data-parallel run: rank 0 draws it, every rank uses it)."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
 def side_randomness(seed: int | None, stream: int) -> NoiseSource:
     """A source for a release made outside the training run (e.g. the CLI's private standardisation):
     secret when ``seed`` is ``None``; otherwise a stream derived from the seed and ``stream`` that no other
