@@ -139,13 +139,16 @@ def test_autocast_clipped_contributions_respect_the_bound():
 
 # ----------------------------------------------------------------------------- GradScaler
 def private_run(*, scale=None, autocast=None, clipping="auto-s", noise=0.0, max_grad_norm=0.05, **kwargs):
+    """A private run of summed losses: a GradScaler needs loss_reduction="sum" (a mean would make each
+    example's overflow depend on the batch size; see tests/test_invariant_amp.py)."""
     torch.manual_seed(1)
     model = DenseNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     x, y = dense_data()
     engine = tunefree.make_private(model, optimizer, DataLoader(TensorDataset(x, y), batch_size=10),
                                    noise_multiplier=noise, target_delta=1e-3, seed=0, steps=4,
-                                   clipping=clipping, max_grad_norm=max_grad_norm, **kwargs)
+                                   clipping=clipping, max_grad_norm=max_grad_norm, loss_reduction="sum",
+                                   **kwargs)
     scaler = None
     if scale is not None:
         scaler = torch.amp.GradScaler("cpu", init_scale=scale)
@@ -161,7 +164,7 @@ def train_step(engine, scaler, autocast, loss_weights=None):
             losses = F.cross_entropy(engine.model(x), y, reduction="none")
         if loss_weights is not None:
             losses = losses * loss_weights[:len(losses)]
-        loss = losses.mean()
+        loss = losses.sum()
         if scaler is None:
             loss.backward()
             engine.optimizer.step()
@@ -209,7 +212,7 @@ def test_without_the_scaler_attached_the_loss_scale_would_change_the_update():
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 14)
     x, y = next(iter(engine.data_loader))
     with torch.autocast("cpu", dtype=torch.float16):
-        loss = F.cross_entropy(engine.model(x), y)
+        loss = F.cross_entropy(engine.model(x), y, reduction="sum")
     scaler.scale(loss).backward()
     engine.optimizer.step()  # the release of sums clipped with the scale left in
     unattached = [p.grad for p in engine.model.parameters()]
@@ -218,7 +221,7 @@ def test_without_the_scaler_attached_the_loss_scale_would_change_the_update():
 
     engine, _, _ = private_run(autocast=torch.float16)
     x, y = next(iter(engine.data_loader))
-    scaler.scale(F.cross_entropy(engine.model(x), y)).backward()
+    scaler.scale(F.cross_entropy(engine.model(x), y, reduction="sum")).backward()
     with pytest.raises(ValueError, match="attach_grad_scaler"):
         scaler.step(engine.optimizer)
     assert engine.steps == 0
@@ -265,7 +268,7 @@ def test_non_finite_input_of_one_example_is_zeroed_where_it_enters():
         with torch.autocast("cpu", dtype=torch.float16):
             losses = F.cross_entropy(engine.model(x if poison else x.nan_to_num(posinf=0.0)), y,
                                      reduction="none")
-        loss = losses.mean() if poison else (losses * keep).mean()
+        loss = losses.sum() if poison else (losses * keep).sum()
         assert torch.isfinite(loss).item() is not poison
         scaler.scale(loss).backward()
         scaler.step(engine.optimizer)
@@ -285,11 +288,12 @@ def test_release_overflowing_the_parameter_dtype_is_recorded_and_the_update_skip
     x, y = dense_data()
     engine = tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                    DataLoader(TensorDataset(x.half(), y), batch_size=10),
-                                   noise_multiplier=1e9, target_delta=1e-3, seed=0, steps=4)
+                                   noise_multiplier=1e9, target_delta=1e-3, seed=0, steps=4,
+                                   loss_reduction="sum")
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
     engine.optimizer.attach_grad_scaler(scaler)
     xb, yb = next(iter(engine.data_loader))
-    scaler.scale(F.cross_entropy(model(xb), yb)).backward()
+    scaler.scale(F.cross_entropy(model(xb), yb, reduction="sum")).backward()
     scaler.step(engine.optimizer)
     scaler.update()
     assert engine.steps == 1
@@ -312,7 +316,7 @@ def test_grad_scaler_with_physical_micro_batches():
     while True:
         x, y = next(batches)
         with torch.autocast("cpu", dtype=torch.float16):
-            loss = F.cross_entropy(engine.model(x), y)
+            loss = F.cross_entropy(engine.model(x), y, reduction="sum")
         scaler.scale(loss).backward()
         if not engine.schedule.ends_logical:
             break
@@ -352,7 +356,8 @@ def test_full_bf16_parameters_train_in_bf16_with_float32_release():
     xs, ys = dense_data()
     private = tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                     DataLoader(TensorDataset(xs.to(torch.bfloat16), ys), batch_size=10),
-                                    noise_multiplier=1.0, target_delta=1e-3, seed=0, steps=4)
+                                    noise_multiplier=1.0, target_delta=1e-3, seed=0, steps=4,
+                                    loss_reduction="sum")  # train_step sums the losses
     before = [p.detach().clone() for p in model.parameters()]
     train_step(private, None, None)
     assert private.steps == 1

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,8 @@ from .clipping.groups import ClipGroup, sensitivity
 from .components.dog import DistanceOverGradients
 from .components.hyfreedp import AutoLearningRate
 from .components.thresholds import QuantileEstimator
-from .data.poisson import StepSchedule
+from .data.poisson import PoissonDataLoader, StepSchedule
+from .errors import PrivacyError
 from .parallel.ddp import DataParallel
 from .parallel.fsdp import ShardedDataParallel
 from .persample.engine import ClippingEngine
@@ -22,7 +24,7 @@ from .privacy.ledger import Ledger
 from .privacy.plan import Plan
 from .privacy.randomness import Randomness
 from .step.component import StepReport
-from .step.optimizer import DPOptimizer
+from .step.optimizer import DPOptimizer, check_updates_recorded
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,15 @@ class DPEngine:
     def guarantee(self, delta: float | None = None) -> Guarantee:
         delta = self.target_delta if delta is None else delta
         return Guarantee(self.epsilon(delta), delta, self.steps, self.accountant,
-                         self.ledger.poisson_approximation, seeded=not self.randomness.secure)
+                         self.ledger.poisson_approximation, seeded=self.ledger.seeded)
+
+    def public_writes(self) -> AbstractContextManager[None]:
+        """A block of writes to the model between private steps that depend on public values only (the
+        released weights, public data, the step count), e.g. a weight projection after ``step()``:
+        ``with engine.public_writes(): project(model)``. Any other change of the model outside the
+        private step is refused (``persample.state_guard``); the block itself is refused if the model
+        changed before it."""
+        return self.optimizer.state_guard.public_writes()
 
     def detach(self) -> nn.Module:
         """Remove every hook; the model is a plain module (or DDP model) again and the private optimizer
@@ -153,7 +163,7 @@ class DPEngine:
     def state_dict(self) -> dict[str, Any]:
         """The run's privacy state: ledger, randomness, position of the sampler, the step components'
         state and the plan it belongs to. Save it with the model's and the optimizer's state dicts; a
-        resumed run continues the same guarantee. It holds a digest of a few examples and, of a seeded
+        resumed run continues the same guarantee. It holds a digest of the data set and, of a seeded
         run, the seed (``["randomness"]["randomness"]`` says so): whoever reads the seed can remove the
         noise, so keep the state as private as the data."""
         return {"ledger": self.ledger.state_dict(), "randomness": self.randomness.state_dict(),
@@ -177,11 +187,27 @@ class DPEngine:
         self.ledger.load_state_dict(state["ledger"])
         self.randomness.load_state_dict(state["randomness"])
         self.schedule.load_state_dict(state["schedule"])
+        self._check_resumed_steps()
         for name, component in components.items():
             component.load_state_dict(state["components"][name])
         estimator = self.quantile_estimator
         if estimator is not None:
             self.clipping_engine.set_thresholds(estimator.thresholds())
+        # The resumed model (loaded with the checkpoint's weights) is the state the guard compares with.
+        self.optimizer.state_guard.snapshot()
+
+    def _check_resumed_steps(self) -> None:
+        """A resumed ledger describes the steps this run took: with the Poisson loader, its position
+        (logical batches handed out) equals the ledger's steps, and the wrapped optimizer applied no more
+        updates than the ledger records (checked again before every update)."""
+        steps, consumed = self.ledger.steps, self.schedule.consumed
+        if isinstance(self.data_loader, PoissonDataLoader) and consumed != steps:
+            raise PrivacyError(
+                f"this checkpoint's ledger records {steps} private steps but its Poisson sampler handed "
+                f"out {consumed} batches: the ledger was edited, or the checkpoint was saved in the "
+                "middle of a step. Save engine.state_dict() right after optimizer.step(), and resume from "
+                "the ledger saved with it")
+        check_updates_recorded(self.optimizer.original, steps)
 
     def _components(self) -> dict[str, Any]:
         return {type(c).__name__: c for c in self.optimizer.components}

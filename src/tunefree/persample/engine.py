@@ -22,7 +22,7 @@ nothing). The trainable set is fixed when the engine is built.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -212,6 +212,8 @@ class ClippingEngine:
         self.thresholds: dict[str, float] = {g.name: g.threshold for g in groups}
         self.path_chooser = PathChooser()
         self._leaked: set[str] = set()
+        # Run at the start of each captured forward pass, after the trainable-set check (the state guard).
+        self.forward_checks: list[Callable[[], None]] = []
         self._attach()
 
     # ------------------------------------------------------------------ set-up
@@ -272,6 +274,8 @@ class ClippingEngine:
     def _new_forward(self, args: tuple, kwargs: dict) -> None:
         if self._capturing() and not self._pass.in_backward:
             self._check_trainable_set()
+            for check in self.forward_checks:
+                check()
             if self.retain_inputs and self.retained_inputs is None:
                 self.retained_inputs = _capture(args, kwargs)[0]
             # Calls of a forward pass that never had a backward pass released nothing: forget them.
