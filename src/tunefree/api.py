@@ -219,7 +219,7 @@ def make_private(
         audit_canaries, clip_groups, plan.sample_rate, canary_randomness(seed))
     return _build_engine(plan, model, optimizer, loader, randomness, schedule, clip, clip_groups,
                          quantile, noise_allocation, loss_reduction, poisson_sampling,
-                         options.verify_every, parallel, canaries, tuple(public_buffers))
+                         options.verify_every, parallel, canaries, public_buffers)
 
 
 def _dog(optimizer: torch.optim.Optimizer, release: GradientRelease, plan: Plan) -> DistanceOverGradients:
@@ -282,8 +282,8 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
                   clip_groups: list[ClipGroup], quantile: QuantileSettings | None,
                   noise_allocation: str, loss_reduction: str, poisson_sampling: bool,
                   verify_every: int | None, parallel: DataParallel | ShardedDataParallel | None = None,
-                  canaries: GradientCanaries | None = None, public_buffers: tuple[str, ...] = ()
-                  ) -> DPEngine:
+                  canaries: GradientCanaries | None = None,
+                  public_buffers: list[str] | tuple[str, ...] = ()) -> DPEngine:
     """The run's parts, with every noise read off the solved ``plan``."""
     auto_lr = None
     if plan.losses is not None:

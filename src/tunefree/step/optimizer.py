@@ -66,7 +66,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, engine: ClippingEngine,
                  release: GradientRelease, ledger: Ledger, sample_rate: float,
                  expected_batch_size: float, schedule: StepSchedule, accumulator: StepAccumulator,
-                 public_buffers: tuple[str, ...] = ()):
+                 public_buffers: list[str] | tuple[str, ...] = ()):
         if isinstance(optimizer, DPOptimizer):
             raise ValueError("the optimizer is already private; pass the original optimizer")
         self.original = optimizer
