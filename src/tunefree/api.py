@@ -31,7 +31,7 @@ from .privacy.canaries import CanaryRelease, GradientCanaries, canary_randomness
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
 from .privacy.plan import CountShare, LossShare, Plan, data_digest
-from .privacy.randomness import Randomness, run_randomness
+from .privacy.randomness import NoiseSource, run_randomness
 from .rules.paths import PathChooser
 from .run import DPEngine
 from .step.component import StepComponent
@@ -278,7 +278,7 @@ def _run_settings(clip: ClipFunction, groups: list[ClipGroup], quantile: Quantil
 
 
 def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any,
-                  randomness: Randomness, schedule: StepSchedule, clip: ClipFunction,
+                  randomness: NoiseSource, schedule: StepSchedule, clip: ClipFunction,
                   clip_groups: list[ClipGroup], quantile: QuantileSettings | None,
                   noise_allocation: str, loss_reduction: str, poisson_sampling: bool,
                   verify_every: int | None, parallel: DataParallel | ShardedDataParallel | None = None,
@@ -316,14 +316,14 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
     if plan.settings.get("auto_lr", {}).get("mode") == "dog":
         lr_rule = _dog(optimizer, release, plan)
     module = model if parallel is None else parallel.module
-    ledger = Ledger(poisson_approximation=not poisson_sampling, seeded=not randomness.secure)
+    ledger = Ledger(poisson_approximation=not poisson_sampling, seeded=not randomness.secret)
     # Hooks go on last, so that a refused argument leaves the model as it was given.
     # The engine books into it, the optimizer releases from it; FSDP2 keeps only this rank's shards.
     accumulator = ShardedAccumulator(parallel, clip_groups) if isinstance(parallel, ShardedDataParallel) \
         else StepAccumulator()
     clipping_engine = ClippingEngine(module, clip_groups, clip, loss_reduction, accumulator)
     clipping_engine.batch_source = schedule  # the Poisson loader tells the engine each batch's examples
-    if not randomness.secure:  # a seeded run repeats bit for bit: no norm path picked by a timing
+    if randomness.replayable:  # a seeded run repeats bit for bit: no norm path picked by a timing
         clipping_engine.path_chooser = PathChooser(measure=False)
     if estimator is not None:
         clipping_engine.set_thresholds(estimator.thresholds())

@@ -22,7 +22,7 @@ from .persample.engine import ClippingEngine
 from .privacy.canaries import GradientCanaries
 from .privacy.ledger import Ledger
 from .privacy.plan import Plan
-from .privacy.randomness import Randomness
+from .privacy.randomness import NoiseSource
 from .step.component import StepReport
 from .step.optimizer import DPOptimizer, check_updates_recorded
 
@@ -57,7 +57,7 @@ class DPEngine:
     """
 
     def __init__(self, *, model: nn.Module, optimizer: DPOptimizer, data_loader: Any,
-                 clipping_engine: ClippingEngine, ledger: Ledger, randomness: Randomness,
+                 clipping_engine: ClippingEngine, ledger: Ledger, randomness: NoiseSource,
                  schedule: StepSchedule, groups: list[ClipGroup], plan: Plan,
                  parallel: DataParallel | ShardedDataParallel | None = None,
                  canaries: GradientCanaries | None = None):
