@@ -21,7 +21,7 @@ from .parallel.fsdp import ShardedDataParallel
 from .persample.engine import ClippingEngine
 from .privacy.canaries import GradientCanaries
 from .privacy.ledger import Ledger
-from .privacy.plan import Plan
+from .privacy.plan import Plan, is_digest_of_0_1
 from .privacy.randomness import NoiseSource
 from .step.component import StepReport
 from .step.optimizer import DPOptimizer, check_updates_recorded
@@ -174,18 +174,15 @@ class DPEngine:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; a state of another plan (other noise, sampling, length, data
         set, groups, clipping, thresholds or learning-rate policy) is refused, naming what differs."""
-        if state.get("fingerprint") != self.plan.fingerprint():
-            differences = self.plan.differences(state.get("plan", {}))
-            raise ValueError(
-                "this checkpoint belongs to a run with other privacy settings; resume with the same "
-                "settings and the same data set. It differs in:\n  " + "\n  ".join(differences))
+        self._check_same_plan(state)
         components = self._components()
         if set(state["components"]) != set(components):
             raise ValueError(
                 f"this checkpoint holds the state of the step components {sorted(state['components'])}, "
                 f"this run has {sorted(components)}; resume with the same settings")
-        self.ledger.load_state_dict(state["ledger"])
-        self.randomness.load_state_dict(state["randomness"])
+        self.randomness.load_state_dict(state["randomness"])  # refuses a secret run resuming a seeded one
+        # A 0.1 ledger names no caveat of its own: its run's randomness says whether it was seeded.
+        self.ledger.load_state_dict({"seeded": not self.randomness.secret, **state["ledger"]})
         self.schedule.load_state_dict(state["schedule"])
         self._check_resumed_steps()
         for name, component in components.items():
@@ -195,6 +192,20 @@ class DPEngine:
             self.clipping_engine.set_thresholds(estimator.thresholds())
         # The resumed model (loaded with the checkpoint's weights) is the state the guard compares with.
         self.optimizer.state_guard.snapshot()
+
+    def _check_same_plan(self, state: Mapping[str, Any]) -> None:
+        """The checkpoint's plan is this run's (a checkpoint of 0.1, whose data digest read three examples,
+        is compared on those)."""
+        if state.get("fingerprint") == self.plan.fingerprint():
+            return
+        theirs, mine = dict(state.get("plan", {})), self.plan.describe()
+        if is_digest_of_0_1(theirs.get("settings.data"), self.data_loader.dataset, self.plan.num_examples):
+            theirs["settings.data"] = mine["settings.data"]
+        if theirs != mine:
+            differences = "\n  ".join(self.plan.differences(theirs))
+            raise ValueError(
+                "this checkpoint belongs to a run with other privacy settings; resume with the same "
+                f"settings and the same data set. It differs in:\n  {differences}")
 
     def _check_resumed_steps(self) -> None:
         """A resumed ledger describes the steps this run took: with the Poisson loader, its position

@@ -35,6 +35,7 @@ from .accounting import epsilon_of
 from .calibrate import calibrate
 
 LOSS_RELEASES_PER_UPDATE = 3  # privatised losses at w − Δ, w, w + Δ
+EVERY_EXAMPLE = "every-example:"  # the prefix of a data digest that covers every example
 
 
 @dataclass(frozen=True)
@@ -239,11 +240,32 @@ def data_digest(dataset: Any, num_examples: int) -> str:
     if isinstance(dataset, TensorDataset):
         for tensor in dataset.tensors:
             _digest_leaf(digest, tensor)
-        return digest.hexdigest()[:16]
-    for index in range(num_examples):
+    else:
+        for index in range(num_examples):
+            for leaf in tree_flatten(dataset[index])[0]:
+                _digest_leaf(digest, leaf)
+    return EVERY_EXAMPLE + digest.hexdigest()[:32]
+
+
+def is_digest_of_0_1(recorded: Any, dataset: Any, num_examples: int) -> bool:
+    """Whether ``recorded`` is the data digest a checkpoint of tunefree 0.1 holds for this data set: that
+    version hashed the first, middle and last example only (no ``EVERY_EXAMPLE`` prefix), so its
+    checkpoints are recognised by those three examples."""
+    if not isinstance(recorded, str) or recorded.startswith(EVERY_EXAMPLE):
+        return False
+    digest = hashlib.sha256(str(num_examples).encode())
+    for index in sorted({0, num_examples // 2, num_examples - 1}):
         for leaf in tree_flatten(dataset[index])[0]:
-            _digest_leaf(digest, leaf)
-    return digest.hexdigest()[:16]
+            if isinstance(leaf, torch.Tensor):
+                leaf = leaf.detach().cpu().contiguous()
+                digest.update(f"{leaf.dtype}{tuple(leaf.shape)}".encode())
+                digest.update(leaf.reshape(-1).view(torch.uint8).numpy().tobytes())
+            elif hasattr(leaf, "tobytes"):
+                digest.update(leaf.tobytes())
+            else:
+                digest.update(repr(leaf).encode() if isinstance(leaf, (int, float, str, bytes))
+                              else type(leaf).__name__.encode())
+    return recorded == digest.hexdigest()[:16]
 
 
 def _digest_leaf(digest: Any, leaf: Any) -> None:
