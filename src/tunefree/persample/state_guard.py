@@ -50,6 +50,11 @@ from torch import nn
 from ..errors import PrivacyError
 from .accumulator import StepAccumulator
 
+try:  # sharded parameters (FSDP2) are compared by the shard this process holds
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - a build without torch.distributed
+    DTensor = None
+
 POSITIONS = 4  # secret positions per tensor in its fingerprint
 _CONTAINER_LIMIT = 64  # lists, tuples and dicts up to this size are compared item by item
 _DEPTH_LIMIT = 3
@@ -59,15 +64,35 @@ _NUMBERS = (int, float, complex)
 
 @dataclass(eq=False)
 class _Tensor:
-    """A tensor as last seen: the object (kept alive), its version counter, memory and layout, its secret
-    positions and fingerprint."""
+    """A tensor as last seen: the object (kept alive), its version counter, memory and layout, and its
+    fingerprint: the sum of its 64-bit words and the words at its secret ``positions``. ``words`` views
+    its memory as int64 (reused while the memory is the same; ``None`` when the words are a copy)."""
 
     tensor: torch.Tensor
     version: int
     address: int
     layout: tuple[Any, ...]
     positions: torch.Tensor
-    fingerprint: torch.Tensor
+    words: torch.Tensor | None
+    total: torch.Tensor
+    picks: torch.Tensor
+
+    def current(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``value``'s fingerprint at this entry's positions (``value`` has this entry's layout)."""
+        words = self.words if self.words is not None and _address(value) == self.address else _words(value)
+        return _fingerprint(words, self.positions)
+
+    def adopt(self, value: torch.Tensor) -> None:
+        """``value``, whose fingerprint is this entry's, is now the tensor seen here."""
+        address = _address(value)
+        if address != self.address:
+            self.words = _view_of_words(value)
+        self.tensor, self.version, self.address = value, value._version, address
+
+    def renew(self) -> None:
+        """The tensor seen here holds new values (the optimizer's update)."""
+        self.adopt(self.tensor)
+        self.total, self.picks = self.current(self.tensor)
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,17 +140,18 @@ class StateGuard:
     def updated(self) -> None:
         """After the wrapped optimizer's update: renew the entries of the trainable parameters (and of any
         tensor sharing their memory, e.g. a transposed view kept as an attribute)."""
-        storages = {_storage(p) for p in self.trainable}
         with torch.no_grad():
-            for _, entry in self._seen.values():
-                if isinstance(entry, _Tensor) and _storage(entry.tensor) in storages:
-                    entry.version, entry.address = entry.tensor._version, _address(entry.tensor)
-                    entry.fingerprint = _fingerprint(entry.tensor, entry.positions)
+            for entry in self._updated_by_the_optimizer:
+                entry.renew()
 
     def snapshot(self) -> None:
         """Take the model's current state as the state every later check compares with."""
         with torch.no_grad():
             self._seen = {path: (kind, self._entry(value)) for path, kind, value in self._state()}
+        storages = {_storage(p) for p in self.trainable}
+        self._updated_by_the_optimizer = [
+            entry for _, entry in self._seen.values()
+            if isinstance(entry, _Tensor) and _storage(entry.tensor) in storages]
 
     @contextmanager
     def public_writes(self) -> Iterator[None]:
@@ -155,11 +181,11 @@ class StateGuard:
     def _entry(self, value: Any) -> _Tensor | _Value:
         if not isinstance(value, torch.Tensor):
             return value if isinstance(value, _Value) else _Value(value)
-        words = max(-(-_local(value).numel() * _local(value).element_size() // 8), 1)
-        positions = torch.randint(words, (POSITIONS,), generator=self._generator)
-        positions = positions.to(_local(value).device)
+        words = _words(value)
+        positions = torch.randint(max(words.numel(), 1), (POSITIONS,), generator=self._generator)
+        positions = positions.to(words.device)
         return _Tensor(value, value._version, _address(value), _layout(value), positions,
-                       _fingerprint(value, positions))
+                       _view_of_words(value), *_fingerprint(words, positions))
 
     def _changes(self, full: bool) -> list[str]:
         changes: list[str] = []
@@ -187,11 +213,10 @@ class StateGuard:
                     if path not in present]
         if pending:
             with torch.no_grad():
-                now = [_fingerprint(value, entry.positions) for _, _, entry, value in pending]
-                same = _equal_rows(now, [entry.fingerprint for _, _, entry, _ in pending])
+                same = _unchanged([(entry, entry.current(value)) for _, _, entry, value in pending])
             for (path, kind, entry, value), ok in zip(pending, same):
-                if ok:  # the same values: renew the entry (a value-equal rewrite is no change)
-                    entry.tensor, entry.version, entry.address = value, value._version, _address(value)
+                if ok:  # the same values (a value-equal rewrite is no change)
+                    entry.adopt(value)
                 else:
                     changes.append(f"{kind} '{path}' was written")
         return changes
@@ -240,10 +265,8 @@ def _checked_public_names(model: nn.Module, names: Iterable[str]) -> frozenset[s
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """The values this process holds (a sharded DTensor's local shard), detached."""
-    t = t.detach()
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None and type(t).__name__ == "DTensor" else t
+    """The values this process holds: a sharded DTensor's local shard, else the tensor itself."""
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
 
 
 def _address(t: torch.Tensor) -> int:
@@ -261,31 +284,51 @@ def _layout(t: torch.Tensor) -> tuple[Any, ...]:
     return tuple(local.shape), local.dtype, local.device, local.layout
 
 
-def _fingerprint(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes read as 64-bit words (the last one zero-padded): their exact sum (modulo 2⁶⁴),
-    then the words at ``positions`` (int64). Summing words is as fast as a float sum, and any change of
-    one word changes it."""
-    local = _local(t)
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as 64-bit words: a view of its memory when it is contiguous and whole words,
+    else a zero-padded copy."""
+    local = _local(t).detach()
     if local.layout != torch.strided:
         local = local.to_dense()
-    raw = local.reshape(-1).view(torch.uint8) if local.dim() else local.reshape(1).view(torch.uint8)
-    if raw.numel() % 8:
-        raw = torch.cat([raw, raw.new_zeros(8 - raw.numel() % 8)])
-    if raw.numel() == 0:
-        return torch.zeros(1 + len(positions), dtype=torch.int64, device=raw.device)
-    words = raw.view(torch.int64)
-    return torch.cat([words.sum().reshape(1), words.take(positions)])
+    raw = local.reshape(-1).view(torch.uint8)
+    if raw.numel() % 8 == 0:
+        try:
+            return raw.view(torch.int64)
+        except RuntimeError:  # memory not aligned to a word
+            return raw.clone().view(torch.int64)
+    return torch.cat([raw, raw.new_zeros(8 - raw.numel() % 8)]).view(torch.int64)
 
 
-def _equal_rows(now: list[torch.Tensor], before: list[torch.Tensor]) -> list[bool]:
-    """Which fingerprints are equal, with one transfer per device."""
-    result = [False] * len(now)
+def _view_of_words(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor's words if they view its memory (then they follow every write), else ``None``."""
+    words = _words(t)
+    return words if words.untyped_storage().data_ptr() == _storage(t) else None
+
+
+def _fingerprint(words: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact sum of the words (modulo 2⁶⁴: any change of one word changes it) and the words at
+    ``positions``. Summing int64 words is as fast as summing floats."""
+    if words.numel() == 0:
+        return words.new_zeros(()), words.new_zeros(len(positions))
+    return words.sum(), words.take(positions)
+
+
+def _unchanged(seen: list[tuple[_Tensor, tuple[torch.Tensor, torch.Tensor]]]) -> list[bool]:
+    """For each (entry, fingerprint now): whether the fingerprint is the entry's, with one transfer per
+    device."""
+    result = [False] * len(seen)
     by_device: dict[torch.device, list[int]] = {}
-    for i, fingerprint in enumerate(now):
-        by_device.setdefault(fingerprint.device, []).append(i)
+    for i, (entry, _) in enumerate(seen):
+        by_device.setdefault(entry.total.device, []).append(i)
     for indices in by_device.values():
-        same = (torch.stack([now[i] for i in indices]) == torch.stack([before[i] for i in indices])).all(1)
-        for i, ok in zip(indices, same.tolist()):
+        entries, now = [seen[i][0] for i in indices], [seen[i][1] for i in indices]
+        totals = torch.stack([total for total, _ in now]), torch.stack([e.total for e in entries])
+        picks = torch.stack([picks for _, picks in now]), torch.stack([e.picks for e in entries])
+        if torch.equal(*totals) and torch.equal(*picks):  # the usual case, in one transfer
+            same = [True] * len(indices)
+        else:
+            same = ((totals[0] == totals[1]) & (picks[0] == picks[1]).all(1)).tolist()
+        for i, ok in zip(indices, same):
             result[i] = ok
     return result
 
