@@ -1,12 +1,15 @@
-"""Invariant: an example's sensitivity never depends on which other examples are in the batch — under
-float16 loss scaling too.
+"""Invariant: an example's sensitivity never depends on which other examples are in the batch — in 16-bit
+precision too.
 
-With a mean loss, fp16 autocast and a ``GradScaler``, each example's scaled output gradient is S/B times
-its own, so whether it overflows (and is dropped) depends on B: removing one example made the others
-overflow (measured 2.2·R, 4.6·R, 15.3·R at B = 5, 16, 64 before the refusal). A summed loss makes the
-overflow decision of each example a function of that example alone. Neighbour figures here read the
-released gradient (``.grad`` × N, noise 0, SGD) directly, not the weights, so that rounding of the weight
-arithmetic does not blur them.
+Under a mean loss each example's gradient is divided by the batch size B before autograd rounds it to
+16 bits. With fp16 autocast and a ``GradScaler`` its scaled output gradient is S/B times its own, so
+whether it overflows (and is dropped) depends on B: removing one example made the others overflow
+(measured 2.2·R, 4.6·R, 15.3·R at B = 5, 16, 64 before the refusal); in bfloat16 how it rounds depends on
+B (measured up to 1.019·R at B = 256). The engine refuses 16-bit gradients under a mean loss (and
+``attach_grad_scaler`` refuses a mean loss at once); a summed loss makes each example's gradient, its
+rounding and its overflow a function of that example alone. Neighbour figures read the released gradient
+(``.grad`` × N, noise 0, SGD) directly, not the weights, so that rounding of the weight arithmetic does not
+blur them.
 """
 
 from __future__ import annotations
@@ -116,3 +119,60 @@ def test_why_a_mean_loss_is_refused_one_example_decides_whether_another_overflow
         assert logits.grad.dtype == torch.float16
         finite[n] = bool(torch.isfinite(logits.grad[0]).all())
     assert finite == {5: True, 4: False}
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def bf16_release(x: torch.Tensor, y: torch.Tensor, loss_reduction: str) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = Small()
+    engine = tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=1.0),
+                                   DataLoader(TensorDataset(x, y), batch_size=len(x)), target_delta=1e-4,
+                                   noise_multiplier=0.0, steps=1, clipping="abadi", max_grad_norm=R,
+                                   loss_reduction=loss_reduction, seed=0)
+    for xb, yb in engine.data_loader:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(xb).float(), yb, reduction=loss_reduction)
+        loss.backward()
+        engine.optimizer.step()
+    return torch.cat([p.grad.flatten() for p in model.parameters()]) * len(x)
+
+
+def test_bfloat16_gradients_of_a_mean_loss_are_refused_before_anything_is_released():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 16, generator=g), torch.randint(0, 3, (64,), generator=g)
+    with pytest.raises(PrivacyError, match=r"loss_reduction='mean' with gradients in float16 or bfloat16"
+                                           r"(.|\n)*loss_reduction='sum'"):
+        bf16_release(x, y, "mean")
+    model = Small().to(torch.bfloat16)  # half-precision parameters, no autocast: the same
+    engine = tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=1.0),
+                                   DataLoader(TensorDataset(x.to(torch.bfloat16), y), batch_size=8),
+                                   target_delta=1e-4, noise_multiplier=1.0, steps=2)
+    xb, yb = next(iter(engine.data_loader))
+    with pytest.raises(PrivacyError, match="bfloat16"):
+        F.cross_entropy(model(xb), yb).backward()
+    with pytest.raises(PrivacyError, match="bfloat16"):  # refused again, whatever the step
+        F.cross_entropy(model(xb), yb).backward()
+    assert engine.optimizer.accumulator.pop().examples == 0 and engine.steps == 0
+
+
+def test_bfloat16_neighbour_release_of_a_summed_loss_is_exact():
+    """With a summed loss each example's bf16 gradient is rounded from its own: removing example j moves
+    the release by j's contribution only, ≤ R (a mean loss moved it by 1.005·R here before the refusal)."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 16, generator=g) * 0.05, torch.randint(0, 3, (64,), generator=g)
+    full = bf16_release(x, y, "sum")
+    keep = torch.ones(64, dtype=torch.bool)
+    worst = 0.0
+    for j in range(0, 64, 4):
+        keep[j] = False
+        worst = max(worst, (full - bf16_release(x[keep], y[keep], "sum")).norm().item())
+        keep[j] = True
+    assert worst <= BOUND, f"{worst / R:.4f}·R"

@@ -1,5 +1,8 @@
 """Mixed precision: bf16/fp16 autocast, full bf16 parameters, and fp16 loss scaling with GradScaler.
 
+Losses are summed (``loss_reduction="sum"``): gradients in 16 bits under a mean loss are refused (each
+example's rounding would depend on the batch size; ``tests/test_invariant_amp.py``).
+
 The loss scale never reaches a clip weight (norms are taken of unscaled gradients), an example that
 overflows adds nothing where it overflows while the step is released and recorded as planned, and a
 release that overflows in the parameters' dtype is recorded and only its update skipped.
@@ -73,11 +76,11 @@ def test_bf16_autocast_norms_and_clipped_sums_match_brute_force_in_the_same_auto
     reference = copy.deepcopy(model)
     ids, y = token_batch()
     groups = make_groups(model, "per-param", 1.0)
-    engine = ClippingEngine(model, groups, ClipFunction(clip), loss_reduction="mean")
+    engine = ClippingEngine(model, groups, ClipFunction(clip), loss_reduction="sum")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(ids)
         assert logits.dtype == torch.bfloat16
-        loss = F.cross_entropy(logits, y)
+        loss = F.cross_entropy(logits, y, reduction="sum")
     loss.backward()
     sums, examples, norms = engine.pop_step()
     assert examples == len(y)
@@ -106,9 +109,9 @@ def test_generic_fallback_replays_the_autocast_of_the_forward(dtype):
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(5, 3, 3, generator=g), torch.randint(0, 3, (5,), generator=g)
     groups = make_groups(model, "per-layer", 1.0)
-    engine = ClippingEngine(model, groups, ClipFunction("auto-s"), loss_reduction="mean")
+    engine = ClippingEngine(model, groups, ClipFunction("auto-s"), loss_reduction="sum")
     with torch.autocast("cpu", dtype=dtype):
-        loss = F.cross_entropy(model(x), y)
+        loss = F.cross_entropy(model(x), y, reduction="sum")
     loss.backward()
     _, _, norms = engine.pop_step()
     with torch.autocast("cpu", dtype=dtype):
@@ -342,8 +345,8 @@ def test_full_bf16_parameters_train_in_bf16_with_float32_release():
     x, y = dense_data(6)
     x = x.to(torch.bfloat16)
     groups = make_groups(model, "per-layer", 1.0)
-    engine = ClippingEngine(model, groups, ClipFunction("auto-s"), loss_reduction="mean")
-    F.cross_entropy(model(x), y).backward()
+    engine = ClippingEngine(model, groups, ClipFunction("auto-s"), loss_reduction="sum")
+    F.cross_entropy(model(x), y, reduction="sum").backward()
     sums, _, norms = engine.pop_step()
     grads = per_example_grads(reference, F.cross_entropy, x, y)
     _, expected_norms = clipped_sum(grads, make_groups(reference, "per-layer", 1.0), ClipFunction("auto-s"))

@@ -48,6 +48,15 @@ SAMPLE_MIXING = {
 }
 
 
+# Each example's gradient must reach the engine as a function of that example alone (issue 21).
+MEAN_IN_HALF_PRECISION = (
+    "loss_reduction='mean' with gradients in float16 or bfloat16 (autocast, or half-precision parameters) "
+    "is refused: the mean divides each example's gradient by the number of examples in the batch before "
+    "it is rounded to 16 bits, so how it rounds (and, under loss scaling, whether it overflows) depends on "
+    "how many other examples were sampled: one example would move the others' contributions (measured up "
+    "to 1.02·R in bfloat16). Sum the per-example losses (loss_fn(..., reduction='sum')) and pass "
+    "make_private(..., loss_reduction='sum'); float32 needs no change")
+
 # A per-sample norm at or above this (or NaN) is an overflow: refused rather than clipped, since a
 # float32 clip weight R/‖g‖ would then be subnormal and the bound ‖w·g‖ ≤ R could round away.
 NORM_LIMIT = 1e30
@@ -475,6 +484,10 @@ class ClippingEngine:
             )
         if not torch._C._will_engine_execute_node(use.anchor_node):
             return  # torch.autograd.grad w.r.t. inputs (e.g. FGSM): does not reach the parameters
+        if self.loss_reduction == "mean" and grad.dtype in (torch.float16, torch.bfloat16):
+            self._reset_pass()
+            self.accumulator.pop()  # nothing of this step may be released
+            raise PrivacyError(MEAN_IN_HALF_PRECISION)
         if use.superseded:
             raise PrivacyError(
                 "a backward pass reached a forward pass that was superseded: tunefree computes "
