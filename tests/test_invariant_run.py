@@ -174,3 +174,23 @@ def test_data_parallel_ranks_holding_different_data_are_refused(tmp_path: Path):
         assert ranks[rank]["refused"] is not None
         assert f"rank {other} was set up differently" in ranks[rank]["refused"]
         assert "settings.data" in ranks[rank]["refused"]
+
+
+def test_an_optimizer_state_from_another_run_is_refused_unless_it_predates_the_run():
+    """Adam's state from 3 private steps, loaded after make_private without their ledger: refused before
+    the first update. Loaded before make_private, it is training outside this guarantee (like
+    pre-trained weights) and the run counts only its own updates."""
+    first = private(torch.optim.Adam)
+    train(first, 3)
+    later = private(torch.optim.Adam)
+    later.optimizer.load_state_dict(first.optimizer.state_dict())
+    with pytest.raises(PrivacyError, match="optimizer has applied 3 updates but the ledger records 0"):
+        train(later, 1)
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    adam.load_state_dict(first.optimizer.state_dict())
+    before = tunefree.make_private(model, adam, DataLoader(dataset(), batch_size=6), target_delta=1e-3,
+                                   noise_multiplier=1.0, steps=8, seed=0)
+    train(before, 2)
+    assert before.steps == 2

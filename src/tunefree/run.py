@@ -218,6 +218,7 @@ class DPEngine:
                 f"out {consumed} batches: the ledger was edited, or the checkpoint was saved in the "
                 "middle of a step. Save engine.state_dict() right after optimizer.step(), and resume from "
                 "the ledger saved with it")
+        self.optimizer.updates_before_run = 0  # the checkpoint's ledger accounts for every update
         check_updates_recorded(self.optimizer.original, steps)
 
     def _components(self) -> dict[str, Any]:

@@ -92,6 +92,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self.every_rank: Callable[[bool], bool] | None = None
         self.verified = False
         self.grad_scaler: torch.amp.GradScaler | None = None
+        # The wrapped optimizer's updates before this run (0 again once a checkpoint's ledger is loaded).
+        self.updates_before_run = updates_applied(optimizer)
         engine.retain_inputs = True
         # Between steps the model changes only through the wrapped optimizer's update.
         self.state_guard = StateGuard(engine.model, accumulator, self._trainable, public_buffers)
@@ -263,7 +265,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self._record(events, component.before_update(context))
         if self.components:  # they may run the model (HyFreeDP's probes)
             self.state_guard.check("before the optimizer's update", full=False, released=True)
-        check_updates_recorded(self.original, self.ledger.steps - 1)
+        check_updates_recorded(self.original, self.ledger.steps - 1, self.updates_before_run)
         self.original.step()
         self.state_guard.updated()
         for component in self.components:
@@ -331,18 +333,28 @@ class DPOptimizer(torch.optim.Optimizer):
         return closure
 
 
-def check_updates_recorded(optimizer: torch.optim.Optimizer, recorded: int) -> None:
-    """Every update the wrapped optimizer has applied has its release in the ledger: its own step count
-    (``state[p]["step"]``, kept by Adam, AdamW, RMSprop...; SGD keeps none) is at most the ``recorded``
-    steps — else the ledger was edited, or belongs to another run."""
+def updates_applied(optimizer: torch.optim.Optimizer) -> int:
+    """The optimizer's own count of its updates (``state[p]["step"]``, kept by Adam, AdamW, RMSprop...);
+    0 for one that keeps none (SGD)."""
     counted = next((state["step"] for state in optimizer.state.values() if "step" in state), None)
-    applied = None if counted is None else int(counted)
-    if applied is not None and applied > recorded:
+    return 0 if counted is None else int(counted)
+
+
+def check_updates_recorded(optimizer: torch.optim.Optimizer, recorded: int, before: int = 0) -> None:
+    """Every update the wrapped optimizer applied in this run has its release in the ledger: its own
+    count, less the ``before`` updates it had when the run began (training outside this guarantee, like
+    pre-trained weights), is at most the ``recorded`` steps — else its state comes from another run
+    whose ledger is missing or was edited."""
+    applied = updates_applied(optimizer)
+    if applied - before > recorded:
+        earlier = f" ({before} of them before make_private)" if before else ""
         raise PrivacyError(
-            f"the optimizer has applied {applied} updates but the ledger records {recorded} private steps "
-            "for them: the ledger was edited or comes from another run, and the guarantee would "
-            "understate what was released. Resume with the ledger saved together with the optimizer "
-            "(engine.state_dict() and optimizer.state_dict() of the same moment)")
+            f"the optimizer has applied {applied} updates{earlier} but the ledger records {recorded} "
+            "private steps for them: its state comes from a run whose ledger was edited or left behind, "
+            "and the guarantee would understate what was released. Resume with engine.load_state_dict "
+            "and the ledger saved with this optimizer state (engine.state_dict() and "
+            "optimizer.state_dict() of the same moment); an optimizer state from training outside this "
+            "guarantee (e.g. public pre-training) is loaded before make_private")
 
 
 _MEAN_LOSS_UNDER_SCALING = (
