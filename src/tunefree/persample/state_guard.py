@@ -86,7 +86,7 @@ class _Tensor:
         """``value``, whose fingerprint is this entry's, is now the tensor seen here."""
         address = _address(value)
         if address != self.address:
-            self.words = _view_of_words(value)
+            self.words = _view_or_none(_words(value), value)
         self.tensor, self.version, self.address = value, value._version, address
 
     def renew(self) -> None:
@@ -185,7 +185,7 @@ class StateGuard:
         positions = torch.randint(max(words.numel(), 1), (POSITIONS,), generator=self._generator)
         positions = positions.to(words.device)
         return _Tensor(value, value._version, _address(value), _layout(value), positions,
-                       _view_of_words(value), *_fingerprint(words, positions))
+                       _view_or_none(words, value), *_fingerprint(words, positions))
 
     def _changes(self, full: bool) -> list[str]:
         changes: list[str] = []
@@ -299,9 +299,8 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([raw, raw.new_zeros(8 - raw.numel() % 8)]).view(torch.int64)
 
 
-def _view_of_words(t: torch.Tensor) -> torch.Tensor | None:
-    """The tensor's words if they view its memory (then they follow every write), else ``None``."""
-    words = _words(t)
+def _view_or_none(words: torch.Tensor, t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s words if they view its memory (then they follow every write), else ``None``."""
     return words if words.untyped_storage().data_ptr() == _storage(t) else None
 
 
