@@ -6,8 +6,14 @@ accumulated per step, and the same loop is timed with those methods turned into 
 step (A/B), for the overall difference. Digest: ``data_digest`` of a 60 000 × 784 float32 TensorDataset
 (the MNIST shape) and of the same rows behind a plain map-style Dataset (one ``__getitem__`` per example).
 
-    OMP_NUM_THREADS=1 python benchmarks/invariant_costs.py --steps 10
-    OMP_NUM_THREADS=1 python benchmarks/invariant_costs.py --models digits-mlp --steps 50 --digest
+    OMP_NUM_THREADS=1 python benchmarks/invariant_costs.py --steps 10 --digest
+
+The tiny Hugging Face models (``--models bert-tiny gpt2-tiny``) need ``transformers`` imported before this
+directory's ``transformers.py`` can shadow it:
+
+    OMP_NUM_THREADS=1 python -c "import runpy, sys, transformers; sys.path.append('benchmarks');
+        sys.argv = ['invariant_costs.py', '--models', 'bert-tiny', 'gpt2-tiny'];
+        runpy.run_path('benchmarks/invariant_costs.py', run_name='__main__')"
 """
 
 from __future__ import annotations
@@ -116,7 +122,8 @@ def digest_cost(repeats: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="*", default=[*SMALL_BENCHMARKS, *BENCHMARKS, *HF_BENCHMARKS])
+    parser.add_argument("--models", nargs="*", default=[*SMALL_BENCHMARKS, *BENCHMARKS],
+                        help=f"of {[*SMALL_BENCHMARKS, *BENCHMARKS, *HF_BENCHMARKS]}")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--digest", action="store_true", help="also time the data digest (3 repeats)")
     args = parser.parse_args()
