@@ -54,13 +54,15 @@ class Trunk(nn.Module):
 
 # ---------------------------------------------------------------------------- the zoo of state writes
 class EmbeddingMaxNorm(nn.Module):
-    """nn.Embedding(max_norm=1.0) renormalises the rows it looks up, in place, in the forward."""
+    """nn.Embedding(max_norm=1.0) renormalises the rows it looks up, in place, in the forward. Frozen here
+    (pre-trained embeddings): a trainable one is refused at make_private by its layer rule already."""
 
     def __init__(self):
         super().__init__()
         self.emb, self.head = nn.Embedding(12, 8, max_norm=1.0), nn.Linear(8, 3)
         with torch.no_grad():
             self.emb.weight.mul_(10)
+        self.emb.weight.requires_grad_(False)
 
     def forward(self, ids):
         return self.head(self.emb(ids).mean(1))
