@@ -22,7 +22,7 @@ nothing). The trainable set is fixed when the engine is built.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -59,6 +59,15 @@ SAMPLE_MIXING = {
     nn.modules.batchnorm._BatchNorm: "nn.GroupNorm (or nn.LayerNorm)",
 }
 
+
+# Each example's gradient must reach the engine as a function of that example alone (issue 21).
+MEAN_IN_HALF_PRECISION = (
+    "loss_reduction='mean' with gradients in float16 or bfloat16 (autocast, or half-precision parameters) "
+    "is refused: the mean divides each example's gradient by the number of examples in the batch before "
+    "it is rounded to 16 bits, so how it rounds (and, under loss scaling, whether it overflows) depends on "
+    "how many other examples were sampled: one example would move the others' contributions (measured up "
+    "to 1.02·R in bfloat16). Sum the per-example losses (loss_fn(..., reduction='sum')) and pass "
+    "make_private(..., loss_reduction='sum'); float32 needs no change")
 
 # A per-sample norm at or above this (or NaN) is an overflow: refused rather than clipped, since a
 # float32 clip weight R/‖g‖ would then be subnormal and the bound ‖w·g‖ ≤ R could round away.
@@ -252,6 +261,8 @@ class ClippingEngine:
         self.thresholds: dict[str, float] = {g.name: g.threshold for g in groups}
         self.path_chooser = PathChooser()
         self._leaked: set[str] = set()
+        # Run at the start of each captured forward pass, after the trainable-set check (the state guard).
+        self.forward_checks: list[Callable[[], None]] = []
         self._attach()
 
     # ------------------------------------------------------------------ set-up
@@ -312,6 +323,8 @@ class ClippingEngine:
     def _new_forward(self, args: tuple, kwargs: dict) -> None:
         if self._capturing() and not self._pass.in_backward:
             self._check_trainable_set()
+            for check in self.forward_checks:
+                check()
             retain = self.retain_inputs and self.retained_inputs is None
             # Calls of a forward pass that never had a backward pass released nothing: forget them.
             for use in self._pass.uses:
@@ -528,6 +541,10 @@ class ClippingEngine:
             )
         if not torch._C._will_engine_execute_node(use.anchor_node):
             return  # torch.autograd.grad w.r.t. inputs (e.g. FGSM): does not reach the parameters
+        if self.loss_reduction == "mean" and grad.dtype in (torch.float16, torch.bfloat16):
+            self._reset_pass()
+            self.accumulator.pop()  # nothing of this step may be released
+            raise PrivacyError(MEAN_IN_HALF_PRECISION)
         if use.superseded:
             raise PrivacyError(
                 "a backward pass reached a forward pass that was superseded: tunefree computes "
