@@ -46,6 +46,7 @@ def make_private(
     verify_every: int | None = None,
     audit_canaries: int | None = None,
     batch_dim: int | Mapping[str, int] = 0,
+    public_buffers: list[str] | tuple[str, ...] = (),
     norm_path: str = "auto",
 ) -> DPEngine:
     """Make ``model`` train with an (ε, δ)-DP guarantee, accounted exactly from every release.
@@ -119,6 +120,12 @@ def make_private(
             ``batch_first``, convolutions and GroupNorm dimension 0. Privacy does not rest on it: a layer
             whose tensors do not show the batch's examples where declared is refused, and so is one whose
             examples mix (``verify_every``).
+        public_buffers: names of buffers or module attributes (as ``model.named_buffers()`` spells them)
+            that forward passes write from public information only, e.g. a cache that depends only on
+            the sequence length. Every other change of the model's parameters, buffers and attributes
+            between private steps, except the optimizer's update, is refused (``docs/refusals.md``);
+            writes between steps that depend on public values only go inside
+            ``with engine.public_writes():``.
         norm_path: ``"auto"`` (default), ``"formula"``, ``"ghost"`` or ``"materialise"``: how layers
             with two exact per-sample norm paths pick one (timed per layer shape; a seeded run follows
             the cost formula). Speed only: both paths give the exact norms.
@@ -148,5 +155,6 @@ def make_private(
         physical_batch_size=physical_batch_size, clip_gamma=clip_gamma, psac_r=psac_r,
         noise_allocation=noise_allocation, thresholds=thresholds, target_quantile=target_quantile,
         quantile_lr=quantile_lr, quantile_budget=quantile_budget, lr=lr, verify_every=verify_every,
-        norm_path=norm_path, audit_canaries=audit_canaries, batch_dim=batch_dim)
+        norm_path=norm_path, audit_canaries=audit_canaries, batch_dim=batch_dim,
+        public_buffers=public_buffers)
     return build_run(config, model, optimizer, data_loader, parallel)

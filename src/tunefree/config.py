@@ -105,6 +105,7 @@ class RunConfig:
     lr: LearningRateRule | None = None
     audit_canaries: int | None = None
     batch_dim: int | Mapping[str, int] = 0
+    public_buffers: tuple[str, ...] = ()
     performance: Performance = field(default_factory=Performance)
 
     def __post_init__(self) -> None:
@@ -135,6 +136,8 @@ class RunConfig:
             raise ValueError(f"audit_canaries must be at least 2 (half are members, half not), "
                              f"got {self.audit_canaries}")
         _check_batch_dim(self.batch_dim)
+        if isinstance(self.public_buffers, list):  # validated against the model by the state guard
+            object.__setattr__(self, "public_buffers", tuple(self.public_buffers))
         _typed("performance", self.performance, Performance, "Performance(...)")
         # what the fields must agree on
         if (self.target_epsilon is None) == (self.noise_multiplier is None):

@@ -122,10 +122,9 @@ class ShardedDataParallel:
         anything is released or recorded. A rank that fails or never arrives makes that agreement fail
         (after the process group's timeout).
 
-        Who draws the noise: with a secret source, each rank its own shard, from its own
-        ``os.urandom``. Seeded, every rank draws the whole noise in one process's order and keeps its own
-        rows: the noise is that of one process with that seed, and every rank's stream stays at the same
-        place."""
+        Who draws the noise: with a secret source, each rank its own shard, from its own secret key.
+        Seeded, every rank draws the whole noise in one process's order and keeps its own rows: the noise
+        is that of one process with that seed, and every rank's stream stays at the same place."""
         leaked = self.raw_gradients()
         if not self.agree(not leaked):
             where = f"parameters {leaked}" if leaked else "parameters on another rank"
