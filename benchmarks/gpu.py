@@ -477,9 +477,6 @@ def table(report: dict) -> str:
 
 
 def main() -> None:
-    # this folder holds a benchmark named transformers.py: keep it from shadowing the package
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "METHOD"), help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
