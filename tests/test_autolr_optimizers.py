@@ -12,7 +12,7 @@ import torch
 from test_autolr_dog import KnownNoise, private_run
 from torch import nn
 
-from tunefree.components.dog import DistanceOverGradients
+from tunefree.components.dog import NOISE_BUDGET, DistanceOverGradients, DoG
 from tunefree.components.dog_optimizers import OptimizerDoG
 from tunefree.privacy.ledger import to_dict
 from tunefree.step.component import StepContext, StepReport, UpdateControl
@@ -34,10 +34,12 @@ def steps_of(rule, optimizer, weight, gradients, std):
     return lrs
 
 
-def adam_rule(std=2.0, batch=4.0, make=lambda w: torch.optim.AdamW([w], lr=1.0), **settings):
+def adam_rule(std=2.0, batch=4.0, make=lambda w: torch.optim.AdamW([w], lr=1.0), planned_steps=None,
+              noise_budget=NOISE_BUDGET):
     weight = nn.Parameter(torch.tensor([1.0, -2.0, 0.5, 0.3], dtype=torch.float64))
     optimizer = make(weight)
-    rule = OptimizerDoG(optimizer, KnownNoise([weight], std), batch, initial_distance=0.1, **settings)
+    rule = OptimizerDoG(optimizer, KnownNoise([weight], std), batch,
+                        DoG(initial_distance=0.1, noise_budget=noise_budget), planned_steps=planned_steps)
     return rule, optimizer, weight
 
 
@@ -57,7 +59,7 @@ def test_adam_factor_by_hand():
     assert rule.factor == pytest.approx(factors[-1], rel=1e-9)
     assert lrs[-1] == rule.sgd_lr * rule.factor and rule.history == lrs
     plain_weight = nn.Parameter(torch.tensor([1.0, -2.0, 0.5, 0.3], dtype=torch.float64))
-    plain = DistanceOverGradients(KnownNoise([plain_weight], std), batch, initial_distance=0.1)
+    plain = DistanceOverGradients(KnownNoise([plain_weight], std), batch, DoG(initial_distance=0.1))
     first_eta = steps_of(plain, torch.optim.SGD([plain_weight], lr=1.0), plain_weight, GRADIENTS[:1], std)[0]
     assert lrs[0] == pytest.approx(first_eta * factors[0], rel=1e-9)
     assert math.sqrt(s2) < factors[0] < 1.0  # between the noise's deviation and the largest |g|
@@ -132,7 +134,8 @@ def test_refuses_what_it_cannot_translate(make, message):
 def test_state_round_trip_continues_the_same_learning_rates():
     rule, optimizer, weight = adam_rule(planned_steps=3)
     steps_of(rule, optimizer, weight, GRADIENTS[:2], 2.0)
-    resumed = OptimizerDoG(optimizer, KnownNoise([weight], 2.0), 4.0, initial_distance=0.1, planned_steps=3)
+    resumed = OptimizerDoG(optimizer, KnownNoise([weight], 2.0), 4.0, DoG(initial_distance=0.1),
+                           planned_steps=3)
     resumed.load_state_dict(rule.state_dict())
     state = {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[weight].items()}
     value = weight.detach().clone()

@@ -29,7 +29,7 @@ import torch
 
 from ..privacy.mechanisms import GradientRelease
 from ..step.component import StepContext
-from .dog import DistanceOverGradients
+from .dog import DistanceOverGradients, DoG
 
 # The optimizers whose update the rule knows: plain or momentum SGD, Adam-type second moments (an
 # exponential average), and Adagrad's (a sum).
@@ -65,13 +65,17 @@ class OptimizerDoG(DistanceOverGradients):
     Args:
         optimizer: the wrapped optimizer, read for its kind and hyperparameters (β₂, ε, momentum); its
             state is not touched.
-        release, expected_batch_size, **settings: as for :class:`DistanceOverGradients`.
+        release, expected_batch_size, settings, planned_steps: as for :class:`DistanceOverGradients`.
     """
 
+    state_key = "OptimizerDoG"
+
     def __init__(self, optimizer: torch.optim.Optimizer, release: GradientRelease,
-                 expected_batch_size: float, **settings: Any):
+                 expected_batch_size: float, settings: DoG | None = None, *,
+                 planned_steps: int | None = None):
         check_optimizer(optimizer)
-        super().__init__(release, expected_batch_size, **settings)
+        super().__init__(release, expected_batch_size, DoG() if settings is None else settings,
+                         planned_steps=planned_steps)
         group = optimizer.param_groups[0]
         self.kind = ("sgd" if type(optimizer) is torch.optim.SGD else
                      "adagrad" if type(optimizer) is torch.optim.Adagrad else "adam")
