@@ -4,8 +4,8 @@ does (classification or causal LM, full fine-tuning or LoRA).
 ``train_text(config)`` reads the table, splits it by a keyed hash of each row (``split.py``), selects the
 classes privately unless ``--labels`` declares them, loads the model, sets the token length from
 ``--max-length`` or a private quantile of the training texts' lengths, tokenises, calls
-:func:`tunefree.make_private` on what those releases leave of the budget (their events go into the ledger
-first), trains with the chosen optimizer (AdamW by default), evaluates on the held-out rows (outside the
+:func:`tunefree.make_private` with those releases as its prior releases (the ledger holds them first,
+and the training noise is calibrated so that the whole ledger spends ε), trains with the chosen optimizer (AdamW by default), evaluates on the held-out rows (outside the
 guarantee, and labelled so) and saves the fine-tuned model (the adapter alone, for LoRA) with
 ``save_pretrained`` in ``<out>/model``; ``report.json`` beside it holds ε from the run's ledger.
 """
@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader
 from ..api import make_private
 from ..run import DPEngine
 from . import text_data, text_models
-from .releases import OTHER, Budget, Release, delta_choice, private_length, select_sets
+from .releases import (OTHER, Budget, Release, delta_choice, preprocessing_epsilon, prior_releases,
+                       private_length, select_sets)
 from .report import OUTSIDE_THE_GUARANTEE, RunDirectory, where_results_went, write_json
 from .split import held_out, split_key, table_rows
 from .tables import class_indices
@@ -204,16 +205,14 @@ def train_text(config: TextConfig) -> dict[str, Any]:
     trainable = [p for p in model.parameters() if p.requires_grad]
     auto = config.resolved_lr() == "auto"
     optimizer = OPTIMIZERS[config.optimizer](trainable, 1.0 if auto else config.resolved_lr())
-    share = 1.0 - sum(r.share for r in releases)
-    noise = ({"target_epsilon": share * config.epsilon} if math.isfinite(config.epsilon)
+    noise = ({"target_epsilon": config.epsilon} if math.isfinite(config.epsilon)
              else {"noise_multiplier": 0.0})
+    # the ledger holds the preprocessing releases before the first step; the whole ledger spends ε
     engine = make_private(model, optimizer, DataLoader(train_set, batch_size=config.batch_size),
-                          target_delta=share * delta, epochs=config.epochs, steps=config.steps,
+                          target_delta=delta, epochs=config.epochs, steps=config.steps,
                           clipping=config.clipping, groups=config.groups, accountant=config.accountant,
-                          seed=config.seed, lr="auto" if auto else None, **noise)
-    for release in releases:  # before the first step: the ledger holds every release
-        for event in release.events:
-            engine.ledger.record(event)
+                          seed=config.seed, lr="auto" if auto else None,
+                          prior_releases=prior_releases(releases), **noise)
     run, started = RunDirectory(config.out), time.perf_counter()
     epsilon = _train_loop(engine, task, config, delta, run)
     train_seconds = time.perf_counter() - started
@@ -231,7 +230,8 @@ def train_text(config: TextConfig) -> dict[str, Any]:
         "data_notes": notes, "task": task, "label_column": label_column,
         "model_directory": str(run.path / "model"), "lora": hasattr(model, "peft_config"),
         "trainable_parameters": sum(p.numel() for p in trainable),
-        "preprocessing": [r.report() for r in releases], "training_share": share,
+        "preprocessing": [r.report() for r in releases],
+        "preprocessing_epsilon": preprocessing_epsilon(releases, delta, config.accountant),
         "dataset": {"name": table.name, "train_examples": len(train_rows), "test_examples": len(test_rows),
                     "sequence_length": length, "classes": names},
         "config": {**asdict(config), "delta": delta, "lr": config.resolved_lr()},
