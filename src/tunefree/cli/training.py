@@ -35,8 +35,12 @@ from ..config import AutoLR, resolve_options
 from ..privacy.calibrate import MIN_NOISE_MULTIPLIER
 from ..run import DPEngine
 from . import datasets, launch, models, preprocess, tables
-from .releases import default_delta, delta_choice  # noqa: F401  (the run's δ; experiments import them here)
-from .releases import preprocessing_epsilon, prior_releases
+from .releases import (  # noqa: F401  (default_delta: experiments import the run's δ from here)
+    default_delta,
+    delta_choice,
+    preprocessing_epsilon,
+    prior_releases,
+)
 from .report import OUTSIDE_THE_GUARANTEE, RunDirectory
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
