@@ -351,3 +351,10 @@ def test_the_optimizer_asked_for_is_the_one_that_trains(files, tmp_path, monkeyp
               str(tmp_path / "run"), "--optimizer", "sgd", "--lr", "0.1", "--labels", "neg,pos",
               "--max-length", "16", "--batch-size", "8", "--steps", "1", "--quiet", "--accountant", "rdp"])
     assert type(seen["optimizer"]) is torch.optim.SGD and seen["optimizer"].param_groups[0]["lr"] == 0.1
+
+
+def test_a_text_run_names_its_model_directory_not_the_table_predictor(tmp_path):
+    from tunefree.cli.report import where_results_went
+
+    line = where_results_went(tmp_path, None, text_model=True)
+    assert "model/" in line and "predict" not in line and "model.pt" not in line

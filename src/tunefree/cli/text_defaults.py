@@ -12,9 +12,9 @@ are trained with; the [CLS]/pooler output of such a model carries little label s
 
 **How long** (a batch size or a length not given). A head is cheap (its inputs are computed once), so the
 compute budget is not what binds: the batch is ``N/8`` (8 steps an epoch, at least 64 and at most
-:data:`MAX_BATCH`) and the run is :data:`HEAD_STEPS` steps — RESULTS §5f: with the head on mean-pooled
-states, runs of 6–21 steps stayed at or near the class prior while 40–450 steps reached 0.73–0.77
-(validation) at every batch size from 128 to 1,024 and ε from 1 to 8. Every weight costs a backward pass of
+:data:`MAX_BATCH`) and the run is :data:`HEAD_STEPS` steps — RESULTS §5g: with the head on mean-pooled
+states, runs of 6–12 steps stayed near the class prior (and AdamW's at 20–21 steps in 4 of 6 settings),
+while every run of 40–450 steps reached 0.72–0.77 (validation) at batch sizes 128 to 1,024 and ε 1 to 8. Every weight costs a backward pass of
 the whole model per example, so there the command line's own defaults (batch 256, 3 epochs) stand, and
 ``--batch-size``/``--epochs``/``--steps`` set a larger compute budget.
 """
