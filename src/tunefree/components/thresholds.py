@@ -107,10 +107,7 @@ class QuantileEstimator(StepComponent):
     def __init__(self, groups: Sequence[ClipGroup], settings: AdaptiveQuantile, count_noise: float,
                  randomness: NoiseSource, expected_batch_size: float, scale: float | None = None,
                  parallelism: Reduction = SINGLE_PROCESS):
-        if not (count_noise >= 0 and math.isfinite(count_noise)):
-            raise ValueError(f"count_noise must be a finite number ≥ 0, got {count_noise}")
-        if scale is not None and not (scale > 0 and math.isfinite(scale)):
-            raise ValueError(f"scale must be a positive number or None, got {scale}")
+        assert count_noise >= 0 and (scale is None or scale > 0), (count_noise, scale)  # from the plan
         self.groups, self.settings, self.count_noise = list(groups), settings, count_noise
         self.randomness, self.expected_batch_size = randomness, expected_batch_size
         self.scale, self.parallelism = scale, parallelism

@@ -122,10 +122,8 @@ class GradientRelease:
     def __init__(self, groups: Sequence[ClipGroup], noise_multiplier: float,
                  randomness: NoiseSource, allocation: str = "global",
                  parallelism: Reduction = SINGLE_PROCESS):
-        if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
-            raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier}")
-        if allocation not in NOISE_ALLOCATIONS:
-            raise ValueError(f"unknown noise_allocation {allocation!r}: use one of {NOISE_ALLOCATIONS}")
+        # σ comes from a solved plan and the allocation from a validated RunConfig
+        assert noise_multiplier >= 0 and allocation in NOISE_ALLOCATIONS, (noise_multiplier, allocation)
         self.groups, self.noise_multiplier = list(groups), noise_multiplier
         self.randomness, self.allocation, self.parallelism = randomness, allocation, parallelism
         self._sizes = [g.size for g in self.groups]
