@@ -1,13 +1,20 @@
-"""One-time cost of the example-independence check, against one private step of the same model.
+"""Cost of the example-independence check: one check against one private step, and over a whole run.
 
-``make_private`` runs ``tunefree.verify_example_independence`` once, before the first release (and every
-``verify_every`` steps if asked). This measures, for each benchmark model, the median time of one check
-and of one private step (forward, backward, clipping, noise, ledger), in one process with one thread;
-and, with ``--memory``, the peak memory of three private steps with the check (the first step runs it) and
+A private run checks example independence on its first step and then on each step with probability
+1/``verify_every`` (16 by default), at steps drawn from the run's randomness; each check perturbs a random
+half of the batch in one forward pass and silences another half in one backward pass, on the whole batch.
+On a checked step the Poisson loader also hands out its float tensors as copies of leaves that require
+gradients and the model's inputs are checked against them (``tunefree.data.provenance``).
+
+``--check`` (default): median (and range) time of one check, as a run draws it, against one private step
+(forward, backward, clipping, noise, ledger) of the same model, interleaved, one thread.
+``--run``: the time of a whole run of ``--steps`` steps through the Poisson loader (q = ¼), with the
+checks at their default rate, against the same run with every check switched off, interleaved.
+``--memory``: the peak memory of three private steps with the check (the first step runs it) and
 without it, each in a fresh process (glibc told to map every block over 128 KiB on its own, so that the
 process's peak RSS is the memory in use rather than what the allocator kept).
 
-    python benchmarks/independence_cost.py --repeats 3 [--memory]
+    python benchmarks/independence_cost.py --repeats 5 [--run --steps 64] [--memory]
 """
 
 from __future__ import annotations
@@ -30,23 +37,26 @@ sys.path.insert(0, str(Path(__file__).parent))
 from models import BENCHMARKS, benchmark  # noqa: E402
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
-def measure(name: str, repeats: int) -> tuple[float, float]:
-    """(check seconds, step seconds) of benchmark ``name``."""
+def _summary(times: list[float]) -> str:
+    return f"{statistics.median(times) * 1e3:8.1f}ms [{min(times) * 1e3:.1f}–{max(times) * 1e3:.1f}]"
+
+
+def measure_check(name: str, repeats: int) -> tuple[list[float], list[float]]:
+    """Times of one check (random halves, as a run draws them) and of one private step of ``name``,
+    interleaved."""
     torch.manual_seed(0)
     model, x, y, loss_fn = benchmark(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
     engine = tunefree.make_private(model, optimizer, loader, noise_multiplier=1.0, target_delta=1e-3,
-                                   poisson_sampling=False)
+                                   poisson_sampling=False, seed=0)
+    engine.optimizer.verify_every = 10**9  # the step measured below runs no check
 
     def step():
         engine.optimizer.zero_grad()
@@ -54,9 +64,45 @@ def measure(name: str, repeats: int) -> tuple[float, float]:
         engine.optimizer.step()
 
     step()  # warm-up; its release ran the check once
-    check = _median_seconds(lambda: tunefree.verify_example_independence(
-        model, engine.clipping_engine, (x,)), repeats)
-    return check, _median_seconds(step, repeats)
+    checks, steps = [], []
+    for k in range(repeats):
+        probes = engine.optimizer.probes.probes(k + 2, len(x))
+        checks.append(_seconds(lambda probes=probes: tunefree.verify_example_independence(
+            model, engine.clipping_engine, (x,), probes=probes)))
+        steps.append(_seconds(step))
+    return checks, steps
+
+
+def _run(name: str, steps: int, checks: bool) -> float:
+    """Seconds of a run of ``steps`` private steps of ``name`` through the Poisson loader (q = ¼), with
+    the independence checks at their default rate or none at all."""
+    torch.manual_seed(0)
+    model, x, y, loss_fn = benchmark(name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    data = TensorDataset(x.repeat(4, *[1] * (x.dim() - 1)), y.repeat(4, *[1] * (y.dim() - 1)))
+    engine = tunefree.make_private(model, optimizer, DataLoader(data, batch_size=len(x)),
+                                   noise_multiplier=1.0, target_delta=1e-4, steps=steps, seed=0)
+    if not checks:  # for this measurement only: no check at all
+        engine.optimizer.verified, engine.optimizer.verify_every = True, 10**9
+        engine.clipping_engine.retain_inputs = engine.schedule.checking = False
+    start = time.perf_counter()
+    while engine.steps < steps:
+        for xb, yb in engine.data_loader:
+            engine.optimizer.zero_grad()
+            loss_fn(model(xb), yb).backward()
+            engine.optimizer.step()
+            if engine.steps == steps:
+                break
+    return time.perf_counter() - start
+
+
+def measure_run(name: str, steps: int, repeats: int) -> tuple[list[float], list[float]]:
+    """Run times with the default checks and with none, interleaved."""
+    with_checks, without = [], []
+    for _ in range(repeats):
+        with_checks.append(_run(name, steps, True))
+        without.append(_run(name, steps, False))
+    return with_checks, without
 
 
 def _rss_mb(field: str) -> float:
@@ -75,7 +121,7 @@ def peak_memory_child(name: str, check: bool) -> None:
     engine = tunefree.make_private(model, optimizer, loader, noise_multiplier=1.0, target_delta=1e-3,
                                    groups="per-layer", poisson_sampling=False)
     if not check:  # for this measurement only: mark the check as done
-        engine.optimizer.verified = True
+        engine.optimizer.verified, engine.optimizer.verify_every = True, 10**9
     Path("/proc/self/clear_refs").write_text("5")  # reset the RSS high-water mark
     start = _rss_mb("VmRSS")
     for _ in range(3):
@@ -95,12 +141,15 @@ def peak_memory(name: str, check: bool) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(BENCHMARKS))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--run", action="store_true")
+    parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="poisson_sampling=False")
+    warnings.filterwarnings("ignore", message="training past the planned")
     if args.child:
         peak_memory_child(args.child[0], args.child[1] == "1")
         return
@@ -109,10 +158,18 @@ def main() -> None:
         for name in args.models:
             print(f"{name:<10} {peak_memory(name, True):9.0f}MB {peak_memory(name, False):7.0f}MB")
         return
-    print(f"{'model':<10} {'check':>10} {'step':>10} {'check/step':>11}")
+    if args.run:
+        print(f"{'model':<10} {'run with checks':>28} {'without':>28} {'overhead':>9}")
+        for name in args.models:
+            with_checks, without = measure_run(name, args.steps, args.repeats)
+            overhead = statistics.median(with_checks) / statistics.median(without) - 1
+            print(f"{name:<10} {_summary(with_checks):>28} {_summary(without):>28} {overhead:8.1%}")
+        return
+    print(f"{'model':<10} {'check':>28} {'step':>28} {'check/step':>11}")
     for name in args.models:
-        check, step = measure(name, args.repeats)
-        print(f"{name:<10} {check * 1e3:8.1f}ms {step * 1e3:8.1f}ms {check / step:10.2f}x")
+        checks, steps = measure_check(name, args.repeats)
+        ratio = statistics.median(checks) / statistics.median(steps)
+        print(f"{name:<10} {_summary(checks):>28} {_summary(steps):>28} {ratio:10.2f}x")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from .parallel.fsdp import (
 )
 from .persample.accumulator import StepAccumulator
 from .persample.engine import ClippingEngine
+from .persample.independence import ProbeSchedule
 from .privacy.canaries import CanaryRelease, GradientCanaries, canary_randomness
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
@@ -143,8 +144,9 @@ def make_private(
             per-sample losses; with ``physical_batch_size``, those of the whole logical batch); the
             gradient noise grows by ``gradient_noise_increase`` and the loss noise is solved so that the
             whole run, every release included, spends what plain DP-SGD at σ would.
-        verify_every: besides the check before the first release, re-check example independence
-            (``tunefree.independence``) every this many steps; ``None``: once.
+        verify_every: besides the check before the first release, each step checks example
+            independence (``tunefree.independence``) with probability 1/verify_every, at steps drawn
+            from the run's secret randomness (``None``: 16, about 4% of the run's time; 1: every step).
         audit_canaries: m, audit this run (``tunefree.audit.audit_training(engine)`` after training):
             m gradient canaries, each a member with probability ½, released with the gradient on a
             block of coordinates outside the model (``tunefree.privacy.canaries``). They touch no
@@ -329,6 +331,7 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
         parallel.take_over()
     private_optimizer.components = [c for c in (estimator, lr_rule) if c is not None]
     private_optimizer.verify_every = verify_every
+    private_optimizer.probes = ProbeSchedule(randomness)  # the independence checks: from the run's randomness
     if isinstance(parallel, ShardedDataParallel):
         private_optimizer.every_rank = parallel.every_rank
     private_optimizer.closure_gives_per_sample_losses = auto_lr is not None

@@ -38,10 +38,12 @@ class StepSchedule:
     ``consumed`` counts logical batches handed to the loop; ``ends_logical`` says whether the last
     physical batch handed out closed its logical batch (the optimizer steps only then). It is also the
     engine's provenance of the batch: ``batch_serial`` numbers the physical batches handed out (0: none
-    yet) and ``batch_examples`` is the number of examples in the last one.
+    yet) and ``batch_examples`` is the number of examples in the last one. ``checking`` (set by the
+    optimizer) says whether the logical step handed out next is one the run checks.
     """
 
     def __init__(self) -> None:
+        self.checking = True
         self.consumed = 0
         self.ends_logical = True
         self._open = False

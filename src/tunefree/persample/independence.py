@@ -5,13 +5,16 @@ a time-major layout, a custom ``autograd.Function`` or hook whose backward mixes
 nothing: it runs inside ``engine.no_capture()``, writes no ``.grad`` and restores the RNG state (CPU and
 CUDA).
 
-It runs on the first two and the last two examples of the batch and probes the first and the last, so
-mixing that flows only into one end of the batch is seen. Mixing confined to examples in the middle of
-the batch (by their position, not by a batch statistic) is not.
+It runs on the whole batch, with two kinds of probe. A forward probe changes some examples and requires
+every other example's activations at every trainable unit to stay as they were; a gradient probe gives
+some examples zero loss weight and requires their output gradients at every trainable unit to be zero.
+A private run checks at random steps (:class:`ProbeSchedule`), each check one probe of a random kind on a
+random half of the batch.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..errors import PrivacyError
+from ..privacy.randomness import Randomness
 
 _FIX = ("Keep the example dimension first (batch_first=True), use no batch statistics (e.g. h - h.mean(0), "
         "BatchNorm), and no custom autograd.Function or hook that mixes examples.")
@@ -35,27 +39,20 @@ def _pattern(like: torch.Tensor) -> torch.Tensor:
     return torch.cos(index * 0.7 + 0.3).reshape(like.shape)
 
 
-def _rows(args: tuple, kwargs: dict, n: int, rows: list[int]) -> tuple[tuple, dict]:
-    """The batch cut down to examples ``rows`` (every tensor input with ``n`` in dimension 0)."""
-    index = torch.tensor(rows)
+def _perturbed(args: tuple, kwargs: dict, n: int, mask: torch.Tensor) -> tuple[tuple, dict]:
+    """Change the examples of ``mask`` in every batched tensor input: floats get a pattern added,
+    integers take the next example's values."""
+    rows = torch.arange(n)
+    source = torch.where(mask, (rows + 1) % n, rows)
 
-    def cut(t: object) -> object:
-        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n:
-            return t
-        return t[index.to(t.device)]
-    return tuple(cut(a) for a in args), {key: cut(v) for key, v in kwargs.items()}
-
-
-def _perturbed(args: tuple, kwargs: dict, n: int, k: int) -> tuple[tuple, dict]:
-    """Change example ``k`` of every batched tensor input: floats get noise, integers another row."""
     def change(t: object) -> object:
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n:
             return t
+        if not t.is_floating_point():
+            return t.detach()[source.to(t.device)]
         t = t.detach().clone()
-        if t.is_floating_point():
-            t[k] += _pattern(t[k]) + 1.0
-        else:
-            t[k] = t[(k + 1) % n]
+        where = mask.to(t.device)
+        t[where] += _pattern(t[where]) + 1.0
         return t
     return tuple(change(a) for a in args), {key: change(v) for key, v in kwargs.items()}
 
@@ -98,57 +95,85 @@ def _record_fingerprints(records: dict[str, list], n: int) -> Visit:
     return visit
 
 
-def _compare(base: dict[str, list], n: int, k: int, label: int) -> Visit:
-    """A visit that checks each call against the same call of ``base`` as it happens: only example
-    ``k`` may differ."""
+def _compare(base: dict[str, list], mask: torch.Tensor) -> Visit:
+    """A visit that checks each call against the same call of ``base`` as it happens: only the examples
+    of ``mask`` may differ."""
     calls: dict[str, int] = {}
+    n = mask.numel()
 
     def visit(name: str, tensors: list[torch.Tensor], dims: tuple[int, ...]) -> None:
         index = calls[name] = calls.get(name, -1) + 1
-        same = index < len(base.get(name, [])) and len(tensors) == len(base[name][index]) and all(
-            _unchanged_elsewhere(a, _fingerprint(t, d, n), k)
-            for a, t, d in zip(base[name][index], tensors, dims))
-        if not same:
-            raise PrivacyError(f"module {name!r} mixes examples in its forward: changing example {label} "
-                               f"changed another example's activations. {_FIX}")
+        recorded = base.get(name, [])
+        if index >= len(recorded) or len(recorded[index]) != len(tensors):
+            raise PrivacyError(f"module {name!r} mixes examples in its forward: changing {_which(mask)} "
+                               f"changed how it is called. {_FIX}")
+        for before, t, d in zip(recorded[index], tensors, dims):
+            moved = _moved_elsewhere(before, _fingerprint(t, d, n), mask)
+            if moved is not None:
+                raise PrivacyError(f"module {name!r} mixes examples in its forward: changing {_which(mask)} "
+                                   f"changed {moved}. {_FIX}")
     return visit
 
 
-_CHUNK = 1 << 20  # elements multiplied at once by a fingerprint
+def _which(mask: torch.Tensor) -> str:
+    rows = mask.nonzero().flatten().tolist()
+    return f"example {rows[0]}" if len(rows) == 1 else f"examples {_listed(rows)}"
+
+
+def _listed(rows: list[int]) -> str:
+    return ", ".join(map(str, rows[:8])) + (", …" if len(rows) > 8 else "")
+
+
+_CHUNK = 1 << 20  # elements of a half-precision tensor converted at once by a fingerprint
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer type of each float's size
 
 
 @dataclass(frozen=True)
 class _Fingerprint:
-    """What the forward checks keep of one tensor instead of the tensor: its shape and a projection of
-    each example's values (of the whole tensor if it has no example dimension) on a fixed pattern,
-    accumulated in float64. A deterministic forward reproduces it bit for bit; a changed row changes its
-    projection (a change cancelling exactly against the pattern is a measure-zero coincidence)."""
+    """What the forward checks keep of one tensor instead of the tensor: its shape and, for each example
+    (for the whole tensor if it has no example dimension), a projection of its values on a fixed pattern
+    (float32; float64 for float64 tensors) and the wrapping integer sum of their bit patterns. A
+    deterministic forward reproduces both bit for bit. A changed row changes the checksum unless its bit
+    changes cancel modulo 2^32 (2^64 for float64) and the projection unless the change is within the
+    rounding of its sum or cancels against the pattern: both at once is a coincidence, not a pattern of
+    code (a change of one value always changes the checksum)."""
 
     shape: tuple[int, ...]
     batched: bool
     rows: torch.Tensor
+    checksums: torch.Tensor
 
 
 def _fingerprint(t: torch.Tensor, dim: int, n: int) -> _Fingerprint:
     batched = t.dim() > dim and t.shape[dim] == n
     flat = t.detach().movedim(dim, 0).flatten(1) if batched else t.detach().reshape(1, -1)
-    pattern = _pattern(flat[0]) + 2.0  # nowhere near zero
+    return _Fingerprint(tuple(t.shape), batched, _projection(flat), _checksums(flat))
+
+
+def _projection(flat: torch.Tensor) -> torch.Tensor:
+    dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    pattern = _pattern(flat[0].to(dtype)) + 2.0  # nowhere near zero
+    if flat.dtype == dtype:
+        return flat @ pattern
     rows = max(1, _CHUNK // max(1, flat.shape[1]))  # a few rows at a time: no copy of the whole tensor
-    projection = torch.cat([(flat[i:i + rows] * pattern).sum(1, dtype=torch.float64)
-                            for i in range(0, flat.shape[0], rows)])
-    return _Fingerprint(tuple(t.shape), batched, projection)
+    return torch.cat([flat[i:i + rows].to(dtype) @ pattern for i in range(0, flat.shape[0], rows)])
 
 
-def _unchanged_elsewhere(a: _Fingerprint, b: _Fingerprint, k: int) -> bool:
-    """Whether changing example k left the other examples as they were. A tensor without the batch in
-    its example dimension (a shared table, a mask) must not change at all."""
+def _checksums(flat: torch.Tensor) -> torch.Tensor:
+    bits = flat.contiguous().view(_BITS[flat.element_size()])
+    return bits.sum(1, dtype=torch.int64 if bits.dtype == torch.int64 else torch.int32)
+
+
+def _moved_elsewhere(a: _Fingerprint, b: _Fingerprint, mask: torch.Tensor) -> str | None:
+    """What moved outside the examples of ``mask`` between ``a`` and ``b`` (``None``: nothing). A tensor
+    without the batch in its example dimension (a shared table, a mask) must not change at all."""
     if a.shape != b.shape or a.batched != b.batched:
-        return False
+        return "the shape of its activations"
+    differs = (a.rows != b.rows) | (a.checksums != b.checksums)
     if not a.batched:
-        return torch.equal(a.rows, b.rows)
-    keep = torch.ones(a.rows.numel(), dtype=torch.bool, device=a.rows.device)
-    keep[k] = False
-    return torch.equal(a.rows[keep], b.rows[keep])
+        return "an activation shared by all examples" if differs.any() else None
+    moved = (differs & ~mask.to(differs.device)).nonzero()
+    return f"example {int(moved[0])}'s activations" if len(moved) else None
 
 
 def _rng_devices() -> list[int]:
@@ -158,73 +183,137 @@ def _rng_devices() -> list[int]:
     return list(range(torch.cuda.device_count()))
 
 
+@dataclass(frozen=True)
+class Probes:
+    """The examples one check changes and silences. Each mask in ``perturbed`` costs one forward pass: its
+    examples are changed and every other example's activations must stay as they were. Each mask in
+    ``zeroed`` costs one backward pass: its examples get zero loss weight and must get zero output
+    gradients. A pair of examples (i, j) in which j's data reaches i (forward or backward) is seen by a
+    mask holding j but not i."""
+
+    perturbed: tuple[torch.Tensor, ...]
+    zeroed: tuple[torch.Tensor, ...]
+
+    @staticmethod
+    def ends(n: int) -> Probes:
+        """The first and the last example, each alone (deterministic: for direct calls and tests). Mixing
+        that neither reaches nor leaves these two is not seen."""
+        masks = tuple(_mask(n, [k]) for k in (0, n - 1))
+        return Probes(masks, masks)
+
+
+class ProbeSchedule:
+    """When a private run checks example independence, and how: drawn from the run's randomness (secret
+    by default; in a seeded run keyed by the step, so that the run replays), so that a model cannot tell
+    a checked step from another.
+
+    Each step is checked with probability ``1/every``, independently. A check is a forward probe or a
+    gradient probe (probability ½ each; the run's first check runs both) on a random half of the batch:
+    each example in it with probability ½, drawn again while it holds all examples or none, independently
+    for each probe. A pair of examples (i, j) in which j's data reaches i's activations (seen by forward
+    probes) or output gradients (seen by gradient probes, which also see forward mixing after a trainable
+    unit that gradients flow through) is caught by a probe of a kind that sees it when j is in its half
+    and i is not: with probability ≥ 1/4 · 1/2 = 1/8 per check (≥ 1/4 when both kinds see it; at the first
+    check ≥ 1/4, and 7/16 when both kinds see it), independently from check to check. Mixing present in T
+    steps is missed by all of them with probability at most (1 − 1/(8·every))^T.
+    """
+
+    _KEY = 1 << 62  # keys of the run's randomness far beyond any step number the sampling uses
+
+    def __init__(self, randomness: Randomness):
+        self.randomness = randomness
+
+    def due(self, step: int, every: int) -> bool:
+        """Whether logical step ``step`` is checked (each step with probability ``1/every``)."""
+        return every == 1 or bool(self._draw(step, 0, 1, 1 / every)[0])
+
+    def probes(self, step: int, n: int, both: bool = False) -> Probes:
+        """Step ``step``'s probe of a batch of ``n`` ≥ 2 examples: one random half, for one kind (for
+        both kinds if ``both``)."""
+        if both:
+            return Probes((self._half(step, 2, n),), (self._half(step, 3, n),))
+        half = (self._half(step, 2, n),)
+        return Probes(half, ()) if self._draw(step, 1, 1, 0.5)[0] else Probes((), half)
+
+    def _half(self, step: int, purpose: int, n: int) -> torch.Tensor:
+        """A random subset of the n examples, neither empty nor all of them."""
+        for attempt in itertools.count():
+            mask = self._draw(step, purpose, n, 0.5, attempt)
+            if 0 < int(mask.sum()) < n:
+                return mask
+
+    def _draw(self, step: int, purpose: int, count: int, rate: float, attempt: int = 0) -> torch.Tensor:
+        """Each of ``count`` flags set with probability ``rate``; in a seeded run, keyed by (step, purpose,
+        attempt) on keys that no sampling step uses."""
+        return self.randomness.inclusion(self._KEY + ((4 * step + purpose) << 16) + attempt, count, rate)
+
+
+def _mask(n: int, rows: list[int]) -> torch.Tensor:
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[rows] = True
+    return mask
+
+
 def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: dict | None = None,
-                                seed: int = 0) -> None:
+                                seed: int = 0, probes: Probes | None = None) -> None:
     """Raise PrivacyError unless example i's activations and output gradients at every trainable unit
     depend on example i alone. ``args``/``kwargs`` are one real batch's root-call inputs, examples in
-    dimension 0 (at least 2). Costs three forwards without gradients, one with gradients and two
-    backwards, all on four of the batch's examples (the first two and the last two)."""
+    dimension 0 (at least 2). ``probes``: the examples changed and silenced, by default the first and the
+    last, each alone (a private run draws one probe on a random half, see :class:`ProbeSchedule`). Costs,
+    on the whole batch, one forward without gradients per changed mask (and one more if there is any),
+    and one forward with gradients plus one backward per silenced mask."""
     kwargs = kwargs or {}
     n = next((t.shape[0] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim()),
              0)
     if n < 2:
         raise ValueError("verify_example_independence needs a batch of at least 2 examples in dimension 0")
+    probes = probes or Probes.ends(n)
     units = [u for u in engine.units if any(p.requires_grad for p in u.direct.values())]
-    # The probes run on the first two and the last two examples: mixing by a batch statistic, a layout
-    # that is not batch-first, a custom Function or a hook shows on any two, and a small batch costs
-    # little time and memory. An input with n rows that is not batched (a shared [T, T] mask when T == n)
-    # is cut too; if the model then fails, the probes run on the whole batch.
-    rows = sorted({0, 1, n - 2, n - 1})
     with torch.random.fork_rng(devices=_rng_devices()), engine.no_capture():
-        try:
-            _check(model, units, *_rows(args, kwargs, n, rows), rows, seed)
-        except PrivacyError:
-            raise
-        except Exception:  # noqa: BLE001 - any failure of the cut batch: probe the whole batch instead
-            _check(model, units, args, kwargs, list(range(n)), seed)
+        if probes.perturbed:
+            _check_forward(model, units, args, kwargs, seed, probes.perturbed)
+        if probes.zeroed:
+            _check_gradients(model, units, args, kwargs, seed, probes.zeroed)
 
 
-def _check(model: nn.Module, units: list, args: tuple, kwargs: dict, rows: list[int], seed: int) -> None:
-    """Both probes on a batch whose examples are ``rows`` of the whole batch (for the messages)."""
-    _check_forward(model, units, args, kwargs, rows, seed)
-    _check_gradients(model, units, args, kwargs, rows, seed)
-
-
-def _check_forward(model: nn.Module, units: list, args: tuple, kwargs: dict, rows: list[int],
-                   seed: int) -> None:
-    """Changing the first (then the last) example must leave every other example's activations at every
-    trainable unit unchanged."""
-    n = len(rows)
+def _check_forward(model: nn.Module, units: list, args: tuple, kwargs: dict, seed: int,
+                   masks: tuple[torch.Tensor, ...]) -> None:
+    """Changing the examples of each mask must leave every other example's activations at every
+    trainable unit unchanged. Forwards without gradients, each unit call compared as it happens."""
+    n = masks[0].numel()
     with torch.no_grad():
         base: dict[str, list] = {}
         _forward(model, units, args, kwargs, seed, _record_fingerprints(base, n))
-        for k in (0, n - 1):
-            _forward(model, units, *_perturbed(args, kwargs, n, k), seed, _compare(base, n, k, rows[k]))
+        for mask in masks:
+            _forward(model, units, *_perturbed(args, kwargs, n, mask), seed, _compare(base, mask))
 
 
-def _check_gradients(model: nn.Module, units: list, args: tuple, kwargs: dict, rows: list[int],
-                     seed: int) -> None:
-    """With the loss weight of the first (then the last) example at zero, every output gradient of that
-    example at every trainable unit must be zero. ``rows`` are the examples' places in the whole batch
-    (for the message). Gradients are checked by hooks as the backward computes them and dropped; the
-    hooks hold no activation."""
-    n = len(rows)
-    probes = (0, n - 1)
-    probe = _Probe(rows=rows)
+def _check_gradients(model: nn.Module, units: list, args: tuple, kwargs: dict, seed: int,
+                     masks: tuple[torch.Tensor, ...]) -> None:
+    """For each mask, a backward of Σ w·output with the mask's examples weighted 0: every output gradient
+    of those examples at every trainable unit must be zero. Gradients are taken with respect to the
+    units' tensors only (no parameter gradient is formed, none is written to ``.grad``), checked by hooks
+    as the backward computes them and dropped; the hooks hold no activation."""
+    probe = _Probe()
     handles: list = []
+    hooked: list[torch.Tensor] = []
+    n = masks[0].numel()
+
+    def visit(name: str, tensors: list[torch.Tensor], dims: tuple[int, ...]) -> None:
+        for t, d in zip(tensors, dims):
+            if t.requires_grad:
+                handles.append(t.register_hook(_zero_at(probe, d, name)))
+                hooked.append(t)
     try:
-        output = _forward(model, units, args, kwargs, seed, _hook_gradients(probe, handles))
+        output = _forward(model, units, args, kwargs, seed, visit)
         batched = [t for t in _floats(output) if t.dim() and t.shape[0] == n and t.requires_grad]
-        params = [p for u in units for p in u.direct.values() if p.requires_grad]
-        if not handles or not batched:
+        if not hooked or not batched:
             return
-        for k in probes:
-            weights = [_pattern(t) for t in batched]  # the loss Σ w·output, example k weighted 0
-            for w in weights:
-                w[k] = 0
-            probe.example = k
-            torch.autograd.grad(batched, params, grad_outputs=weights, allow_unused=True,
-                                retain_graph=k != probes[-1])  # returned, dropped: never in .grad
+        for i, mask in enumerate(masks):
+            probe.mask = mask
+            weights = [_pattern(t) * (~mask.to(t.device)).reshape(-1, *[1] * (t.dim() - 1)) for t in batched]
+            torch.autograd.grad(batched, hooked, grad_outputs=weights, allow_unused=True,
+                                retain_graph=i < len(masks) - 1)  # returned, dropped
     finally:
         for handle in handles:
             handle.remove()
@@ -232,26 +321,19 @@ def _check_gradients(model: nn.Module, units: list, args: tuple, kwargs: dict, r
 
 @dataclass
 class _Probe:
-    """The example whose loss weight is zero in the current gradient probe, and the places in the whole
-    batch of the examples probed."""
+    """The examples whose loss weight is zero in the current gradient probe."""
 
-    rows: list[int]
-    example: int = 0
-
-
-def _hook_gradients(probe: _Probe, handles: list) -> Visit:
-    """A visit that hooks every unit tensor on the gradient path with a check of its gradient."""
-    def visit(name: str, tensors: list[torch.Tensor], dims: tuple[int, ...]) -> None:
-        handles.extend(t.register_hook(_zero_at(probe, d, name)) for t, d in zip(tensors, dims)
-                       if t.requires_grad)
-    return visit
+    mask: torch.Tensor | None = None
 
 
 def _zero_at(probe: _Probe, dim: int, name: str) -> Callable[[torch.Tensor], None]:
-    """A gradient hook refusing any nonzero gradient at the probed example of unit ``name``'s tensor."""
+    """A gradient hook refusing any nonzero gradient at the silenced examples of unit ``name``'s tensor."""
     def check(grad: torch.Tensor) -> None:
-        k = probe.example
-        if grad.movedim(dim, 0)[k].abs().sum() != 0:
-            raise PrivacyError(f"module {name!r} mixes examples in its backward: example {probe.rows[k]} has "
-                               f"zero loss weight but nonzero output gradients. {_FIX}")
+        rows = grad.movedim(dim, 0)
+        silenced = probe.mask.to(rows.device)
+        if rows.shape[0] != silenced.numel() or rows[silenced].abs().sum() == 0:
+            return
+        k = int((rows.flatten(1).abs().sum(1) != 0).logical_and(silenced).nonzero()[0])
+        raise PrivacyError(f"module {name!r} mixes examples in its backward: example {k} has "
+                           f"zero loss weight but nonzero output gradients. {_FIX}")
     return check

@@ -23,11 +23,15 @@ from ..data.poisson import StepSchedule
 from ..errors import PrivacyError
 from ..persample.accumulator import StepAccumulator
 from ..persample.engine import ClippingEngine
-from ..persample.independence import verify_example_independence
+from ..persample.independence import ProbeSchedule, verify_example_independence
 from ..privacy.ledger import Ledger
 from ..privacy.mechanisms import GradientRelease
+from ..privacy.randomness import Randomness
 from ..rules import Capture
 from .component import StepComponent, StepContext, StepReport, UpdateControl
+
+# The expected number of steps between two independence checks when ``verify_every`` is not given.
+CHECK_INTERVAL = 16
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -82,7 +86,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._check_parameters()
         self._trainable = frozenset(p for g in engine.groups for p in g.params)
+        # Each step is checked for example independence with probability 1/verify_every (the first one
+        # always), at steps drawn by ``probes`` from the run's randomness (make_private passes the run's).
         self.verify_every: int | None = None
+        self.probes = ProbeSchedule(Randomness())
         # Set by make_private under FSDP2, whose forward passes are collectives: whether every rank's flag
         # is True, so that every rank runs the independence check or none does.
         self.every_rank: Callable[[bool], bool] | None = None
@@ -181,8 +188,11 @@ class DPOptimizer(torch.optim.Optimizer):
 
     # -- the example-independence check
     def _verification_due(self, step: int) -> bool:
-        """Whether logical step ``step`` (1-based) checks example independence before its release."""
-        return not self.verified or (self.verify_every is not None and step % self.verify_every == 0)
+        """Whether logical step ``step`` (1-based) checks example independence before its release: until
+        a check has run, every step; then each step with probability ``1/verify_every``, drawn from the
+        run's randomness. Under FSDP2 the ranks agree (a step is checked if any rank drew it)."""
+        due = not self.verified or self.probes.due(step, self.verify_every or CHECK_INTERVAL)
+        return due if self.every_rank is None else not self.every_rank(not due)
 
     def _verify_independence(self) -> None:
         """Before a release that needs it, check on the step's first physical batch that no example's
@@ -195,13 +205,15 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.every_rank is not None and inputs is not None:  # a check is due: on every rank alike
             ready = self.every_rank(ready)
         if ready:
+            probes = self.probes.probes(self.ledger.steps + 1, _examples_in(inputs), both=not self.verified)
             try:
-                verify_example_independence(self.engine.model, self.engine, inputs.args, inputs.kwargs)
+                verify_example_independence(self.engine.model, self.engine, inputs.args, inputs.kwargs,
+                                            probes=probes)
             except PrivacyError:
                 self.accumulator.pop()
                 raise
             self.verified = True
-        self.engine.retain_inputs = self._verification_due(self.ledger.steps + 2)
+        self.engine.retain_inputs = self.schedule.checking = self._verification_due(self.ledger.steps + 2)
 
     # -- the private step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
