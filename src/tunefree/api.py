@@ -28,6 +28,7 @@ from .parallel.fsdp import (
 from .persample.accumulator import StepAccumulator
 from .persample.engine import ClippingEngine
 from .persample.independence import ProbeSchedule
+from .persample.inputs import InputProvenance
 from .privacy.canaries import CanaryRelease, GradientCanaries, canary_randomness
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
@@ -317,6 +318,8 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
         else StepAccumulator()
     clipping_engine = ClippingEngine(module, clip_groups, clip, loss_reduction, accumulator)
     clipping_engine.batch_source = schedule  # the Poisson loader tells the engine each batch's examples
+    if poisson_sampling:  # and what it handed out: the model must train on it
+        clipping_engine.input_provenance = InputProvenance(schedule)
     if not randomness.secure:  # a seeded run repeats bit for bit: no norm path picked by a timing
         clipping_engine.path_chooser = PathChooser(measure=False)
     if estimator is not None:

@@ -41,6 +41,7 @@ from ..rules import Capture, LayerRule, Materialized, PerSampleGrad, rule_for
 from ..rules.generic import fallback_per_sample_grads
 from ..rules.paths import PathChooser
 from .accumulator import StepAccumulator
+from .inputs import InputProvenance
 
 # Modules whose statistics mix the examples of a batch, with the replacement to suggest.
 SAMPLE_MIXING = {
@@ -156,6 +157,7 @@ class _PassState:
     in_backward: bool = False
     in_hook: bool = False  # the engine's own forward hooks are running (not the model's code)
     loss_scale: float = 1.0  # the GradScaler factor of this backward pass's loss
+    input_refusal: str | None = None  # why the model call's inputs must not train (InputProvenance)
 
 
 class ClippingEngine:
@@ -202,6 +204,8 @@ class ClippingEngine:
         self._handles: list[Any] = []
         self.accumulator = StepAccumulator() if accumulator is None else accumulator
         self.batch_source: BatchSource | None = None
+        # Set by make_private with the Poisson loader: checks that the model trains on the loader's batch.
+        self.input_provenance: InputProvenance | None = None
         self._pass = _PassState()
         self._recomputing = False
         self._suspended = 0
@@ -269,8 +273,12 @@ class ClippingEngine:
             raise ValueError(f"thresholds must name exactly the clip groups {sorted(self.thresholds)}")
         self.thresholds = {name: float(value) for name, value in thresholds.items()}
 
-    def _new_forward(self, args: tuple, kwargs: dict) -> None:
-        if self._capturing() and not self._pass.in_backward:
+    def _new_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        training = self._capturing() and not self._pass.in_backward
+        refusal = None
+        if self.input_provenance is not None:  # the model computes on the call's plain tensors
+            args, kwargs, refusal = self.input_provenance.model_call(args, kwargs, training)
+        if training:
             self._check_trainable_set()
             if self.retain_inputs and self.retained_inputs is None:
                 self.retained_inputs = _capture(args, kwargs)[0]
@@ -279,12 +287,14 @@ class ClippingEngine:
                 use.superseded = not use.done
                 use.done = True
             self._reset_pass()
+            self._pass.input_refusal = refusal
             self._pass.call_examples = _root_examples(args, kwargs) if self._serial() == 0 else None
             if self._has_fallback:  # only the fallback needs to tell batch data from the model's own
                 self._pass.batch_storages = _storages(_flatten_call(args, kwargs)[0])
                 self._pass.model_storages = _storages([*self.model.parameters(),
                                                        *self.model.buffers()])
         self._broadcast = self._broadcast_for(args, kwargs)
+        return None if self.input_provenance is None else (args, kwargs)
 
     def _broadcast_for(self, args: tuple, kwargs: dict) -> _Broadcast | None:
         """How to expand shared inputs in this model call: to the batch's examples by provenance, or,
@@ -506,6 +516,8 @@ class ClippingEngine:
 
     def _book_batch(self) -> None:
         """One backward pass per physical batch (without a loader: per logical step)."""
+        if self._pass.input_refusal is not None:
+            raise PrivacyError(self._pass.input_refusal)
         serial = self._serial()
         if not self.accumulator.book_batch(serial):
             what = "this batch" if serial else "this step (no private loader: one batch per step)"

@@ -14,7 +14,6 @@ random half of the batch.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -236,11 +235,13 @@ class ProbeSchedule:
         return Probes(half, ()) if self._draw(step, 1, 1, 0.5)[0] else Probes((), half)
 
     def _half(self, step: int, purpose: int, n: int) -> torch.Tensor:
-        """A random subset of the n examples, neither empty nor all of them."""
-        for attempt in itertools.count():
+        """A random subset of the n examples, neither empty nor all of them (drawn again up to 64 times,
+        then the first example alone: a fair source gets there with probability below 2^-64)."""
+        for attempt in range(64):
             mask = self._draw(step, purpose, n, 0.5, attempt)
             if 0 < int(mask.sum()) < n:
                 return mask
+        return _mask(n, [0])
 
     def _draw(self, step: int, purpose: int, count: int, rate: float, attempt: int = 0) -> torch.Tensor:
         """Each of ``count`` flags set with probability ``rate``; in a seeded run, keyed by (step, purpose,
