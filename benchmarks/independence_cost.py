@@ -9,7 +9,8 @@ gradients and the model's inputs are checked against them (``tunefree.data.prove
 ``--check`` (default): median (and range) time of one check, as a run draws it, against one private step
 (forward, backward, clipping, noise, ledger) of the same model, interleaved, one thread.
 ``--run``: the time of a whole run of ``--steps`` steps through the Poisson loader (q = ¼), with the
-checks at their default rate, against the same run with every check switched off, interleaved.
+checks at their default rate, against the same run with every check switched off, and against the run
+without the loader's provenance either (the cost of checking every step's batch), interleaved.
 ``--memory``: the peak memory of three private steps with the check (the first step runs it) and
 without it, each in a fresh process (glibc told to map every block over 128 KiB on its own, so that the
 process's peak RSS is the memory in use rather than what the allocator kept).
@@ -32,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
+from tunefree.data.provenance import plain
 
 sys.path.insert(0, str(Path(__file__).parent))
 from models import BENCHMARKS, benchmark  # noqa: E402
@@ -73,21 +75,27 @@ def measure_check(name: str, repeats: int) -> tuple[list[float], list[float]]:
     return checks, steps
 
 
-def _run(name: str, steps: int, checks: bool) -> float:
-    """Seconds of a run of ``steps`` private steps of ``name`` through the Poisson loader (q = ¼), with
-    the independence checks at their default rate or none at all."""
+def _run(name: str, steps: int, mode: str) -> float:
+    """Seconds of a run of ``steps`` private steps of ``name`` through the Poisson loader (q = ¼):
+    ``"checked"`` as a run is (the independence and input checks at their default rate), ``"unchecked"``
+    with no check at all (the loader's batches still carry their provenance, checked at each model call),
+    ``"bare"`` without provenance either (for this measurement only)."""
     torch.manual_seed(0)
     model, x, y, loss_fn = benchmark(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     data = TensorDataset(x.repeat(4, *[1] * (x.dim() - 1)), y.repeat(4, *[1] * (y.dim() - 1)))
     engine = tunefree.make_private(model, optimizer, DataLoader(data, batch_size=len(x)),
                                    noise_multiplier=1.0, target_delta=1e-4, steps=steps, seed=0)
-    if not checks:  # for this measurement only: no check at all
+    if mode != "checked":
         engine.optimizer.verified, engine.optimizer.verify_every = True, 10**9
         engine.clipping_engine.retain_inputs = engine.schedule.checking = False
+    if mode == "bare":
+        engine.clipping_engine.input_provenance = None
     start = time.perf_counter()
     while engine.steps < steps:
         for xb, yb in engine.data_loader:
+            if mode == "bare":
+                xb, yb = plain(xb), plain(yb)
             engine.optimizer.zero_grad()
             loss_fn(model(xb), yb).backward()
             engine.optimizer.step()
@@ -96,13 +104,16 @@ def _run(name: str, steps: int, checks: bool) -> float:
     return time.perf_counter() - start
 
 
-def measure_run(name: str, steps: int, repeats: int) -> tuple[list[float], list[float]]:
-    """Run times with the default checks and with none, interleaved."""
-    with_checks, without = [], []
+MODES = ("checked", "unchecked", "bare")
+
+
+def measure_run(name: str, steps: int, repeats: int) -> dict[str, list[float]]:
+    """Run times of each mode, interleaved."""
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for _ in range(repeats):
-        with_checks.append(_run(name, steps, True))
-        without.append(_run(name, steps, False))
-    return with_checks, without
+        for mode in MODES:
+            times[mode].append(_run(name, steps, mode))
+    return times
 
 
 def _rss_mb(field: str) -> float:
@@ -159,11 +170,14 @@ def main() -> None:
             print(f"{name:<10} {peak_memory(name, True):9.0f}MB {peak_memory(name, False):7.0f}MB")
         return
     if args.run:
-        print(f"{'model':<10} {'run with checks':>28} {'without':>28} {'overhead':>9}")
+        print(f"{'model':<10} {'checked (as a run is)':>28} {'no check':>28} {'no provenance':>28} "
+              f"{'checks':>7} {'provenance':>10}")
         for name in args.models:
-            with_checks, without = measure_run(name, args.steps, args.repeats)
-            overhead = statistics.median(with_checks) / statistics.median(without) - 1
-            print(f"{name:<10} {_summary(with_checks):>28} {_summary(without):>28} {overhead:8.1%}")
+            times = measure_run(name, args.steps, args.repeats)
+            median = {mode: statistics.median(t) for mode, t in times.items()}
+            print(f"{name:<10} " + " ".join(f"{_summary(times[mode]):>28}" for mode in MODES)
+                  + f" {median['checked'] / median['unchecked'] - 1:7.1%}"
+                  + f" {median['unchecked'] / median['bare'] - 1:10.1%}")
         return
     print(f"{'model':<10} {'check':>28} {'step':>28} {'check/step':>11}")
     for name in args.models:
