@@ -22,7 +22,7 @@ from tunefree.clipping.functions import ClipFunction
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
 from tunefree.persample.independence import ProbeSchedule, verify_example_independence
-from tunefree.privacy.randomness import Randomness
+from tunefree.privacy.randomness import NoiseSource, SecretSource, SeededSource
 
 N = 8  # examples, all in every batch (q = 1)
 
@@ -121,7 +121,7 @@ def test_one_check_catches_one_mixing_pair_with_the_stated_probability(model, ex
     net = model()
     engine = ClippingEngine(net, make_groups(net, "all-layer", 1.0), ClipFunction("abadi"), "sum")
     x = torch.randn(N, 3)
-    schedule = ProbeSchedule(Randomness(seed=11))
+    schedule = ProbeSchedule(SeededSource(11))
     caught = 0
     for step in range(1, 401):
         try:
@@ -134,21 +134,21 @@ def test_one_check_catches_one_mixing_pair_with_the_stated_probability(model, ex
 
 
 def test_the_checked_steps_are_random_at_the_stated_rate_and_replay_with_the_seed():
-    def schedule(randomness: Randomness) -> list[bool]:
+    def schedule(randomness: NoiseSource) -> list[bool]:
         probes = ProbeSchedule(randomness)
         return [probes.due(step, 16) for step in range(1, 4001)]
 
-    seeded = schedule(Randomness(seed=3))
+    seeded = schedule(SeededSource(3))
     assert abs(sum(seeded) - 250) <= 3 * (4000 / 16 * 15 / 16) ** 0.5  # binomial(4000, 1/16)
-    assert seeded == schedule(Randomness(seed=3))  # a seeded run replays its checks
-    assert seeded != schedule(Randomness(seed=4))
-    assert schedule(Randomness()) != schedule(Randomness())  # secret: no two runs alike
-    every_step = ProbeSchedule(Randomness())
+    assert seeded == schedule(SeededSource(3))  # a seeded run replays its checks
+    assert seeded != schedule(SeededSource(4))
+    assert schedule(SecretSource()) != schedule(SecretSource())  # secret: no two runs alike
+    every_step = ProbeSchedule(SecretSource())
     assert all(every_step.due(step, 1) for step in range(1, 50))
 
 
 def test_each_probe_is_one_kind_on_a_proper_random_half_and_the_first_check_runs_both():
-    schedule = ProbeSchedule(Randomness(seed=5))
+    schedule = ProbeSchedule(SeededSource(5))
     kinds = []
     for step in range(1, 501):
         probes = schedule.probes(step, 3)

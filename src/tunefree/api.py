@@ -33,7 +33,7 @@ from .privacy.canaries import CanaryRelease, GradientCanaries, canary_randomness
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
 from .privacy.plan import CountShare, LossShare, Plan, data_digest
-from .privacy.randomness import Randomness, run_randomness
+from .privacy.randomness import NoiseSource, run_randomness
 from .rules.paths import PathChooser
 from .run import DPEngine
 from .step.component import StepComponent
@@ -81,6 +81,7 @@ def make_private(
     lr: str | AutoLR | None = None,
     verify_every: int | None = None,
     audit_canaries: int | None = None,
+    batch_dim: int | Mapping[str, int] = 0,
 ) -> DPEngine:
     """Make ``model`` train with an (ε, δ)-DP guarantee, accounted exactly from every release.
 
@@ -148,6 +149,15 @@ def make_private(
         verify_every: besides the check before the first release, each step checks example
             independence (``tunefree.independence``) with probability 1/verify_every, at steps drawn
             from the run's secret randomness (``None``: 16, about 4% of the run's time; 1: every step).
+        batch_dim: where the model's layers carry the examples of a batch, for layers whose type does not
+            fix it (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, HF ``Conv1D``, custom
+            modules): ``0`` (batch-first, the default), another dimension for the whole model and its
+            inputs (``1``: time-major ``[T, B, …]``), or a mapping from module names to dimensions (``""``:
+            the model itself; a module takes its closest named ancestor's entry), e.g.
+            ``{"encoder": 1}``. Recurrent layers and ``nn.MultiheadAttention`` follow their
+            ``batch_first``, convolutions and GroupNorm dimension 0. Privacy does not rest on it: a layer
+            whose tensors do not show the batch's examples where declared is refused, and so is one whose
+            examples mix (``verify_every``).
         audit_canaries: m, audit this run (``tunefree.audit.audit_training(engine)`` after training):
             m gradient canaries, each a member with probability ½, released with the gradient on a
             block of coordinates outside the model (``tunefree.privacy.canaries``). They touch no
@@ -172,7 +182,8 @@ def make_private(
         poisson_sampling=poisson_sampling, max_physical_batch_size=max_physical_batch_size,
         physical_batch_size=physical_batch_size, clip_gamma=clip_gamma, psac_r=psac_r,
         noise_allocation=noise_allocation, thresholds=thresholds, target_quantile=target_quantile,
-        quantile_lr=quantile_lr, quantile_budget=quantile_budget, lr=lr, verify_every=verify_every)
+        quantile_lr=quantile_lr, quantile_budget=quantile_budget, lr=lr, verify_every=verify_every,
+        batch_dim=batch_dim)
     quantile, max_physical_batch_size = options.quantile, options.physical_batch_size
     auto = options.auto_lr
     if not isinstance(data_loader, DataLoader):
@@ -215,7 +226,7 @@ def make_private(
         audit_canaries, clip_groups, plan.sample_rate, canary_randomness(seed))
     return _build_engine(plan, model, optimizer, loader, randomness, schedule, clip, clip_groups,
                          quantile, noise_allocation, loss_reduction, poisson_sampling,
-                         options.verify_every, parallel, canaries)
+                         options.verify_every, parallel, canaries, options.batch_dim)
 
 
 def _dog(optimizer: torch.optim.Optimizer, release: GradientRelease, plan: Plan) -> DistanceOverGradients:
@@ -274,11 +285,12 @@ def _run_settings(clip: ClipFunction, groups: list[ClipGroup], quantile: Quantil
 
 
 def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any,
-                  randomness: Randomness, schedule: StepSchedule, clip: ClipFunction,
+                  randomness: NoiseSource, schedule: StepSchedule, clip: ClipFunction,
                   clip_groups: list[ClipGroup], quantile: QuantileSettings | None,
                   noise_allocation: str, loss_reduction: str, poisson_sampling: bool,
                   verify_every: int | None, parallel: DataParallel | ShardedDataParallel | None = None,
-                  canaries: GradientCanaries | None = None) -> DPEngine:
+                  canaries: GradientCanaries | None = None, batch_dim: int | Mapping[str, int] = 0
+                  ) -> DPEngine:
     """The run's parts, with every noise read off the solved ``plan``."""
     auto_lr = None
     if plan.losses is not None:
@@ -316,11 +328,11 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
     # The engine books into it, the optimizer releases from it; FSDP2 keeps only this rank's shards.
     accumulator = ShardedAccumulator(parallel, clip_groups) if isinstance(parallel, ShardedDataParallel) \
         else StepAccumulator()
-    clipping_engine = ClippingEngine(module, clip_groups, clip, loss_reduction, accumulator)
+    clipping_engine = ClippingEngine(module, clip_groups, clip, loss_reduction, accumulator, batch_dim)
     clipping_engine.batch_source = schedule  # the Poisson loader tells the engine each batch's examples
     if poisson_sampling:  # and what it handed out: the model must train on it
-        clipping_engine.input_provenance = InputProvenance(schedule)
-    if not randomness.secure:  # a seeded run repeats bit for bit: no norm path picked by a timing
+        clipping_engine.input_provenance = InputProvenance(schedule, clipping_engine.declared.root)
+    if randomness.replayable:  # a seeded run repeats bit for bit: no norm path picked by a timing
         clipping_engine.path_chooser = PathChooser(measure=False)
     if estimator is not None:
         clipping_engine.set_thresholds(estimator.thresholds())

@@ -15,14 +15,16 @@ random half of the batch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..errors import PrivacyError
-from ..privacy.randomness import Randomness
+from ..privacy.randomness import NoiseSource
+from ..rules.layout import Axis, Dim, Structure
+from .layout import layout_hint
 
 _FIX = ("Keep the example dimension first (batch_first=True), use no batch statistics (e.g. h - h.mean(0), "
         "BatchNorm), and no custom autograd.Function or hook that mixes examples.")
@@ -38,20 +40,24 @@ def _pattern(like: torch.Tensor) -> torch.Tensor:
     return torch.cos(index * 0.7 + 0.3).reshape(like.shape)
 
 
-def _perturbed(args: tuple, kwargs: dict, n: int, mask: torch.Tensor) -> tuple[tuple, dict]:
-    """Change the examples of ``mask`` in every batched tensor input: floats get a pattern added,
-    integers take the next example's values."""
-    rows = torch.arange(n)
-    source = torch.where(mask, (rows + 1) % n, rows)
+def _perturbed(args: tuple, kwargs: dict, n: int, mask: torch.Tensor, dim: int = 0) -> tuple[tuple, dict]:
+    """Change the examples of ``mask`` in every batched tensor input (``n`` in dimension ``dim``): floats
+    get a pattern added, integers take the next example's values (the last one its predecessor's, unless
+    that one changes too). A batch whose rows are in order (sorted lengths) stays in order."""
+    index = torch.arange(n)
+    source = torch.where(mask, (index + 1).clamp(max=n - 1), index)
+    if mask[-1] and n > 1 and not mask[-2]:
+        source[-1] = n - 2
 
     def change(t: object) -> object:
-        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n:
+        if not isinstance(t, torch.Tensor) or t.dim() <= dim or t.shape[dim] != n:
             return t
         if not t.is_floating_point():
-            return t.detach()[source.to(t.device)]
+            return t.detach().index_select(dim, source.to(t.device))
         t = t.detach().clone()
+        rows = t.movedim(dim, 0)  # a view: writing its rows writes t
         where = mask.to(t.device)
-        t[where] += _pattern(t[where]) + 1.0
+        rows[where] += _pattern(rows[where]) + 1.0
         return t
     return tuple(change(a) for a in args), {key: change(v) for key, v in kwargs.items()}
 
@@ -64,21 +70,66 @@ def _seed(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-Visit = Callable[[str, list[torch.Tensor], tuple[int, ...]], None]
+@dataclass(frozen=True)
+class _Seen:
+    """One float tensor of a unit call, as the checks read it: which input or output it is, and its
+    axis (where the call's layout puts its examples; ``None``: not per example, it must not change)."""
+
+    what: str
+    tensor: torch.Tensor
+    axis: Axis | None
+
+
+Visit = Callable[[object, list[_Seen]], None]
+
+
+def _seen(unit, args: tuple, kwargs: dict, output: object) -> list[_Seen]:
+    """A unit call's float inputs and outputs, each with its axis from the call's layout, and its inputs
+    that say where the examples are (offsets, batch sizes: axis :class:`Structure`, any dtype)."""
+    outs = _floats(output)
+    layout = unit.layout(args, kwargs, len(outs))
+    leaves = tree_flatten((args, kwargs))[0]
+    inputs = [_Seen(f"input {i}", x, a) for i, (x, a) in enumerate(zip(leaves, layout.inputs))
+              if isinstance(x, torch.Tensor) and (x.is_floating_point() or isinstance(a, Structure))]
+    return inputs + [_Seen(f"output {i}", t, a) for i, (t, a) in enumerate(zip(outs, layout.outputs))]
+
+
+def _values(seen: list[_Seen]) -> list[_Seen]:
+    """The tensors whose values the forward check compares (not the structure of the examples, which
+    may move when one example's length changes)."""
+    return [s for s in seen if not isinstance(s.axis, Structure)]
+
+
+def _storage(x: torch.Tensor) -> int:
+    return x.untyped_storage().data_ptr() if x.layout == torch.strided else id(x)
+
+
+def _refuse_structure_from_inputs(unit, seen: list[_Seen], model_inputs: set[int]) -> None:
+    """A tensor saying where the examples are (a bag's offsets, a PackedSequence's batch sizes), taken
+    straight from the model's inputs: changing one example's row of the inputs would move the others."""
+    for s in seen:
+        if isinstance(s.axis, Structure) and _storage(s.tensor) in model_inputs:
+            raise PrivacyError(
+                f"module {unit.name!r} ({type(unit.module).__name__}) takes its {s.what} (shape "
+                f"{tuple(s.tensor.shape)}), which says where each example's values are "
+                f"({s.axis.describe()}), "
+                "straight from the model's inputs: tunefree checks example independence by changing one "
+                "example's rows of the model's inputs, and cannot tell which of the other inputs' values "
+                "belong to that example. Give the model each example's values as one row, padded, with "
+                "their lengths (e.g. ids [B, L] and lengths [B]), and build the offsets or the packed "
+                "sequence inside forward (nn.EmbeddingBag also takes the padded ids [B, L] directly, "
+                "with padding_idx marking the padding)")
 
 
 def _forward(model: nn.Module, units: list, args: tuple, kwargs: dict, seed: int, visit: Visit) -> object:
-    """One forward under a fixed seed; ``visit(unit name, tensors, example dims)`` sees each call of a
-    trainable unit (its float inputs and outputs) as it happens. Returns the model output."""
+    """One forward under a fixed seed; ``visit(unit, seen)`` sees each call of a trainable unit (its float
+    inputs and outputs) as it happens. Returns the model output."""
     def hook_for(unit):
-        def hook(module, inputs, output):
-            outs = _floats(output)
-            rule = unit.rule
-            dims = rule.output_batch_dims(module, len(outs)) if rule is not None else (0,) * len(outs)
-            visit(unit.name, _floats(inputs) + outs, (0,) * len(_floats(inputs)) + tuple(dims))
+        def hook(module, args, kwargs, output):
+            visit(unit, _seen(unit, args, kwargs, output))
         return hook
 
-    handles = [u.module.register_forward_hook(hook_for(u)) for u in units]
+    handles = [u.module.register_forward_hook(hook_for(u), with_kwargs=True) for u in units]
     try:
         _seed(seed)
         return model(*args, **kwargs)
@@ -87,92 +138,168 @@ def _forward(model: nn.Module, units: list, args: tuple, kwargs: dict, seed: int
             h.remove()
 
 
-def _record_fingerprints(records: dict[str, list], n: int) -> Visit:
-    """A visit that keeps every call's fingerprints (not its activations), by unit name in call order."""
-    def visit(name: str, tensors: list[torch.Tensor], dims: tuple[int, ...]) -> None:
-        records.setdefault(name, []).append([_fingerprint(t, d, n) for t, d in zip(tensors, dims)])
+@dataclass(frozen=True)
+class _Call:
+    """What the forward check keeps of one unit call: its tensors' fingerprints, and its structure
+    tensors (a bag's offsets, a PackedSequence's batch sizes: a few integers each)."""
+
+    fingerprints: list
+    structure: list[torch.Tensor]
+
+
+def _structure(seen: list[_Seen]) -> list[torch.Tensor]:
+    return [s.tensor.detach().clone() for s in seen if isinstance(s.axis, Structure)]
+
+
+def _record_fingerprints(records: dict[str, list], n: int, model_inputs: set[int]) -> Visit:
+    """A visit that keeps every call's fingerprints (not its activations), by unit name in call order;
+    ``model_inputs``: the storages of the model's per-example inputs."""
+    structured = [False]  # a call with structure seen: from there on, keep the rows' magnitudes too
+
+    def visit(unit, seen: list[_Seen]) -> None:
+        _refuse_structure_from_inputs(unit, seen, model_inputs)
+        structure = _structure(seen)
+        structured[0] |= bool(structure)
+        fingerprints = [_fingerprint(s.tensor, s.axis, n, magnitude=structured[0]) for s in _values(seen)]
+        records.setdefault(unit.name, []).append(_Call(fingerprints, structure))
     return visit
 
 
-def _compare(base: dict[str, list], mask: torch.Tensor) -> Visit:
+def _compare(base: dict[str, list], n: int, mask: torch.Tensor) -> Visit:
     """A visit that checks each call against the same call of ``base`` as it happens: only the examples
     of ``mask`` may differ."""
     calls: dict[str, int] = {}
-    n = mask.numel()
+    regrouped = [False]  # whether a call's structure (hence the kernels' grouping of examples) changed
 
-    def visit(name: str, tensors: list[torch.Tensor], dims: tuple[int, ...]) -> None:
-        index = calls[name] = calls.get(name, -1) + 1
-        recorded = base.get(name, [])
-        if index >= len(recorded) or len(recorded[index]) != len(tensors):
-            raise PrivacyError(f"module {name!r} mixes examples in its forward: changing {_which(mask)} "
-                               f"changed how it is called. {_FIX}")
-        for before, t, d in zip(recorded[index], tensors, dims):
-            moved = _moved_elsewhere(before, _fingerprint(t, d, n), mask)
-            if moved is not None:
-                raise PrivacyError(f"module {name!r} mixes examples in its forward: changing {_which(mask)} "
-                                   f"changed {moved}. {_FIX}")
+    def visit(unit, seen: list[_Seen]) -> None:
+        index = calls[unit.name] = calls.get(unit.name, -1) + 1
+        before = base.get(unit.name, [])
+        structure, seen = _structure(seen), _values(seen)
+        if index >= len(before) or len(seen) != len(before[index].fingerprints):
+            raise PrivacyError(f"module {unit.name!r} mixes examples in its forward: changing {_which(mask)} "
+                               f"changed which tensors it is called with. {_FIX}")
+        call = before[index]
+        regrouped[0] |= len(structure) != len(call.structure) or not all(
+            torch.equal(x, y) for x, y in zip(structure, call.structure))
+        for a, s in zip(call.fingerprints, seen):
+            b = _fingerprint(s.tensor, s.axis, n, magnitude=a.magnitude is not None)
+            if not _unchanged_elsewhere(a, b, mask, regrouped[0]):
+                raise PrivacyError(_forward_mixing(unit, s, a, b, mask))
     return visit
 
 
-def _which(mask: torch.Tensor) -> str:
+def _which(mask: torch.Tensor, noun: str = "example") -> str:
+    """``example 3`` for one example, ``examples 0, 2, 5`` for several (the first eight named)."""
     rows = mask.nonzero().flatten().tolist()
-    return f"example {rows[0]}" if len(rows) == 1 else f"examples {_listed(rows)}"
+    if len(rows) == 1:
+        return f"{noun} {rows[0]}"
+    return f"{noun}s " + ", ".join(map(str, rows[:8])) + (", …" if len(rows) > 8 else "")
 
 
-def _listed(rows: list[int]) -> str:
-    return ", ".join(map(str, rows[:8])) + (", …" if len(rows) > 8 else "")
+def _forward_mixing(unit, seen: _Seen, a: _Fingerprint, b: _Fingerprint, mask: torch.Tensor) -> str:
+    where = "as a whole (not per example)" if not a.batched else \
+        f"with its examples in {seen.axis.describe()}"
+    found = next((dim for dim in a.other_dims if _unchanged_elsewhere(a.other_dims[dim],
+                                                                      b.other_dims.get(dim), mask)), None)
+    hint = _FIX if found is None or not isinstance(seen.axis, Dim) else \
+        f"Changing {_which(mask)} changed only {_which(mask, 'row')} of dimension {found} of this " + \
+        "tensor: " + layout_hint(unit.name, unit.module, unit.rule, seen.axis.dim, found) + "."
+    return (f"module {unit.name!r} mixes examples in its forward: changing {_which(mask)} changed another "
+            f"example's activations in its {seen.what} (shape {tuple(seen.tensor.shape)}, read {where}). "
+            f"{hint}")
 
 
-_CHUNK = 1 << 20  # elements of a half-precision tensor converted at once by a fingerprint
+_CHUNK = 1 << 20  # elements converted or multiplied at once by a fingerprint
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer type of each float's size
 
 
 @dataclass(frozen=True)
 class _Fingerprint:
     """What the forward checks keep of one tensor instead of the tensor: its shape and, for each example
-    (for the whole tensor if it has no example dimension), a projection of its values on a fixed pattern
-    (float32; float64 for float64 tensors) and the wrapping integer sum of their bit patterns. A
-    deterministic forward reproduces both bit for bit. A changed row changes the checksum unless its bit
-    changes cancel modulo 2^32 (2^64 for float64) and the projection unless the change is within the
-    rounding of its sum or cancels against the pattern: both at once is a coincidence, not a pattern of
-    code (a change of one value always changes the checksum)."""
+    (for the whole tensor if it has no example axis), a projection of its values on a fixed pattern and
+    the wrapping integer sum of their bit patterns. A deterministic forward reproduces both bit for bit;
+    a changed value always changes the checksum (several changes could cancel modulo 2^32, 2^64 for
+    float64, and within the projection's rounding at once: a coincidence, not a pattern of code).
+    With ``magnitude`` (kept after a call with example structure, where rounding may be tolerated) the
+    projection is accumulated in float64, with each row's |values| on |pattern|, and no checksum.
+    ``other_dims``: for a tensor with its examples along a dimension, the fingerprints along its other
+    dimensions of the batch's size, which say where a change went when it is not where the layout says."""
 
     shape: tuple[int, ...]
     batched: bool
     rows: torch.Tensor
-    checksums: torch.Tensor
+    magnitude: torch.Tensor | None  # each row's |values| on |pattern|: the scale of its rounding (if kept)
+    eps: float  # the tensor's machine epsilon
+    other_dims: dict[int, _Fingerprint] = field(default_factory=dict)
+    checksums: torch.Tensor | None = None
 
 
-def _fingerprint(t: torch.Tensor, dim: int, n: int) -> _Fingerprint:
-    batched = t.dim() > dim and t.shape[dim] == n
-    flat = t.detach().movedim(dim, 0).flatten(1) if batched else t.detach().reshape(1, -1)
-    return _Fingerprint(tuple(t.shape), batched, _projection(flat), _checksums(flat))
+def _fingerprint(t: torch.Tensor, axis: Axis | None, n: int, others: bool = True,
+                 magnitude: bool = False) -> _Fingerprint:
+    t = t.detach()
+    batched = axis is not None and axis.examples(t) == n
+    rows = axis.batch_first(t) if batched else t.reshape(1, -1)
+    other_dims = {}
+    if others and isinstance(axis, Dim):
+        other_dims = {dim: _fingerprint(t, Dim(dim), n, others=False)
+                      for dim in range(t.dim()) if dim != axis.dim and t.shape[dim] == n}
+    # Packed sequences and bags are padded to the longest example, which a changed example may change.
+    shape = (n,) if batched and not isinstance(axis, Dim) else tuple(t.shape)
+    flat = rows.reshape(rows.shape[0], -1)
+    eps = torch.finfo(t.dtype).eps if t.is_floating_point() else 0.0
+    if magnitude:
+        return _Fingerprint(shape, batched, _projection(flat), _projection(flat, absolute=True), eps,
+                            other_dims)
+    return _Fingerprint(shape, batched, _fast_projection(flat), None, eps, other_dims, _checksums(flat))
 
 
-def _projection(flat: torch.Tensor) -> torch.Tensor:
+def _projection(flat: torch.Tensor, absolute: bool = False) -> torch.Tensor:
+    """Each row of ``flat`` projected on a fixed pattern (``absolute``: |row| on |pattern|), in float64."""
+    pattern = _pattern(flat[0]) + 2.0  # nowhere near zero, and positive
+    rows = max(1, _CHUNK // max(1, flat.shape[1]))  # a few rows at a time: no copy of the whole tensor
+    return torch.cat([((flat[i:i + rows].abs() if absolute else flat[i:i + rows]) * pattern)
+                      .sum(1, dtype=torch.float64) for i in range(0, flat.shape[0], rows)])
+
+
+def _fast_projection(flat: torch.Tensor) -> torch.Tensor:
+    """Each row of ``flat`` projected on the pattern: one matrix-vector product, in float32 (float64 for
+    float64 tensors)."""
     dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
-    pattern = _pattern(flat[0].to(dtype)) + 2.0  # nowhere near zero
+    pattern = _pattern(flat[0].to(dtype)) + 2.0
     if flat.dtype == dtype:
         return flat @ pattern
-    rows = max(1, _CHUNK // max(1, flat.shape[1]))  # a few rows at a time: no copy of the whole tensor
+    rows = max(1, _CHUNK // max(1, flat.shape[1]))  # a few rows converted at a time
     return torch.cat([flat[i:i + rows].to(dtype) @ pattern for i in range(0, flat.shape[0], rows)])
 
 
 def _checksums(flat: torch.Tensor) -> torch.Tensor:
+    """Each row's wrapping sum of its values' bit patterns (integer addition: the same in any order)."""
     bits = flat.contiguous().view(_BITS[flat.element_size()])
     return bits.sum(1, dtype=torch.int64 if bits.dtype == torch.int64 else torch.int32)
 
 
-def _moved_elsewhere(a: _Fingerprint, b: _Fingerprint, mask: torch.Tensor) -> str | None:
-    """What moved outside the examples of ``mask`` between ``a`` and ``b`` (``None``: nothing). A tensor
-    without the batch in its example dimension (a shared table, a mask) must not change at all."""
-    if a.shape != b.shape or a.batched != b.batched:
-        return "the shape of its activations"
-    differs = (a.rows != b.rows) | (a.checksums != b.checksums)
-    if not a.batched:
-        return "an activation shared by all examples" if differs.any() else None
-    moved = (differs & ~mask.to(differs.device)).nonzero()
-    return f"example {int(moved[0])}'s activations" if len(moved) else None
+# When a call's structure changes (one example's length moves a PackedSequence's batch sizes), kernels
+# group the other examples differently and may round their values differently: only a change beyond this
+# many units of rounding (relative to each row's magnitude) counts then.
+_REGROUPED_ROUNDING = 256
+
+
+def _unchanged_elsewhere(a: _Fingerprint, b: _Fingerprint | None, mask: torch.Tensor,
+                         regrouped: bool = False) -> bool:
+    """Whether changing the examples of ``mask`` left the other examples as they were: bit for bit, or,
+    once the examples' grouping changed (``regrouped``), within rounding. A tensor without the batch on
+    its example axis (a shared table, a mask) must not change at all."""
+    if b is None or a.shape != b.shape or a.batched != b.batched:
+        return False
+    keep = ~mask.to(a.rows.device) if a.batched else torch.ones(a.rows.numel(), dtype=torch.bool,
+                                                                 device=a.rows.device)
+    if regrouped and a.magnitude is not None and b.magnitude is not None:
+        bound = _REGROUPED_ROUNDING * a.eps * torch.maximum(a.magnitude, b.magnitude)
+        return bool(((a.rows - b.rows).abs() <= bound)[keep].all())
+    same = torch.equal(a.rows[keep], b.rows[keep])
+    if a.checksums is not None and b.checksums is not None:
+        same = same and torch.equal(a.checksums[keep], b.checksums[keep])
+    return same
 
 
 def _rng_devices() -> list[int]:
@@ -187,24 +314,24 @@ class Probes:
     """The examples one check changes and silences. Each mask in ``perturbed`` costs one forward pass: its
     examples are changed and every other example's activations must stay as they were. Each mask in
     ``zeroed`` costs one backward pass: its examples get zero loss weight and must get zero output
-    gradients. A pair of examples (i, j) in which j's data reaches i (forward or backward) is seen by a
-    mask holding j but not i."""
+    gradients. A pair of examples (i, j) in which j's data reaches i is seen by a mask of the right kind
+    holding j but not i."""
 
     perturbed: tuple[torch.Tensor, ...]
     zeroed: tuple[torch.Tensor, ...]
 
     @staticmethod
     def ends(n: int) -> Probes:
-        """The first and the last example, each alone (deterministic: for direct calls and tests). Mixing
-        that neither reaches nor leaves these two is not seen."""
+        """The first and the last example, each alone, for both kinds (deterministic: for direct calls and
+        tests). Mixing that neither reaches nor leaves these two is not seen."""
         masks = tuple(_mask(n, [k]) for k in (0, n - 1))
         return Probes(masks, masks)
 
 
 class ProbeSchedule:
-    """When a private run checks example independence, and how: drawn from the run's randomness (secret
-    by default; in a seeded run keyed by the step, so that the run replays), so that a model cannot tell
-    a checked step from another.
+    """When a private run checks example independence, and how: drawn from the run's noise source
+    (secret by default; in a seeded run keyed by the step, so that the run replays), so that a model
+    cannot tell a checked step from another.
 
     Each step is checked with probability ``1/every``, independently. A check is a forward probe or a
     gradient probe (probability ½ each; the run's first check runs both) on a random half of the batch:
@@ -219,7 +346,7 @@ class ProbeSchedule:
 
     _KEY = 1 << 62  # keys of the run's randomness far beyond any step number the sampling uses
 
-    def __init__(self, randomness: Randomness):
+    def __init__(self, randomness: NoiseSource):
         self.randomness = randomness
 
     def due(self, step: int, every: int) -> bool:
@@ -228,7 +355,7 @@ class ProbeSchedule:
 
     def probes(self, step: int, n: int, both: bool = False) -> Probes:
         """Step ``step``'s probe of a batch of ``n`` ≥ 2 examples: one random half, for one kind (for
-        both kinds if ``both``)."""
+        both kinds, on independent halves, if ``both``)."""
         if both:
             return Probes((self._half(step, 2, n),), (self._half(step, 3, n),))
         half = (self._half(step, 2, n),)
@@ -256,85 +383,113 @@ def _mask(n: int, rows: list[int]) -> torch.Tensor:
 
 
 def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: dict | None = None,
-                                seed: int = 0, probes: Probes | None = None) -> None:
+                                seed: int = 0, examples: int | None = None, probes: Probes | None = None
+                                ) -> None:
     """Raise PrivacyError unless example i's activations and output gradients at every trainable unit
     depend on example i alone. ``args``/``kwargs`` are one real batch's root-call inputs, examples in
-    dimension 0 (at least 2). ``probes``: the examples changed and silenced, by default the first and the
-    last, each alone (a private run draws one probe on a random half, see :class:`ProbeSchedule`). Costs,
-    on the whole batch, one forward without gradients per changed mask (and one more if there is any),
-    and one forward with gradients plus one backward per silenced mask."""
+    the dimension declared for the model's inputs (``engine.declared.root``, 0 by default; at least 2).
+    Each unit's tensors are read where its calls' layout puts their examples. ``examples``: the batch's
+    count by provenance (the private loader's); without it, that of the first input tensor. ``probes``:
+    the examples changed and silenced, by default the first and the last, each alone (a private run
+    draws one probe on a random half, see :class:`ProbeSchedule`). Costs, on the whole batch, one forward
+    without gradients per changed mask (and one more if there is any), and one forward with gradients
+    plus one backward per silenced mask."""
     kwargs = kwargs or {}
-    n = next((t.shape[0] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim()),
-             0)
+    root = engine.declared.root
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > root]
+    n = examples if examples is not None else next((t.shape[root] for t in tensors), 0)
     if n < 2:
-        raise ValueError("verify_example_independence needs a batch of at least 2 examples in dimension 0")
+        raise ValueError("verify_example_independence needs a batch of at least 2 examples in dimension "
+                         f"{root} of the model's inputs")
     probes = probes or Probes.ends(n)
     units = [u for u in engine.units if any(p.requires_grad for p in u.direct.values())]
     with torch.random.fork_rng(devices=_rng_devices()), engine.no_capture():
         if probes.perturbed:
-            _check_forward(model, units, args, kwargs, seed, probes.perturbed)
+            _check_forward(model, units, args, kwargs, n, seed, root, probes.perturbed)
         if probes.zeroed:
-            _check_gradients(model, units, args, kwargs, seed, probes.zeroed)
+            _check_gradients(model, units, args, kwargs, n, seed, root, probes.zeroed)
 
 
-def _check_forward(model: nn.Module, units: list, args: tuple, kwargs: dict, seed: int,
+def _check_forward(model: nn.Module, units: list, args: tuple, kwargs: dict, n: int, seed: int, root: int,
                    masks: tuple[torch.Tensor, ...]) -> None:
     """Changing the examples of each mask must leave every other example's activations at every
     trainable unit unchanged. Forwards without gradients, each unit call compared as it happens."""
-    n = masks[0].numel()
     with torch.no_grad():
         base: dict[str, list] = {}
-        _forward(model, units, args, kwargs, seed, _record_fingerprints(base, n))
+        inputs = {_storage(t) for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.dim() > root and t.shape[root] == n}
+        _forward(model, units, args, kwargs, seed, _record_fingerprints(base, n, inputs))
         for mask in masks:
-            _forward(model, units, *_perturbed(args, kwargs, n, mask), seed, _compare(base, mask))
+            _forward(model, units, *_perturbed(args, kwargs, n, mask, root), seed, _compare(base, n, mask))
 
 
-def _check_gradients(model: nn.Module, units: list, args: tuple, kwargs: dict, seed: int,
+def _check_gradients(model: nn.Module, units: list, args: tuple, kwargs: dict, n: int, seed: int, root: int,
                      masks: tuple[torch.Tensor, ...]) -> None:
-    """For each mask, a backward of Σ w·output with the mask's examples weighted 0: every output gradient
-    of those examples at every trainable unit must be zero. Gradients are taken with respect to the
-    units' tensors only (no parameter gradient is formed, none is written to ``.grad``), checked by hooks
-    as the backward computes them and dropped; the hooks hold no activation."""
-    probe = _Probe()
+    """For each mask, a backward of Σ w·output with the mask's examples weighted 0: every gradient of
+    those examples at every trainable unit's tensors must be zero. Gradients are taken with respect to
+    the units' tensors only (no parameter gradient is formed, none is written to ``.grad``), checked by
+    hooks as the backward computes them and dropped; the hooks hold no activation."""
+    probe = _Probe(n)
     handles: list = []
     hooked: list[torch.Tensor] = []
-    n = masks[0].numel()
-
-    def visit(name: str, tensors: list[torch.Tensor], dims: tuple[int, ...]) -> None:
-        for t, d in zip(tensors, dims):
-            if t.requires_grad:
-                handles.append(t.register_hook(_zero_at(probe, d, name)))
-                hooked.append(t)
     try:
-        output = _forward(model, units, args, kwargs, seed, visit)
-        batched = [t for t in _floats(output) if t.dim() and t.shape[0] == n and t.requires_grad]
-        if not hooked or not batched:
+        output = _forward(model, units, args, kwargs, seed, _hook_gradients(probe, handles, hooked))
+        batched, dim = _batched_outputs(output, n, root)
+        if not handles or not batched:
             return
         for i, mask in enumerate(masks):
             probe.mask = mask
-            weights = [_pattern(t) * (~mask.to(t.device)).reshape(-1, *[1] * (t.dim() - 1)) for t in batched]
+            weights = [_pattern(t) for t in batched]  # the loss Σ w·output, the mask's examples weighted 0
+            for w in weights:
+                w.movedim(dim, 0)[mask.to(w.device)] = 0
             torch.autograd.grad(batched, hooked, grad_outputs=weights, allow_unused=True,
-                                retain_graph=i < len(masks) - 1)  # returned, dropped
+                                retain_graph=i < len(masks) - 1)  # returned, dropped: never in .grad
     finally:
         for handle in handles:
             handle.remove()
 
 
+def _batched_outputs(output: object, n: int, root: int) -> tuple[list[torch.Tensor], int]:
+    """The model's outputs that carry the examples, and where: in the dimension declared for its inputs,
+    else in dimension 0 (a time-major model that pools over time). Weighting the wrong dimension makes
+    the probe refuse, never pass."""
+    for dim in dict.fromkeys((root, 0)):
+        batched = [t for t in _floats(output) if t.dim() > dim and t.shape[dim] == n and t.requires_grad]
+        if batched:
+            return batched, dim
+    return [], root
+
+
 @dataclass
 class _Probe:
-    """The examples whose loss weight is zero in the current gradient probe."""
+    """The batch's examples, and which of them have zero loss weight in the current gradient probe."""
 
+    examples: int
     mask: torch.Tensor | None = None
 
 
-def _zero_at(probe: _Probe, dim: int, name: str) -> Callable[[torch.Tensor], None]:
+def _hook_gradients(probe: _Probe, handles: list, hooked: list[torch.Tensor]) -> Visit:
+    """A visit that hooks every per-example unit tensor on the gradient path with a check of its
+    gradient (and lists it: the probe's backward differentiates with respect to these)."""
+    def visit(unit, seen: list[_Seen]) -> None:
+        for s in seen:
+            if s.tensor.requires_grad and s.axis is not None and s.axis.examples(s.tensor) == probe.examples:
+                handles.append(s.tensor.register_hook(_zero_at(probe, s, unit.name)))
+                hooked.append(s.tensor)
+    return visit
+
+
+def _zero_at(probe: _Probe, seen: _Seen, name: str) -> Callable[[torch.Tensor], None]:
     """A gradient hook refusing any nonzero gradient at the silenced examples of unit ``name``'s tensor."""
+    what, shape, axis = seen.what, tuple(seen.tensor.shape), seen.axis
+
     def check(grad: torch.Tensor) -> None:
-        rows = grad.movedim(dim, 0)
+        rows = axis.batch_first(grad)
         silenced = probe.mask.to(rows.device)
-        if rows.shape[0] != silenced.numel() or rows[silenced].abs().sum() == 0:
+        if rows[silenced].abs().sum() == 0:
             return
-        k = int((rows.flatten(1).abs().sum(1) != 0).logical_and(silenced).nonzero()[0])
+        k = int((rows.reshape(rows.shape[0], -1).abs().sum(1) != 0).logical_and(silenced).nonzero()[0])
         raise PrivacyError(f"module {name!r} mixes examples in its backward: example {k} has "
-                           f"zero loss weight but nonzero output gradients. {_FIX}")
+                           f"zero loss weight but nonzero gradients at its {what} (shape {shape}, read "
+                           f"with its examples in {axis.describe()}). {_FIX}")
     return check

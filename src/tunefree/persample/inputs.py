@@ -42,10 +42,12 @@ _ROW_FIX = ("transform each example on its own: random crops and flips, casts, n
 
 
 class InputProvenance:
-    """Checks each training call of the model against what ``schedule``'s Poisson loader handed out."""
+    """Checks each training call of the model against what ``schedule``'s Poisson loader handed out.
+    ``root``: the dimension of the model's inputs that carries the examples (``batch_dim``; the loader's
+    tensors carry them in dimension 0)."""
 
-    def __init__(self, schedule: StepSchedule):
-        self.schedule = schedule
+    def __init__(self, schedule: StepSchedule, root: int = 0):
+        self.schedule, self.root = schedule, root
 
     def model_call(self, args: tuple, kwargs: dict, training: bool) -> tuple[tuple, dict, str | None]:
         """The call's inputs without their provenance, and, for a training call, why its backward must
@@ -71,8 +73,8 @@ class InputProvenance:
                     "from the batch of the current iteration (keep no tensor of an earlier batch)")
         if not record.checking or record.examples < 2:
             return None
-        return next(filter(None, (_row_refusal(name, x, sources, record) for name, x, sources in derived)),
-                    None)
+        return next(filter(None, (_row_refusal(name, x, sources, record, self.root)
+                                   for name, x, sources in derived)), None)
 
 
 _NOT_FROM_THE_LOADER = (
@@ -90,18 +92,20 @@ def _input_name(path: tuple) -> str:
     return head + keystr(tuple(rest[1:]))
 
 
-def _row_refusal(name: str, x: Any, sources: frozenset, record: HandedOut) -> str | None:
-    """Why input ``x`` does not have one row per example, each derived from its own example (``None``:
-    it does, as far as gradients and values show)."""
+def _row_refusal(name: str, x: Any, sources: frozenset, record: HandedOut, root: int) -> str | None:
+    """Why input ``x`` does not have one row per example in dimension ``root``, each derived from its own
+    example (``None``: it does, as far as gradients and values show)."""
     indices = {index for _, index in sources}
     if HANDED_ON in indices or not isinstance(x, torch.Tensor):
         return None  # a pipeline stage's input: the previous stage's activations, checked there
     n = record.examples
-    if x.dim() == 0 or x.shape[0] != n:
+    if x.dim() <= root or x.shape[root] != n:
         return (f"model input {name} (shape {tuple(x.shape)}) is computed from the loader's batch but has no "
-                f"row per example in dimension 0 (the batch holds {n}): it carries several examples' data "
-                "into each one (a statistic over the batch, a transposed or flattened batch). Give the "
-                "model one row per example, computed from that example alone")
+                f"row per example in dimension {root} (the batch holds {n}): it carries several examples' "
+                "data into each one (a statistic over the batch, a transposed or flattened batch). Give the "
+                "model one row per example, computed from that example alone (or declare where the model's "
+                "inputs carry the examples: make_private(..., batch_dim=...))")
+    x = x.movedim(root, 0)
     leaves = [record.leaves[i] for i in sorted(indices) if i in record.leaves]
     if x.is_floating_point() and leaves:
         refusal = _float_refusal(name, x, leaves)
