@@ -100,19 +100,22 @@ def _row_refusal(name: str, x: Any, sources: frozenset, record: HandedOut, root:
         return None  # a pipeline stage's input: the previous stage's activations, checked there
     n = record.examples
     if x.dim() <= root or x.shape[root] != n:
+        if n in x.shape:
+            return None  # the examples in another dimension: the engine's layout checks refuse it, or pass
         return (f"model input {name} (shape {tuple(x.shape)}) is computed from the loader's batch but has no "
-                f"row per example in dimension {root} (the batch holds {n}): it carries several examples' "
-                "data into each one (a statistic over the batch, a transposed or flattened batch). Give the "
-                "model one row per example, computed from that example alone (or declare where the model's "
-                "inputs carry the examples: make_private(..., batch_dim=...))")
+                f"row per example (the batch holds {n}): it carries several examples' data into each one (a "
+                "statistic over the batch, a flattened batch). Give the model one row per example, computed "
+                "from that example alone")
     x = x.movedim(root, 0)
-    leaves = [record.leaves[i] for i in sorted(indices) if i in record.leaves]
+    floats = [record.leaves[i] for i in sorted(indices) if i in record.leaves]
+    leaves = [(leaf, dim) for leaf in floats if (dim := _example_dim(leaf, n, root)) is not None]
     if x.is_floating_point() and leaves:
         refusal = _float_refusal(name, x, leaves)
         if refusal is not None:
             return refusal
     for index in sorted(indices & set(record.values)):
-        pair = _row_taking_values(x, record.values[index])
+        values, dim = record.values[index], _example_dim(record.values[index], n, root)
+        pair = None if dim is None else _row_taking_values(x, values.movedim(dim, 0))
         if pair is not None:
             return (f"integer model input {name} takes another example's values: its row {pair[0]} holds "
                     f"the values of row {pair[1]} of the loader's batch at at least half of the positions "
@@ -121,14 +124,22 @@ def _row_refusal(name: str, x: Any, sources: frozenset, record: HandedOut, root:
     return None
 
 
-def _float_refusal(name: str, x: torch.Tensor, leaves: list[torch.Tensor]) -> str | None:
+def _example_dim(t: torch.Tensor, n: int, root: int) -> int | None:
+    """Where a tensor the loader handed out carries the examples: in dimension ``root`` when it has the
+    batch's size there (a collate_fn that makes the model's layout), else in dimension 0
+    (default_collate); ``None`` when neither holds the batch (the tensor's rows are not compared)."""
+    return next((dim for dim in dict.fromkeys((root, 0)) if t.dim() > dim and t.shape[dim] == n), None)
+
+
+def _float_refusal(name: str, x: torch.Tensor, leaves: list[tuple[torch.Tensor, int]]) -> str | None:
+    """``x`` (examples first) against the loader's float leaves (each with its example dimension)."""
     mixed = _mixed_row(x, leaves) if x.requires_grad else None
     if mixed is not None and mixed >= 0:
         return (f"model input {name} mixes examples before the model: row {mixed} of the loader's batch "
                 "reaches another example's row (mixup, cutmix, a statistic over the batch such as "
                 "x - x.mean(0), rows moved between examples). Each example's gradient must depend on that "
                 f"example alone: {_ROW_FIX}")
-    if mixed is None and not any(_same_values(x, leaf) for leaf in leaves):
+    if mixed is None and not any(_same_values(x, leaf.movedim(dim, 0)) for leaf, dim in leaves):
         return (f"model input {name} was computed from the loader's batch without gradients (under "
                 "torch.no_grad(), or through .detach(), .data or NumPy) and differs from it, so tunefree "
                 "cannot check that each of its rows comes from its own example alone. Compute it with "
@@ -138,9 +149,9 @@ def _float_refusal(name: str, x: torch.Tensor, leaves: list[torch.Tensor]) -> st
     return None
 
 
-def _mixed_row(x: torch.Tensor, leaves: list[torch.Tensor]) -> int | None:
-    """A loader row that reaches another row of ``x`` through gradients (-1: none does; ``None``: no
-    gradient links ``x`` to the loader's rows). One vector–Jacobian product per code bit."""
+def _mixed_row(x: torch.Tensor, leaves: list[tuple[torch.Tensor, int]]) -> int | None:
+    """A loader row that reaches another row of ``x`` (examples first) through gradients (-1: none does;
+    ``None``: no gradient links ``x`` to the loader's rows). One vector–Jacobian product per code bit."""
     n = x.shape[0]
     codes = _row_codes(n).to(x.device)
     pattern = torch.cos(torch.arange(x[0].numel(), device=x.device, dtype=x.dtype) * 0.7 + 0.3) + 2.0
@@ -148,12 +159,13 @@ def _mixed_row(x: torch.Tensor, leaves: list[torch.Tensor]) -> int | None:
     for bit in range(codes.shape[1]):
         rows = codes[:, bit]
         cotangent = pattern.reshape(x.shape[1:]) * rows.reshape(-1, *[1] * (x.dim() - 1)).to(x.dtype)
-        grads = torch.autograd.grad([x], leaves, [cotangent], retain_graph=True, allow_unused=True)
-        for grad in grads:
+        grads = torch.autograd.grad([x], [leaf for leaf, _ in leaves], [cotangent], retain_graph=True,
+                                    allow_unused=True)
+        for grad, (_, dim) in zip(grads, leaves):
             if grad is None:
                 continue
             linked = True
-            reached = grad.flatten(1).ne(0).any(1) & ~rows.to(grad.device)
+            reached = grad.movedim(dim, 0).reshape(n, -1).ne(0).any(1) & ~rows.to(grad.device)
             if reached.any():
                 return int(reached.nonzero()[0])
     return -1 if linked else None
