@@ -6,7 +6,8 @@ half of the batch in one forward pass and silences another half in one backward 
 On a checked step the Poisson loader also hands out its float tensors as copies of leaves that require
 gradients and the model's inputs are checked against them (``tunefree.data.provenance``).
 
-``--check`` (default): median (and range) time of one check, as a run draws it, against one private step
+Default: median (and range) time of one check of each kind (a forward probe, a gradient probe, and the
+first check, which runs both), each on a random half as a run draws it, against one private step
 (forward, backward, clipping, noise, ledger) of the same model, interleaved, one thread.
 ``--run``: the time of a whole run of ``--steps`` steps through the Poisson loader (q = ¼), with the
 checks at their default rate, against the same run with every check switched off, and against the run
@@ -34,6 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
 from tunefree.data.provenance import plain
+from tunefree.persample.independence import Probes
 
 sys.path.insert(0, str(Path(__file__).parent))
 from models import BENCHMARKS, benchmark  # noqa: E402
@@ -49,9 +51,12 @@ def _summary(times: list[float]) -> str:
     return f"{statistics.median(times) * 1e3:8.1f}ms [{min(times) * 1e3:.1f}–{max(times) * 1e3:.1f}]"
 
 
-def measure_check(name: str, repeats: int) -> tuple[list[float], list[float]]:
-    """Times of one check (random halves, as a run draws them) and of one private step of ``name``,
-    interleaved."""
+KINDS = ("forward probe", "gradient probe", "first check")
+
+
+def measure_check(name: str, repeats: int) -> dict[str, list[float]]:
+    """Times of one check of each kind (a forward probe, a gradient probe, the first check's both, each on
+    a random half as a run draws it) and of one private step of ``name``, interleaved."""
     torch.manual_seed(0)
     model, x, y, loss_fn = benchmark(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -65,21 +70,25 @@ def measure_check(name: str, repeats: int) -> tuple[list[float], list[float]]:
         loss_fn(model(x), y).backward()
         engine.optimizer.step()
 
-    step()  # warm-up; its release ran the check once
-    checks, steps = [], []
+    step()  # warm-up; its release ran the first check once
+    times: dict[str, list[float]] = {kind: [] for kind in (*KINDS, "step")}
     for k in range(repeats):
-        probes = engine.optimizer.probes.probes(k + 2, len(x))
-        checks.append(_seconds(lambda probes=probes: tunefree.verify_example_independence(
-            model, engine.clipping_engine, (x,), probes=probes)))
-        steps.append(_seconds(step))
-    return checks, steps
+        both = engine.optimizer.probes.probes(k + 2, len(x), both=True)
+        kinds = {"forward probe": Probes(both.perturbed, ()), "gradient probe": Probes((), both.zeroed),
+                 "first check": both}
+        for kind, probes in kinds.items():
+            times[kind].append(_seconds(lambda probes=probes: tunefree.verify_example_independence(
+                model, engine.clipping_engine, (x,), probes=probes)))
+        times["step"].append(_seconds(step))
+    return times
 
 
-def _run(name: str, steps: int, mode: str) -> float:
+def _run(name: str, steps: int, mode: str) -> tuple[float, int]:
     """Seconds of a run of ``steps`` private steps of ``name`` through the Poisson loader (q = ¼):
     ``"checked"`` as a run is (the independence and input checks at their default rate), ``"unchecked"``
     with no check at all (the loader's batches still carry their provenance, checked at each model call),
-    ``"bare"`` without provenance either (for this measurement only)."""
+    ``"bare"`` without provenance either (for this measurement only). Returns the seconds and the number of
+    checked steps."""
     torch.manual_seed(0)
     model, x, y, loss_fn = benchmark(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -91,9 +100,10 @@ def _run(name: str, steps: int, mode: str) -> float:
         engine.clipping_engine.retain_inputs = engine.schedule.checking = False
     if mode == "bare":
         engine.clipping_engine.input_provenance = None
-    start = time.perf_counter()
+    start, checked = time.perf_counter(), 0
     while engine.steps < steps:
         for xb, yb in engine.data_loader:
+            checked += engine.schedule.handed_out.checking
             if mode == "bare":
                 xb, yb = plain(xb), plain(yb)
             engine.optimizer.zero_grad()
@@ -101,19 +111,22 @@ def _run(name: str, steps: int, mode: str) -> float:
             engine.optimizer.step()
             if engine.steps == steps:
                 break
-    return time.perf_counter() - start
+    return time.perf_counter() - start, checked
 
 
 MODES = ("checked", "unchecked", "bare")
 
 
-def measure_run(name: str, steps: int, repeats: int) -> dict[str, list[float]]:
-    """Run times of each mode, interleaved."""
+def measure_run(name: str, steps: int, repeats: int) -> tuple[dict[str, list[float]], int]:
+    """Run times of each mode, interleaved, and the checked steps of the (seeded) checked run."""
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    checked = 0
     for _ in range(repeats):
         for mode in MODES:
-            times[mode].append(_run(name, steps, mode))
-    return times
+            seconds, count = _run(name, steps, mode)
+            times[mode].append(seconds)
+            checked = max(checked, count)
+    return times, checked
 
 
 def _rss_mb(field: str) -> float:
@@ -171,19 +184,20 @@ def main() -> None:
         return
     if args.run:
         print(f"{'model':<10} {'checked (as a run is)':>28} {'no check':>28} {'no provenance':>28} "
-              f"{'checks':>7} {'provenance':>10}")
+              f"{'checks':>7} {'provenance':>10} {'checked steps':>13}")
         for name in args.models:
-            times = measure_run(name, args.steps, args.repeats)
+            times, checked = measure_run(name, args.steps, args.repeats)
             median = {mode: statistics.median(t) for mode, t in times.items()}
             print(f"{name:<10} " + " ".join(f"{_summary(times[mode]):>28}" for mode in MODES)
                   + f" {median['checked'] / median['unchecked'] - 1:7.1%}"
-                  + f" {median['unchecked'] / median['bare'] - 1:10.1%}")
+                  + f" {median['unchecked'] / median['bare'] - 1:10.1%} {checked:>6}/{args.steps}")
         return
-    print(f"{'model':<10} {'check':>28} {'step':>28} {'check/step':>11}")
+    print(f"{'model':<10} {'private step':>28} " + " ".join(f"{kind + ' / step':>26}" for kind in KINDS))
     for name in args.models:
-        checks, steps = measure_check(name, args.repeats)
-        ratio = statistics.median(checks) / statistics.median(steps)
-        print(f"{name:<10} {_summary(checks):>28} {_summary(steps):>28} {ratio:10.2f}x")
+        times = measure_check(name, args.repeats)
+        step = statistics.median(times["step"])
+        print(f"{name:<10} {_summary(times['step']):>28} " + " ".join(
+            f"{_summary(times[kind]):>18} {statistics.median(times[kind]) / step:5.2f}x" for kind in KINDS))
 
 
 if __name__ == "__main__":

@@ -274,6 +274,31 @@ def test_a_checked_step_leaves_no_gradient_where_the_user_looks():
     assert not xb.requires_grad and isinstance(xb, BatchTensor)
 
 
+def test_the_model_does_not_differentiate_its_inputs_unless_the_loop_asks():
+    """On a checked step the check's link to the loader's rows is cut at the model (its backward does not
+    differentiate the inputs); gradients the loop asks for reach it as on any step."""
+    requires = []
+
+    class Spy(Net):
+        def forward(self, x):
+            requires.append(x.requires_grad)
+            return super().forward(x)
+
+    one_step(lambda x, y: (x * 2, y), model=Spy())
+    assert requires[0] is False  # the training call (the check's re-runs follow)
+
+    def fgsm(x, y, model):
+        x.requires_grad_(True)  # the handed-out tensor: a copy of a leaf on a checked step
+        (g,) = torch.autograd.grad(F.cross_entropy(model(x), y), x)
+        return x + 0.1 * g.sign(), y
+    model = Net()
+    assert one_step(lambda x, y: fgsm(x, y, model), model=model).steps == 1
+
+    shift = torch.zeros(1, 1, 6, 6, requires_grad=True)  # a tensor of the loop's own, trained with it
+    one_step(lambda x, y: (x + shift, y))
+    assert shift.grad is not None and shift.grad.abs().sum() > 0
+
+
 def test_the_model_computes_on_plain_tensors():
     seen = []
 

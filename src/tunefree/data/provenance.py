@@ -28,6 +28,11 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
 # The index of a tensor that the library hands to the model on the loader's behalf: a pipeline stage's
 # input, the previous stage's activations of the batch (checked there).
 HANDED_ON = -1
+# The index that marks a tensor whose gradient the training loop asked for (``requires_grad_``,
+# ``requires_grad = …``, ``retain_grad``), and every tensor computed from it.
+WANTS_GRADIENT = -2
+_ASKS_FOR_GRADIENT = frozenset({torch.Tensor.requires_grad_, torch.Tensor.requires_grad.__set__,
+                                torch.Tensor.retain_grad})
 
 # Functions whose result depends on their input's shape, dtype and device only.
 _NOT_DERIVED = frozenset({
@@ -47,6 +52,8 @@ class BatchTensor(torch.Tensor):
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
+        if func in _ASKS_FOR_GRADIENT and isinstance(args[0], BatchTensor):
+            args[0].sources = args[0].sources | {(serial, WANTS_GRADIENT) for serial, _ in args[0].sources}
         if func in get_default_nowrap_functions() or not _holds_tensors(result):
             return result
         if _name(func) in _NOT_DERIVED:

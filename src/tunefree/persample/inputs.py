@@ -11,9 +11,10 @@ engine sees the model's root call, and the loader's tensors say where they came 
 - **Checked steps** (the run's independence checks, ``StepSchedule.checking``): every input computed
   from the batch must have one row per example, and row i may depend on example i alone. Float inputs
   are differentiated with respect to the loader's rows: one vector–Jacobian product per bit of a code
-  that gives every row a distinct set of ⌊m/2⌋ of m bits (m ≈ log₂ n + ½·log₂ log₂ n; 11 products for
-  256 rows), with cotangents on the rows holding the bit. Any row i whose input depends (with a nonzero
-  derivative) on another example's row j is caught with certainty: some bit is i's and not j's. A float
+  that gives every row a distinct set of ⌊m/2⌋ of m bits (m the least with C(m, ⌊m/2⌋) ≥ n: 5 products
+  for 8 rows, 11 for 256), with cotangents on the rows holding the bit. Any row i whose input depends
+  (with a nonzero derivative) on another example's row j is caught with certainty: some bit is i's and
+  not j's. A float
   input computed without gradients must equal the loader's values. Integer inputs are compared by
   value with the loader's integer tensors: a row that holds another example's values at at least half
   of the positions where the two examples differ is refused.
@@ -35,7 +36,7 @@ import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from ..data.poisson import StepSchedule
-from ..data.provenance import HANDED_ON, HandedOut, plain, sources_of
+from ..data.provenance import HANDED_ON, WANTS_GRADIENT, HandedOut, plain, sources_of
 
 _ROW_FIX = ("transform each example on its own: random crops and flips, casts, normalisation by constants "
             "and padding, per example, are fine (docs/refusals.md shows them)")
@@ -43,8 +44,8 @@ _ROW_FIX = ("transform each example on its own: random crops and flips, casts, n
 
 class InputProvenance:
     """Checks each training call of the model against what ``schedule``'s Poisson loader handed out.
-    ``root``: the dimension of the model's inputs that carries the examples (``batch_dim``; the loader's
-    tensors carry them in dimension 0)."""
+    ``root``: the dimension of the model's inputs that carries the examples (``batch_dim``); the loader's
+    tensors carry them in that dimension or in dimension 0."""
 
     def __init__(self, schedule: StepSchedule, root: int = 0):
         self.schedule, self.root = schedule, root
@@ -55,11 +56,26 @@ class InputProvenance:
         with_paths, spec = tree_flatten_with_path((args, kwargs))
         leaves = [leaf for _, leaf in with_paths]
         inputs = [plain(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        refusal = None
+        if training:
+            named = [(_input_name(path), x, sources_of(leaf)) for (path, leaf), x in zip(with_paths, inputs)]
+            refusal = self._refusal([n for n in named if n[2]])
+            inputs = [self._unlinked(x, sources_of(leaf)) for x, leaf in zip(inputs, leaves)]
         args, kwargs = tree_unflatten(inputs, spec)
-        if not training:
-            return args, kwargs, None
-        named = [(_input_name(path), x, sources_of(leaf)) for (path, leaf), x in zip(with_paths, inputs)]
-        return args, kwargs, self._refusal([n for n in named if n[2]])
+        return args, kwargs, refusal
+
+    def _unlinked(self, x: Any, sources: frozenset) -> Any:
+        """``x`` without the gradient link to the loader's rows that a checked step's check needed, so
+        that the model's backward does not differentiate its inputs; kept when the loop asked for a
+        gradient through ``x`` (``requires_grad_``) or ``x`` depends on a tensor of its own that requires
+        gradients (the model's output is then the same function of them)."""
+        record = self.schedule.handed_out
+        if (not isinstance(x, torch.Tensor) or not x.requires_grad or record is None or not record.leaves
+                or any(index == WANTS_GRADIENT for _, index in sources)):
+            return x
+        loader = {id(leaf) for leaf in record.leaves.values()}
+        reached = _leaves_reached(x)
+        return x.detach() if reached is not None and reached <= loader else x
 
     def _refusal(self, derived: list[tuple[str, torch.Tensor, frozenset]]) -> str | None:
         record = self.schedule.handed_out
@@ -169,6 +185,23 @@ def _mixed_row(x: torch.Tensor, leaves: list[tuple[torch.Tensor, int]]) -> int |
             if reached.any():
                 return int(reached.nonzero()[0])
     return -1 if linked else None
+
+
+def _leaves_reached(x: torch.Tensor, limit: int = 10_000) -> set[int] | None:
+    """The ids of the leaves that ``x``'s autograd graph reaches (``None``: more than ``limit`` nodes)."""
+    seen, stack, leaves = set(), [x.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        if len(seen) >= limit:
+            return None
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
+        if variable is not None:
+            leaves.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
 
 
 @functools.lru_cache(maxsize=64)
