@@ -8,10 +8,13 @@ gradients and the model's inputs are checked against them (``tunefree.data.prove
 
 Default: median (and range) time of one check of each kind (a forward probe, a gradient probe, and the
 first check, which runs both), each on a random half as a run draws it, against one private step
-(forward, backward, clipping, noise, ledger) of the same model, interleaved, one thread.
+(forward, backward, clipping, noise, ledger) of the same model, interleaved, one thread. Times are the
+process's CPU time (one thread), which other processes on a shared machine disturb far less than the
+wall clock.
 ``--run``: the time of a whole run of ``--steps`` steps through the Poisson loader (q = ¼), with the
 checks at their default rate, against the same run with every check switched off, and against the run
 without the loader's provenance either (the cost of checking every step's batch), interleaved.
+``--provenance``: the CPU time per step of what the loader's provenance adds to an unchecked step.
 ``--memory``: the peak memory of three private steps with the check (the first step runs it) and
 without it, each in a fresh process (glibc told to map every block over 128 KiB on its own, so that the
 process's peak RSS is the memory in use rather than what the allocator kept).
@@ -31,20 +34,24 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.data.provenance import plain
+from tunefree.data.poisson import StepSchedule
+from tunefree.data.provenance import hand_out, plain
 from tunefree.persample.independence import Probes
+from tunefree.persample.inputs import InputProvenance
 
 sys.path.insert(0, str(Path(__file__).parent))
 from models import BENCHMARKS, benchmark  # noqa: E402
 
 
 def _seconds(fn) -> float:
-    start = time.perf_counter()
+    """CPU seconds of ``fn`` (one thread: what it costs, whatever else the machine runs)."""
+    start = time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
 def _summary(times: list[float]) -> str:
@@ -100,7 +107,7 @@ def _run(name: str, steps: int, mode: str) -> tuple[float, int]:
         engine.clipping_engine.retain_inputs = engine.schedule.checking = False
     if mode == "bare":
         engine.clipping_engine.input_provenance = None
-    start, checked = time.perf_counter(), 0
+    start, checked = time.process_time(), 0
     while engine.steps < steps:
         for xb, yb in engine.data_loader:
             checked += engine.schedule.handed_out.checking
@@ -111,10 +118,32 @@ def _run(name: str, steps: int, mode: str) -> tuple[float, int]:
             engine.optimizer.step()
             if engine.steps == steps:
                 break
-    return time.perf_counter() - start, checked
+    return time.process_time() - start, checked
 
 
 MODES = ("checked", "unchecked", "bare")
+
+
+def provenance_per_step(repeats: int = 2000) -> tuple[float, float]:
+    """CPU µs per step of what provenance adds to an unchecked step (the loader tagging a batch of
+    resnet9's shape, the model call taking the tags off and checking the batch, a loss computed with a
+    tagged target), and of the same loss on plain tensors."""
+    x, y = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
+    out = torch.randn(64, 10, requires_grad=True)
+    schedule = StepSchedule()
+    check = InputProvenance(schedule)
+
+    def tagged() -> None:
+        (xb, yb), schedule.handed_out = hand_out([x, y], 1, len(x), checking=False)
+        check.model_call((xb,), {}, training=True)
+        F.cross_entropy(out, yb)
+
+    def untagged() -> None:
+        F.cross_entropy(out, y)
+
+    def per_call(fn) -> float:
+        return _seconds(lambda: [fn() for _ in range(repeats)]) / repeats * 1e6
+    return per_call(tagged), per_call(untagged)
 
 
 def measure_run(name: str, steps: int, repeats: int) -> tuple[dict[str, list[float]], int]:
@@ -169,6 +198,7 @@ def main() -> None:
     parser.add_argument("--run", action="store_true")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--provenance", action="store_true")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -181,6 +211,10 @@ def main() -> None:
         print(f"{'model':<10} {'with check':>11} {'without':>9}")
         for name in args.models:
             print(f"{name:<10} {peak_memory(name, True):9.0f}MB {peak_memory(name, False):7.0f}MB")
+        return
+    if args.provenance:
+        tagged, untagged = provenance_per_step()
+        print(f"tagged batch, model call and loss: {tagged:.0f} µs; the loss alone: {untagged:.0f} µs")
         return
     if args.run:
         print(f"{'model':<10} {'checked (as a run is)':>28} {'no check':>28} {'no provenance':>28} "

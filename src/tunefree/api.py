@@ -148,7 +148,7 @@ def make_private(
             whole run, every release included, spends what plain DP-SGD at σ would.
         verify_every: besides the check before the first release, each step checks example
             independence (``tunefree.independence``) with probability 1/verify_every, at steps drawn
-            from the run's secret randomness (``None``: 16, about 4% of the run's time; 1: every step).
+            from the run's secret randomness (``None``: 24, about 4% of a run's time; 1: every step).
         batch_dim: where the model's layers carry the examples of a batch, for layers whose type does not
             fix it (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, HF ``Conv1D``, custom
             modules): ``0`` (batch-first, the default), another dimension for the whole model and its

@@ -31,7 +31,7 @@ from ..rules import Capture
 from .component import StepComponent, StepContext, StepReport, UpdateControl
 
 # The expected number of steps between two independence checks when ``verify_every`` is not given.
-CHECK_INTERVAL = 16
+CHECK_INTERVAL = 24
 
 
 class DPOptimizer(torch.optim.Optimizer):
