@@ -37,10 +37,11 @@ from ..clipping.functions import ClipFunction
 from ..clipping.groups import ClipGroup
 from ..dtypes import accumulation_dtype, norm_dtype
 from ..errors import PrivacyError
-from ..rules import Capture, LayerRule, Materialized, PerSampleGrad, rule_for
+from ..rules import Capture, LayerRule, PerSampleGrad, rule_for
 from ..rules.generic import fallback_per_sample_grads
 from ..rules.layout import Axis, CallLayout, Dim
 from ..rules.paths import PathChooser
+from ..rules.summed import SummedUses
 from .accumulator import StepAccumulator
 from .inputs import InputProvenance
 from .layout import (
@@ -671,10 +672,9 @@ class ClippingEngine:
                 self._pass.sq_norms[p] = grad.sq_norms()
                 grad.compact()
             self._pass.per_param[p] = grad
-        else:  # used more than once: the per-sample gradient is the sum over uses
+        else:  # used more than once: the per-sample gradient is the sum over uses, kept as their forms
             total = self._pass.per_param.get(p)
-            value = grad.materialize()
-            self._pass.per_param[p] = Materialized(value if total is None else total.grads + value)
+            self._pass.per_param[p] = grad if total is None else SummedUses.join(total, grad)
 
     def _group_ready(self, group: ClipGroup) -> bool:
         return self._pass.pending[group.name] == 0

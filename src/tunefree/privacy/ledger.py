@@ -103,6 +103,8 @@ def to_dict(event: dpa.DpEvent) -> dict[str, Any]:
         return {"composed": [to_dict(e) for e in event.events]}
     if isinstance(event, dpa.SelfComposedDpEvent):
         return {"repeat": event.count, "event": to_dict(event.event)}
+    if isinstance(event, dpa.NonPrivateDpEvent):  # inside a (0, p) release: partition selection
+        return {"non_private": True}
     raise TypeError(f"the ledger cannot store {event!r}")
 
 
@@ -115,4 +117,6 @@ def from_dict(data: dict[str, Any]) -> dpa.DpEvent:
         return dpa.PoissonSampledDpEvent(data["poisson"], from_dict(data["event"]))
     if "composed" in data:
         return dpa.ComposedDpEvent([from_dict(e) for e in data["composed"]])
+    if "non_private" in data:
+        return dpa.NonPrivateDpEvent()
     return dpa.SelfComposedDpEvent(from_dict(data["event"]), data["repeat"])
