@@ -12,8 +12,7 @@ first check, which runs both), each on a random half as a run draws it, against 
 process's CPU time (one thread), which other processes on a shared machine disturb far less than the
 wall clock.
 ``--run``: the time of a whole run of ``--steps`` steps through the Poisson loader (q = ¼), with the
-checks at their default rate, against the same run with every check switched off, and against the run
-without the loader's provenance either (the cost of checking every step's batch), interleaved.
+checks at their default rate, against the same run with every check switched off, interleaved.
 ``--provenance``: the CPU time per step of what the loader's provenance adds to an unchecked step.
 ``--memory``: the peak memory of three private steps with the check (the first step runs it) and
 without it, each in a fresh process (glibc told to map every block over 128 KiB on its own, so that the
@@ -39,7 +38,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
 from tunefree.data.poisson import StepSchedule
-from tunefree.data.provenance import hand_out, plain
+from tunefree.data.provenance import hand_out
 from tunefree.persample.independence import Probes
 from tunefree.persample.inputs import InputProvenance
 
@@ -93,9 +92,7 @@ def measure_check(name: str, repeats: int) -> dict[str, list[float]]:
 def _run(name: str, steps: int, mode: str) -> tuple[float, int]:
     """Seconds of a run of ``steps`` private steps of ``name`` through the Poisson loader (q = ¼):
     ``"checked"`` as a run is (the independence and input checks at their default rate), ``"unchecked"``
-    with no check at all (the loader's batches still carry their provenance, checked at each model call),
-    ``"bare"`` without provenance either (for this measurement only). Returns the seconds and the number of
-    checked steps."""
+    with no check at all (for this measurement only). Returns the CPU seconds and the checked steps."""
     torch.manual_seed(0)
     model, x, y, loss_fn = benchmark(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -105,14 +102,10 @@ def _run(name: str, steps: int, mode: str) -> tuple[float, int]:
     if mode != "checked":
         engine.optimizer.verified, engine.optimizer.verify_every = True, 10**9
         engine.clipping_engine.retain_inputs = engine.schedule.checking = False
-    if mode == "bare":
-        engine.clipping_engine.input_provenance = None
     start, checked = time.process_time(), 0
     while engine.steps < steps:
         for xb, yb in engine.data_loader:
             checked += engine.schedule.handed_out.checking
-            if mode == "bare":
-                xb, yb = plain(xb), plain(yb)
             engine.optimizer.zero_grad()
             loss_fn(model(xb), yb).backward()
             engine.optimizer.step()
@@ -121,7 +114,7 @@ def _run(name: str, steps: int, mode: str) -> tuple[float, int]:
     return time.process_time() - start, checked
 
 
-MODES = ("checked", "unchecked", "bare")
+MODES = ("checked", "unchecked")
 
 
 def provenance_per_step(repeats: int = 2000) -> tuple[float, float]:
@@ -217,14 +210,13 @@ def main() -> None:
         print(f"tagged batch, model call and loss: {tagged:.0f} µs; the loss alone: {untagged:.0f} µs")
         return
     if args.run:
-        print(f"{'model':<10} {'checked (as a run is)':>28} {'no check':>28} {'no provenance':>28} "
-              f"{'checks':>7} {'provenance':>10} {'checked steps':>13}")
+        print(f"{'model':<10} {'checked (as a run is)':>28} {'no check':>28} {'checks':>7} "
+              f"{'checked steps':>13}")
         for name in args.models:
             times, checked = measure_run(name, args.steps, args.repeats)
             median = {mode: statistics.median(t) for mode, t in times.items()}
             print(f"{name:<10} " + " ".join(f"{_summary(times[mode]):>28}" for mode in MODES)
-                  + f" {median['checked'] / median['unchecked'] - 1:7.1%}"
-                  + f" {median['unchecked'] / median['bare'] - 1:10.1%} {checked:>6}/{args.steps}")
+                  + f" {median['checked'] / median['unchecked'] - 1:7.1%} {checked:>6}/{args.steps}")
         return
     print(f"{'model':<10} {'private step':>28} " + " ".join(f"{kind + ' / step':>26}" for kind in KINDS))
     for name in args.models:
