@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..errors import PrivacyError
 from ..privacy.randomness import NoiseSource
@@ -121,12 +121,15 @@ def _refuse_structure_from_inputs(unit, seen: list[_Seen], model_inputs: set[int
                 "with padding_idx marking the padding)")
 
 
-def _forward(model: nn.Module, units: list, args: tuple, kwargs: dict, seed: int, visit: Visit) -> object:
+def _forward(model: nn.Module, units: list, args: tuple, kwargs: dict, seed: int, visit: Visit,
+             touch: Callable[[object], object] | None = None) -> object:
     """One forward under a fixed seed; ``visit(unit, seen)`` sees each call of a trainable unit (its float
-    inputs and outputs) as it happens. Returns the model output."""
+    inputs and outputs) as it happens, and ``touch`` (if given) maps its output to what the model goes on
+    with. Returns the model output."""
     def hook_for(unit):
         def hook(module, args, kwargs, output):
             visit(unit, _seen(unit, args, kwargs, output))
+            return None if touch is None else touch(output)
         return hook
 
     handles = [u.module.register_forward_hook(hook_for(u), with_kwargs=True) for u in units]
@@ -426,14 +429,36 @@ def _check_forward(model: nn.Module, units: list, args: tuple, kwargs: dict, n: 
 def _check_gradients(model: nn.Module, units: list, args: tuple, kwargs: dict, n: int, seed: int, root: int,
                      masks: tuple[torch.Tensor, ...]) -> None:
     """For each mask, a backward of Σ w·output with the mask's examples weighted 0: every gradient of
-    those examples at every trainable unit's tensors must be zero. Gradients are taken with respect to
-    the units' tensors only (no parameter gradient is formed, none is written to ``.grad``), checked by
-    hooks as the backward computes them and dropped; the hooks hold no activation."""
+    those examples at every trainable unit's tensors must be zero. Each unit's output goes on as
+    ``output + 0·anchor`` (the same values) and the backward is taken with respect to ``anchor`` alone: it
+    runs through every unit's output and what follows, and forms no parameter gradient and no activation
+    gradient beyond those in flight (none is written to ``.grad``). Gradients are checked by hooks as the
+    backward computes them and dropped; the hooks hold no activation."""
     probe = _Probe(n)
     handles: list = []
-    hooked: list[torch.Tensor] = []
+    anchor = torch.zeros((), requires_grad=True)
+    seen_now: dict[int, tuple[str, _Seen]] = {}  # the unit call in progress: its tensors to hook
+
+    def visit(unit, seen: list[_Seen]) -> None:
+        seen_now.update({id(s.tensor): (unit.name, s) for s in seen if s.tensor.requires_grad
+                         and s.axis is not None and s.axis.examples(s.tensor) == n})
+
+    def touch(output: object) -> object:
+        def anchored(t: torch.Tensor) -> torch.Tensor:
+            if not t.requires_grad:
+                return t
+            out = t + 0 * anchor  # hooked here, its gradient is always computed (the path to anchor)
+            if id(t) in seen_now:
+                name, s = seen_now.pop(id(t))
+                handles.append(out.register_hook(_zero_at(probe, s, name)))
+            return out
+        touched = tree_map_only(torch.Tensor, anchored, output)
+        for name, s in seen_now.values():  # the call's inputs: downstream of earlier units' outputs
+            handles.append(s.tensor.register_hook(_zero_at(probe, s, name)))
+        seen_now.clear()
+        return touched
     try:
-        output = _forward(model, units, args, kwargs, seed, _hook_gradients(probe, handles, hooked))
+        output = _forward(model, units, args, kwargs, seed, visit, touch)
         batched, dim = _batched_outputs(output, n, root)
         if not handles or not batched:
             return
@@ -442,8 +467,8 @@ def _check_gradients(model: nn.Module, units: list, args: tuple, kwargs: dict, n
             weights = [_pattern(t) for t in batched]  # the loss Σ w·output, the mask's examples weighted 0
             for w in weights:
                 w.movedim(dim, 0)[mask.to(w.device)] = 0
-            torch.autograd.grad(batched, hooked, grad_outputs=weights, allow_unused=True,
-                                retain_graph=i < len(masks) - 1)  # returned, dropped: never in .grad
+            torch.autograd.grad(batched, [anchor], grad_outputs=weights,
+                                retain_graph=i < len(masks) - 1)  # a scalar, dropped
     finally:
         for handle in handles:
             handle.remove()
@@ -466,17 +491,6 @@ class _Probe:
 
     examples: int
     mask: torch.Tensor | None = None
-
-
-def _hook_gradients(probe: _Probe, handles: list, hooked: list[torch.Tensor]) -> Visit:
-    """A visit that hooks every per-example unit tensor on the gradient path with a check of its
-    gradient (and lists it: the probe's backward differentiates with respect to these)."""
-    def visit(unit, seen: list[_Seen]) -> None:
-        for s in seen:
-            if s.tensor.requires_grad and s.axis is not None and s.axis.examples(s.tensor) == probe.examples:
-                handles.append(s.tensor.register_hook(_zero_at(probe, s, unit.name)))
-                hooked.append(s.tensor)
-    return visit
 
 
 def _zero_at(probe: _Probe, seen: _Seen, name: str) -> Callable[[torch.Tensor], None]:
