@@ -14,7 +14,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.components.dog import AVERAGING, NOISE_BUDGET, SIGNIFICANCE, WALK_MARGIN, DistanceOverGradients
+from tunefree.components.dog import (
+    AVERAGING,
+    NOISE_BUDGET,
+    SIGNIFICANCE,
+    WALK_MARGIN,
+    DistanceOverGradients,
+    DoG,
+)
 from tunefree.privacy.ledger import to_dict
 from tunefree.step.component import StepContext, StepReport, UpdateControl
 
@@ -35,9 +42,8 @@ def run_rule(gradients, std=0.0, batch=4.0, initial_distance=1e-2, noise_aware=T
     and the weights before each step."""
     weight = nn.Parameter(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64))
     optimizer = torch.optim.SGD([weight], lr=1.0)
-    rule = DistanceOverGradients(KnownNoise([weight], std), batch, noise_aware=noise_aware,
-                                 initial_distance=initial_distance, planned_steps=planned_steps,
-                                 noise_budget=noise_budget)
+    settings = DoG(initial_distance, noise_budget, noise_aware)
+    rule = DistanceOverGradients(KnownNoise([weight], std), batch, settings, planned_steps=planned_steps)
     lrs, weights = [], []
     for t, g in enumerate(gradients):
         weights.append(weight.detach().clone())
@@ -258,12 +264,15 @@ def test_make_private_with_dog_spends_exactly_the_plain_run():
     assert dog.optimizer.param_groups[0]["lr"] == history[-1]
 
 
-def test_dog_refuses_other_optimizers():
-    with pytest.raises(ValueError, match="plain SGD"):
-        private_run(tunefree.AutoLR(mode="dog"), lambda m: torch.optim.AdamW(m.parameters()))
-    with pytest.raises(ValueError, match="plain SGD"):
-        private_run(tunefree.AutoLR(mode="dog"),
-                    lambda m: torch.optim.SGD(m.parameters(), lr=1.0, momentum=0.9))
+def test_dog_takes_plain_sgd_as_it_is_and_translates_other_optimizers():
+    """Plain SGD gets DoG's step itself; SGD with momentum or AdamW its translation
+    (tests/test_autolr_optimizers.py)."""
+    from tunefree.components.dog_optimizers import OptimizerDoG
+
+    assert type(private_run(tunefree.AutoLR(mode="dog"))[1].dog_lr) is DistanceOverGradients
+    for make in (lambda m: torch.optim.AdamW(m.parameters()),
+                 lambda m: torch.optim.SGD(m.parameters(), lr=1.0, momentum=0.9)):
+        assert isinstance(private_run(tunefree.AutoLR(mode="dog"), make, steps=1)[1].dog_lr, OptimizerDoG)
 
 
 def test_make_private_spends_the_noise_budget_over_the_planned_steps():
@@ -301,12 +310,8 @@ def test_dog_options():
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="noise_budget"):
             tunefree.AutoLR(mode="dog", noise_budget=bad)
-        with pytest.raises(ValueError, match="noise_budget"):
-            DistanceOverGradients(KnownNoise([], 0.0), 4.0, planned_steps=3, noise_budget=bad)
     with pytest.raises(ValueError, match="initial_distance"):
         tunefree.AutoLR(mode="dog", initial_distance=0.0)
-    with pytest.raises(ValueError, match="initial_distance"):
-        DistanceOverGradients(KnownNoise([], 0.0), 4.0, initial_distance=-1.0)
 
 
 def test_component_state_round_trip_continues_the_same_learning_rates():
@@ -315,8 +320,8 @@ def test_component_state_round_trip_continues_the_same_learning_rates():
     budgeted = {"std": 3.0, "planned_steps": 4, "noise_budget": 0.5, "initial_distance": 1.0}
     rule, lrs, weights, weight = run_rule(GRADIENTS[:2], **budgeted)
     state = rule.state_dict()
-    resumed = DistanceOverGradients(KnownNoise([weight], 3.0), 4.0, initial_distance=1.0, planned_steps=4,
-                                    noise_budget=0.5)
+    resumed = DistanceOverGradients(KnownNoise([weight], 3.0), 4.0,
+                                    DoG(initial_distance=1.0, noise_budget=0.5), planned_steps=4)
     resumed.load_state_dict(state)
     optimizer = torch.optim.SGD([weight], lr=1.0)
     _, full, _, full_last = run_rule(GRADIENTS, **budgeted)

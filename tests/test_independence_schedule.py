@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import Abadi
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
 from tunefree.persample.independence import ProbeSchedule, verify_example_independence
@@ -119,7 +119,7 @@ def test_one_check_catches_one_mixing_pair_with_the_stated_probability(model, ex
     observed fraction lies within 2.5 binomial standard deviations."""
     torch.manual_seed(0)
     net = model()
-    engine = ClippingEngine(net, make_groups(net, "all-layer", 1.0), ClipFunction("abadi"), "sum")
+    engine = ClippingEngine(net, make_groups(net, "all-layer", 1.0), Abadi(), "sum")
     x = torch.randn(N, 3)
     schedule = ProbeSchedule(SeededSource(11))
     caught = 0

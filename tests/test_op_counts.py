@@ -29,7 +29,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
 from tunefree.rules import conv as conv_rule
-from tunefree.rules.paths import PathChooser
 
 _CONVOLUTIONS = {torch.ops.aten.convolution: 8, torch.ops.aten.convolution_backward: 9}
 
@@ -120,11 +119,10 @@ def _private_step(name: str, batch: int, groups: str, path: str | None):
     with pytest.warns(UserWarning, match="not Poisson-sampled"):
         engine = tunefree.make_private(model, optimizer, DataLoader(TensorDataset(x, y), batch_size=batch),
                                        noise_multiplier=1.0, target_delta=1e-3, groups=groups, seed=0,
-                                       poisson_sampling=False)
-    if path is not None:
-        engine.clipping_engine.path_chooser = PathChooser(fixed=path)
-    engine.optimizer.verify_every = 10**9  # no independence check at the counted steps (its own count
-    # follows the tensors' shapes: fingerprints along other dimensions of the batch's size)
+                                       poisson_sampling=False, norm_path="auto" if path is None else path,
+                                       # no independence check at the counted steps (its own count
+                                       # follows the tensors' shapes: fingerprints along other dimensions)
+                                       verify_every=10**9)
 
     def step():
         engine.optimizer.zero_grad()

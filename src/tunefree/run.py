@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,16 +14,17 @@ from .clipping.groups import ClipGroup, sensitivity
 from .components.dog import DistanceOverGradients
 from .components.hyfreedp import AutoLearningRate
 from .components.thresholds import QuantileEstimator
-from .data.poisson import StepSchedule
-from .parallel.ddp import DataParallel
-from .parallel.fsdp import ShardedDataParallel
+from .config import read_description
+from .data.poisson import PoissonDataLoader, StepSchedule
+from .errors import PrivacyError
+from .parallel.base import Parallelism
 from .persample.engine import ClippingEngine
 from .privacy.canaries import GradientCanaries
 from .privacy.ledger import Ledger
-from .privacy.plan import Plan
+from .privacy.plan import Plan, is_digest_of_0_1
 from .privacy.randomness import NoiseSource
 from .step.component import StepReport
-from .step.optimizer import DPOptimizer
+from .step.optimizer import DPOptimizer, check_updates_recorded
 
 
 @dataclass(frozen=True)
@@ -55,16 +57,20 @@ class DPEngine:
     """
 
     def __init__(self, *, model: nn.Module, optimizer: DPOptimizer, data_loader: Any,
-                 clipping_engine: ClippingEngine, ledger: Ledger, randomness: NoiseSource,
+                 clipper: ClippingEngine, ledger: Ledger, randomness: NoiseSource,
                  schedule: StepSchedule, groups: list[ClipGroup], plan: Plan,
-                 parallel: DataParallel | ShardedDataParallel | None = None,
-                 canaries: GradientCanaries | None = None):
+                 parallel: Parallelism, canaries: GradientCanaries | None = None):
         self.model, self.optimizer, self.data_loader = model, optimizer, data_loader
-        self.clipping_engine, self.ledger, self.randomness = clipping_engine, ledger, randomness
+        self.clipper, self.ledger, self.randomness = clipper, ledger, randomness
         self.schedule, self.groups, self.plan = schedule, groups, plan
-        self.parallel = parallel  # the data-parallel rank and world size (None: one process)
+        self.parallel = parallel  # how the run spans processes (its kind, rank and world size)
         # make_private(audit_canaries=m): the canaries' releases, for tunefree.audit.audit_training
         self.canaries = canaries
+
+    @property
+    def clipping_engine(self) -> ClippingEngine:
+        """The per-sample clipper hooked into the model (:attr:`clipper`; the older name)."""
+        return self.clipper
 
     @property
     def noise_multiplier(self) -> float:
@@ -98,8 +104,8 @@ class DPEngine:
 
     @property
     def clip_thresholds(self) -> dict[str, float]:
-        """Each clip group's current threshold, by group name."""
-        return dict(self.clipping_engine.thresholds)
+        """Each clip group's current threshold, by group name (those the next step clips with)."""
+        return dict(self.optimizer.thresholds)
 
     @property
     def quantile_estimator(self) -> QuantileEstimator | None:
@@ -108,9 +114,17 @@ class DPEngine:
         return next((c for c in components if isinstance(c, QuantileEstimator)), None)
 
     @property
+    def lr_rule(self) -> AutoLearningRate | DistanceOverGradients | None:
+        """The learning-rate rule of the run: DoG for ``lr="auto"``, HyFreeDP for
+        ``AutoLR(mode="safeguarded"/"paper")`` (``None`` when the optimizer's own learning rate is kept)."""
+        return next((c for c in self.optimizer.components
+                     if isinstance(c, (AutoLearningRate, DistanceOverGradients))), None)
+
+    @property
     def auto_lr(self) -> AutoLearningRate | None:
-        """The automatic learning rate of ``lr="auto"`` (``None`` with a fixed learning rate); e.g.
-        ``engine.auto_lr.record_training_losses(losses)`` hands it L(w) from the training forward."""
+        """HyFreeDP's learning rate (``AutoLR(mode="safeguarded"/"paper")``; ``None`` otherwise, and under
+        ``lr="auto"``, which is DoG: :attr:`dog_lr`); e.g. ``engine.auto_lr.record_training_losses(losses)``
+        hands it L(w) from the training forward. Deprecated name: use :attr:`lr_rule`."""
         return next((c for c in self.optimizer.components if isinstance(c, AutoLearningRate)), None)
 
     @property
@@ -140,48 +154,71 @@ class DPEngine:
     def guarantee(self, delta: float | None = None) -> Guarantee:
         delta = self.target_delta if delta is None else delta
         return Guarantee(self.epsilon(delta), delta, self.steps, self.accountant,
-                         self.ledger.poisson_approximation, seeded=not self.randomness.secret)
+                         self.ledger.poisson_approximation, seeded=self.ledger.seeded)
+
+    def public_writes(self) -> AbstractContextManager[None]:
+        """A block of writes to the model between private steps that depend on public values only (the
+        released weights, public data, the step count), e.g. a weight projection after ``step()``:
+        ``with engine.public_writes(): project(model)``. Any other change of the model outside the
+        private step is refused (``persample.state_guard``); the block itself is refused if the model
+        changed before it."""
+        return self.optimizer.state_guard.public_writes()
 
     def detach(self) -> nn.Module:
         """Remove every hook; the model is a plain module (or DDP model) again and the private optimizer
         is done."""
-        self.clipping_engine.detach()
-        if self.parallel is not None:
-            self.parallel.release_model()
+        self.clipper.detach()
+        self.parallel.release_model()
         return self.model
 
     def state_dict(self) -> dict[str, Any]:
         """The run's privacy state: ledger, randomness, position of the sampler, the step components'
         state and the plan it belongs to. Save it with the model's and the optimizer's state dicts; a
-        resumed run continues the same guarantee. It holds a digest of a few examples and, of a seeded
+        resumed run continues the same guarantee. It holds a digest of the data set and, of a seeded
         run, the seed (``["randomness"]["randomness"]`` says so): whoever reads the seed can remove the
         noise, so keep the state as private as the data."""
         return {"ledger": self.ledger.state_dict(), "randomness": self.randomness.state_dict(),
                 "schedule": self.schedule.state_dict(),
-                "components": {name: c.state_dict() for name, c in self._components().items()},
+                "components": self.optimizer.component_states(),
                 "plan": self.plan.describe(), "fingerprint": self.plan.fingerprint()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; a state of another plan (other noise, sampling, length, data
         set, groups, clipping, thresholds or learning-rate policy) is refused, naming what differs."""
-        if state.get("fingerprint") != self.plan.fingerprint():
-            differences = self.plan.differences(state.get("plan", {}))
+        self._check_same_plan(state)
+        self.optimizer.load_component_states(state["components"])  # checked first: refused as a whole
+        self.randomness.load_state_dict(state["randomness"])  # refuses a secret run resuming a seeded one
+        # A 0.1 ledger names no caveat of its own: its run's randomness says whether it was seeded.
+        self.ledger.load_state_dict({"seeded": not self.randomness.secret, **state["ledger"]})
+        self.schedule.load_state_dict(state["schedule"])
+        self._check_resumed_steps()
+        # The resumed model (loaded with the checkpoint's weights) is the state the guard compares with.
+        self.optimizer.state_guard.snapshot()
+
+    def _check_same_plan(self, state: Mapping[str, Any]) -> None:
+        """The checkpoint's plan is this run's. A checkpoint of 0.1 (plan description format 1, a data
+        digest of three examples) is read as today's description and compared on those examples."""
+        if state.get("fingerprint") == self.plan.fingerprint():
+            return
+        theirs, mine = read_description(state.get("plan", {})), self.plan.describe()
+        if is_digest_of_0_1(theirs.get("settings.data"), self.data_loader.dataset, self.plan.num_examples):
+            theirs["settings.data"] = mine["settings.data"]
+        if theirs != mine:
+            differences = "\n  ".join(self.plan.differences(theirs))
             raise ValueError(
                 "this checkpoint belongs to a run with other privacy settings; resume with the same "
-                "settings and the same data set. It differs in:\n  " + "\n  ".join(differences))
-        components = self._components()
-        if set(state["components"]) != set(components):
-            raise ValueError(
-                f"this checkpoint holds the state of the step components {sorted(state['components'])}, "
-                f"this run has {sorted(components)}; resume with the same settings")
-        self.ledger.load_state_dict(state["ledger"])
-        self.randomness.load_state_dict(state["randomness"])
-        self.schedule.load_state_dict(state["schedule"])
-        for name, component in components.items():
-            component.load_state_dict(state["components"][name])
-        estimator = self.quantile_estimator
-        if estimator is not None:
-            self.clipping_engine.set_thresholds(estimator.thresholds())
+                f"settings and the same data set. It differs in:\n  {differences}")
 
-    def _components(self) -> dict[str, Any]:
-        return {type(c).__name__: c for c in self.optimizer.components}
+    def _check_resumed_steps(self) -> None:
+        """A resumed ledger describes the steps this run took: with the Poisson loader, its position
+        (logical batches handed out) equals the ledger's steps, and the wrapped optimizer applied no more
+        updates than the ledger records (checked again before every update)."""
+        steps, consumed = self.ledger.steps, self.schedule.consumed
+        if isinstance(self.data_loader, PoissonDataLoader) and consumed != steps:
+            raise PrivacyError(
+                f"this checkpoint's ledger records {steps} private steps but its Poisson sampler handed "
+                f"out {consumed} batches: the ledger was edited, or the checkpoint was saved in the "
+                "middle of a step. Save engine.state_dict() right after optimizer.step(), and resume from "
+                "the ledger saved with it")
+        self.optimizer.updates_before_run = 0  # the checkpoint's ledger accounts for every update
+        check_updates_recorded(self.optimizer.original, steps)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import dp_accounting as dpa
@@ -24,6 +24,7 @@ from ..errors import PrivacyError
 from ..persample.accumulator import StepAccumulator
 from ..persample.engine import ClippingEngine
 from ..persample.independence import ProbeSchedule, verify_example_independence
+from ..persample.state_guard import StateGuard
 from ..privacy.ledger import Ledger
 from ..privacy.mechanisms import GradientRelease
 from ..privacy.randomness import SecretSource
@@ -48,9 +49,24 @@ class DPOptimizer(torch.optim.Optimizer):
         schedule: logical-step bookkeeping shared with the Poisson loader.
         accumulator: where the engine books the step's clipped sums; the optimizer pops it once per
             logical step and releases what it holds.
+        components: the parts of the step beyond the gradient release (adaptive thresholds, a
+            learning-rate rule), run in this order after the release.
+        planned_steps: the length of training the noise was calibrated for (``None``: no plan); the
+            first step beyond it warns that ε now grows past the target.
+        verify_every: after the check before the first release, each step checks example independence
+            with probability 1/verify_every (``None``: 1/24; 1: every step).
+        every_rank: under FSDP2, whose forward passes are collectives: whether a flag is True on every
+            rank, so that every rank runs the independence check or none does (``None``: one process).
+        probes: which steps are checked and on which examples, drawn from the run's randomness (``None``:
+            fresh secret randomness).
+        state_guard: the check that between steps the model changes only through the wrapped optimizer's
+            update (``persample.state_guard``), run before the release and the update.
 
-    ``planned_steps`` (set by ``make_private``; ``None`` for no plan) is the length of training the noise
-    was calibrated for: the first step beyond it warns that ε now grows past the target.
+    The optimizer owns the clip thresholds: it starts from the groups' own (or those an adaptive
+    component sets), releases each step with the thresholds the step clipped with, and hands the next
+    step's to the engine (:meth:`ClippingEngine.begin_step`). A closure returns the loss, as in
+    ``torch.optim``, unless a component reads per-sample losses from it
+    (``StepComponent.closure_gives_per_sample_losses``: HyFreeDP's learning rate).
     Step hooks (``register_step_pre_hook``/``register_step_post_hook``) fire once per logical step,
     around the whole private step, as torch's do; micro-batch calls that only accumulate do not fire them.
 
@@ -66,7 +82,10 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: ClippingEngine,
                  release: GradientRelease, ledger: Ledger, sample_rate: float,
-                 expected_batch_size: float, schedule: StepSchedule, accumulator: StepAccumulator):
+                 expected_batch_size: float, schedule: StepSchedule, accumulator: StepAccumulator, *,
+                 components: Sequence[StepComponent] = (), planned_steps: int | None = None,
+                 verify_every: int | None = None, every_rank: Callable[[bool], bool] | None = None,
+                 probes: ProbeSchedule | None = None, state_guard: StateGuard):
         if isinstance(optimizer, DPOptimizer):
             raise ValueError("the optimizer is already private; pass the original optimizer")
         self.original = optimizer
@@ -74,9 +93,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self.sample_rate, self.expected_batch_size = sample_rate, expected_batch_size
         self.schedule, self.accumulator = schedule, accumulator
         self.last_step: StepReport | None = None
-        self.components: list[StepComponent] = []
-        self.closure_gives_per_sample_losses = False
-        self.planned_steps: int | None = None
+        self.components: tuple[StepComponent, ...] = tuple(components)
+        self.closure_gives_per_sample_losses = any(c.closure_gives_per_sample_losses for c in self.components)
+        self.planned_steps = planned_steps
         self._warned_past_plan = False
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
@@ -86,24 +105,27 @@ class DPOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._check_parameters()
         self._trainable = frozenset(p for g in engine.groups for p in g.params)
-        # Each step is checked for example independence with probability 1/verify_every (the first one
-        # always), at steps drawn by ``probes`` from the run's randomness (make_private passes the run's).
-        self.verify_every: int | None = None
-        self.probes = ProbeSchedule(SecretSource())
-        # Set by make_private under FSDP2, whose forward passes are collectives: whether every rank's flag
-        # is True, so that every rank runs the independence check or none does.
-        self.every_rank: Callable[[bool], bool] | None = None
+        self.verify_every, self.every_rank = verify_every, every_rank
+        self.probes = ProbeSchedule(SecretSource()) if probes is None else probes
         self.verified = False
         self.grad_scaler: torch.amp.GradScaler | None = None
-        engine.retain_inputs = True
+        # The wrapped optimizer's updates before this run (0 again once a checkpoint's ledger is loaded).
+        self.updates_before_run = updates_applied(optimizer)
+        self.state_guard = state_guard
+        self.thresholds: dict[str, float] = {}
+        self._hand_over_thresholds()
 
     def attach_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
         """Train with ``scaler`` (float16 loss scaling). Its scale is divided out of every output
         gradient before per-sample norms and clip weights, so it changes no clip weight; an example
         that overflows contributes nothing where it overflows, and every step is released and recorded
-        as planned. Call it before the first backward pass."""
+        as planned. Call it before the first backward pass. It needs ``loss_reduction="sum"``: under a
+        mean loss each example's scaled gradient is divided by the batch size, so whether it overflows
+        would depend on how many other examples were sampled."""
         if not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"attach_grad_scaler needs a torch.amp.GradScaler, got {type(scaler).__name__}")
+        if self.engine.loss_reduction == "mean":
+            raise PrivacyError(_MEAN_LOSS_UNDER_SCALING)
         self.grad_scaler = scaler
         self.engine.grad_scaler = scaler
 
@@ -220,6 +242,7 @@ class DPOptimizer(torch.optim.Optimizer):
             try:
                 verify_example_independence(self.engine.model, self.engine, inputs.args, inputs.kwargs,
                                             examples=examples, probes=probes)
+                self.state_guard.check("after the example-independence check", full=False)
             except PrivacyError:
                 self.accumulator.pop()
                 raise
@@ -231,9 +254,10 @@ class DPOptimizer(torch.optim.Optimizer):
         """One optimizer step on privatised gradients (only at the end of a logical batch).
 
         ``closure``, if given, is evaluated first with gradients enabled, as ``torch.optim`` does: it
-        runs the forward and backward pass of the current batch and returns the loss. With
-        ``lr="auto"`` it instead returns the current batch's per-sample losses (a 1-D tensor) and
-        tunefree evaluates it, without gradients, at the probe points of the learning-rate fit.
+        runs the forward and backward pass of the current batch and returns the loss. With HyFreeDP's
+        learning rate (``AutoLR(mode="safeguarded"/"paper")``) it instead returns the current batch's
+        per-sample losses (a 1-D tensor) and tunefree evaluates it, without gradients, at the probe
+        points of the learning-rate fit.
         """
         self._check_trainable_set()
         logical = self.schedule.ends_logical
@@ -255,9 +279,10 @@ class DPOptimizer(torch.optim.Optimizer):
         """Release, record, update: each release is in the ledger before anything uses it."""
         self._warn_past_plan()
         self.engine.check_no_leak()
+        self.state_guard.check("before the release of a step")
         self._verify_independence()
         booked = self.accumulator.pop()
-        thresholds = dict(self.engine.thresholds)
+        thresholds = self.thresholds  # those the step's backward passes clipped with
         noisy, event = self.release.release(booked.sums, thresholds)
         events = [event]
         self.ledger.record_step(self.sample_rate, events)
@@ -271,12 +296,38 @@ class DPOptimizer(torch.optim.Optimizer):
         context = StepContext(report, closure, UpdateControl(self.original), thresholds)
         for component in self.components:
             self._record(events, component.before_update(context))
+        if self.components:  # they may run the model (HyFreeDP's probes)
+            self.state_guard.check("before the optimizer's update", full=False, released=True)
+        check_updates_recorded(self.original, self.ledger.steps - 1, self.updates_before_run)
         self.original.step()
+        self.state_guard.updated()
         for component in self.components:
             self._record(events, component.after_update(context))
-        if context.next_thresholds is not None:
-            self.engine.set_thresholds(context.next_thresholds)
+        self._hand_over_thresholds()
         self.last_step = report
+
+    def _hand_over_thresholds(self) -> None:
+        """The thresholds the next step clips with: those a component sets (adaptive thresholds), else
+        the groups' own; the engine receives them here, and only here."""
+        proposed = [t for c in self.components if (t := c.thresholds()) is not None]
+        own = {g.name: g.threshold for g in self.engine.groups}
+        self.thresholds = dict(proposed[-1]) if proposed else own
+        self.engine.begin_step(self.thresholds)
+
+    def component_states(self) -> dict[str, Any]:
+        """Each component's checkpoint state, by its ``state_key``."""
+        return {c.state_key: c.state_dict() for c in self.components}
+
+    def load_component_states(self, states: dict[str, Any]) -> None:
+        """Restore :meth:`component_states` (the same components, or refused), and the thresholds that
+        follow from them."""
+        if set(states) != {c.state_key for c in self.components}:
+            raise ValueError(
+                f"this checkpoint holds the state of the step components {sorted(states)}, this run has "
+                f"{sorted(c.state_key for c in self.components)}; resume with the same settings")
+        for component in self.components:
+            component.load_state_dict(states[component.state_key])
+        self._hand_over_thresholds()
 
     def _check_scaler_call(self, logical: bool) -> None:
         """``scaler.step(optimizer)`` (which sets ``grad_scale``) needs the scaler attached, so that the
@@ -335,6 +386,39 @@ class DPOptimizer(torch.optim.Optimizer):
             args, kwargs = result
             closure = args[1] if len(args) > 1 else kwargs.get("closure")
         return closure
+
+
+def updates_applied(optimizer: torch.optim.Optimizer) -> int:
+    """The optimizer's own count of its updates (``state[p]["step"]``, kept by Adam, AdamW, RMSprop...);
+    0 for one that keeps none (SGD)."""
+    counted = next((state["step"] for state in optimizer.state.values() if "step" in state), None)
+    return 0 if counted is None else int(counted)
+
+
+def check_updates_recorded(optimizer: torch.optim.Optimizer, recorded: int, before: int = 0) -> None:
+    """Every update the wrapped optimizer applied in this run has its release in the ledger: its own
+    count, less the ``before`` updates it had when the run began (training outside this guarantee, like
+    pre-trained weights), is at most the ``recorded`` steps — else its state comes from another run
+    whose ledger is missing or was edited."""
+    applied = updates_applied(optimizer)
+    if applied - before > recorded:
+        earlier = f" ({before} of them before make_private)" if before else ""
+        raise PrivacyError(
+            f"the optimizer has applied {applied} updates{earlier} but the ledger records {recorded} "
+            "private steps for them: its state comes from a run whose ledger was edited or left behind, "
+            "and the guarantee would understate what was released. Resume with engine.load_state_dict "
+            "and the ledger saved with this optimizer state (engine.state_dict() and "
+            "optimizer.state_dict() of the same moment); an optimizer state from training outside this "
+            "guarantee (e.g. public pre-training) is loaded before make_private")
+
+
+_MEAN_LOSS_UNDER_SCALING = (
+    "a GradScaler with loss_reduction='mean' is refused: a mean loss divides every example's scaled "
+    "gradient by the number of examples in the batch, so under float16 whether an example's gradient "
+    "overflows (and is dropped) would depend on how many other examples were sampled, and one example "
+    "could change the others' contributions. Sum the per-example losses (loss_fn(..., reduction='sum')) "
+    "with make_private(..., loss_reduction='sum'), and give the scaler a scale that suits a summed loss, "
+    "e.g. torch.amp.GradScaler(init_scale=2**8); or train in bfloat16, which needs no loss scaling")
 
 
 def _examples_in(inputs: Capture, dim: int = 0) -> int:
