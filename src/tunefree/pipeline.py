@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader
 from .build import assemble, check_parallel_options, plan_run
 from .components.thresholds import AdaptiveQuantile
 from .config import RunConfig
+from .data.provenance import handed_on
 from .parallel.stages import Stages
 from .privacy.ledger import Ledger
 from .privacy.randomness import side_randomness
@@ -126,7 +127,8 @@ class PrivatePipelineStage:
             output = self.module(inputs)
         else:
             received = stages.receive(stages.index - 1).requires_grad_()
-            output = self.module(received)
+            # the previous stage's activations of this batch, handed on for the loader
+            output = self.module(handed_on(received, self.engine.schedule.batch_serial))
         loss = None
         if stages.is_last:
             loss = self.loss_fn(output, target)
