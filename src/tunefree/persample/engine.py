@@ -238,7 +238,7 @@ class ClippingEngine:
     Each group's clip threshold starts at its configured ``threshold``; the private step hands the
     thresholds of each following step over with :meth:`begin_step`.
 
-    ``grad_scaler`` (set by ``DPOptimizer.attach_grad_scaler``): the ``torch.amp.GradScaler`` whose
+    ``grad_scaler`` (given by :meth:`attach_grad_scaler`): the ``torch.amp.GradScaler`` whose
     factor multiplies the loss. Each backward pass divides it out of the output gradients before any
     norm or clip weight, and an example whose output gradient or input overflows in a layer call adds
     nothing through that call (see :func:`_drop_overflowed_examples`).
@@ -328,6 +328,11 @@ class ClippingEngine:
             yield
         finally:
             self._suspended -= 1
+
+    def attach_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
+        """Divide ``scaler``'s loss scale out of every output gradient from the next backward pass on
+        (``DPOptimizer.attach_grad_scaler``)."""
+        self.grad_scaler = scaler
 
     def begin_step(self, thresholds: Mapping[str, float]) -> None:
         """The clip threshold of each group (by name) for the backward passes of the next step (the

@@ -127,7 +127,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.engine.loss_reduction == "mean":
             raise PrivacyError(_MEAN_LOSS_UNDER_SCALING)
         self.grad_scaler = scaler
-        self.engine.grad_scaler = scaler
+        self.engine.attach_grad_scaler(scaler)
 
     def _check_parameters(self) -> None:
         optimized = {p for group in self.param_groups for p in group["params"]}
@@ -318,9 +318,10 @@ class DPOptimizer(torch.optim.Optimizer):
         """Each component's checkpoint state, by its ``state_key``."""
         return {c.state_key: c.state_dict() for c in self.components}
 
-    def load_component_states(self, states: dict[str, Any]) -> None:
-        """Restore :meth:`component_states` (the same components, or refused), and the thresholds that
-        follow from them."""
+    def resume(self, states: dict[str, Any]) -> None:
+        """Continue a checkpoint's run: restore :meth:`component_states` (the same components, or
+        refused) and the thresholds that follow from them; from now on the checkpoint's ledger accounts
+        for every update of the wrapped optimizer (none counts as before the run)."""
         if set(states) != {c.state_key for c in self.components}:
             raise ValueError(
                 f"this checkpoint holds the state of the step components {sorted(states)}, this run has "
@@ -328,6 +329,7 @@ class DPOptimizer(torch.optim.Optimizer):
         for component in self.components:
             component.load_state_dict(states[component.state_key])
         self._hand_over_thresholds()
+        self.updates_before_run = 0
 
     def _check_scaler_call(self, logical: bool) -> None:
         """``scaler.step(optimizer)`` (which sets ``grad_scale``) needs the scaler attached, so that the
