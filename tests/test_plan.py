@@ -198,7 +198,8 @@ def test_data_digest_reads_the_examples():
 
 # ---------------------------------------------------------------------------- releases made before training
 PRIOR = (dpa.GaussianDpEvent(4.0),  # e.g. a private scaling, and a partition selection with its (0, p) part
-         dpa.ComposedDpEvent([dpa.GaussianDpEvent(6.0), dpa.PoissonSampledDpEvent(1e-7, dpa.NonPrivateDpEvent())]))
+         dpa.ComposedDpEvent([dpa.GaussianDpEvent(6.0),
+                              dpa.PoissonSampledDpEvent(1e-7, dpa.NonPrivateDpEvent())]))
 
 
 @pytest.mark.parametrize("components", COMPONENTS.values(), ids=COMPONENTS.keys())

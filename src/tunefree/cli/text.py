@@ -445,5 +445,6 @@ def command(args: argparse.Namespace) -> int:
     for note in [*result["data_notes"], *([result["note"]] if result["note"] else [])]:
         print(f"note: {note}")
     adapter = " (the LoRA adapter only)" if result["lora"] else ""
-    print(f"model saved in {result['model_directory']}{adapter}; {where_results_went(args.out, args.json, text_model=True)}")
+    where = where_results_went(args.out, args.json, text_model=True)
+    print(f"model saved in {result['model_directory']}{adapter}; {where}")
     return 0

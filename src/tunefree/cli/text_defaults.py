@@ -1,22 +1,22 @@
 """What a text classification run trains, and for how long, when the user does not say: chosen from the
 public N (training rows) and the privacy budget, before any private value is read.
 
-**Which weights** (``--train-weights auto``). Under AUTO-S every example's clipped gradient has norm at
-most 1, so the mean of a batch's clipped gradients — the signal of a step — has norm at most 1, while the
-noise added to that mean has expected norm about ``σ·√d / B`` over d trained weights at expected batch B
-(RESULTS §5f: at N ≈ 1,900 and ε = 8, 12.4 for all 22.7M weights of all-MiniLM-L6-v2, against a
-measured signal of 0.12: the run learnt the class prior only). The rule trains every weight only where
-that noise is at most :data:`NOISE_TO_SIGNAL_MAX` (1: no larger than the largest signal possible), and
-otherwise a linear head on the frozen encoder's mean-pooled token states (the pooling sentence encoders
-are trained with; the [CLS]/pooler output of such a model carries little label signal, §5f).
+**Which weights** (``--train-weights auto``). Under AUTO-S every example's clipped gradient has norm at most
+1, so the mean of a batch's clipped gradients — the signal of a step — has norm at most 1, while the noise
+added to that mean has expected norm about ``σ·√d / B`` over d trained weights at expected batch B (RESULTS
+§5f: at N ≈ 1,900 and ε = 8, 12.4 for all 22.7M weights of all-MiniLM-L6-v2, against a measured signal of
+0.12: the run learnt the class prior only). The rule trains every weight only where that noise is at most
+:data:`NOISE_TO_SIGNAL_MAX` (1: no larger than the largest signal possible), and otherwise a linear head on
+the frozen encoder's mean-pooled token states (the pooling sentence encoders are trained with; the
+[CLS]/pooler output of such a model carries little label signal, §5f).
 
 **How long** (a batch size or a length not given). A head is cheap (its inputs are computed once), so the
 compute budget is not what binds: the batch is ``N/8`` (8 steps an epoch, at least 64 and at most
-:data:`MAX_BATCH`) and the run is :data:`HEAD_STEPS` steps — RESULTS §5g: with the head on mean-pooled
-states, runs of 6–12 steps stayed near the class prior (and AdamW's at 20–21 steps in 4 of 6 settings),
-while every run of 40–450 steps reached 0.72–0.77 (validation) at batch sizes 128 to 1,024 and ε 1 to 8. Every weight costs a backward pass of
-the whole model per example, so there the command line's own defaults (batch 256, 3 epochs) stand, and
-``--batch-size``/``--epochs``/``--steps`` set a larger compute budget.
+:data:`MAX_BATCH`) and the run is :data:`HEAD_STEPS` steps — RESULTS §5g: with the head on mean-pooled states,
+runs of 6–12 steps stayed near the class prior (and AdamW's at 20–21 steps in 4 of 6 settings), while every
+run of 40–450 steps reached 0.72–0.77 (validation) at batch sizes 128 to 1,024 and ε 1 to 8. Every weight
+costs a backward pass of the whole model per example, so there the command line's own defaults (batch 256, 3
+epochs) stand, and ``--batch-size``/``--epochs``/``--steps`` set a larger compute budget.
 """
 
 from __future__ import annotations
