@@ -17,6 +17,8 @@ from ..dtypes import accumulation_dtype
 from .randomness import NoiseSource
 
 NOISE_ALLOCATIONS = ("global", "equal-budget", "weighted")
+# The most coordinates of noise a release holds at once (64 MiB in float32), unless one parameter has more.
+NOISE_PIECE = 2**24
 
 
 def allocation_weights(thresholds: Sequence[float], sizes: Sequence[int], allocation: str) -> list[float]:
@@ -77,18 +79,23 @@ class GradientRelease:
         """Noisy sums for every parameter of every group (a parameter without a sum gets noise only).
 
         ``thresholds`` are those the sums were clipped with (by group name): each group's sum has
-        sensitivity ``thresholds[name]``, and the noise is calibrated to them."""
+        sensitivity ``thresholds[name]``, and the noise is calibrated to them. The sums are taken over:
+        the noise is added into them in place, drawn in pieces of at most ``NOISE_PIECE`` coordinates
+        (or one parameter), each dropped once added, so that the release holds the sums and one piece
+        of noise. The draws are those of one draw of every parameter in order (a seeded source draws
+        shape by shape, so the pieces do not change its numbers)."""
         noisy, to_noise = {}, {}
         for p, std in self.param_stds(thresholds):
             noisy[p] = self.clipped_sum(p, sums.get(p))
             if std > 0:
                 to_noise.setdefault((noisy[p].device, noisy[p].dtype), []).append((p, std))
-        for (device, dtype), entries in to_noise.items():  # one draw per device and precision
-            draws = self.randomness.normals([p.shape for p, _ in entries], device, dtype)
-            # noisy = std·noise + sum, all parameters in two calls (the draws are fresh, used once)
-            torch._foreach_mul_(draws, [std for _, std in entries])
-            torch._foreach_add_(draws, [noisy[p] for p, _ in entries])
-            noisy.update((p, noise) for (p, _), noise in zip(entries, draws))
+        for (device, dtype), entries in to_noise.items():
+            for piece in _pieces(entries, NOISE_PIECE):
+                draws = self.randomness.normals([p.shape for p, _ in piece], device, dtype)
+                # sum += std·noise, the piece's parameters in two calls (the draws are fresh, used once)
+                torch._foreach_mul_(draws, [std for _, std in piece])
+                torch._foreach_add_([noisy[p] for p, _ in piece], draws)
+                del draws
         return noisy, self.event()
 
     def param_stds(self, thresholds: Mapping[str, float]) -> list[tuple[nn.Parameter, float]]:
@@ -108,6 +115,19 @@ class GradientRelease:
     def event(self) -> dpa.DpEvent:
         """What one release costs: a Gaussian mechanism of multiplier σ on the total sensitivity."""
         return dpa.GaussianDpEvent(self.noise_multiplier)
+
+
+def _pieces(entries: list[tuple[nn.Parameter, float]], limit: int) -> list[list[tuple[nn.Parameter, float]]]:
+    """``entries`` in order, cut into runs of at most ``limit`` coordinates (a larger parameter alone)."""
+    pieces: list[list[tuple[nn.Parameter, float]]] = []
+    size = 0
+    for entry in entries:
+        if not pieces or size + entry[0].numel() > limit:
+            pieces.append([])
+            size = 0
+        pieces[-1].append(entry)
+        size += entry[0].numel()
+    return pieces
 
 
 def add_bucket_noise(flat: torch.Tensor, params: Sequence[tuple[nn.Parameter, float]],

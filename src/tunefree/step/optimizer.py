@@ -262,11 +262,12 @@ class DPOptimizer(torch.optim.Optimizer):
         self._verify_independence()
         booked = self.accumulator.pop()
         thresholds = dict(self.engine.thresholds)
-        noisy, event = self.release.release(booked.sums, thresholds)
+        sums, booked.sums = booked.sums, {}  # the release takes them over
+        noisy, event = self.release.release(sums, thresholds)
+        del sums
         events = [event]
         self.ledger.record_step(self.sample_rate, events)
-        for p, grad in zip(noisy, torch._foreach_div(list(noisy.values()), self.expected_batch_size)):
-            p.grad = grad.to(p.dtype)
+        self._write_grads(noisy)
         report = StepReport(step=self.ledger.steps, examples=booked.examples,
                             group_norms=booked.group_norms, thresholds=thresholds)
         if self._release_overflows():
@@ -285,6 +286,16 @@ class DPOptimizer(torch.optim.Optimizer):
         if context.next_thresholds is not None:
             self.engine.set_thresholds(context.next_thresholds)
         self.last_step = report
+
+    def _write_grads(self, noisy: dict[torch.Tensor, torch.Tensor]) -> None:
+        """``.grad`` = noisy sum / ``q·N``, divided in place and written in the parameter's dtype: the
+        noisy sum itself where the dtypes agree, else a copy, each noisy sum dropped once written (one
+        parameter's sum alive beside the written gradients)."""
+        torch._foreach_div_(list(noisy.values()), self.expected_batch_size)
+        while noisy:
+            p, grad = noisy.popitem()
+            p.grad = grad.to(p.dtype)
+            del grad
 
     def _check_scaler_call(self, logical: bool) -> None:
         """``scaler.step(optimizer)`` (which sets ``grad_scale``) needs the scaler attached, so that the
