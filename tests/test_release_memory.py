@@ -119,3 +119,24 @@ def test_a_float32_gradient_is_the_noisy_sum_itself():
     sums = {p: t for p, t in engine.clipping_engine.accumulator._sums.items()}
     engine.optimizer.step()
     assert sums and all(p.grad is t for p, t in sums.items())
+
+
+def test_a_secret_release_cuts_a_large_parameter_into_pieces(monkeypatch):
+    """A secret source's noise is not replayed: a parameter larger than a piece is noised span by span,
+    every coordinate once, with the planned deviation; the release holds one piece of noise."""
+    from tunefree.clipping.groups import make_groups
+    from tunefree.privacy.randomness import SecretSource
+
+    monkeypatch.setattr(mechanisms, "NOISE_PIECE", 1000)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 3))
+    groups = make_groups(model, "all-layer", 1.0)
+    release = mechanisms.GradientRelease(groups, 2.0, SecretSource())
+    thresholds = {g.name: g.threshold for g in groups}
+    release.release({}, thresholds)  # the generator's own buffers, made once per process
+    sums = {p: torch.zeros(p.shape) for p in model.parameters()}
+    with _Allocations() as tracker:
+        noisy, _ = release.release(sums, thresholds)
+    assert tracker.peak <= 4 * 2048 + 1024  # a piece's draw: one group of 2048 Gaussians (float32)
+    weight = noisy[model[0].weight]
+    assert weight is sums[model[0].weight] and bool((weight != 0).all())
+    assert abs(float(weight.std()) / 2.0 - 1) < 0.05  # σ·R = 2, over 16,384 coordinates
