@@ -558,7 +558,8 @@ class ClippingEngine:
             self._pass.in_backward = True
             self._pass.loss_scale = self._loss_scale()
             Variable._execution_engine.queue_callback(self._end_of_backward)
-        use.grads[slot] = self._unscaled(grad)
+        rule = use.unit.rule
+        use.grads[slot] = self._unscaled(grad, keep_dtype=rule is not None and rule.takes_16_bit_grads)
         use.received += 1
         if use.received == use.n_outputs:
             self._process(use)
@@ -568,12 +569,15 @@ class ClippingEngine:
         scaler = self.grad_scaler
         return scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
 
-    def _unscaled(self, grad: torch.Tensor) -> torch.Tensor:
+    def _unscaled(self, grad: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
         """A layer's output gradient as the unscaled loss gives it, in float32 for half-precision
         gradients (the dtype policy): per-sample norms, clip weights and clipped sums never see the loss
-        scale, and none of them is rounded to 16 bits."""
-        grad = grad.to(accumulation_dtype(grad.dtype))
-        return grad if self._pass.loss_scale == 1.0 else grad / self._pass.loss_scale
+        scale, and none of them is rounded to 16 bits. ``keep_dtype``: the layer's rule converts a
+        16-bit gradient itself where it computes (``LayerRule.takes_16_bit_grads``), so without a loss
+        scale to divide out it is kept as it arrived, in half the memory."""
+        if self._pass.loss_scale == 1.0:
+            return grad if keep_dtype else grad.to(accumulation_dtype(grad.dtype))
+        return grad.to(accumulation_dtype(grad.dtype)) / self._pass.loss_scale
 
     def _serial(self) -> int:
         return 0 if self.batch_source is None else self.batch_source.batch_serial
