@@ -8,12 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from support import pop_step
 from torch import nn
 
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
 from tunefree.rules import RULES
+from tunefree.rules.linear import LinearRule
 from tunefree.rules.paths import PathChooser
 
 transformers = pytest.importorskip("transformers")
@@ -49,14 +51,13 @@ def _booked(groups: str, path: str | None, keep: bool, monkeypatch) -> tuple[dic
     torch.manual_seed(0)
     model = Zoo()
     ids = torch.randint(0, VOCAB, (6, 9), generator=torch.Generator().manual_seed(1))
-    engine = ClippingEngine(model, make_groups(model, groups, 0.5), ClipFunction("abadi"),
-                            loss_reduction="sum")
-    engine.path_chooser = PathChooser(measure=False, fixed=path)
+    engine = ClippingEngine(model, make_groups(model, groups, 0.5), clip_function("abadi"),
+                            loss_reduction="sum", path_chooser=PathChooser(measure=False, fixed=path))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(ids)
     assert logits.dtype == torch.bfloat16  # the layers ran in bfloat16: their gradients arrive so
     F.cross_entropy(logits.float().flatten(0, 1), ids.flatten(), reduction="sum").backward()
-    sums, _, norms = engine.pop_step()
+    sums, _, norms = pop_step(engine)
     engine.detach()
     names = {p: n for n, p in model.named_parameters()}
     return {names[p]: s for p, s in sums.items()}, norms
@@ -89,12 +90,11 @@ class Stack(nn.Module):
 def _backward_peak(keep: bool, monkeypatch) -> int:
     from test_release_memory import _Allocations
 
-    monkeypatch.setattr(type(RULES[0]), "takes_16_bit_grads", keep)
+    monkeypatch.setattr(LinearRule, "takes_16_bit_grads", keep)
     torch.manual_seed(0)
     model = Stack()
-    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("abadi"),
-                            loss_reduction="sum")
-    engine.path_chooser = PathChooser(measure=False, fixed="ghost")
+    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("abadi"),
+                            loss_reduction="sum", path_chooser=PathChooser(measure=False, fixed="ghost"))
     x = torch.randn(32, 32, 256)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(x).float().square().sum()
@@ -122,13 +122,13 @@ def test_a_16_bit_input_never_rounds_a_clipped_sum_to_16_bits(layer):
     for seed in range(20):
         torch.manual_seed(seed)
         module = Conv1D(24, 16) if layer == "hf-conv1d" else nn.Linear(16, 24)
-        engine = ClippingEngine(module, make_groups(module, "per-layer", 1.0), ClipFunction("auto-v"),
+        engine = ClippingEngine(module, make_groups(module, "per-layer", 1.0), clip_function("auto-v"),
                                 loss_reduction="sum")
         x = torch.randn(1, 5, 16).bfloat16()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = module(x)
         (out.float() * torch.randn(out.shape)).sum().backward()
-        sums, _, _ = engine.pop_step()
+        sums, _, _ = pop_step(engine)
         engine.detach()
         assert all(s.dtype == torch.float32 for s in sums.values())
         worst = max(worst, float(torch.sqrt(sum((s.double() ** 2).sum() for s in sums.values()))) - 1)

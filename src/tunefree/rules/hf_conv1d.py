@@ -28,6 +28,7 @@ def _conv1d_class() -> type[nn.Module] | None:
 class HFConv1DRule(LayerRule):
     takes_declared_dim = True
     takes_16_bit_grads = True
+    reads_parameters = False
 
     @property
     def module_types(self) -> tuple[type[nn.Module], ...]:  # type: ignore[override]

@@ -13,6 +13,7 @@ from .factored import FactoredGrad
 
 class LinearRule(LayerRule):
     module_types = (nn.Linear,)
+    reads_parameters = False
     takes_declared_dim = True
     takes_16_bit_grads = True
 

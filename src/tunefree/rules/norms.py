@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..dtypes import as_norm_precision
+from ..errors import ModelRefused
 from .base import Capture, LayerRule, Materialized, PerSampleGrad
 
 
@@ -38,6 +39,7 @@ class NormRule(LayerRule):
 
 class LayerNormRule(NormRule):
     module_types = (nn.LayerNorm,)
+    reads_parameters = False
     takes_declared_dim = True
 
     def per_sample_grads(self, module, capture: Capture, grad_outputs, params):
@@ -49,6 +51,7 @@ class LayerNormRule(NormRule):
 
 class RMSNormRule(NormRule):
     module_types = (nn.RMSNorm,)
+    reads_parameters = False
     takes_declared_dim = True
     param_names = ("weight",)
 
@@ -61,6 +64,7 @@ class RMSNormRule(NormRule):
 
 class GroupNormRule(NormRule):
     module_types = (nn.GroupNorm,)
+    reads_parameters = False
 
     def per_sample_grads(self, module, capture: Capture, grad_outputs, params):
         x = as_norm_precision(capture.args[0])
@@ -70,10 +74,11 @@ class GroupNormRule(NormRule):
 
 class InstanceNormRule(NormRule):
     module_types = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+    reads_parameters = False
 
     def check(self, module: nn.Module, name: str) -> None:
         if module.track_running_stats:
-            raise ValueError(
+            raise ModelRefused(
                 f"'{name}' ({type(module).__name__}) has track_running_stats=True: its running "
                 "statistics average over examples and would leak them unaccounted; set "
                 "track_running_stats=False"
