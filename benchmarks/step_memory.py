@@ -35,9 +35,6 @@ def _rss_mb(field: str) -> float:
 def child(mode: str, dtype: str, layers: int, batch: int, tokens: int) -> dict:
     import warnings
 
-    here = Path(__file__).resolve().parent  # benchmarks/transformers.py would shadow the library
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-
     import torch
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, TensorDataset
