@@ -18,13 +18,15 @@ from .base import Capture, LayerRule, Materialized, PerSampleGrad
 from .factored import FactoredGrad
 
 
-def _lstm_step(gi: torch.Tensor, gh: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]):
+def lstm_step(gi: torch.Tensor, gh: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]):
+    """One LSTM step from its gate inputs ``gi`` (input part) and ``gh`` (hidden part): ``[h, c]``."""
     i, f, g, o = (gi + gh).chunk(4, 1)
     c = torch.sigmoid(f) * state[1] + torch.sigmoid(i) * torch.tanh(g)
     return [torch.sigmoid(o) * torch.tanh(c), c]
 
 
-def _gru_step(gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor):
+def gru_step(gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor):
+    """One GRU step from its gate inputs ``gi`` and ``gh`` (torch's gate order r, z, n): ``[h]``."""
     i_r, i_z, i_n = gi.chunk(3, 1)
     h_r, h_z, h_n = gh.chunk(3, 1)
     reset, update = torch.sigmoid(i_r + h_r), torch.sigmoid(i_z + h_z)
@@ -32,7 +34,8 @@ def _gru_step(gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor):
     return [(1 - update) * new + update * h]
 
 
-def _rnn_step(module: nn.RNNCell):
+def rnn_step(module: nn.RNNCell | nn.RNN):
+    """One step of an Elman cell with the module's nonlinearity, from ``gi`` and ``gh``: ``[h]``."""
     act = torch.tanh if module.nonlinearity == "tanh" else torch.relu
     return lambda gi, gh, h: [act(gi + gh)]
 
@@ -52,8 +55,8 @@ class CellRule(LayerRule):
             gh = nn.functional.linear(h, module.weight_hh.detach(), _detached(module.bias_hh))
             gi.requires_grad_(True)
             gh.requires_grad_(True)
-            step = _lstm_step if isinstance(module, nn.LSTMCell) else \
-                _gru_step if isinstance(module, nn.GRUCell) else _rnn_step(module)
+            step = lstm_step if isinstance(module, nn.LSTMCell) else \
+                gru_step if isinstance(module, nn.GRUCell) else rnn_step(module)
             outputs = step(gi, gh, state)
             used = [(o, g.to(o.dtype)) for o, g in zip(outputs, grad_outputs) if g is not None]
             d_gi, d_gh = torch.autograd.grad([o for o, _ in used], [gi, gh], [g for _, g in used],
