@@ -5,7 +5,9 @@ function of ``(gᵢ, g_h, state)`` (torch's documented cell equations). The grad
 respect to ``gᵢ`` and ``g_h`` are found for the whole batch at once (the pointwise part keeps examples
 apart), so each weight's per-sample gradient is the factored form of a linear layer — ghost norm or
 materialised — and each bias's is that gradient itself. A cell called T times in a forward is T uses of
-its parameters, which the engine sums per example.
+its parameters, which the engine sums per example. The step is recomputed in the parameters' accumulation
+dtype (float32 for 16-bit ones; under autocast the 16-bit inputs, states and output gradients are converted
+to it), as ``nn.RNN``'s rule does.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..dtypes import accumulation_dtype
 from ..errors import PrivacyError
 from .base import Capture, LayerRule, Materialized, PerSampleGrad
 from .factored import FactoredGrad
@@ -43,19 +46,23 @@ def rnn_step(module: nn.RNNCell | nn.RNN):
 class CellRule(LayerRule):
     module_types = (nn.LSTMCell, nn.GRUCell, nn.RNNCell)
     param_names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+    takes_16_bit_grads = True  # converted to the recomputation's dtype
 
     def per_sample_grads(
         self, module: nn.Module, capture: Capture, grad_outputs: list[torch.Tensor | None],
         params: dict[str, nn.Parameter],
     ) -> dict[str, PerSampleGrad]:
         x, state = _inputs(module, capture)
-        h = state[0] if isinstance(module, nn.LSTMCell) else state
+        lstm = isinstance(module, nn.LSTMCell)
+        h = state[0] if lstm else state
+        dtype = accumulation_dtype(module.weight_ih.dtype)  # 16-bit inputs are converted, exactly
+        state = tuple(_as(s, dtype) for s in state) if lstm else _as(state, dtype)
         with torch.enable_grad():
-            gi = nn.functional.linear(x, module.weight_ih.detach(), _detached(module.bias_ih))
-            gh = nn.functional.linear(h, module.weight_hh.detach(), _detached(module.bias_hh))
+            gi = nn.functional.linear(_as(x, dtype), _as(module.weight_ih, dtype), _as(module.bias_ih, dtype))
+            gh = nn.functional.linear(_as(h, dtype), _as(module.weight_hh, dtype), _as(module.bias_hh, dtype))
             gi.requires_grad_(True)
             gh.requires_grad_(True)
-            step = lstm_step if isinstance(module, nn.LSTMCell) else \
+            step = lstm_step if lstm else \
                 gru_step if isinstance(module, nn.GRUCell) else rnn_step(module)
             outputs = step(gi, gh, state)
             used = [(o, g.to(o.dtype)) for o, g in zip(outputs, grad_outputs) if g is not None]
@@ -74,8 +81,8 @@ class CellRule(LayerRule):
         return out
 
 
-def _detached(bias: torch.Tensor | None) -> torch.Tensor | None:
-    return None if bias is None else bias.detach()
+def _as(p: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if p is None else p.detach().to(dtype)
 
 
 def _inputs(module: nn.Module, capture: Capture):
