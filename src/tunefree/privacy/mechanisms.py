@@ -63,6 +63,12 @@ class Reduction(Protocol):
         """``values`` (float64, CPU) summed over the processes, plus ``noise`` (drawn from ``randomness``
         by every process, scaled) counted once: each coordinate's from the process that owns it."""
 
+    def all_groups(self, own: Mapping[str, tuple[float, int]]) -> dict[str, tuple[float, int]]:
+        """Every clip group of the run, by name in the run's order, with its current value (a threshold,
+        or an estimate of one) and its size: ``own`` for this process's groups, and those of the groups
+        other processes hold. Where every process holds every group (one process, DDP, FSDP2) it is
+        ``own``; pipeline stages hold one group each (``parallel/stages.py``)."""
+
 
 class OneProcess:
     """The reduction of a run in one process: its values are the sums, noised here."""
@@ -93,6 +99,9 @@ class OneProcess:
     def noisy_values(self, values: torch.Tensor, noise: torch.Tensor,
                      randomness: NoiseSource) -> torch.Tensor:
         return values + noise
+
+    def all_groups(self, own: Mapping[str, tuple[float, int]]) -> dict[str, tuple[float, int]]:
+        return dict(own)
 
 
 SINGLE_PROCESS = OneProcess()
@@ -152,21 +161,25 @@ class GradientRelease:
     def __init__(self, groups: Sequence[ClipGroup], noise_multiplier: float,
                  randomness: NoiseSource, allocation: str = "global",
                  parallelism: Reduction = SINGLE_PROCESS):
-        if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
-            raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier}")
-        if allocation not in NOISE_ALLOCATIONS:
-            raise ValueError(f"unknown noise_allocation {allocation!r}: use one of {NOISE_ALLOCATIONS}")
+        # σ comes from a solved plan and the allocation from a validated RunConfig
+        assert noise_multiplier >= 0 and allocation in NOISE_ALLOCATIONS, (noise_multiplier, allocation)
         self.groups, self.noise_multiplier = list(groups), noise_multiplier
         self.randomness, self.allocation, self.parallelism = randomness, allocation, parallelism
+        self._sizes = [g.size for g in self.groups]
         self._stds_for: tuple[tuple, list[float]] | None = None  # (key, noise_stds)
 
     def noise_stds(self, thresholds: Mapping[str, float]) -> list[float]:
-        """Each group's noise standard deviation when its sum was clipped at ``thresholds[name]``
-        (computed again only when the thresholds, σ or the allocation change)."""
-        key = (tuple(thresholds[g.name] for g in self.groups), self.noise_multiplier, self.allocation)
+        """Each group's noise standard deviation when its sum was clipped at ``thresholds[name]``: its
+        share among every clip group of the run (pipeline stages: every stage's group, at its current
+        threshold), computed again only when a threshold, σ or the allocation changes."""
+        everyone = self.parallelism.all_groups(
+            {g.name: (thresholds[g.name], size) for g, size in zip(self.groups, self._sizes)})
+        key = (tuple(everyone.items()), self.noise_multiplier, self.allocation)
         if self._stds_for is None or self._stds_for[0] != key:
-            self._stds_for = (key, group_noise_stds(list(key[0]), [g.size for g in self.groups],
-                                                    self.noise_multiplier, self.allocation))
+            stds = dict(zip(everyone, group_noise_stds([t for t, _ in everyone.values()],
+                                                       [size for _, size in everyone.values()],
+                                                       self.noise_multiplier, self.allocation)))
+            self._stds_for = (key, [stds[g.name] for g in self.groups])
         return list(self._stds_for[1])
 
     def release(self, sums: dict[nn.Parameter, torch.Tensor], thresholds: Mapping[str, float]
