@@ -4,7 +4,8 @@ clip groups: on a GPU each read is a device→host copy that waits for every ker
 The default step reads once (every clip group's overflow check, in one transfer); the adaptive thresholds
 add their released counts, ``lr="auto"`` its distance and gradient norms (one transfer per device, whatever
 the parameters' precisions). Counted with ``tests/support/host_reads.py`` on a CPU, in the steady state
-(after the first step's independence check and path choices).
+(after the first step's independence check and path choices; a step that draws an independence check does
+that check's own reads).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def steady_step_reads(name: str, depth: int, groups: str, **options):
     engine = tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                    DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0,
                                    target_delta=1e-3, steps=40, groups=groups, loss_reduction="sum",
-                                   **options)
+                                   verify_every=10**9, **options)  # no independence check drawn later
     batches = iter(engine.data_loader)
 
     def step(counted: bool):
@@ -100,7 +101,9 @@ def test_the_counter_sees_each_kind_of_host_read():
     t, mask = torch.arange(4.0), torch.tensor([True, False, True, False])
     with counted_host_reads() as reads:
         t.sum().item()
-        (t + 1).cpu().tolist()  # one copy; the host copy's values are then free
+        host = (t + 1).cpu()  # one copy; the host copy's values, and what is computed from them, are free
+        host.tolist()
+        (host * 2).sum().item()
         bool(t.any())
         t[mask]  # the result's size depends on the values
         t * 2  # no read

@@ -7,9 +7,13 @@ where the code asks for them: the ``Tensor`` methods that hand values to Python 
 ``aten::_local_scalar_dense`` (``bool(t)``, ``float(t)``, ``if t.any():``) and operator whose output size
 depends on the values (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``), which a GPU
 must wait for. A tensor returned by a counted ``.cpu()`` is on the host: reading it again is free. Each
-read is recorded with the innermost tunefree source line that asked for it. The count is an upper bound:
-a tensor made on the host (a CPU-side count, the sampling's indices) is read for free on a GPU too, and
-``.to(device)`` copies are not counted (on a CPU the device cannot be told from the host).
+read is recorded with the innermost tunefree source line that asked for it.
+
+Tensors known to be on the host are not counted: those a counted ``.cpu()`` returned, the sampling draws
+of the run's randomness (``inclusion``: CPU by contract), and whatever an operator computes from host
+tensors only. The count is still an upper bound — a tensor the code makes on the host otherwise (a
+CPU-side count) is read for free on a GPU too — and ``.to(device)`` copies are not counted (on a CPU the
+device cannot be told from the host).
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from tunefree.privacy import randomness
 
 _SOURCE = str(Path(__import__("tunefree").__file__).parent)
 _VALUE_SIZED = {torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero, torch.ops.aten.masked_select,
@@ -54,6 +61,11 @@ class HostReads:
         ref = self._on_host.get(id(tensor))
         return ref is not None and ref() is tensor
 
+    def mark_on_host(self, out: object) -> None:
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._on_host[id(t)] = weakref.ref(t)
+
     def count(self, tensor: torch.Tensor | None) -> None:
         if self._depth == 0 and (tensor is None or not self.on_host(tensor)):
             self.sites[_site()] += 1
@@ -69,7 +81,7 @@ class HostReads:
             finally:
                 reads._depth -= 1
             if name == "cpu":
-                reads._on_host[id(out)] = weakref.ref(out)
+                reads.mark_on_host(out)
             return out
         return counted
 
@@ -86,7 +98,25 @@ class _Dispatched(TorchDispatchMode):
             and any(i is not None and i.dtype == torch.bool for i in args[1]))
         if value_sized:
             self.reads.count(args[0] if args and isinstance(args[0], torch.Tensor) else None)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if inputs and all(self.reads.on_host(t) for t in inputs):
+            self.reads.mark_on_host(out)
+        return out
+
+
+def _sampling_sources() -> list[type]:
+    """The randomness classes that define ``inclusion`` (the sampling's draws, on the host)."""
+    return [c for c in vars(randomness).values()
+            if isinstance(c, type) and "inclusion" in vars(c) and c is not randomness.NoiseSource]
+
+
+def _marked(reads: HostReads, inclusion):
+    def on_host(self, *args, **kwargs):
+        flags = inclusion(self, *args, **kwargs)
+        reads.mark_on_host(flags)
+        return flags
+    return on_host
 
 
 @contextmanager
@@ -94,11 +124,16 @@ def counted_host_reads():
     """``with counted_host_reads() as reads:`` counts the host reads of the code inside."""
     reads = HostReads()
     originals = {name: getattr(torch.Tensor, name) for name in _METHODS}
+    sources = {c: vars(c)["inclusion"] for c in _sampling_sources()}
     for name, original in originals.items():
         setattr(torch.Tensor, name, reads._method(name, original))
+    for source, inclusion in sources.items():
+        source.inclusion = _marked(reads, inclusion)
     try:
         with _Dispatched(reads):
             yield reads
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+        for source, inclusion in sources.items():
+            source.inclusion = inclusion
