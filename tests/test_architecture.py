@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import subprocess
+import sys
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "tunefree"
 
@@ -120,3 +122,12 @@ def test_the_architecture_page_names_every_module_and_only_files_that_exist():
     stale = [p for p in sorted(named) if not p.endswith("/foo.py")
              and not (SRC / p).exists() and not (SRC.parents[1] / p).exists()]
     assert stale == []
+
+
+def test_import_tunefree_leaves_the_heavy_optional_modules_unimported():
+    """``import tunefree`` imports neither transformers (the HF rules match it through ``sys.modules``) nor
+    torch.distributed.tensor (which brings sympy: a second and ~50 MB; FSDP2 models import it themselves)."""
+    code = ("import sys, tunefree; print(sorted(m for m in ('transformers', 'torch.distributed.tensor', "
+            "'sympy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
