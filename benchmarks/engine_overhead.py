@@ -160,7 +160,7 @@ def child(model_name: str, config: str, steps: int, warmup: int, threads: int, d
     torch.set_num_threads(threads)
     # Libraries are imported before the baseline so that their pages do not count as training memory; so is
     # torch._dynamo, which torch.optim imports when the first optimizer is built (with torch.distributed's
-    # tensor package and sympy, ~40 MB), inside the measured span otherwise.
+    # tensor package and sympy, ~150 MB of RSS), inside the measured span otherwise.
     import torch._dynamo  # noqa: F401
     if config.startswith("tunefree"):
         import tunefree  # noqa: F401
