@@ -222,6 +222,41 @@ KNOB_RUNS = [
 ]
 
 
+def _auto_lr_given(monkeypatch, *args):
+    """The ``lr`` keyword the command line hands to make_private for ``train *args``."""
+    seen = {}
+
+    def capture(*_, **kwargs):
+        seen.update(kwargs)
+        raise _Captured
+
+    monkeypatch.setattr(training_module, "make_private", capture)
+    with pytest.raises(_Captured):
+        main(["train", "--steps", "1", "--quiet", "--seed", "0", "--accountant", "rdp", *args])
+    return seen["lr"]
+
+
+def test_the_noise_budget_sees_the_input_scale_that_the_encoding_makes_public(tmp_path, monkeypatch):
+    """Standardised numeric columns (unit variance by design) and one-hot blocks (one 1 per row) fix the
+    features' root mean square, √(columns / features), whatever the rows: removing one changes nothing.
+    A column mapped from a declared range or fed raw has its data's scale: the budget is left as it was."""
+    colours = ["red", "green", "blue", "violet"]
+    (tmp_path / "schema.json").write_text(json.dumps({"categorical": {"colour": colours}}))
+    table = _table(tmp_path / "t.csv")
+    schema = ["--schema", str(tmp_path / "schema.json"), "--labels", "0,1"]
+    public = AutoLR(input_rms=math.sqrt(3 / 6))  # age, income (standardised), colour (4 indicators)
+    assert _auto_lr_given(monkeypatch, "--dataset", str(table), *schema) == public
+    neighbour = pd.read_csv(table).iloc[1:]
+    neighbour.to_csv(tmp_path / "n.csv", index=False)
+    assert _auto_lr_given(monkeypatch, "--dataset", str(tmp_path / "n.csv"), *schema) == public
+    raw = _auto_lr_given(monkeypatch, "--dataset", str(table), *schema, "--numeric-scaling", "none")
+    assert raw == AutoLR()
+    (tmp_path / "ranges.json").write_text(json.dumps({"numeric": {"age": [0, 120]}}))
+    assert _auto_lr_given(monkeypatch, "--dataset", str(table), "--schema", str(tmp_path / "ranges.json")
+                          ) == AutoLR()
+    assert _auto_lr_given(monkeypatch, "--dataset", "digits") == AutoLR()  # images: the budget as it was
+
+
 @pytest.mark.parametrize("flags, keywords", KNOB_RUNS)
 def test_each_knob_reaches_make_private_as_its_keyword(monkeypatch, flags, keywords):
     seen = {}
