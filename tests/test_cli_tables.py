@@ -19,6 +19,7 @@ from tunefree.cli import main, models, report, scaling
 from tunefree.cli import training as training_module
 from tunefree.cli.releases import Budget
 from tunefree.cli.training import Progress
+from tunefree.components.dog import INPUT_RMS_REFERENCE
 from tunefree.privacy.accounting import epsilon_of, planned_event
 from tunefree.privacy.mechanisms import threshold_event
 
@@ -133,6 +134,9 @@ def test_a_table_with_categories_trains_and_every_release_is_in_the_ledger(tmp_p
     assert selection["selected"] == {"label": ["0", "1"], "colour": ["blue", "green", "red"]}
     assert standardisation["columns"] == ["age", "income"] and standardisation["share"] == scaling.SHARE
     assert result["dataset"]["classes"] == ["0", "1", "(other)"]
+    # the automatic rate's budget saw the features' public scale: 3 columns over 2 + 3 + 1 ("other") features
+    rms = math.sqrt(3 / (2 + len(selection["selected"]["colour"]) + 1))
+    assert f"noise budget × {INPUT_RMS_REFERENCE / rms:.3g} for the features'" in result["learning_rate"]
     # The reported ε is the ledger's: the 3 training steps composed with every preprocessing release.
     delta, q = result["delta"], result["sample_rate"]
     training = planned_event(result["noise_multiplier"], q, 3)

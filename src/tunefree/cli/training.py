@@ -400,9 +400,11 @@ def _learning_rate_text(config: TrainConfig, engine: DPEngine) -> str:
     last = engine.optimizer.param_groups[0]["lr"]
     if engine.dog_lr is not None:
         first = engine.dog_lr.history[0] if engine.dog_lr.history else last
+        scaled = ("" if engine.dog_lr.input_scale == 1 else
+                  f"; its noise budget × {engine.dog_lr.input_scale:.3g} for the features' public scale")
         return (f"automatic ({config.optimizer}, --lr auto): {first:.3g} at the first step and {last:.3g} at "
                 "the last, set from the released gradients (no ε); the model kept is the average of its "
-                "weights")
+                f"weights{scaled}")
     if config.lr == "hyfreedp":
         return (f"HyFreeDP ({config.optimizer}, --lr hyfreedp): from privatised losses, accounted in ε; "
                 f"η = {last:.3g} at the last step")
