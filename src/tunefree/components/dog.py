@@ -31,9 +31,10 @@ The walk a model tolerates also depends on its inputs: noise in the first layer'
 layer's outputs by ‖n‖ times the input's size, so inputs twice as large tolerate half the walk. κ was
 chosen on inputs whose coordinates have a root mean square of about ``INPUT_RMS_REFERENCE`` (the digits'
 pixels in [0, 1]: 0.48); where the inputs' root mean square ρ is **public** (``input_rms``: e.g. the
-command line's standardised and one-hot table features, unit variance and exactly one 1 per column by
-construction), a larger ρ shrinks the budget to ``κ(1 + ‖x_0‖)·ρ_ref/ρ`` (benchmarks/RESULTS.md §5e). Not
-given (the default), the budget is as above: a scale read off the private inputs would be a release.
+command line's standardised and one-hot table features: unit variance, and one 1 per row in each one-hot
+block, by construction), a larger ρ shrinks the budget to ``κ(1 + ‖x_0‖)·ρ_ref/ρ`` (benchmarks/RESULTS.md
+§5h). Not given (the default), the budget is as above: a scale read off the private inputs would be a
+release.
 
 As the DoG paper recommends, the component also keeps the polynomially averaged weights
 ``x̄_t = (1 − (γ+1)/(t+γ))·x̄_{t−1} + (γ+1)/(t+γ)·x_t`` (γ = 8), which average the noise out of the last
@@ -63,7 +64,7 @@ AVERAGING = 8.0  # γ of the polynomial iterate average
 SIGNIFICANCE = 2.0  # the gradient energy counts once it exceeds this many deviations of the noise energy
 WALK_MARGIN = 1.0  # the distance counts once it exceeds the noise walk by this many of its deviations
 NOISE_BUDGET = 4.0  # κ: the planned run's noise walk may reach κ·(1 + ‖x_0‖) (RESULTS §5e)
-INPUT_RMS_REFERENCE = 0.5  # ρ_ref: inputs with a public rms ρ above it get the budget × ρ_ref/ρ (§5e)
+INPUT_RMS_REFERENCE = 0.5  # ρ_ref: inputs with a public rms ρ above it get the budget × ρ_ref/ρ (§5h)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class DoG:
     bounded by a noise budget that keeps the planned run's noise walk within κ·(1 + ‖x₀‖)
     (``noise_budget`` κ; ``None`` turns it off). It releases nothing: no ε, no extra forward, no
     closure. ``initial_distance`` is DoG's first move relative to 1 + ‖x₀‖. Both constants were chosen
-    on validation splits (benchmarks/RESULTS.md §5c, §5e). ``input_rms``: the root mean square of the
+    on validation splits (benchmarks/RESULTS.md §5c, §5e). ``input_rms`` (§5h): the root mean square of the
     model's input coordinates where it is public (never measured on private data: that would be a
     release); above ``INPUT_RMS_REFERENCE`` it shrinks the budget in proportion. ``None``: unknown."""
 
