@@ -335,7 +335,7 @@ def read_description(description: Mapping[str, Any]) -> dict[str, Any]:
     lr = read.pop("settings.auto_lr", None)
     if lr is not None and lr["mode"] == "dog":
         lr = {"kind": "DoG", "initial_distance": lr["initial_distance"], "noise_budget": lr["noise_budget"],
-              "noise_aware": True}
+              "noise_aware": True, "input_rms": None}
     elif lr is not None:
         losses = description["losses"]
         lr = {"kind": "HyFreeDP", "interval": losses["interval"], "loss_privacy": losses["privacy"],
