@@ -109,7 +109,7 @@ def make_private(
             whole run, every release included, spends what plain DP-SGD at σ would.
         verify_every: besides the checks of the first two steps, each step checks example
             independence (``tunefree.independence``) with probability 1/verify_every, at steps drawn
-            from the run's secret randomness (``None``: 24, about 4% of a run's time; 1: every step).
+            from the run's secret randomness (``None``: 24, about 3% of a long run's time; 1: every step).
         audit_canaries: m, audit this run (``tunefree.audit.audit_training(engine)`` after training):
             m gradient canaries, each a member with probability ½, released with the gradient on a
             block of coordinates outside the model (``tunefree.privacy.canaries``). They touch no
