@@ -23,7 +23,7 @@ from ..data.poisson import StepSchedule
 from ..errors import PrivacyError
 from ..persample.accumulator import StepAccumulator
 from ..persample.engine import ClippingEngine
-from ..persample.independence import ProbeSchedule, verify_example_independence
+from ..persample.independence import FIRST_KINDS, ProbeSchedule, verify_example_independence
 from ..persample.state_guard import StateGuard
 from ..privacy.ledger import Ledger
 from ..privacy.mechanisms import GradientRelease
@@ -53,8 +53,8 @@ class DPOptimizer(torch.optim.Optimizer):
             learning-rate rule), run in this order after the release.
         planned_steps: the length of training the noise was calibrated for (``None``: no plan); the
             first step beyond it warns that ε now grows past the target.
-        verify_every: after the check before the first release, each step checks example independence
-            with probability 1/verify_every (``None``: 1/24; 1: every step).
+        verify_every: after the checks of the first two steps (one probe of each kind), each step checks
+            example independence with probability 1/verify_every (``None``: 1/24; 1: every step).
         every_rank: under FSDP2, whose forward passes are collectives: whether a flag is True on every
             rank, so that every rank runs the independence check or none does (``None``: one process).
         probes: which steps are checked and on which examples, drawn from the run's randomness (``None``:
@@ -107,7 +107,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self._trainable = frozenset(p for g in engine.groups for p in g.params)
         self.verify_every, self.every_rank = verify_every, every_rank
         self.probes = ProbeSchedule(SecretSource()) if probes is None else probes
-        self.verified = False
+        self.verified = False  # whether a check has run and passed
+        self.first_kinds = FIRST_KINDS  # the probes the next checks must run, each due on its own step
         self.grad_scaler: torch.amp.GradScaler | None = None
         # The wrapped optimizer's updates before this run (0 again once a checkpoint's ledger is loaded).
         self.updates_before_run = updates_applied(optimizer)
@@ -220,9 +221,10 @@ class DPOptimizer(torch.optim.Optimizer):
     # -- the example-independence check
     def _verification_due(self, step: int) -> bool:
         """Whether logical step ``step`` (1-based) checks example independence before its release: until
-        a check has run, every step; then each step with probability ``1/verify_every``, drawn from the
-        run's randomness. Under FSDP2 the ranks agree (a step is checked if any rank drew it)."""
-        due = not self.verified or self.probes.due(step, self.verify_every or CHECK_INTERVAL)
+        the first checks have run (:data:`FIRST_KINDS`), every step; then each step with probability
+        ``1/verify_every``, drawn from the run's randomness. Under FSDP2 the ranks agree (a step is
+        checked if any rank drew it)."""
+        due = bool(self.first_kinds) or self.probes.due(step, self.verify_every or CHECK_INTERVAL)
         return due if self.every_rank is None else not self.every_rank(not due)
 
     def _verify_independence(self) -> None:
@@ -238,7 +240,8 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.every_rank is not None and inputs is not None:  # a check is due: on every rank alike
             ready = self.every_rank(ready)
         if ready:
-            probes = self.probes.probes(self.ledger.steps + 1, examples, both=not self.verified)
+            kind = self.first_kinds[0] if self.first_kinds else None
+            probes = self.probes.probes(self.ledger.steps + 1, examples, kind)
             try:
                 verify_example_independence(self.engine.model, self.engine, inputs.args, inputs.kwargs,
                                             examples=examples, probes=probes)
@@ -246,7 +249,7 @@ class DPOptimizer(torch.optim.Optimizer):
             except PrivacyError:
                 self.accumulator.pop()
                 raise
-            self.verified = True
+            self.verified, self.first_kinds = True, self.first_kinds[1:]
         self.engine.retain_inputs = self.schedule.checking = self._verification_due(self.ledger.steps + 2)
 
     # -- the private step
