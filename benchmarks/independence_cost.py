@@ -14,8 +14,10 @@ one private step (forward, backward, clipping, noise, ledger) of the same model,
 (one thread), which other processes on a shared machine disturb far less than the wall clock.
 ``--run``: the time of a whole run of ``--steps`` steps through the Poisson loader (q = ¼), with the
 checks at their default rate, against the same run with every check switched off, interleaved; and, in
-the checked runs, the CPU time spent inside the independence checks (their share of the run, and the
-first check, at step 1 of each run, against the median step of the unchecked runs).
+the checked runs, the CPU time spent inside the independence checks (their share of the run), what the
+checked steps cost beyond as many unchecked steps of the same run (the probes, the input check and
+anything else: less noisy than the A/B of whole runs on a shared machine), and the first check, at step 1
+of each run, against the median step of the unchecked runs.
 ``--provenance``: the CPU time per step of what the loader's provenance adds to an unchecked step.
 ``--memory``: the peak memory of three private steps with the check (the first step runs it) and
 without it, each in a fresh process (glibc told to map every block over 128 KiB on its own, so that the
@@ -96,13 +98,23 @@ def measure_check(name: str, repeats: int) -> dict[str, list[float]]:
 
 @dataclass
 class Run:
-    """One run: its CPU seconds, each step's, the checked steps, and the CPU seconds inside the
-    independence checks (by step)."""
+    """One run: its CPU seconds, each step's (and whether it was checked), and the CPU seconds inside
+    the independence checks (by step)."""
 
     seconds: float
     steps: list[float]
-    checked: int
+    checked_steps: list[bool]
     checks: dict[int, float]
+
+    @property
+    def checked(self) -> int:
+        return sum(self.checked_steps)
+
+    def excess(self) -> float:
+        """What the checked steps cost beyond as many unchecked steps of this run (their median): the
+        probes, the input check and all else a checked step does, as a share of the run."""
+        unchecked = statistics.median([t for t, c in zip(self.steps, self.checked_steps) if not c])
+        return sum(t - unchecked for t, c in zip(self.steps, self.checked_steps) if c) / self.seconds
 
 
 def _run(name: str, steps: int, mode: str) -> Run:
@@ -127,12 +139,12 @@ def _run(name: str, steps: int, mode: str) -> Run:
         checks[engine.steps + 1] = time.process_time() - start
 
     private_step.verify_example_independence = timed_check
-    start, checked, per_step = time.process_time(), 0, []
+    start, flags, per_step = time.process_time(), [], []
     try:
         while engine.steps < steps:
             for xb, yb in engine.data_loader:
                 begin = time.process_time()
-                checked += engine.schedule.handed_out.checking
+                flags.append(engine.schedule.handed_out.checking)
                 engine.optimizer.zero_grad()
                 loss_fn(model(xb), yb).backward()
                 engine.optimizer.step()
@@ -141,7 +153,7 @@ def _run(name: str, steps: int, mode: str) -> Run:
                     break
     finally:
         private_step.verify_example_independence = check
-    return Run(time.process_time() - start, per_step, checked, checks)
+    return Run(time.process_time() - start, per_step, flags, checks)
 
 
 MODES = ("checked", "unchecked")
@@ -172,6 +184,7 @@ def provenance_per_step(repeats: int = 2000) -> tuple[float, float]:
 def measure_run(name: str, steps: int, repeats: int) -> dict[str, list[Run]]:
     """Runs of each mode, interleaved."""
     runs: dict[str, list[Run]] = {mode: [] for mode in MODES}
+    _run(name, 2, "unchecked")  # warm-up: the process's and the model's first steps are slower
     for _ in range(repeats):
         for mode in MODES:
             runs[mode].append(_run(name, steps, mode))
@@ -238,7 +251,7 @@ def main() -> None:
         return
     if args.run:
         print(f"{'model':<10} {'checked (as a run is)':>24} {'no check':>24} {'A/B':>7} {'in checks':>16} "
-              f"{'1st check/step':>22} {'checked steps':>13}")
+              f"{'checked steps excess':>20} {'1st check/step':>17} {'checked':>8}")
         for name in args.models:
             runs = measure_run(name, args.steps, args.repeats)
             times = {mode: [r.seconds for r in runs[mode]] for mode in MODES}
@@ -246,9 +259,11 @@ def main() -> None:
             share = [sum(r.checks.values()) / r.seconds for r in runs["checked"]]
             step = statistics.median([s for r in runs["unchecked"] for s in r.steps])
             first = [r.checks.get(1, 0.0) / step for r in runs["checked"]]
+            excess = [r.excess() for r in runs["checked"]]
             print(f"{name:<10} " + " ".join(f"{_summary(times[mode]):>24}" for mode in MODES)
                   + f" {median['checked'] / median['unchecked'] - 1:7.1%} "
                   + f"{statistics.median(share):5.1%} [{min(share):.1%}–{max(share):.1%}] "
+                  + f"{statistics.median(excess):5.1%} [{min(excess):.1%}–{max(excess):.1%}] "
                   + f"{statistics.median(first):5.2f} [{min(first):.2f}–{max(first):.2f}] "
                   + f"{runs['checked'][0].checked:>6}/{args.steps}")
         return

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
+import dp_accounting as dpa
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -48,6 +49,7 @@ def make_private(
     batch_dim: int | Mapping[str, int] = 0,
     public_buffers: list[str] | tuple[str, ...] = (),
     norm_path: str = "auto",
+    prior_releases: Sequence[dpa.DpEvent] = (),
 ) -> DPEngine:
     """Make ``model`` train with an (ε, δ)-DP guarantee, accounted exactly from every release.
 
@@ -65,13 +67,13 @@ def make_private(
         noise_multiplier: σ, instead of ``target_epsilon`` (0 disables privacy, for debugging: ε = ∞).
         epochs, steps: the planned length of training (one of them with ``target_epsilon``).
         clipping: ``"auto-s"`` (default), ``"auto-v"``, ``"psac"``, ``"abadi"`` (or a name added with
-            ``tunefree.clipping.register_clip_function``), or typed: ``AutoS(gamma=0.01)``, ``AutoV()``,
+            ``tunefree.extend.register_clip_function``), or typed: ``AutoS(gamma=0.01)``, ``AutoV()``,
             ``PSAC(r=0.1)``, ``Abadi()``.
         max_grad_norm: the sensitivity R of one example's clipped gradient (split as R/√K over K
             groups), or for explicit groups a mapping group name → threshold. With AUTO-S/V, R only
             rescales the update, which a learning rate absorbs.
         groups: ``"all-layer"``, ``"per-layer"``, ``"per-param"`` (or a name added with
-            ``tunefree.grouping.register_grouping``), or explicit groups of parameter
+            ``tunefree.extend.register_grouping``), or explicit groups of parameter
             names (a list of lists, or a dict name → list).
         loss_reduction: ``"mean"`` or ``"sum"`` of the per-example losses over the batch.
         accountant: ``"pld"`` (tight, default) or ``"rdp"``.
@@ -106,8 +108,9 @@ def make_private(
             gradient noise grows by ``gradient_noise_increase`` and the loss noise is solved so that the
             whole run, every release included, spends what plain DP-SGD at σ would.
         verify_every: besides the checks of the first two steps, each step checks example
-            independence (``tunefree.independence``) with probability 1/verify_every, at steps drawn
-            from the run's secret randomness (``None``: 24, about 4% of a run's time; 1: every step).
+            independence (``tunefree.verify_example_independence``) with probability 1/verify_every, at
+            steps drawn from the run's secret randomness (``None``: 24, about 3% of a long run's time; 1:
+            every step).
         audit_canaries: m, audit this run (``tunefree.audit.audit_training(engine)`` after training):
             m gradient canaries, each a member with probability ½, released with the gradient on a
             block of coordinates outside the model (``tunefree.privacy.canaries``). They touch no
@@ -130,6 +133,11 @@ def make_private(
         norm_path: ``"auto"`` (default), ``"formula"``, ``"ghost"`` or ``"materialise"``: how layers
             with two exact per-sample norm paths pick one (timed per layer shape; a seeded run follows
             the cost formula). Speed only: both paths give the exact norms.
+        prior_releases: releases of the same private data made before training, as ``dp_accounting``
+            DpEvents at their own fixed noise (e.g. a private category set or scaling the model's inputs
+            depend on). The ledger holds them before the first step, and ``target_epsilon`` is the ε of
+            the whole ledger: σ is calibrated on their composition with the planned steps (refused when
+            they alone spend the target).
         secure_rng, max_physical_batch_size, clip_gamma, psac_r, target_quantile, quantile_lr,
             quantile_budget: deprecated forms (``tunefree.config.LEGACY_KEYWORDS``) of the secret default,
             ``physical_batch_size``, ``AutoS(gamma)``, ``PSAC(r)`` and ``AdaptiveQuantile(target, lr,
@@ -157,5 +165,5 @@ def make_private(
         noise_allocation=noise_allocation, thresholds=thresholds, target_quantile=target_quantile,
         quantile_lr=quantile_lr, quantile_budget=quantile_budget, lr=lr, verify_every=verify_every,
         norm_path=norm_path, audit_canaries=audit_canaries, batch_dim=batch_dim,
-        public_buffers=public_buffers)
+        public_buffers=public_buffers, prior_releases=prior_releases)
     return build_run(config, model, optimizer, data_loader, parallel)

@@ -1,10 +1,11 @@
 """Complete objects from a :class:`RunConfig`: the model, optimizer and loader of a private run, each
 part constructed with everything it needs (nothing is set on an object after it is built).
 
-:func:`build_run` solves the plan once (every noise is read off it), then makes, in order: the Poisson
-loader, the clip groups, the step components of the options, the gradient mechanism, the ledger, the
-engine (hooks go on last, so that a refused argument leaves the model as it was given) and the private
-optimizer.
+:func:`build_run` is :func:`plan_run` (the clip groups, and the plan solved once: every noise is read off
+it), then :func:`assemble`, which makes in order the gradient mechanism (with the audit canaries if asked),
+the Poisson loader, the step components of the options, the accumulator, the state guard, the engine, the
+ledger and the private optimizer (the engine's hooks are removed again if the optimizer refuses its
+arguments, so that a refused argument leaves the model as it was given).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def plan_run(config: RunConfig, model: nn.Module, data_loader: Any, parallel: Pa
         sample_rate=sample_rate, steps=planned_steps(config.epochs, config.steps, sample_rate),
         num_examples=num_examples, delta=config.target_delta, accountant=config.accountant,
         noise_multiplier=0.0 if config.noise_multiplier is None else config.noise_multiplier,
-        shares=tuple(share for share in shares if share is not None),
+        prior=config.prior_releases, shares=tuple(share for share in shares if share is not None),
         settings={**config.identity(), "groups": {g.name: [list(g.param_names), g.threshold] for g in groups},
                   "data": data_digest(data_loader.dataset, num_examples)},
     ).solve(config.target_epsilon)
@@ -140,6 +141,8 @@ def assemble(run: PlannedRun, model: nn.Module, optimizer: torch.optim.Optimizer
                             forward_checks=(guard.before_forward,), check_inputs=config.poisson_sampling)
     try:
         ledger = Ledger(poisson_approximation=not config.poisson_sampling, seeded=not run.randomness.secret)
+        for event in plan.prior:  # the releases made before training come first in the run's ledger
+            ledger.record(event)
         private_optimizer = DPOptimizer(
             optimizer, engine, release, ledger, plan.sample_rate, plan.expected_batch_size, schedule,
             accumulator, components=components, planned_steps=plan.steps,

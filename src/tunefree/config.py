@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import dp_accounting as dpa
+
 from ._validate import count, flag, fraction, non_negative, one_of, positive
 from .clipping.functions import PSAC, Abadi, AutoS, AutoV, ClipFunction, clip_function
 from .clipping.groups import GROUPINGS, GroupSpec
@@ -24,6 +26,7 @@ from .components.hyfreedp import HyFreeDP
 from .components.thresholds import AdaptiveQuantile, Fixed
 from .errors import SettingsRefused
 from .privacy.accounting import ACCOUNTANTS
+from .privacy.ledger import to_dict
 from .privacy.mechanisms import NOISE_ALLOCATIONS
 from .privacy.plan import Plan
 from .rules.paths import NORM_PATHS
@@ -66,7 +69,7 @@ class Performance:
             optimizer steps (and the ledger records) once per logical batch.
         verify_every: besides the checks of the first two steps, each step checks example
             independence with probability 1/verify_every, at steps drawn from the run's randomness
-            (``None``: 24, about 4% of a run's time; 1: every step).
+            (``None``: 24, about 3% of a long run's time; 1: every step).
         norm_path: how layers with two exact per-sample norm paths pick one: ``"auto"`` (timed once per
             layer shape; a seeded run follows the cost formula, so that it replays bit for bit),
             ``"formula"``, ``"ghost"`` or ``"materialise"``.
@@ -107,6 +110,7 @@ class RunConfig:
     audit_canaries: int | None = None
     batch_dim: int | Mapping[str, int] = 0
     public_buffers: tuple[str, ...] = ()
+    prior_releases: tuple[dpa.DpEvent, ...] = ()
     performance: Performance = field(default_factory=Performance)
 
     def __post_init__(self) -> None:
@@ -140,6 +144,7 @@ class RunConfig:
         _check_batch_dim(self.batch_dim)
         if isinstance(self.public_buffers, list):  # validated against the model by the state guard
             object.__setattr__(self, "public_buffers", tuple(self.public_buffers))
+        _check_prior_releases(self)
         _typed("performance", self.performance, Performance, "Performance(...)")
         # what the fields must agree on
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
@@ -269,6 +274,21 @@ def _typed(option: str, value: Any, kinds: type | tuple[type, ...], expected: st
         raise TypeError(f"{option} must be {expected}, got {value!r}")
 
 
+def _check_prior_releases(config: RunConfig) -> None:
+    """A tuple of DpEvents the ledger can store (a list is taken as a tuple)."""
+    releases = config.prior_releases
+    if isinstance(releases, dpa.DpEvent) or not isinstance(releases, (list, tuple)):
+        raise TypeError(f"prior_releases must be a list of dp_accounting DpEvents, got {releases!r}")
+    for event in releases:
+        if not isinstance(event, dpa.DpEvent):
+            raise TypeError(f"prior_releases must hold dp_accounting DpEvents, got {event!r}")
+        to_dict(event)  # refuses an event the ledger cannot store
+        if isinstance(event, dpa.PoissonSampledDpEvent):  # the ledger counts those as training steps
+            raise ValueError(f"prior_releases holds a Poisson-sampled event {event!r}, which the ledger "
+                             "would count as a training step: give it as dpa.ComposedDpEvent([event])")
+    object.__setattr__(config, "prior_releases", tuple(releases))
+
+
 def _check_max_grad_norm(value: Any) -> None:
     """The total sensitivity (a positive number), or a mapping from group names to positive thresholds
     (the names are checked against the groups when they are made)."""
@@ -315,7 +335,7 @@ def read_description(description: Mapping[str, Any]) -> dict[str, Any]:
     lr = read.pop("settings.auto_lr", None)
     if lr is not None and lr["mode"] == "dog":
         lr = {"kind": "DoG", "initial_distance": lr["initial_distance"], "noise_budget": lr["noise_budget"],
-              "noise_aware": True}
+              "noise_aware": True, "input_rms": None}
     elif lr is not None:
         losses = description["losses"]
         lr = {"kind": "HyFreeDP", "interval": losses["interval"], "loss_privacy": losses["privacy"],

@@ -22,6 +22,8 @@ from ..dtypes import accumulation_dtype
 from .randomness import NoiseSource
 
 NOISE_ALLOCATIONS = ("global", "equal-budget", "weighted")
+# The most coordinates of noise a release holds at once (64 MiB in float32), unless one parameter has more.
+NOISE_PIECE = 2**24
 
 
 def allocation_weights(thresholds: Sequence[float], sizes: Sequence[int], allocation: str) -> list[float]:
@@ -74,17 +76,24 @@ class OneProcess:
     def noisy_sum(self, sums: Mapping[nn.Parameter, torch.Tensor],
                   stds: Sequence[tuple[nn.Parameter, float]],
                   randomness: NoiseSource) -> dict[nn.Parameter, torch.Tensor]:
+        """The sums are taken over: the noise is added into them in place, drawn in pieces of at most
+        ``NOISE_PIECE`` coordinates, each dropped once added, so that the release holds the sums and one
+        piece of noise. A seeded source draws each parameter's noise whole, shape by shape as one draw
+        of every parameter in order would (so the pieces do not change its numbers; a parameter larger
+        than a piece is a piece); a secret one may cut a parameter's (contiguous) sum into pieces."""
         noisy, to_noise = {}, {}
         for p, std in stds:
             noisy[p] = clipped_sum(p, sums.get(p))
             if std > 0:
-                to_noise.setdefault((noisy[p].device, noisy[p].dtype), []).append((p, std))
-        for (device, dtype), entries in to_noise.items():  # one draw per device and precision
-            draws = randomness.normals([p.shape for p, _ in entries], device, dtype)
-            # noisy = std·noise + sum, all parameters in two calls (the draws are fresh, used once)
-            torch._foreach_mul_(draws, [std for _, std in entries])
-            torch._foreach_add_(draws, [noisy[p] for p, _ in entries])
-            noisy.update((p, noise) for (p, _), noise in zip(entries, draws))
+                cut = not randomness.replayable and noisy[p].is_contiguous()
+                to_noise.setdefault((noisy[p].device, noisy[p].dtype), []).append((p, std, cut))
+        for (device, dtype), entries in to_noise.items():
+            for piece in _pieces(entries, NOISE_PIECE):
+                draws = randomness.normals([_span_shape(p, a, b) for p, _, a, b in piece], device, dtype)
+                # sum += std·noise, the piece's spans in two calls (the draws are fresh, used once)
+                torch._foreach_mul_(draws, [std for _, std, _, _ in piece])
+                torch._foreach_add_([_span(noisy[p], a, b) for p, _, a, b in piece], draws)
+                del draws
         return noisy
 
     def noisy_values(self, values: torch.Tensor, noise: torch.Tensor,
@@ -96,6 +105,36 @@ class OneProcess:
 
 
 SINGLE_PROCESS = OneProcess()
+
+_Span = tuple[nn.Parameter, float, int, int]  # a parameter, its noise deviation, coordinates [a, b)
+
+
+def _pieces(entries: list[tuple[nn.Parameter, float, bool]], limit: int) -> list[list[_Span]]:
+    """``entries`` (parameter, deviation, whether it may be cut) in order, as runs of at most ``limit``
+    coordinates: a parameter that may be cut in spans of at most ``limit``, else whole (alone when
+    larger)."""
+    pieces: list[list[_Span]] = []
+    size = 0
+    for p, std, cut in entries:
+        n = p.numel()
+        spans = [(a, min(a + limit, n)) for a in range(0, n, limit)] if cut and n > limit else [(0, n)]
+        for a, b in spans:
+            if not pieces or size + b - a > limit:
+                pieces.append([])
+                size = 0
+            pieces[-1].append((p, std, a, b))
+            size += b - a
+    return pieces
+
+
+def _span_shape(p: nn.Parameter, a: int, b: int) -> torch.Size:
+    """The shape of the noise of coordinates ``[a, b)`` of ``p``: its own shape when whole."""
+    return p.shape if (a, b) == (0, p.numel()) else torch.Size([b - a])
+
+
+def _span(total: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Coordinates ``[a, b)`` of a sum, as a view (a cut sum is contiguous)."""
+    return total if (a, b) == (0, total.numel()) else total.view(-1)[a:b]
 
 
 def clipped_sum(p: nn.Parameter, total: torch.Tensor | None) -> torch.Tensor:
@@ -149,7 +188,8 @@ class GradientRelease:
 
         ``thresholds`` are those the sums were clipped with (by group name): each group's sum has
         sensitivity ``thresholds[name]``, and the noise is calibrated to them. Under several processes
-        (the parallelism), the sums of every process are released, each coordinate noised once."""
+        (the parallelism), the sums of every process are released, each coordinate noised once. The
+        sums are taken over (in one process the noise is added into them in place)."""
         noisy = self.parallelism.noisy_sum(sums, self.param_stds(thresholds), self.randomness)
         return noisy, self.event()
 

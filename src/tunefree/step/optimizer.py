@@ -229,12 +229,12 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _verify_independence(self) -> None:
         """Before a release that needs it, check on each physical batch of the step that no example's
-        activations or output gradients depend on another example (``tunefree.independence``): mixing
-        that some data trigger in one micro-batch only is checked too. A batch of fewer than two
-        examples cannot mix; a check due on a step without a larger one waits for the next step. Under
-        FSDP2, whose forwards are collectives and whose ranks hold different numbers of micro-batches,
-        the ranks check their first physical batch together. On failure the step's sums are dropped:
-        nothing of them is ever released."""
+        activations or output gradients depend on another example
+        (``tunefree.verify_example_independence``): mixing that some data trigger in one micro-batch
+        only is checked too. A batch of fewer than two examples cannot mix; a check due on a step
+        without a larger one waits for the next step. Under FSDP2, whose forwards are collectives and
+        whose ranks hold different numbers of micro-batches, the ranks check their first physical batch
+        together. On failure the step's sums are dropped: nothing of them is ever released."""
         retained, self.engine.retained = self.engine.retained, []
         batches = [(inputs, _examples_in(inputs, self.engine.declared.root) if examples is None else examples)
                    for inputs, examples in retained]
@@ -292,11 +292,12 @@ class DPOptimizer(torch.optim.Optimizer):
         self._verify_independence()
         booked = self.accumulator.pop()
         thresholds = self.thresholds  # those the step's backward passes clipped with
-        noisy, event = self.release.release(booked.sums, thresholds)
+        sums, booked.sums = booked.sums, {}  # the release takes them over
+        noisy, event = self.release.release(sums, thresholds)
+        del sums
         events = [event]
         self.ledger.record_step(self.sample_rate, events)
-        for p, grad in zip(noisy, torch._foreach_div(list(noisy.values()), self.expected_batch_size)):
-            p.grad = grad.to(p.dtype)
+        self._write_grads(noisy)
         report = StepReport(step=self.ledger.steps, examples=booked.examples,
                             group_norms=booked.group_norms, thresholds=thresholds)
         if self._release_overflows():
@@ -314,6 +315,16 @@ class DPOptimizer(torch.optim.Optimizer):
             self._record(events, component.after_update(context))
         self._hand_over_thresholds()
         self.last_step = report
+
+    def _write_grads(self, noisy: dict[torch.Tensor, torch.Tensor]) -> None:
+        """``.grad`` = noisy sum / ``q·N``, divided in place and written in the parameter's dtype: the
+        noisy sum itself where the dtypes agree, else a copy, each noisy sum dropped once written (one
+        parameter's sum alive beside the written gradients)."""
+        torch._foreach_div_(list(noisy.values()), self.expected_batch_size)
+        while noisy:
+            p, grad = noisy.popitem()
+            p.grad = grad.to(p.dtype)
+            del grad
 
     def _hand_over_thresholds(self) -> None:
         """The thresholds the next step clips with: those a component sets (adaptive thresholds), else
