@@ -228,23 +228,29 @@ class DPOptimizer(torch.optim.Optimizer):
         return due if self.every_rank is None else not self.every_rank(not due)
 
     def _verify_independence(self) -> None:
-        """Before a release that needs it, check on the step's first physical batch that no example's
+        """Before a release that needs it, check on each physical batch of the step that no example's
         activations or output gradients depend on another example
-        (``tunefree.verify_example_independence``). A batch of fewer than two examples cannot mix, and
-        waits for the next one. On failure the step's sums are dropped: nothing of them is ever released."""
-        inputs, examples = self.engine.retained_inputs, self.engine.retained_examples
-        self.engine.retained_inputs = None
-        if inputs is not None and examples is None:
-            examples = _examples_in(inputs, self.engine.declared.root)
-        ready = inputs is not None and examples >= 2
-        if self.every_rank is not None and inputs is not None:  # a check is due: on every rank alike
-            ready = self.every_rank(ready)
-        if ready:
+        (``tunefree.verify_example_independence``): mixing that some data trigger in one micro-batch
+        only is checked too. A batch of fewer than two examples cannot mix; a check due on a step
+        without a larger one waits for the next step. Under FSDP2, whose forwards are collectives and
+        whose ranks hold different numbers of micro-batches, the ranks check their first physical batch
+        together. On failure the step's sums are dropped: nothing of them is ever released."""
+        retained, self.engine.retained = self.engine.retained, []
+        batches = [(inputs, _examples_in(inputs, self.engine.declared.root) if examples is None else examples)
+                   for inputs, examples in retained]
+        if self.every_rank is not None:  # a check is due: on every rank alike, one batch each
+            batches = batches[:1]
+            if batches:
+                ready = self.every_rank(batches[0][1] >= 2)
+                batches = batches if ready else []
+        batches = [(inputs, examples) for inputs, examples in batches if examples >= 2]
+        if batches:
             kind = self.first_kinds[0] if self.first_kinds else None
-            probes = self.probes.probes(self.ledger.steps + 1, examples, kind)
             try:
-                verify_example_independence(self.engine.model, self.engine, inputs.args, inputs.kwargs,
-                                            examples=examples, probes=probes)
+                for inputs, examples in batches:
+                    probes = self.probes.probes(self.ledger.steps + 1, examples, kind)
+                    verify_example_independence(self.engine.model, self.engine, inputs.args, inputs.kwargs,
+                                                examples=examples, probes=probes)
                 self.state_guard.check("after the example-independence check", full=False)
             except PrivacyError:
                 self.accumulator.pop()
