@@ -189,8 +189,9 @@ def test_gradient_probes_fall_back_to_the_whole_batch_when_a_cut_input_breaks_th
 
 
 def test_probe_pattern_is_built_in_one_buffer():
-    # The gradient probe weights the model's whole output by this pattern; out of place it held four
-    # output-sized buffers at once (+123 MB peak on the GPT benchmark's first, checked, step).
+    # A pattern may be as large as a batch's inputs (the forward probe's change); out of place it held
+    # three buffers of its size at once (when the gradient probe weighted GPT's whole output by one, +60 MB
+    # on the benchmark's first, checked, step; RESULTS §8.5).
     from torch.profiler import ProfilerActivity, profile
 
     from tunefree.persample.independence import _pattern
