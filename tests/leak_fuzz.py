@@ -124,6 +124,24 @@ def _writes_state(spec: ModelSpec) -> bool:
             or any(h.kind in RECORDING_HOOKS for h in spec.hooks))
 
 
+def leak_features(draw: Draw) -> list[str]:
+    """What in the draw may leak (and so may rightly be refused): a block that keeps state or mixes, a
+    norm with running statistics or batch statistics, a mixing or recording hook, a renormalising
+    embedding, mixing before the model, the user's own loader, a forgotten engine state, a wrongly
+    declared loss reduction. A refusal of a draw with none of them refuses code that does not leak."""
+    spec, loop = draw.model, draw.loop
+    found = [b.kind for b in spec.blocks if b.kind == "mix" or b.kind in STATEFUL]
+    found += [f"{b.kwargs()['kind']} norm" for b in spec.blocks
+              if b.kind == "norm" and (b.kwargs().get("running") or b.kwargs()["kind"] == "batch")]
+    found += [h.kind for h in spec.hooks if h.kind in MIXING_HOOKS | RECORDING_HOOKS]
+    found += ["max_norm"] if spec.max_norm is not None else []
+    found += [f"mix_before={loop.mix_before}"] if loop.mix_before else []
+    found += ["own loader"] if loop.loader == "own" else []
+    found += ["forgotten engine state"] if not loop.resume_engine_state else []
+    found += ["misdeclared loss_reduction"] if loop.declared not in (None, loop.reduction) else []
+    return found
+
+
 def classify(draw: Draw, violations: list[Violation], report: MultiStepReport | None) -> str:
     """The invariant a finding breaks, from the failed checks and what the (shrunk) draw contains."""
     checks = {v.check for v in violations}
@@ -259,17 +277,25 @@ def shrink(draw: Draw, still_fails, budget: int = 200) -> Draw:
     return draw
 
 
-def shrink_finding(outcome: Outcome, budget: int = 200) -> Outcome:
-    """Shrink a finding to a minimal draw that still breaks the same invariant; returns its outcome."""
+def shrink_outcome(outcome: Outcome, budget: int = 200, keep=None) -> Outcome:
+    """Shrink a finding to a minimal draw that still breaks the same invariant, or a refusal of a draw
+    without leak features to a minimal draw refused the same way (and, if given, ``keep(outcome)`` still
+    holds); returns the minimal draw's outcome."""
     cache: dict[str, Outcome] = {}
 
-    def same_invariant(draft: Draw) -> bool:
+    def same(draft: Draw) -> bool:
         key = repr(draft)
         if key not in cache:
             cache[key] = check(draft)
-        return cache[key].verdict == "finding" and cache[key].invariant == outcome.invariant
+        got = cache[key]
+        if keep is not None and not keep(got):
+            return False
+        if outcome.verdict == "finding":
+            return got.verdict == "finding" and got.invariant == outcome.invariant
+        return got.verdict == "refused" and not leak_features(draft) and \
+            (got.refusal or "")[:60] == (outcome.refusal or "")[:60]
 
-    smallest = shrink(outcome.draw, same_invariant, budget)
+    smallest = shrink(outcome.draw, same, budget)
     return cache.get(repr(smallest)) or outcome
 
 

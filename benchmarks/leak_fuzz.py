@@ -1,0 +1,136 @@
+"""The leak fuzzer's long run: many seeds, each finding shrunk to a minimal reproducer, a table of the
+findings by the invariant they break, and the refusals of draws that contain nothing that leaks.
+
+Every draw (an ordinary model and private training loop, ``tests/fuzz_draw.py``) must be exact under the
+multi-step neighbour test or refused (``tests/leak_fuzz.py`` says what is checked). One thread:
+
+    OMP_NUM_THREADS=1 python benchmarks/leak_fuzz.py --seeds 0:2000 --out findings.md
+    OMP_NUM_THREADS=1 python benchmarks/leak_fuzz.py --seeds 0:500 --outside   # also user errors no
+                                                                                # invariant can see
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from leak_fuzz import CLASSES, Outcome, fuzz, leak_features, reproducer, shrink_outcome  # noqa: E402
+
+
+def _blank(message: str) -> str:
+    """A message with names and numbers blanked, so that one cause is one group."""
+    return re.sub(r"\d+", "#", re.sub(r"'[^']*'", "'…'", message))[:90]
+
+
+def _refusal_kind(outcome: Outcome) -> str:
+    return _blank(outcome.refusal or "")
+
+
+def _seeds(text: str) -> range:
+    start, _, stop = text.partition(":")
+    return range(int(start), int(stop)) if stop else range(int(start), int(start) + 1)
+
+
+def _traits(outcome: Outcome) -> list[str]:
+    """What a finding may be shrunk around: each leak feature of its draw, or (none) the message of a
+    crash with names and numbers blanked, or "–" for a finding with neither."""
+    crashes = [_blank(v.detail) for v in outcome.violations if v.check == "crash"]
+    return crashes or leak_features(outcome.draw) or ["–"]
+
+
+def _shrunk(outcomes: list[Outcome], per_group: int, budget: int, key) -> dict[str, list[Outcome]]:
+    """Per group (``key``), the ``per_group`` most frequent traits (``_traits``), each shrunk from its
+    first outcome to a minimal draw that keeps the trait; distinct minimal draws only."""
+    groups: dict[str, list[Outcome]] = collections.defaultdict(list)
+    for outcome in outcomes:
+        groups[key(outcome)].append(outcome)
+    minimal: dict[str, list[Outcome]] = {}
+    for group, members in groups.items():
+        counts = collections.Counter(t for o in members for t in _traits(o))
+        seen, kept = set(), []
+        for trait, _ in counts.most_common(per_group):
+            first = min((o for o in members if trait in _traits(o)), key=lambda o: len(_traits(o)))
+            small = shrink_outcome(first, budget, keep=lambda o, t=trait: t in _traits(o))
+            name = repr(small.draw.model) + repr(small.draw.loop)
+            if name not in seen:
+                seen.add(name)
+                kept.append(small)
+            print(f"  shrunk seed {first.draw.seed} ({trait}): {small.draw!r}", flush=True)
+        minimal[group] = kept
+    return minimal
+
+
+def _table(outcomes: list[Outcome], minimal: dict[str, list[Outcome]]) -> list[str]:
+    findings = [o for o in outcomes if o.verdict == "finding"]
+    lines = ["| invariant broken | draws | distinct minimal reproducers (of those shrunk) "
+             "| worst distance / R |", "|---|---:|---:|---:|"]
+    for cls in CLASSES:
+        members = [o for o in findings if o.invariant == cls]
+        ratios = [v.ratio for o in members for v in o.violations if v.ratio is not None
+                  and v.check == "sensitivity"]
+        worst = f"{max(ratios):.3g}" if ratios else "–"
+        lines.append(f"| {cls} | {len(members)} | {len(minimal.get(cls, []))} | {worst} |")
+    return lines
+
+
+def report(outcomes: list[Outcome], minimal: dict[str, list[Outcome]], refusals: dict[str, list[Outcome]],
+           command: str, fuzz_seconds: float, shrink_seconds: float) -> str:
+    verdicts = collections.Counter(o.verdict for o in outcomes)
+    lines = [f"Command: `{command}` ({torch.get_num_threads()} thread; the draws {fuzz_seconds:.0f} s, "
+             f"{fuzz_seconds / max(len(outcomes), 1):.2f} s a draw; shrinking {shrink_seconds:.0f} s)", "",
+             f"Draws: {len(outcomes)} — " + ", ".join(f"{k} {v}" for k, v in verdicts.most_common()), "",
+             *_table(outcomes, minimal), "", "## Minimal reproducers", ""]
+    for cls, members in minimal.items():
+        lines += [f"### {cls}", ""]
+        for outcome in members:
+            lines += [f"- {'; '.join(f'{v.check}: {v.detail}' for v in outcome.violations)}", "",
+                      "  ```python", *("  " + t for t in reproducer(outcome.draw).splitlines()), "  ```", ""]
+    if refusals:
+        lines += ["## Refusals of draws with nothing that leaks", "",
+                  "Each refusal below stops code whose draw has no leak feature (`leak_fuzz.leak_features`): "
+                  "not a leak, but training refused that plain PyTorch runs. Minimal draws:", ""]
+        for message, members in refusals.items():
+            lines += [f"- `{message}`", *(f"  - `{o.draw!r}`" for o in members), ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", default="0:2000", help="START:STOP (default 0:2000)")
+    parser.add_argument("--outside", action="store_true",
+                        help="also draw user errors no invariant can see (docs/refusals.md)")
+    parser.add_argument("--shrink-per-class", type=int, default=4)
+    parser.add_argument("--shrink-budget", type=int, default=120, help="checks per shrink")
+    parser.add_argument("--out", type=Path, help="write the markdown report here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+
+    def progress(outcome: Outcome) -> None:
+        if outcome.verdict == "finding":
+            print(f"{outcome.draw.seed}: {outcome.line()}", flush=True)
+
+    outcomes = fuzz(_seeds(args.seeds), progress, outside=args.outside)
+    fuzz_seconds = time.perf_counter() - start
+    print(collections.Counter(o.verdict for o in outcomes), f"{fuzz_seconds:.0f} s", flush=True)
+    findings = [o for o in outcomes if o.verdict == "finding"]
+    minimal = _shrunk(findings, args.shrink_per_class, args.shrink_budget, key=lambda o: o.invariant)
+    harmless = [o for o in outcomes if o.verdict == "refused" and not leak_features(o.draw)]
+    refusals = _shrunk(harmless, 2, args.shrink_budget, key=_refusal_kind)
+    text = report(outcomes, minimal, refusals, "python benchmarks/leak_fuzz.py " + " ".join(sys.argv[1:]),
+                  fuzz_seconds, time.perf_counter() - start - fuzz_seconds)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
