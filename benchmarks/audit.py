@@ -27,9 +27,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import tunefree
 from tunefree.audit import AuditSettings, audit_training, black_box_audit, multi_run_audit, one_run_audit
 from tunefree.privacy.mechanisms import GradientRelease
-from tunefree.privacy.randomness import Randomness
+from tunefree.privacy.randomness import SeededSource
 
-_release, _stds, _inclusion = GradientRelease.release, GradientRelease.noise_stds, Randomness.inclusion
+_release, _stds, _inclusion = GradientRelease.release, GradientRelease.noise_stds, SeededSource.inclusion
 
 
 def _released_twice(self, sums, thresholds):
@@ -46,7 +46,7 @@ BROKEN = {
         lambda self, sums, thresholds: _release(self, {p: 2 * s for p, s in sums.items()}, thresholds)),
     "extra un-recorded release": lambda: mock.patch.object(GradientRelease, "release", _released_twice),
     "sampling at 2q, accounting q": lambda: mock.patch.object(
-        Randomness, "inclusion", lambda self, step, n, rate: _inclusion(self, step, n, min(1.0, 2 * rate))),
+        SeededSource, "inclusion", lambda self, step, n, rate: _inclusion(self, step, n, min(1.0, 2 * rate))),
 }
 
 

@@ -21,7 +21,7 @@ from tunefree.clipping.groups import ClipGroup
 from tunefree.components.thresholds import QuantileEstimator, QuantileSettings
 from tunefree.privacy.mechanisms import GradientRelease
 from tunefree.privacy.plan import CountShare, Plan
-from tunefree.privacy.randomness import Randomness
+from tunefree.privacy.randomness import SeededSource
 from tunefree.step.component import StepReport
 
 
@@ -127,7 +127,7 @@ def _groups(thresholds: dict[str, float]) -> list[ClipGroup]:
 def test_update_divides_by_the_expected_batch_size():
     groups = _groups({"a": 1.0, "b": 2.0, "unused": 0.5})
     settings = QuantileSettings(target_quantile=0.7, learning_rate=0.3, budget=0.01)
-    estimator = QuantileEstimator(groups, settings, 0.0, Randomness(0), expected_batch_size=8.0)
+    estimator = QuantileEstimator(groups, settings, 0.0, SeededSource(0), expected_batch_size=8.0)
     norms = {"a": torch.tensor([0.5, 0.9, 1.0, 1.5, 3.0], dtype=torch.float64),
              "b": torch.tensor([0.1, 2.5, 4.0, 5.0, 9.0], dtype=torch.float64)}
     events = estimator.update(StepReport(step=1, examples=5, group_norms=norms))
@@ -143,7 +143,7 @@ def test_update_divides_by_the_expected_batch_size():
 
     # with a scale: the same estimates, and thresholds at that constant total sensitivity
     groups = _groups({"a": 1.0, "b": 2.0, "unused": 0.5})
-    scaled = QuantileEstimator(groups, settings, 0.0, Randomness(0), 8.0, scale=3.0)
+    scaled = QuantileEstimator(groups, settings, 0.0, SeededSource(0), 8.0, scale=3.0)
     assert math.hypot(*scaled.thresholds().values()) == pytest.approx(3.0, rel=1e-12)
     scaled.update(StepReport(step=1, examples=5, group_norms=norms))
     assert scaled.quantiles == pytest.approx(estimator.quantiles, rel=1e-12)
@@ -156,7 +156,7 @@ def test_count_noise_has_standard_deviation_sigma_b():
     groups = _groups({"a": 1.0, "b": 1.0})
     settings = QuantileSettings(target_quantile=0.5, learning_rate=1e-9, budget=0.05)
     count_std, expected_batch = 3.0, 10.0
-    estimator = QuantileEstimator(groups, settings, count_std, Randomness(1), expected_batch)
+    estimator = QuantileEstimator(groups, settings, count_std, SeededSource(1), expected_batch)
     norms = {"a": torch.tensor([0.5, 2.0]), "b": torch.tensor([0.5, 0.7])}
     exact = torch.tensor([(1 - 1) / expected_batch + 0.5, (2 - 1) / expected_batch + 0.5])
     draws = []
@@ -262,7 +262,7 @@ def test_release_noise_per_group(allocation):
     groups = [ClipGroup(f"g{i}", [f"g{i}"], [nn.Parameter(torch.zeros(d, dtype=torch.float64))],
                         threshold=c)
               for i, (d, c) in enumerate(zip(sizes, thresholds, strict=True))]
-    release = GradientRelease(groups, sigma, Randomness(5), allocation)
+    release = GradientRelease(groups, sigma, SeededSource(5), allocation)
     expected = algorithm_1_line_13(sigma, thresholds, sizes, allocation)
     # the release is exactly a Gaussian mechanism of multiplier σ: Σₖ (Cₖ/σₖ)² = σ⁻²
     assert sum((c / s) ** 2 for c, s in zip(thresholds, expected, strict=True)) == pytest.approx(

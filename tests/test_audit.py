@@ -31,7 +31,7 @@ from tunefree.audit import (
 from tunefree.audit.bounds import best_one_run_bound, clopper_pearson_upper
 from tunefree.cli.main import main
 from tunefree.privacy.mechanisms import GradientRelease
-from tunefree.privacy.randomness import Randomness
+from tunefree.privacy.randomness import SeededSource
 
 # q = 1 isolates the noise; q = ½ lets a broken sampler double it.
 FULL_BATCH = dict(canaries=2000, sample_rate=1.0, steps=2, noise_multiplier=2.0, real_examples=64, seed=3)
@@ -168,8 +168,8 @@ def test_an_extra_unrecorded_release_is_caught(monkeypatch):
 
 
 def test_sampling_at_twice_the_accounted_rate_is_caught(monkeypatch):
-    original = Randomness.inclusion
-    monkeypatch.setattr(Randomness, "inclusion",
+    original = SeededSource.inclusion
+    monkeypatch.setattr(SeededSource, "inclusion",
                         lambda self, step, n, rate: original(self, step, n, min(1.0, 2 * rate)))
     result = one_run_audit(AuditSettings(**HALF_BATCH))
     separation = next(c for c in result.checks if c.name == "separation")

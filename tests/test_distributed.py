@@ -280,10 +280,10 @@ def test_a_failing_rank_fails_the_step_on_every_rank_without_an_update(tmp_path)
 def test_sharded_sampler_partitions_the_one_process_batch():
     """With a seed, the shards of step t are a partition of the one-process batch of step t."""
     from tunefree.data.poisson import PoissonBatchSampler, StepSchedule
-    from tunefree.privacy.randomness import Randomness
+    from tunefree.privacy.randomness import SeededSource
 
     def batches(shard):
-        sampler = PoissonBatchSampler(N, 0.3, 5, Randomness(SEED), StepSchedule(), shard=shard)
+        sampler = PoissonBatchSampler(N, 0.3, 5, SeededSource(SEED), StepSchedule(), shard=shard)
         return list(sampler)
 
     whole = batches((0, 1))
@@ -294,7 +294,7 @@ def test_sharded_sampler_partitions_the_one_process_batch():
             assert sorted(i for part in parts for i in part) == batch
             assert all(i % world == r for r, part in enumerate(parts) for i in part)
     with pytest.raises(ValueError, match="rank"):
-        PoissonBatchSampler(N, 0.3, 5, Randomness(SEED), StepSchedule(), shard=(2, 2))
+        PoissonBatchSampler(N, 0.3, 5, SeededSource(SEED), StepSchedule(), shard=(2, 2))
 
 
 def test_data_parallel_in_one_process_is_refused():

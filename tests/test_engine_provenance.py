@@ -13,7 +13,7 @@ from tunefree.clipping.groups import make_groups
 from tunefree.data.poisson import StepSchedule, from_loader
 from tunefree.errors import PrivacyError
 from tunefree.persample.engine import ClippingEngine
-from tunefree.privacy.randomness import Randomness
+from tunefree.privacy.randomness import SeededSource
 
 
 def engine_for(model, source=None):
@@ -152,7 +152,7 @@ def test_adversarial_training_through_no_capture_books_the_batch_once(attack_ste
 def test_the_poisson_loader_records_each_physical_batch_it_hands_out():
     dataset = torch.utils.data.TensorDataset(torch.randn(40, 6), torch.randint(0, 3, (40,)))
     schedule = StepSchedule()
-    loader = from_loader(torch.utils.data.DataLoader(dataset, batch_size=10), Randomness(3), schedule,
+    loader = from_loader(torch.utils.data.DataLoader(dataset, batch_size=10), SeededSource(3), schedule,
                          max_physical_batch_size=4)
     serials = []
     for x, _ in loader:

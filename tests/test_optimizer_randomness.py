@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import os
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ def test_default_run_draws_sampling_and_noise_from_os_urandom(monkeypatch):
     coordinates = sum(p.numel() for p in engine.model.parameters())
     # Box-Muller: two 8-byte uniforms per pair of noise coordinates, plus 8 bytes per example for sampling.
     assert sum(drawn) >= 8 * coordinates + 8 * 60
-    assert engine.randomness.secure and engine.randomness.seed is None
+    assert engine.randomness.secret and engine.randomness.seed is None
     assert "seed" not in str(engine.guarantee())
     assert engine.state_dict()["randomness"]["randomness"] == "secure"
 
@@ -66,7 +67,7 @@ def test_two_default_runs_with_the_same_torch_seed_differ():
 def test_a_seeded_run_says_that_the_seed_removes_the_noise():
     engine = private(seed=3)
     train(engine, 1)
-    assert not engine.randomness.secure
+    assert not engine.randomness.secret
     assert "anyone who knows the seed can remove the noise" in str(engine.guarantee())
     assert engine.guarantee().seeded
     state = engine.state_dict()["randomness"]
@@ -74,7 +75,7 @@ def test_a_seeded_run_says_that_the_seed_removes_the_noise():
 
 
 def test_secure_rng_keeps_working_and_is_refused_with_a_seed():
-    assert private(secure_rng=True).randomness.secure
+    assert private(secure_rng=True).randomness.secret
     with pytest.raises(ValueError, match="contradict"):
         private(secure_rng=True, seed=0)
 
@@ -86,7 +87,7 @@ def test_a_secure_run_resumes_its_ledger_and_sampler_position():
     resumed = private()
     resumed.model.load_state_dict(checkpoint["model"])
     resumed.load_state_dict(checkpoint["privacy"])
-    assert resumed.steps == 4 and resumed.randomness.secure
+    assert resumed.steps == 4 and resumed.randomness.secret
     assert len(list(resumed.data_loader.batch_sampler)) == 2  # the rest of the epoch, not a new one
     train(resumed, 2)
     whole = private(seed=1)
@@ -131,7 +132,7 @@ def numbered_draws(monkeypatch):
 
 
 def test_secure_noise_is_drawn_one_release_ahead_and_each_block_is_used_once(numbered_draws):
-    randomness = randomness_module.Randomness()
+    randomness = randomness_module.SecretSource()
     shapes = [torch.Size([30, 40]), torch.Size([40])]
     first = randomness.normals(shapes, torch.device("cpu"), torch.float32)
     second = randomness.normals(shapes, torch.device("cpu"), torch.float32)
@@ -143,7 +144,7 @@ def test_secure_noise_is_drawn_one_release_ahead_and_each_block_is_used_once(num
 
 
 def test_blocks_drawn_ahead_are_kept_per_size_and_small_draws_are_not_drawn_ahead(numbered_draws):
-    randomness = randomness_module.Randomness()
+    randomness = randomness_module.SecretSource()
     cpu, f64 = torch.device("cpu"), torch.float64
     big, small = torch.Size([2000]), torch.Size([3])
     assert float(randomness.normal(big, cpu, f64)[0]) == 1.0
@@ -154,7 +155,7 @@ def test_blocks_drawn_ahead_are_kept_per_size_and_small_draws_are_not_drawn_ahea
 
 
 def test_a_forked_process_never_uses_noise_drawn_ahead_before_the_fork(numbered_draws, monkeypatch):
-    randomness = randomness_module.Randomness()
+    randomness = randomness_module.SecretSource()
     shape = [torch.Size([5000])]
     assert float(randomness.normals(shape, torch.device("cpu"), torch.float64)[0][0]) == 1.0
     monkeypatch.setattr(randomness_module.os, "getpid", lambda: -1)  # as seen from a forked child
@@ -177,9 +178,30 @@ def test_secure_poisson_samples_are_drawn_one_step_ahead_and_each_block_is_used_
 
     monkeypatch.setattr(randomness_module, "_secure_uniform", draw)
     monkeypatch.setattr(randomness_module, "ThreadPoolExecutor", InlineExecutor)
-    randomness = randomness_module.Randomness()
+    randomness = randomness_module.SecretSource()
     included = [randomness.inclusion(step, 2000, 0.5) for step in range(3)]
     assert [int(mask.sum()) for mask in included] == [1, 2, 3]  # blocks 1, 2, 3: each used once
     assert calls == [2000] * 4  # the fourth drawn ahead for the next step
     assert int(randomness.inclusion(3, 100, 0.5).sum()) == 5  # a small draw is made when asked
     assert calls == [2000] * 4 + [100]
+
+
+FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint_v0_1.pt"
+
+
+@pytest.mark.parametrize("kind, seed", [("seeded", 3), ("secret", None)])
+def test_a_checkpoint_written_by_0_1_resumes(kind, seed):
+    """``checkpoint_v0_1.pt`` was written by the code of 0.1 (``Randomness(secure)``, commit 1725c10) after 2
+    steps of ``private(seed=...)``, with the weights and ε after 2 more: a seeded run resumed from it
+    continues bit for bit (sampling and noise streams), a secret one continues its ledger."""
+    saved = torch.load(FIXTURE, weights_only=True)[kind]
+    assert set(saved["privacy"]["randomness"]) == {"seed", "secure", "randomness", "noise"}  # 0.1's keys
+    resumed = private(seed=seed)
+    resumed.model.load_state_dict(saved["model"])
+    resumed.load_state_dict(saved["privacy"])
+    assert resumed.randomness.secret == (seed is None) and resumed.steps == 2
+    train(resumed, 2)
+    assert resumed.epsilon() == saved["epsilon_after_two_more_steps"]
+    after = saved["model_after_two_more_steps"]
+    same = [torch.equal(w, after[name]) for name, w in resumed.model.state_dict().items()]
+    assert all(same) if kind == "seeded" else not any(same)

@@ -180,9 +180,9 @@ def test_noise_free_release_equals_one_process_with_a_group_per_stage(pipeline):
 
 
 def test_an_empty_poisson_batch_releases_noise_only_and_a_single_example_passes(pipeline):
-    from tunefree.privacy.randomness import Randomness
+    from tunefree.privacy.randomness import SeededSource
 
-    assert [int(Randomness(SPARSE_SEED).inclusion(t, N, 1 / N).sum()) for t in range(STEPS)] == [1, 0, 3]
+    assert [int(SeededSource(SPARSE_SEED).inclusion(t, N, 1 / N).sum()) for t in range(STEPS)] == [1, 0, 3]
     _, reference, _ = _one_process(0.0, batch_size=1, seed=SPARSE_SEED)
     for step in range(STEPS):
         for rank in range(STAGES):
@@ -303,14 +303,14 @@ def test_an_adaptive_stage_checkpoint_restores_every_stage_threshold():
     from tunefree.clipping.groups import ClipGroup
     from tunefree.components.thresholds import QuantileSettings
     from tunefree.pipeline import StageLayout, StageQuantileEstimator, StageRelease
-    from tunefree.privacy.randomness import Randomness
+    from tunefree.privacy.randomness import SecretSource
 
     def stage_parts():
         module = nn.Linear(4, 2)
         group = ClipGroup("stage0", ["weight", "bias"], list(module.parameters()), R[0])
         layout = StageLayout(0, STAGES, R, (10, 7))
-        release = StageRelease([group], SIGMA, Randomness(), "global", layout)
-        return StageQuantileEstimator(group, QuantileSettings(), 2.0, Randomness(), 16.0, release, None)
+        release = StageRelease([group], SIGMA, SecretSource(), "global", layout)
+        return StageQuantileEstimator(group, QuantileSettings(), 2.0, SecretSource(), 16.0, release, None)
 
     saved = stage_parts()
     saved.quantiles["stage0"], saved.estimates = 0.5, [0.5, 3.0]

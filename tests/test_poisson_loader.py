@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 from tunefree.data.poisson import StepSchedule, from_loader
-from tunefree.privacy.randomness import Randomness
+from tunefree.privacy.randomness import SeededSource
 
 
 class SameTensorDataset(TensorDataset):
@@ -27,7 +27,7 @@ def tensors(n=30):
 def batches(dataset, seed, batch_size, physical=None, epochs=3, **loader_kwargs):
     """Every batch of ``epochs`` passes with each one's place in its logical batch."""
     schedule = StepSchedule()
-    loader = from_loader(DataLoader(dataset, batch_size=batch_size, **loader_kwargs), Randomness(seed),
+    loader = from_loader(DataLoader(dataset, batch_size=batch_size, **loader_kwargs), SeededSource(seed),
                          schedule, max_physical_batch_size=physical)
     out = []
     for _ in range(epochs):
@@ -55,7 +55,7 @@ def test_a_tensor_dataset_is_gathered_in_one_index_with_the_generic_paths_batche
 
 def test_the_gathered_indices_are_the_steps_poisson_sample_in_order():
     data = tensors(50)
-    randomness = Randomness(11)
+    randomness = SeededSource(11)
     _, out = batches(TensorDataset(*data), 11, 10, epochs=1)
     for step, (batch, _, _) in enumerate(out):
         expected = torch.nonzero(randomness.inclusion(step, 50, 10 / 50)).flatten()
@@ -73,7 +73,7 @@ def test_other_data_sets_and_settings_take_the_generic_path_and_still_work():
 
     loader, out = batches(Records(), 5, 6, epochs=1)
     assert not loader.gathers
-    randomness = Randomness(5)
+    randomness = SeededSource(5)
     for step, (batch, _, examples) in enumerate(out):
         expected = torch.nonzero(randomness.inclusion(step, 20, 6 / 20)).flatten()
         assert torch.equal(batch["id"], expected) and batch["x"].shape == (examples, 2)

@@ -31,7 +31,7 @@ from .privacy.canaries import CanaryRelease, GradientCanaries, canary_randomness
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
 from .privacy.plan import CountShare, LossShare, Plan, data_digest
-from .privacy.randomness import Randomness, run_randomness
+from .privacy.randomness import NoiseSource, run_randomness
 from .rules.paths import PathChooser
 from .run import DPEngine
 from .step.component import StepComponent
@@ -271,7 +271,7 @@ def _run_settings(clip: ClipFunction, groups: list[ClipGroup], quantile: Quantil
 
 
 def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any,
-                  randomness: Randomness, schedule: StepSchedule, clip: ClipFunction,
+                  randomness: NoiseSource, schedule: StepSchedule, clip: ClipFunction,
                   clip_groups: list[ClipGroup], quantile: QuantileSettings | None,
                   noise_allocation: str, loss_reduction: str, poisson_sampling: bool,
                   verify_every: int | None, parallel: DataParallel | ShardedDataParallel | None = None,
@@ -315,7 +315,7 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
         else StepAccumulator()
     clipping_engine = ClippingEngine(module, clip_groups, clip, loss_reduction, accumulator)
     clipping_engine.batch_source = schedule  # the Poisson loader tells the engine each batch's examples
-    if not randomness.secure:  # a seeded run repeats bit for bit: no norm path picked by a timing
+    if randomness.replayable:  # a seeded run repeats bit for bit: no norm path picked by a timing
         clipping_engine.path_chooser = PathChooser(measure=False)
     if estimator is not None:
         clipping_engine.set_thresholds(estimator.thresholds())

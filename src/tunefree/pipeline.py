@@ -37,7 +37,7 @@ from .components.thresholds import QuantileEstimator, QuantileSettings
 from .errors import PrivacyError
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease, group_noise_stds
-from .privacy.randomness import Randomness, side_randomness
+from .privacy.randomness import NoiseSource, side_randomness
 from .run import DPEngine
 from .step.component import StepReport
 
@@ -81,7 +81,7 @@ class StageRelease(GradientRelease):
     thresholds and sizes, so the K stage releases together are exactly the release of one process with
     one clip group per stage: one Gaussian event of multiplier σ, recorded by every stage."""
 
-    def __init__(self, groups: list[ClipGroup], noise_multiplier: float, randomness: Randomness,
+    def __init__(self, groups: list[ClipGroup], noise_multiplier: float, randomness: NoiseSource,
                  allocation: str, layout: StageLayout):
         super().__init__(groups, noise_multiplier, randomness, allocation)
         if len(self.groups) != 1:
@@ -113,7 +113,7 @@ class StageQuantileEstimator(QuantileEstimator):
     """
 
     def __init__(self, group: ClipGroup, settings: QuantileSettings, count_noise: float,
-                 randomness: Randomness, expected_batch_size: float, release: StageRelease,
+                 randomness: NoiseSource, expected_batch_size: float, release: StageRelease,
                  scale: float | None):
         layout = release.layout
         super().__init__([group], settings, count_noise * math.sqrt(layout.num_stages) / 2, randomness,
@@ -158,7 +158,7 @@ class _SharedSampling:
     """The Poisson sample of each step, drawn by the first stage and broadcast to the others, so that
     every stage trains on the same examples (secret randomness cannot be replayed elsewhere)."""
 
-    def __init__(self, randomness: Randomness, layout: StageLayout, device: torch.device):
+    def __init__(self, randomness: NoiseSource, layout: StageLayout, device: torch.device):
         self.randomness, self.layout, self.device = randomness, layout, device
 
     def inclusion(self, step: int, num_examples: int, sample_rate: float) -> torch.Tensor:
@@ -368,7 +368,7 @@ def make_private_pipeline(
             thresholds=thresholds)
     try:
         run = {k: v for k, v in engine.plan.describe().items() if k != "settings.groups"}
-        run.update(secure=engine.randomness.secure, physical_batch_size=physical_batch_size)
+        run.update(secret=engine.randomness.secret, physical_batch_size=physical_batch_size)
         facts = {"run": run, "threshold": float(max_grad_norm), "size": engine.groups[0].size}
         gathered = _exchange(facts, group, stage_index)
     except Exception:

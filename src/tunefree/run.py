@@ -20,7 +20,7 @@ from .persample.engine import ClippingEngine
 from .privacy.canaries import GradientCanaries
 from .privacy.ledger import Ledger
 from .privacy.plan import Plan
-from .privacy.randomness import Randomness
+from .privacy.randomness import NoiseSource
 from .step.component import StepReport
 from .step.optimizer import DPOptimizer
 
@@ -55,7 +55,7 @@ class DPEngine:
     """
 
     def __init__(self, *, model: nn.Module, optimizer: DPOptimizer, data_loader: Any,
-                 clipping_engine: ClippingEngine, ledger: Ledger, randomness: Randomness,
+                 clipping_engine: ClippingEngine, ledger: Ledger, randomness: NoiseSource,
                  schedule: StepSchedule, groups: list[ClipGroup], plan: Plan,
                  parallel: DataParallel | ShardedDataParallel | None = None,
                  canaries: GradientCanaries | None = None):
@@ -140,7 +140,7 @@ class DPEngine:
     def guarantee(self, delta: float | None = None) -> Guarantee:
         delta = self.target_delta if delta is None else delta
         return Guarantee(self.epsilon(delta), delta, self.steps, self.accountant,
-                         self.ledger.poisson_approximation, seeded=not self.randomness.secure)
+                         self.ledger.poisson_approximation, seeded=not self.randomness.secret)
 
     def detach(self) -> nn.Module:
         """Remove every hook; the model is a plain module (or DDP model) again and the private optimizer

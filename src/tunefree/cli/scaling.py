@@ -29,7 +29,7 @@ import torch
 
 from ..privacy.calculator import noise_multiplier as calibrated_noise
 from ..privacy.mechanisms import release_gaussian
-from ..privacy.randomness import Randomness, side_randomness
+from ..privacy.randomness import NoiseSource, side_randomness
 
 STANDARDISATION_STREAM = 0x5CA1E
 
@@ -92,7 +92,7 @@ def _magnitude_bins(x: torch.Tensor) -> torch.Tensor:
 
 
 def release(x: torch.Tensor, columns: list[int] | tuple[int, ...], noise_multiplier: float,
-            randomness: Randomness) -> Standardisation:
+            randomness: NoiseSource) -> Standardisation:
     """Privately estimate the scaling of ``columns`` of the training features ``x`` (rows are examples)."""
     if not columns:
         raise ValueError("no columns to standardise")
@@ -130,7 +130,7 @@ def variance_noise_floor(mean: torch.Tensor, noise_multiplier: float, columns: i
     return (2 * resolution * (1 + 2 * mean.abs())).clamp_min(MIN_STD ** 2)
 
 
-def secret_randomness(seed: int | None) -> Randomness:
+def secret_randomness(seed: int | None) -> NoiseSource:
     """The standardisation's own noise source: secure by default; for a seeded run, a stream derived
     from the seed that no other release of the run draws from."""
     return side_randomness(seed, STANDARDISATION_STREAM)

@@ -38,7 +38,7 @@ import torch
 
 from ..errors import PrivacyError
 from ..privacy.mechanisms import LOSS_PRIVACY, release_loss_sum
-from ..privacy.randomness import Randomness
+from ..privacy.randomness import NoiseSource
 from ..step.component import StepComponent, StepContext, UpdateControl
 
 MODES = ("safeguarded", "paper")
@@ -95,7 +95,7 @@ class AutoLearningRate(StepComponent):
     """
 
     def __init__(self, interval: int, loss_noise: float, expected_batch_size: float,
-                 randomness: Randomness, loss_privacy: str = "gaussian",
+                 randomness: NoiseSource, loss_privacy: str = "gaussian",
                  initial_lr: float = INITIAL_LR, mode: str = "safeguarded", probes: str = "losses"):
         if int(interval) != interval or interval < 1:
             raise ValueError(f"lr_update_interval must be a positive integer, got {interval}")

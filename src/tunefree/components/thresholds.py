@@ -26,7 +26,7 @@ import torch
 
 from ..clipping.groups import ClipGroup
 from ..privacy.mechanisms import release_counts
-from ..privacy.randomness import Randomness
+from ..privacy.randomness import NoiseSource
 from ..step.component import StepComponent, StepContext, StepReport
 
 DEFAULT_TARGET_QUANTILE = 0.5
@@ -69,7 +69,7 @@ class QuantileEstimator(StepComponent):
     """
 
     def __init__(self, groups: Sequence[ClipGroup], settings: QuantileSettings, count_std: float,
-                 randomness: Randomness, expected_batch_size: float, scale: float | None = None):
+                 randomness: NoiseSource, expected_batch_size: float, scale: float | None = None):
         if not (count_std >= 0 and math.isfinite(count_std)):
             raise ValueError(f"count_std must be a finite number ≥ 0, got {count_std}")
         if scale is not None and not (scale > 0 and math.isfinite(scale)):

@@ -29,7 +29,7 @@ from torch.utils.data import (
     default_collate,
 )
 
-from ..privacy.randomness import Randomness
+from ..privacy.randomness import NoiseSource
 
 
 class StepSchedule:
@@ -92,7 +92,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(self, num_examples: int, sample_rate: float, steps_per_epoch: int,
-                 randomness: Randomness, schedule: StepSchedule,
+                 randomness: NoiseSource, schedule: StepSchedule,
                  max_physical_batch_size: int | None = None, shard: tuple[int, int] = (0, 1)):
         super().__init__()
         rank, world_size = shard
@@ -219,7 +219,7 @@ def sample_rate_of(loader: DataLoader) -> tuple[int, float]:
     return num_examples, sample_rate
 
 
-def from_loader(loader: DataLoader, randomness: Randomness, schedule: StepSchedule,
+def from_loader(loader: DataLoader, randomness: NoiseSource, schedule: StepSchedule,
                 max_physical_batch_size: int | None = None, shard: tuple[int, int] = (0, 1)
                 ) -> PoissonDataLoader:
     """The Poisson-sampled version of ``loader``: q = batch_size / len(dataset), whatever the number of

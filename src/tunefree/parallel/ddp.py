@@ -28,7 +28,7 @@ from ..clipping.groups import ClipGroup
 from ..dtypes import accumulation_dtype
 from ..errors import PrivacyError
 from ..privacy.mechanisms import GradientRelease, add_bucket_noise
-from ..privacy.randomness import Randomness
+from ..privacy.randomness import NoiseSource
 
 # The size of one all-reduce bucket, DDP's default (bucket_cap_mb=25).
 BUCKET_BYTES = 25 * 2**20
@@ -111,9 +111,9 @@ class DistributedRelease(GradientRelease):
     the same event, as one process releasing the union batch: total noise variance σ²S² whatever the
     world size.
 
-    Who draws the noise (``privacy.mechanisms.add_bucket_noise``): with secret randomness, each rank
-    its own 1/W slice of every bucket (the noise work scales out); seeded, rank 0 all of it, as one
-    process with that seed would.
+    Who draws the noise (``privacy.mechanisms.add_bucket_noise``, asking the source's ``owned_range``):
+    with a secret source, each rank its own 1/W slice of every bucket (the noise work scales out); with
+    a replayable (seeded) one, rank 0 all of it, as one process with that seed would.
 
     Args:
         groups, noise_multiplier, randomness, allocation: as for :class:`GradientRelease`.
@@ -121,7 +121,7 @@ class DistributedRelease(GradientRelease):
         bucket_bytes: the size of one all-reduce.
     """
 
-    def __init__(self, groups: Sequence[ClipGroup], noise_multiplier: float, randomness: Randomness,
+    def __init__(self, groups: Sequence[ClipGroup], noise_multiplier: float, randomness: NoiseSource,
                  allocation: str, parallel: DataParallel, bucket_bytes: int = BUCKET_BYTES):
         super().__init__(groups, noise_multiplier, randomness, allocation)
         self.parallel = parallel
@@ -166,10 +166,10 @@ def check_same_run(parallel: DataParallel, identity: Mapping[str, Any]) -> None:
 
 
 def run_identity(description: Mapping[str, Any], groups: Sequence[ClipGroup],
-                 randomness: Randomness) -> dict[str, Any]:
+                 randomness: NoiseSource) -> dict[str, Any]:
     """What every rank must agree on: the plan's description, the shapes and dtypes of the clip groups'
-    parameters, in order, and the randomness (secret, or the seed): a secret rank noises its own slice
-    of the coordinates and a seeded one leaves all of them to rank 0, so a mix would leave coordinates
-    without noise."""
+    parameters, in order, and the noise source (replayable or not, and its seed): a rank of a secret
+    source noises its own slice of the coordinates and one of a replayable source leaves all of them to
+    rank 0 (``NoiseSource.owned_range``), so a mix would leave coordinates without noise."""
     layout = [[g.name, [[list(p.shape), str(p.dtype)] for p in g.params]] for g in groups]
-    return {**description, "parameter layout": layout, "randomness": [randomness.secure, randomness.seed]}
+    return {**description, "parameter layout": layout, "randomness": [randomness.replayable, randomness.seed]}

@@ -38,7 +38,7 @@ from ..dtypes import accumulation_dtype
 from ..errors import PrivacyError
 from ..persample.accumulator import StepAccumulator, StepResult
 from ..privacy.mechanisms import GradientRelease, add_shard_noise
-from ..privacy.randomness import Randomness
+from ..privacy.randomness import NoiseSource
 from ..rules import rule_for
 from ..rules.embedding import EmbeddingRule
 from ..rules.hf_conv1d import HFConv1DRule
@@ -309,7 +309,7 @@ class ShardedRelease(GradientRelease):
         parallel: the run's sharded model (process group, rank and world size).
     """
 
-    def __init__(self, groups: Sequence[ClipGroup], noise_multiplier: float, randomness: Randomness,
+    def __init__(self, groups: Sequence[ClipGroup], noise_multiplier: float, randomness: NoiseSource,
                  allocation: str, parallel: ShardedDataParallel):
         super().__init__(groups, noise_multiplier, randomness, allocation)
         self.parallel = parallel

@@ -5,8 +5,8 @@ m canaries, each a member of the run independently with probability ½. A canary
 clipped gradient is ``C·eⱼ``: C the current threshold of the *host* group (the clip group of largest
 initial threshold), eⱼ the j-th coordinate of a block of m coordinates that belongs to no model. The
 block joins the host group's release: every step, each member canary is sampled at the run's rate q
-(``Randomness.inclusion``, as the loader samples examples), ``C·eⱼ`` is added to the block's sum, and the
-block is released by the run's own mechanism — in the same ``GradientRelease.release`` call as the
+(``NoiseSource.inclusion``, as the loader samples examples), ``C·eⱼ`` is added to the block's sum, and
+the block is released by the run's own mechanism — in the same ``GradientRelease.release`` call as the
 model's coordinates, with the host group's noise. The noisy block is recorded, then dropped: it never
 reaches the model, the optimizer or the user's outputs.
 
@@ -31,7 +31,7 @@ from torch import nn
 from ..clipping.groups import ClipGroup
 from ..dtypes import accumulation_dtype
 from .mechanisms import GradientRelease, group_noise_stds
-from .randomness import Randomness, side_randomness
+from .randomness import NoiseSource, side_randomness
 
 CANARY_STREAM = 0xCA9A7  # the seeded stream of canary membership and sampling
 MEMBERSHIP_KEY = 0  # membership is drawn as "step 0" of the canary stream; step t ≥ 1 samples step t
@@ -48,7 +48,7 @@ class GradientCanaries:
     """
 
     def __init__(self, count: int, groups: Sequence[ClipGroup], sample_rate: float,
-                 randomness: Randomness):
+                 randomness: NoiseSource):
         if isinstance(count, bool) or not isinstance(count, int):
             raise TypeError(f"audit_canaries must be an int (the number of canaries), got {count!r}")
         if count < 2:
@@ -112,6 +112,6 @@ class CanaryRelease(GradientRelease):
         return stds[[g.name for g in self.model_groups].index(self.canaries.host.name)]
 
 
-def canary_randomness(seed: int | None) -> Randomness:
+def canary_randomness(seed: int | None) -> NoiseSource:
     """The canaries' own stream: secure unless the run is seeded."""
     return side_randomness(seed, CANARY_STREAM)

@@ -3,6 +3,7 @@ accounted as. The optimizer records the events of one step in the ledger as one 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from ..clipping.groups import ClipGroup
 from ..dtypes import accumulation_dtype
-from .randomness import Randomness
+from .randomness import NoiseSource
 
 NOISE_ALLOCATIONS = ("global", "equal-budget", "weighted")
 
@@ -52,7 +53,7 @@ class GradientRelease:
     """
 
     def __init__(self, groups: Sequence[ClipGroup], noise_multiplier: float,
-                 randomness: Randomness, allocation: str = "global"):
+                 randomness: NoiseSource, allocation: str = "global"):
         if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
             raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier}")
         if allocation not in NOISE_ALLOCATIONS:
@@ -109,63 +110,58 @@ class GradientRelease:
 
 
 def add_bucket_noise(flat: torch.Tensor, params: Sequence[tuple[nn.Parameter, float]],
-                     randomness: Randomness, shard: tuple[int, int]) -> None:
+                     randomness: NoiseSource, shard: tuple[int, int]) -> None:
     """Rank ``shard[0]`` of ``shard[1]``'s share of the Gaussian noise of one flat bucket of parameters
     (``params``: each with its noise standard deviation, in the bucket's order), added to ``flat`` in
     place; summed over the ranks, every coordinate has received exactly one draw.
 
-    Secret randomness: each rank draws the noise of its own slice of the coordinates, from its own
-    ``os.urandom``. Seeded: rank 0 draws all of it from the run's stream, parameter by parameter as one
-    process does (the same noise as one process with that seed); the other ranks draw the same numbers
-    and drop them, so that every rank's stream, and so its checkpoint, stays where rank 0's is."""
-    if not any(std > 0 for _, std in params):
+    The noised coordinates (those of a parameter with a positive deviation) are one draw of the source,
+    parameter by parameter; the source says which of them this rank adds (``owned_range``: a secret
+    source's own slice, a replayable source's all on rank 0, as one process adds them) and draws them
+    (``normals_at``: a replayable source keeps every rank's stream where rank 0's is)."""
+    offsets = [0, *itertools.accumulate(p.numel() for p, _ in params)]
+    noised = [(offset, p.numel(), std) for offset, (p, std) in zip(offsets, params) if std > 0]
+    if not noised:
         return
-    rank, world_size = shard
-    if randomness.secure:
-        low, high = flat.numel() * rank // world_size, flat.numel() * (rank + 1) // world_size
-        scale = torch.cat([torch.full((p.numel(),), std, dtype=flat.dtype, device=flat.device)
-                           for p, std in params])[low:high]
-        flat[low:high] += scale * randomness.normal(torch.Size([high - low]), flat.device, flat.dtype)
-        return
-    offset = 0
-    for p, std in params:
-        if std > 0:
-            noise = randomness.normal(p.shape, flat.device, flat.dtype)
-            if rank == 0:
-                flat[offset:offset + p.numel()] += std * noise.reshape(-1)
-        offset += p.numel()
-
+    starts = [0, *itertools.accumulate(size for _, size, _ in noised)]
+    low, high = randomness.owned_range(starts[-1], shard)
+    ranges = [(min(max(low - start, 0), size), min(max(high - start, 0), size))
+              for start, (_, size, _) in zip(starts, noised)]  # the owned part of each piece
+    draws = randomness.normals_at([size for _, size, _ in noised], ranges, flat.device, flat.dtype)
+    for (offset, _, std), (a, b), noise in zip(noised, ranges, draws):
+        if b > a:
+            flat[offset + a:offset + b] += std * noise
 
 
 def add_shard_noise(shards: Mapping[nn.Parameter, torch.Tensor], params: Sequence[tuple[nn.Parameter, float]],
-                    randomness: Randomness, shard: tuple[int, int]) -> None:
+                    randomness: NoiseSource, shard: tuple[int, int]) -> None:
     """Rank ``shard[0]`` of ``shard[1]``'s share of the Gaussian noise of parameters sharded along dim 0
     as FSDP2 shards them (rank r holds rows from ⌈rows/W⌉·r on): ``shards[p]`` holds this rank's rows of
     ``p``'s sum and gets their noise in place (``params``: each parameter with its standard deviation, in
     release order). Summed over the ranks, every coordinate has received exactly one draw.
 
-    Secret randomness: each rank draws its own rows' noise from its own ``os.urandom``. Seeded: every
-    rank draws one process's noise (by device and precision, in release order, as
-    ``GradientRelease.release`` does; one parameter at a time, the same numbers as one draw of all)
-    and keeps its own rows, so the noise is that of one process with that seed and every rank's stream
-    stays at the same place."""
-    noised = [(p, std) for p, std in params if std > 0]
-    if randomness.secure:
-        for p, std in noised:
-            shards[p] += std * randomness.normal(shards[p].shape, shards[p].device, shards[p].dtype)
-        return
+    The noise is one draw per device and precision, parameter by parameter in release order (as
+    ``GradientRelease.release`` draws it), of which this rank asks for its own rows (``normals_at``): a
+    secret source draws only those; a replayable one draws one process's noise whole and cuts it, so
+    that every rank's stream stays at the same place."""
     rank, world_size = shard
     by_kind: dict[tuple[torch.device, torch.dtype], list[tuple[nn.Parameter, float]]] = {}
-    for p, std in noised:
-        by_kind.setdefault((shards[p].device, shards[p].dtype), []).append((p, std))
+    for p, std in params:
+        if std > 0:
+            by_kind.setdefault((shards[p].device, shards[p].dtype), []).append((p, std))
     for (device, dtype), entries in by_kind.items():
-        for p, std in entries:
-            noise = randomness.normal(p.shape, device, dtype)
-            start = math.ceil(p.shape[0] / world_size) * rank
-            shards[p] += std * noise[start:start + shards[p].shape[0]]
+        ranges = []
+        for p, _ in entries:
+            row = math.prod(p.shape[1:])  # coordinates per row
+            start = math.ceil(p.shape[0] / world_size) * rank * row
+            ranges.append((start, start + shards[p].numel()))
+        draws = randomness.normals_at([p.numel() for p, _ in entries], ranges, device, dtype)
+        for (p, std), noise in zip(entries, draws):
+            shards[p] += std * noise.view(shards[p].shape)
+
 
 def release_counts(centred_counts: torch.Tensor, count_std: float,
-                   randomness: Randomness) -> tuple[torch.Tensor, dpa.DpEvent]:
+                   randomness: NoiseSource) -> tuple[torch.Tensor, dpa.DpEvent]:
     """Releases K centred clip counts (each of sensitivity ½) with Gaussian noise of standard
     deviation ``count_std``; the event is one Gaussian of multiplier ``count_std/(½√K)``."""
     if not (count_std >= 0 and math.isfinite(count_std)):
@@ -178,7 +174,7 @@ def release_counts(centred_counts: torch.Tensor, count_std: float,
 
 
 def release_gaussian(values: torch.Tensor, sensitivity: float, noise_multiplier: float,
-                     randomness: Randomness) -> tuple[torch.Tensor, dpa.DpEvent]:
+                     randomness: NoiseSource) -> tuple[torch.Tensor, dpa.DpEvent]:
     """Releases ``values`` (float64, CPU), whose L2 sensitivity is ``sensitivity``, with Gaussian noise of
     standard deviation ``noise_multiplier·sensitivity``: one Gaussian event of that multiplier."""
     if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
@@ -192,7 +188,7 @@ LOSS_PRIVACY = ("gaussian", "laplace")
 
 
 def release_loss_sum(clipped_sum: float, bound: float, noise_multiplier: float, kind: str,
-                     randomness: Randomness) -> tuple[float, dpa.DpEvent]:
+                     randomness: NoiseSource) -> tuple[float, dpa.DpEvent]:
     """Releases a sum of losses clipped to ``|Lᵢ| ≤ bound`` with noise of scale ``noise_multiplier·bound``:
     Gaussian (standard deviation) or Laplace (scale b, drawn as the difference of two exponentials,
     each ½ of a χ² with two degrees of freedom)."""

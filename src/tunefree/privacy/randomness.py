@@ -1,12 +1,19 @@
-"""One source of randomness per run: Poisson sampling and every noise draw derive from it.
+"""A run's noise source: Poisson sampling and every noise draw come from one object.
 
-By default every random number comes from the operating system's cryptographically secure generator
-(``os.urandom``): nobody can replay the noise, and a resumed run continues from the ledger and the
-sampler's position. A seed is the user's explicit request for a reproducible run: sampling and noise then
-come from ``torch.Generator`` streams derived from it (``numpy.random.SeedSequence``) — the batch of
-logical step ``t`` from its own stream keyed by ``t`` (so loader prefetching never changes which examples
-a step sees), noise from one generator per device whose state is checkpointed, so that a resumed run
-continues bit for bit. Anyone who knows the seed can replay the noise and remove it.
+Two kinds, told apart by what they promise (not by a flag to fork on):
+
+- :class:`SecretSource` (the default): every number comes from the operating system's cryptographically
+  secure generator (``os.urandom``). Nobody can replay the noise — not the run itself, not whoever reads
+  its checkpoint — and a resumed run continues from the ledger and the sampler's position.
+- :class:`SeededSource`: a seed is the user's explicit request for a reproducible run. Sampling and noise
+  come from ``torch.Generator`` streams derived from it (``numpy.random.SeedSequence``): the batch of
+  logical step ``t`` from its own stream keyed by ``t`` (so loader prefetching never changes which
+  examples a step sees), noise from one generator per device whose state is checkpointed, so that a
+  resumed run continues bit for bit. Anyone who knows the seed can replay the noise and remove it.
+
+Every source says ``secret`` (what the guarantee may claim: the noise cannot be removed by anyone) and
+``replayable`` (every process holding the same source draws the same numbers, so ranks can replay one
+stream instead of splitting the draws).
 """
 
 from __future__ import annotations
@@ -14,15 +21,48 @@ from __future__ import annotations
 import math
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 _SAMPLING, _NOISE = 1, 2
+SECRET_DESCRIPTION = "secure"
 SEEDED_WARNING = "seeded (reproducible: anyone who knows the seed can remove the noise)"
+
+
+@runtime_checkable
+class NoiseSource(Protocol):
+    """Where a run's sampling and noise come from.
+
+    ``secret``: nobody can reproduce the draws (a guarantee may then be stated without a caveat).
+    ``replayable``: every process holding an equal source draws the same numbers in the same order (ranks
+    may replay one stream); the seed, if any, is ``seed``."""
+
+    secret: bool
+    replayable: bool
+    seed: int | None
+
+    @property
+    def description(self) -> str: ...
+
+    def normals(self, shapes: Sequence[torch.Size], device: torch.device, dtype: torch.dtype
+                ) -> list[torch.Tensor]: ...
+
+    def normal(self, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def normals_at(self, sizes: Sequence[int], ranges: Sequence[tuple[int, int]], device: torch.device,
+                   dtype: torch.dtype) -> list[torch.Tensor]: ...
+
+    def owned_range(self, count: int, shard: tuple[int, int]) -> tuple[int, int]: ...
+
+    def inclusion(self, step: int, num_examples: int, sample_rate: float) -> torch.Tensor: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def _derive(seed: int, *key: int) -> int:
@@ -86,36 +126,100 @@ class _SecureDrawAhead:
         return z
 
 
-class Randomness:
-    """Samples and noise for one run.
+class _Source:
+    """What both kinds share: the mode check of a checkpoint and the derived forms of ``normals``."""
 
-    Args:
-        seed: ``None`` (default): every draw is secret, from ``os.urandom``. An int makes the run
-            reproducible (and resumable bit for bit) — and its noise removable by anyone who knows it.
-        secure: force secret draws even if ``seed`` is given (the seed is then unused;
-            :func:`run_randomness` refuses that pair from a user).
-    """
-
-    def __init__(self, seed: int | None = None, secure: bool = False):
-        self.secure = secure or seed is None
-        self.seed = None if self.secure else int(seed)  # type: ignore[arg-type]
-        self._noise: dict[str, torch.Generator] = {}
-        self._normals_ahead = _SecureDrawAhead(_draw_normals)
-        self._uniforms_ahead = _SecureDrawAhead(_draw_uniforms)
+    secret: bool
+    replayable: bool
+    seed: int | None
 
     @property
     def description(self) -> str:
         """How this run draws its randomness, as reports and checkpoints say it."""
-        return "secure" if self.secure else SEEDED_WARNING
+        return SECRET_DESCRIPTION if self.secret else SEEDED_WARNING
+
+    def normals(self, shapes: Sequence[torch.Size], device: torch.device, dtype: torch.dtype
+                ) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def normal(self, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Standard normal noise of ``shape``."""
+        return self.normals([shape], device, dtype)[0]
+
+    def _check_mode(self, state: dict[str, Any]) -> None:
+        """Refuse a checkpoint of the other kind (its ``"secure"`` key is the format of 0.1)."""
+        if bool(state["secure"]) != self.secret:
+            saved, here = ("secure", "seeded") if state["secure"] else ("seeded", "secure")
+            raise ValueError(
+                f"this checkpoint is of a {saved} run and this run is {here}: resume it as it was made "
+                f"({'without seed=' if state['secure'] else 'with seed= (the checkpoint seed is used)'})")
+
+
+class SecretSource(_Source):
+    """Secret randomness: every draw from ``os.urandom``, never written anywhere, never replayable.
+
+    Each call draws fresh numbers, so two processes (two ranks, or a parent and its fork) never share
+    noise: data-parallel ranks split the coordinates between them instead of replaying one stream."""
+
+    secret, replayable, seed = True, False, None
+
+    def __init__(self) -> None:
+        self._normals_ahead = _SecureDrawAhead(_draw_normals)
+        self._uniforms_ahead = _SecureDrawAhead(_draw_uniforms)
 
     def inclusion(self, step: int, num_examples: int, sample_rate: float) -> torch.Tensor:
-        """Which examples logical step ``step`` includes: each independently with ``sample_rate``."""
-        if self.secure:
-            uniform = self._uniforms_ahead.take(num_examples)
+        """Which examples logical step ``step`` includes: each independently with ``sample_rate``
+        (``step`` is not used: every call is a fresh draw)."""
+        return self._uniforms_ahead.take(num_examples) < sample_rate
+
+    def normals(self, shapes: Sequence[torch.Size], device: torch.device, dtype: torch.dtype
+                ) -> list[torch.Tensor]:
+        """Independent standard normal noise of each shape, drawn in one piece (one read of the OS
+        generator and one transfer to ``device`` for all of them)."""
+        sizes = [math.prod(shape) for shape in shapes]
+        z = self._normals_ahead.take(sum(sizes))
+        if device.type == "cuda":  # a copy from pinned memory does not wait for the GPU's queued work
+            z = z.pin_memory().to(device=device, dtype=dtype, non_blocking=True)
         else:
-            generator = torch.Generator().manual_seed(_derive(self.seed, _SAMPLING, step))
-            uniform = torch.rand(num_examples, generator=generator, dtype=torch.float64)
-        return uniform < sample_rate
+            z = z.to(device=device, dtype=dtype)
+        return [chunk.reshape(shape) for chunk, shape in zip(z.split(sizes), shapes)]
+
+    def normals_at(self, sizes: Sequence[int], ranges: Sequence[tuple[int, int]], device: torch.device,
+                   dtype: torch.dtype) -> list[torch.Tensor]:
+        """Noise for coordinates ``[a, b)`` of pieces of ``sizes`` coordinates: a secret source draws only
+        those (one draw for all), since nobody else could draw the rest of them the same."""
+        return [z.reshape(-1) for z in self.normals([torch.Size([b - a]) for a, b in ranges], device, dtype)]
+
+    def owned_range(self, count: int, shard: tuple[int, int]) -> tuple[int, int]:
+        """The coordinates ``[a, b)`` of ``count`` whose noise rank ``shard[0]`` of ``shard[1]`` draws: its
+        own 1/W of them (no other rank can draw them, and the noise work scales out)."""
+        rank, world_size = shard
+        return count * rank // world_size, count * (rank + 1) // world_size
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing to resume from (a resumed run draws fresh secrets); the keys are those of 0.1."""
+        return {"seed": None, "secure": True, "randomness": self.description, "noise": {}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_mode(state)
+
+
+class SeededSource(_Source):
+    """Reproducible randomness from ``seed``: replayable bit for bit by anyone who knows the seed, who can
+    then remove the noise. Poisson sampling of step ``t`` from a stream of its own keyed by ``t``; noise
+    from one ``torch.Generator`` per device, whose states a checkpoint holds."""
+
+    secret, replayable = False, True
+
+    def __init__(self, seed: int):
+        self.seed: int | None = int(seed)
+        self._noise: dict[str, torch.Generator] = {}
+
+    def inclusion(self, step: int, num_examples: int, sample_rate: float) -> torch.Tensor:
+        """Which examples logical step ``step`` includes: each independently with ``sample_rate``, from
+        the step's own stream (the same examples whenever it is asked)."""
+        generator = torch.Generator().manual_seed(_derive(self.seed, _SAMPLING, step))
+        return torch.rand(num_examples, generator=generator, dtype=torch.float64) < sample_rate
 
     def _generator(self, device: torch.device) -> torch.Generator:
         key = str(device)
@@ -126,54 +230,55 @@ class Randomness:
             self._noise[key] = generator
         return self._noise[key]
 
-    def normal(self, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """Standard normal noise of ``shape``."""
-        return self.normals([shape], device, dtype)[0]
-
-    def normals(self, shapes: list[torch.Size], device: torch.device, dtype: torch.dtype
+    def normals(self, shapes: Sequence[torch.Size], device: torch.device, dtype: torch.dtype
                 ) -> list[torch.Tensor]:
-        """Independent standard normal noise of each shape; secure draws are made in one piece (one
-        read of the OS generator and one transfer to ``device`` for all of them)."""
-        if not self.secure:
-            generator = self._generator(device)
-            return [torch.randn(shape, generator=generator, device=device, dtype=dtype) for shape in shapes]
-        sizes = [math.prod(shape) for shape in shapes]
-        z = self._normals_ahead.take(sum(sizes))
-        if device.type == "cuda":  # a copy from pinned memory does not wait for the GPU's queued work
-            z = z.pin_memory().to(device=device, dtype=dtype, non_blocking=True)
-        else:
-            z = z.to(device=device, dtype=dtype)
-        return [chunk.reshape(shape) for chunk, shape in zip(z.split(sizes), shapes)]
+        """Independent standard normal noise of each shape, drawn shape by shape from ``device``'s
+        stream."""
+        generator = self._generator(device)
+        return [torch.randn(shape, generator=generator, device=device, dtype=dtype) for shape in shapes]
+
+    def normals_at(self, sizes: Sequence[int], ranges: Sequence[tuple[int, int]], device: torch.device,
+                   dtype: torch.dtype) -> list[torch.Tensor]:
+        """Noise for coordinates ``[a, b)`` of pieces of ``sizes`` coordinates: every piece is drawn whole,
+        as :meth:`normals` would draw it, and cut, so that every process asking for any ranges of the
+        same pieces stays at the same place of the stream and one process's noise is reproduced."""
+        return [z[a:b] for z, (a, b) in zip(self.normals([torch.Size([n]) for n in sizes], device, dtype),
+                                            ranges)]
+
+    def owned_range(self, count: int, shard: tuple[int, int]) -> tuple[int, int]:
+        """The coordinates ``[a, b)`` of ``count`` whose noise rank ``shard[0]`` adds: all of them on rank
+        0, as one process with this seed adds them; every rank draws them all (:meth:`normals_at`), so
+        that every rank's stream, and its checkpoint, stays where rank 0's is."""
+        return (0, count) if shard[0] == 0 else (0, 0)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed, "secure": self.secure, "randomness": self.description,
+        """The seed and every device stream's position (keys of 0.1): whoever reads it can remove the
+        noise."""
+        return {"seed": self.seed, "secure": False, "randomness": self.description,
                 "noise": {k: g.get_state() for k, g in self._noise.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["secure"] != self.secure:
-            saved, here = ("secure", "seeded") if state["secure"] else ("seeded", "secure")
-            raise ValueError(
-                f"this checkpoint is of a {saved} run and this run is {here}: resume it as it was made "
-                f"({'without seed=' if state['secure'] else 'with seed= (the checkpoint seed is used)'})")
-        self.seed = state["seed"]
+        """Continue the checkpoint's streams (the checkpoint's seed is used)."""
+        self._check_mode(state)
+        self.seed = int(state["seed"])
         self._noise = {}
         for key, generator_state in state["noise"].items():
             self._generator(torch.device(key)).set_state(generator_state)
 
 
-def run_randomness(seed: int | None, secure_rng: bool) -> Randomness:
-    """The randomness of a run from ``make_private``'s ``seed`` and ``secure_rng``: secret unless a seed
+def run_randomness(seed: int | None, secure_rng: bool) -> NoiseSource:
+    """The noise source of a run from ``make_private``'s ``seed`` and ``secure_rng``: secret unless a seed
     asks for a reproducible run; both together contradict each other and are refused."""
     if secure_rng and seed is not None:
         raise ValueError(
             f"secure_rng=True and seed={seed!r} contradict each other: a seed makes the noise reproducible "
             "by anyone who knows it. Drop seed for a secret run (the default) or drop secure_rng for a "
             "reproducible one")
-    return Randomness(seed)
+    return SecretSource() if seed is None else SeededSource(seed)
 
 
-def side_randomness(seed: int | None, stream: int) -> Randomness:
+def side_randomness(seed: int | None, stream: int) -> NoiseSource:
     """A source for a release made outside the training run (e.g. the CLI's private standardisation):
-    secure when ``seed`` is ``None``; otherwise a stream derived from the seed and ``stream`` that no other
+    secret when ``seed`` is ``None``; otherwise a stream derived from the seed and ``stream`` that no other
     release of the run draws from."""
-    return Randomness() if seed is None else Randomness(_derive(int(seed), stream))
+    return SecretSource() if seed is None else SeededSource(_derive(int(seed), stream))
