@@ -21,7 +21,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from leak_fuzz import CLASSES, Outcome, fuzz, leak_features, reproducer, shrink_outcome  # noqa: E402
+from leak_fuzz import (  # noqa: E402
+    CLASSES,
+    Outcome,
+    check,
+    fuzz,
+    leak_features,
+    reproducer,
+    shrink_outcome,
+    simpler,
+)
 
 
 def _blank(message: str) -> str:
@@ -45,9 +54,20 @@ def _traits(outcome: Outcome) -> list[str]:
     return crashes or leak_features(outcome.draw) or ["–"]
 
 
+def _needs(small: Outcome, trait: str, group) -> bool:
+    """Whether the minimal draw needs ``trait``: no simplification that drops it keeps the draw in its
+    group (a trait that rode along with the cause is not a reproducer of its own)."""
+    for draft in simpler(small.draw):
+        got = check(draft)
+        if trait not in _traits(got) and got.verdict == small.verdict and group(got) == group(small):
+            return False
+    return True
+
+
 def _shrunk(outcomes: list[Outcome], per_group: int, budget: int, key) -> dict[str, list[Outcome]]:
     """Per group (``key``), the ``per_group`` most frequent traits (``_traits``), each shrunk from its
-    first outcome to a minimal draw that keeps the trait; distinct minimal draws only."""
+    first outcome to a minimal draw that keeps the trait; distinct minimal draws that need their trait
+    only."""
     groups: dict[str, list[Outcome]] = collections.defaultdict(list)
     for outcome in outcomes:
         groups[key(outcome)].append(outcome)
@@ -59,7 +79,7 @@ def _shrunk(outcomes: list[Outcome], per_group: int, budget: int, key) -> dict[s
             first = min((o for o in members if trait in _traits(o)), key=lambda o: len(_traits(o)))
             small = shrink_outcome(first, budget, keep=lambda o, t=trait: t in _traits(o))
             name = repr(small.draw.model) + repr(small.draw.loop)
-            if name not in seen:
+            if name not in seen and (trait == "–" or _needs(small, trait, key)):
                 seen.add(name)
                 kept.append(small)
             print(f"  shrunk seed {first.draw.seed} ({trait}): {small.draw!r}", flush=True)
