@@ -38,7 +38,7 @@ def test_fixed_seed_budget_is_exact_or_refused():
         f"{table}\n{listing}\n(rerun one with leak_fuzz.check(fuzz_draw.sample_draw(seed)); shrink them "
         "with python benchmarks/leak_fuzz.py --seeds 0:300)")
     # a budget that only meets refusals or unrunnable draws would test nothing
-    assert verdicts["exact"] >= 0.2 * len(outcomes), dict(verdicts)
+    assert verdicts["exact"] >= 0.15 * len(outcomes), dict(verdicts)
     assert verdicts["invalid"] <= 0.05 * len(outcomes), dict(verdicts)
 
 
