@@ -95,7 +95,8 @@ def test_batch_not_in_dimension_zero_is_an_error():
 
     model = SeqFirst()
     engine_for(model)
-    with pytest.raises(PrivacyError, match="examples are in dimension 1, not 0: use the batch-first"):
+    with pytest.raises(PrivacyError, match=r"'b'.*shows 4 examples in dimension 0.*holds 5: .*"
+                                           r"examples in dimension 1.*batch_dim=\{'b': 1\}"):
         model(torch.randn(5, 4, 3)).sum().backward()
 
 

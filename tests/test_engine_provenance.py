@@ -75,13 +75,28 @@ def test_a_batch_that_is_not_the_loaders_is_refused_with_the_shapes():
         loss_of(model, x, y).backward()
 
 
-def test_time_major_layer_is_refused_with_batch_first_hint():
+def engine_declaring(model, source, batch_dim):
+    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"),
+                            batch_dim=batch_dim)
+    engine.batch_source = source
+    return engine
+
+
+def test_time_major_layer_is_refused_with_the_declaration_that_fixes_it():
     model, schedule = nn.Sequential(nn.Linear(3, 2)), StepSchedule()
-    engine_for(model, schedule)
+    refusing = engine_for(model, schedule)
     schedule.on_batch(True, True, 4)
     x = torch.randn(6, 4, 3)  # [T, B, F]
-    with pytest.raises(PrivacyError, match="examples are in dimension 1, not 0: use the batch-first"):
+    message = r"shows 6 examples in dimension 0.*holds 4: if this layer's tensors carry the examples in " \
+        r"dimension 1.*batch_dim=\{'0': 1\}"
+    with pytest.raises(PrivacyError, match=message):
         model(x).sum().backward()
+    refusing.detach()
+    schedule = StepSchedule()
+    engine = engine_declaring(model, schedule, {"0": 1})  # what the message says: the same call is booked
+    schedule.on_batch(True, True, 4)
+    model(x).sum().backward()
+    assert engine.pop_step()[1] == 4
 
 
 class WithPositions(nn.Module):

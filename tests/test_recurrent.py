@@ -17,6 +17,7 @@ from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
 from tunefree.persample.engine import ClippingEngine
 from tunefree.rules import Capture, rule_for
+from tunefree.rules.layout import Dim
 from tunefree.rules.recurrent import RecurrentRule
 
 CELLS = {"rnn-tanh": lambda **k: nn.RNN(**k), "rnn-relu": lambda **k: nn.RNN(nonlinearity="relu", **k),
@@ -60,12 +61,19 @@ def test_rule_matches_brute_force(cell, batch_first, bidirectional, num_layers, 
     rule = rule_for(module, {n for n, _ in module.named_parameters()})
     assert isinstance(rule, RecurrentRule)
     params = dict(module.named_parameters())
-    got = rule.per_sample_grads(module, Capture((x,), {}), grad_outputs, params)
+    layout = rule.layout(module, (x,), {}, len(outs), declared=0)
+    assert layout.outputs == (Dim(0 if batch_first else 1),) + (Dim(1),) * (len(outs) - 1)
+    assert layout.inputs == (Dim(0 if batch_first else 1),)
+    got = rule.per_sample_grads(module, Capture((x,), {}), batch_first_grads(layout, grad_outputs), params)
     expected = brute_force(copy.deepcopy(module), x, None, grad_outputs, batch_first)
     assert set(got) == set(expected)
     for n in expected:
         torch.testing.assert_close(got[n].materialize(), expected[n], rtol=1e-10, atol=1e-12)
-    assert rule.output_batch_dims(module, len(outs)) == ((0 if batch_first else 1),) + (1,) * (len(outs) - 1)
+
+
+def batch_first_grads(layout, grad_outputs):
+    """The output gradients as the engine hands them to a rule: batch-first, by the call's layout."""
+    return [None if g is None else axis.batch_first(g) for g, axis in zip(grad_outputs, layout.outputs)]
 
 
 @pytest.mark.parametrize("cell", ["gru", "lstm"])
@@ -80,7 +88,9 @@ def test_rule_with_initial_state_and_unused_state(cell):
     n_states = 2 if cell == "lstm" else 1
     grad_outputs = [torch.randn_like(output)] + [None] * n_states  # h_n (and c_n) unused
     params = dict(module.named_parameters())
-    got = RecurrentRule().per_sample_grads(module, Capture((x, hx), {}), grad_outputs, params)
+    rule = RecurrentRule()
+    layout = rule.layout(module, (x, hx), {}, len(grad_outputs), declared=0)
+    got = rule.per_sample_grads(module, Capture((x, hx), {}), batch_first_grads(layout, grad_outputs), params)
     expected = brute_force(copy.deepcopy(module), x, hx, grad_outputs, True)
     for n in expected:
         torch.testing.assert_close(got[n].materialize(), expected[n], rtol=1e-10, atol=1e-12)
@@ -130,12 +140,30 @@ def test_engine_clipped_sums_match_brute_force(clip, batch_first, T):
             torch.testing.assert_close(sums[p], expected[ref_p], rtol=1e-10, atol=1e-12)
 
 
-def test_refuses_dropout_between_layers_and_projection():
+def test_refuses_dropout_between_layers():
     with pytest.raises(PrivacyError, match="nn.Dropout between single-layer"):
         RecurrentRule().check(nn.LSTM(3, 4, num_layers=2, dropout=0.5), "lstm")
-    with pytest.raises(PrivacyError, match="proj_size"):
-        RecurrentRule().check(nn.LSTM(3, 4, proj_size=2), "lstm")
     RecurrentRule().check(nn.GRU(3, 4, num_layers=2), "gru")  # no dropout: accepted
+    RecurrentRule().check(nn.LSTM(3, 4, proj_size=2), "lstm")  # a projection: accepted (exact below)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_projection_matches_brute_force(batch_first):
+    """LSTM(proj_size) was refused; its weight_hr is now part of the rule, exact per example."""
+    torch.manual_seed(4)
+    module = nn.LSTM(3, 5, num_layers=2, proj_size=2, bidirectional=True, batch_first=batch_first).double()
+    x = torch.randn((3, 4, 3) if batch_first else (4, 3, 3), dtype=torch.float64)
+    output, (h, c) = module(x)
+    grad_outputs = [torch.randn_like(output), torch.randn_like(h), torch.randn_like(c)]
+    rule = rule_for(module, {n for n, _ in module.named_parameters()})
+    assert isinstance(rule, RecurrentRule)
+    layout = rule.layout(module, (x,), {}, 3, declared=0)
+    got = rule.per_sample_grads(module, Capture((x,), {}), batch_first_grads(layout, grad_outputs),
+                                dict(module.named_parameters()))
+    expected = brute_force(copy.deepcopy(module), x, None, grad_outputs, batch_first)
+    assert any(n.startswith("weight_hr") for n in expected)
+    for n in expected:
+        torch.testing.assert_close(got[n].materialize(), expected[n], rtol=1e-10, atol=1e-12)
 
 
 def test_make_private_trains_a_tiny_lstm():

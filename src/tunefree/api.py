@@ -79,6 +79,7 @@ def make_private(
     lr: str | AutoLR | None = None,
     verify_every: int | None = None,
     audit_canaries: int | None = None,
+    batch_dim: int | Mapping[str, int] = 0,
 ) -> DPEngine:
     """Make ``model`` train with an (ε, δ)-DP guarantee, accounted exactly from every release.
 
@@ -145,6 +146,15 @@ def make_private(
             whole run, every release included, spends what plain DP-SGD at σ would.
         verify_every: besides the check before the first release, re-check example independence
             (``tunefree.independence``) every this many steps; ``None``: once.
+        batch_dim: where the model's layers carry the examples of a batch, for layers whose type does not
+            fix it (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, HF ``Conv1D``, custom
+            modules): ``0`` (batch-first, the default), another dimension for the whole model and its
+            inputs (``1``: time-major ``[T, B, …]``), or a mapping from module names to dimensions (``""``:
+            the model itself; a module takes its closest named ancestor's entry), e.g.
+            ``{"encoder": 1}``. Recurrent layers and ``nn.MultiheadAttention`` follow their
+            ``batch_first``, convolutions and GroupNorm dimension 0. Privacy does not rest on it: a layer
+            whose tensors do not show the batch's examples where declared is refused, and so is one whose
+            examples mix (``verify_every``).
         audit_canaries: m, audit this run (``tunefree.audit.audit_training(engine)`` after training):
             m gradient canaries, each a member with probability ½, released with the gradient on a
             block of coordinates outside the model (``tunefree.privacy.canaries``). They touch no
@@ -169,7 +179,8 @@ def make_private(
         poisson_sampling=poisson_sampling, max_physical_batch_size=max_physical_batch_size,
         physical_batch_size=physical_batch_size, clip_gamma=clip_gamma, psac_r=psac_r,
         noise_allocation=noise_allocation, thresholds=thresholds, target_quantile=target_quantile,
-        quantile_lr=quantile_lr, quantile_budget=quantile_budget, lr=lr, verify_every=verify_every)
+        quantile_lr=quantile_lr, quantile_budget=quantile_budget, lr=lr, verify_every=verify_every,
+        batch_dim=batch_dim)
     quantile, max_physical_batch_size = options.quantile, options.physical_batch_size
     auto = options.auto_lr
     if not isinstance(data_loader, DataLoader):
@@ -212,7 +223,7 @@ def make_private(
         audit_canaries, clip_groups, plan.sample_rate, canary_randomness(seed))
     return _build_engine(plan, model, optimizer, loader, randomness, schedule, clip, clip_groups,
                          quantile, noise_allocation, loss_reduction, poisson_sampling,
-                         options.verify_every, parallel, canaries)
+                         options.verify_every, parallel, canaries, options.batch_dim)
 
 
 def _dog(optimizer: torch.optim.Optimizer, release: GradientRelease, plan: Plan) -> DistanceOverGradients:
@@ -275,7 +286,8 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
                   clip_groups: list[ClipGroup], quantile: QuantileSettings | None,
                   noise_allocation: str, loss_reduction: str, poisson_sampling: bool,
                   verify_every: int | None, parallel: DataParallel | ShardedDataParallel | None = None,
-                  canaries: GradientCanaries | None = None) -> DPEngine:
+                  canaries: GradientCanaries | None = None, batch_dim: int | Mapping[str, int] = 0
+                  ) -> DPEngine:
     """The run's parts, with every noise read off the solved ``plan``."""
     auto_lr = None
     if plan.losses is not None:
@@ -313,7 +325,7 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
     # The engine books into it, the optimizer releases from it; FSDP2 keeps only this rank's shards.
     accumulator = ShardedAccumulator(parallel, clip_groups) if isinstance(parallel, ShardedDataParallel) \
         else StepAccumulator()
-    clipping_engine = ClippingEngine(module, clip_groups, clip, loss_reduction, accumulator)
+    clipping_engine = ClippingEngine(module, clip_groups, clip, loss_reduction, accumulator, batch_dim)
     clipping_engine.batch_source = schedule  # the Poisson loader tells the engine each batch's examples
     if randomness.replayable:  # a seeded run repeats bit for bit: no norm path picked by a timing
         clipping_engine.path_chooser = PathChooser(measure=False)

@@ -201,6 +201,21 @@ class RunOptions:
     quantile: QuantileSettings | None
     auto_lr: AutoLR | None
     verify_every: int | None = None
+    batch_dim: int | Mapping[str, int] = 0
+
+
+def _batch_dim(value: Any) -> int | Mapping[str, int]:
+    """A dimension (an int ≥ 0), or a mapping from module names to dimensions (names are checked
+    against the model when the engine is built)."""
+    entries = value.items() if isinstance(value, Mapping) else [("", value)]
+    for key, dim in entries:
+        if not isinstance(key, str):
+            raise TypeError(f"batch_dim's keys must be module names (str), got {key!r}")
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"batch_dim must be an int or a mapping of module names to ints, got {value!r}")
+        if dim < 0:
+            raise ValueError(f"batch_dim must name dimensions ≥ 0, got {value!r}")
+    return dict(value) if isinstance(value, Mapping) else value
 
 
 def _refuse_irrelevant(given: dict[str, Any], applies_to: str) -> None:
@@ -309,6 +324,7 @@ def resolve_options(
     quantile_budget: float | None = None,
     lr: str | AutoLR | None = None,
     verify_every: int | None = None,
+    batch_dim: int | Mapping[str, int] = 0,
 ) -> RunOptions:
     """Validate ``make_private``'s keyword arguments into one :class:`RunOptions`.
 
@@ -356,4 +372,5 @@ def resolve_options(
         quantile=_quantile(thresholds, target_quantile, quantile_lr, quantile_budget),
         auto_lr=_auto_lr(lr),
         verify_every=verify_every,
+        batch_dim=_batch_dim(batch_dim),
     )

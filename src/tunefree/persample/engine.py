@@ -39,8 +39,19 @@ from ..dtypes import accumulation_dtype, norm_dtype
 from ..errors import PrivacyError
 from ..rules import Capture, LayerRule, Materialized, PerSampleGrad, rule_for
 from ..rules.generic import fallback_per_sample_grads
+from ..rules.layout import Axis, CallLayout, Dim
 from ..rules.paths import PathChooser
 from .accumulator import StepAccumulator
+from .layout import (
+    BatchDim,
+    DeclaredDims,
+    call_layout,
+    example_dim,
+    expand_rows,
+    has_one_row,
+    layout_hint,
+    only_from_batch,
+)
 
 # Modules whose statistics mix the examples of a batch, with the replacement to suggest.
 SAMPLE_MIXING = {
@@ -92,6 +103,23 @@ class Unit:
     rule: LayerRule | None
     direct: dict[str, nn.Parameter]
     descendants: list[Unit] = field(default_factory=list)
+    declared_dim: int = 0  # the example dimension declared for it (batch_dim), for layers that take one
+    example_dim: int | None = 0  # the one dimension all its tensors carry the examples in, if any
+
+    _plain: dict[tuple[int, int], CallLayout] = field(default_factory=dict)  # layouts of plain calls
+
+    def layout(self, args: tuple, kwargs: dict, num_outputs: int) -> CallLayout:
+        """Where this call's inputs and floating-point outputs carry the examples (for a plain call of
+        a layer with one example dimension, made once per number of inputs and outputs)."""
+        plain = self.rule is not None and self.example_dim is not None and not kwargs \
+            and all(isinstance(x, torch.Tensor) for x in args)
+        key = (len(args), num_outputs)
+        if not plain or key not in self._plain:
+            layout = call_layout(self.module, self.rule, self.declared_dim, args, kwargs, num_outputs)
+            if not plain:
+                return layout
+            self._plain[key] = layout
+        return self._plain[key]
 
     def subtree_params(self) -> dict[nn.Parameter, None]:
         params = dict.fromkeys(self.direct.values())
@@ -106,6 +134,7 @@ class _Use:
 
     unit: Unit
     capture: Capture
+    layout: CallLayout
     params: dict[str, nn.Parameter]  # names as the rule (or torch.func) sees them
     versions: list[tuple[torch.Tensor, int]]
     n_outputs: int
@@ -177,6 +206,13 @@ class ClippingEngine:
     the examples are those of the model call (dimension 0 of its tensor inputs) and a logical step
     books one backward pass.
 
+    ``batch_dim``: where the layers' tensors carry the examples, for layers whose type does not fix it
+    (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, HF ``Conv1D``, modules of the generic
+    fallback): one dimension for the whole model (and its inputs), or a mapping from module names to
+    dimensions (``""``: the model itself; a module takes its closest named ancestor's entry). Recurrent layers
+    and attention follow their ``batch_first``, convolutions and GroupNorm dimension 0. A wrong
+    declaration is refused (example counts, the example-independence check), never trusted.
+
     ``path_chooser``: how layers with two exact norm paths (ghost norm, materialised per-sample
     gradients) pick one: timed once per layer shape by default; ``PathChooser(measure=False)`` follows the
     cost formula (deterministic), ``PathChooser(fixed="ghost")`` forces a path. Privacy does not depend
@@ -189,12 +225,14 @@ class ClippingEngine:
     """
 
     def __init__(self, model: nn.Module, groups: list[ClipGroup], clip: ClipFunction,
-                 loss_reduction: str = "mean", accumulator: StepAccumulator | None = None):
+                 loss_reduction: str = "mean", accumulator: StepAccumulator | None = None,
+                 batch_dim: BatchDim = 0):
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.model, self.groups, self.clip = model, groups, clip
         self.loss_reduction = loss_reduction
-        self.units = build_units(model)
+        self.declared = DeclaredDims.of(model, batch_dim)
+        self.units = build_units(model, self.declared)
         self._has_fallback = any(unit.rule is None for unit in self.units)
         self._group_of = {p: g for g in groups for p in g.params}
         self._check_coverage()
@@ -208,6 +246,7 @@ class ClippingEngine:
         self._broadcast: _Broadcast | None = None
         self.retain_inputs = False
         self.retained_inputs: Capture | None = None
+        self.retained_examples: int | None = None  # their examples, by provenance
         self.grad_scaler: torch.amp.GradScaler | None = None
         self.thresholds: dict[str, float] = {g.name: g.threshold for g in groups}
         self.path_chooser = PathChooser()
@@ -272,14 +311,17 @@ class ClippingEngine:
     def _new_forward(self, args: tuple, kwargs: dict) -> None:
         if self._capturing() and not self._pass.in_backward:
             self._check_trainable_set()
-            if self.retain_inputs and self.retained_inputs is None:
-                self.retained_inputs = _capture(args, kwargs)[0]
+            retain = self.retain_inputs and self.retained_inputs is None
             # Calls of a forward pass that never had a backward pass released nothing: forget them.
             for use in self._pass.uses:
                 use.superseded = not use.done
                 use.done = True
             self._reset_pass()
-            self._pass.call_examples = _root_examples(args, kwargs) if self._serial() == 0 else None
+            self._pass.call_examples = _root_examples(args, kwargs, self.declared.root) \
+                if self._serial() == 0 else None
+            if retain:
+                self.retained_inputs = _capture(args, kwargs)[0]
+                self.retained_examples = self._expected_examples()
             if self._has_fallback:  # only the fallback needs to tell batch data from the model's own
                 self._pass.batch_storages = _storages(_flatten_call(args, kwargs)[0])
                 self._pass.model_storages = _storages([*self.model.parameters(),
@@ -297,7 +339,8 @@ class ClippingEngine:
         if self._capturing():
             examples = self._expected_examples()
         else:
-            sizes = {x.shape[0] for x in leaves if x.dim() > 0}
+            root = self.declared.root
+            sizes = {x.shape[root] for x in leaves if x.dim() > root}
             examples = sizes.pop() if len(sizes) == 1 else None
         if examples is None or examples == 1:
             return None
@@ -309,22 +352,21 @@ class ClippingEngine:
     def _shared_examples(self, unit: Unit, args: tuple, kwargs: dict,
                          outputs: list[torch.Tensor]) -> int | None:
         """The examples to expand this call's outputs to, when the call is shared by all examples: its
-        outputs have one row in the example dimension while the batch has another number, no input is
-        computed with gradients, and every input sharing memory with the model call's inputs has one row
-        per example (e.g. position ids (1, L) from a buffer or ``arange``, or BART's positions built
-        from the shape of the decoder ids). The independence check refuses a shared output that
-        depends on an example's values. ``None`` otherwise."""
-        broadcast = self._broadcast
-        if broadcast is None or not outputs:
+        outputs have one row in the unit's example dimension while the batch has another number, no
+        input is computed with gradients, and every input sharing memory with the model call's inputs
+        has one row per example (e.g. position ids (1, L) from a buffer or ``arange``, or BART's
+        positions built from the shape of the decoder ids). The independence check refuses a shared
+        output that depends on an example's values. ``None`` otherwise, and for units whose tensors carry
+        the examples in different dimensions (recurrent layers, attention)."""
+        broadcast, dim = self._broadcast, unit.example_dim
+        if broadcast is None or not outputs or dim is None:
             return None
-        if unit.rule is not None and not unit.rule.expands_shared_inputs:
-            return None
-        if any(out.dim() == 0 or out.shape[0] != 1 for out in outputs):
+        if not all(has_one_row(out, dim) for out in outputs):
             return None
         for x in _flatten_call(args, kwargs)[0]:
             if isinstance(x, torch.Tensor) and (x.requires_grad or (
                     _storage(x) in broadcast.call_storages
-                    and (x.dim() == 0 or x.shape[0] != broadcast.examples))):
+                    and (x.dim() <= dim or x.shape[dim] != broadcast.examples))):
                 return None
         return broadcast.examples
 
@@ -394,7 +436,7 @@ class ClippingEngine:
             # A call shared by all examples: make its broadcast over the batch explicit, so that its
             # output gradient has a row per example. Broadcasting downstream is unchanged.
             for i in hooked:
-                leaves[i] = leaves[i].expand(shared, *leaves[i].shape[1:])
+                leaves[i] = expand_rows(leaves[i], unit.example_dim, shared)
         if not capturing:
             return None if shared is None else _unflatten(leaves, spec)
         frame = self._pass.frames.pop()
@@ -411,10 +453,11 @@ class ClippingEngine:
                 p.requires_grad_(True)
         if not hooked:
             return None
-        capture, versions = _capture(args, kwargs, expand_to=shared if unit.rule is not None else None)
-        if unit.rule is None:
-            capture.from_batch = self._from_batch(args, kwargs)
-        use = _Use(unit=unit, capture=capture, params=self._use_params(unit, frame),
+        capture, versions = _capture(args, kwargs, expand_to=shared if unit.rule is not None else None,
+                                     dim=unit.example_dim)
+        layout = self._layout(unit, args, kwargs, capture, [leaves[i] for i in hooked])
+        use = _Use(unit=unit, capture=capture, layout=layout,
+                   params=self._use_params(unit, frame),
                    versions=versions, n_outputs=len(hooked), grads=[None] * len(hooked),
                    anchor_node=None, autocast=_autocast_of(unit) if unit.rule is None else None)
         for slot, i in enumerate(hooked):
@@ -441,6 +484,19 @@ class ClippingEngine:
                 "by tunefree's generic fallback), which also calls that module: that use's share of "
                 "the gradient would be lost. Use the parameter only through its module (for a tied "
                 "output head, an nn.Linear sharing the weight)")
+
+    def _layout(self, unit: Unit, args: tuple, kwargs: dict, capture: Capture,
+                outputs: list[torch.Tensor]) -> CallLayout:
+        """The call's layout; for a generic fallback call, only its inputs derived from the batch with
+        the batch's examples count as per example (the others are passed whole to each example)."""
+        layout = unit.layout(capture.args, capture.kwargs, len(outputs))
+        if unit.rule is not None or unit.example_dim is None:
+            return layout
+        examples = self._expected_examples()
+        if examples is None:  # a layer called outside the model's forward: its own output tells
+            examples = layout.outputs[0].examples(outputs[0])
+        leaves = _flatten_call(capture.args, capture.kwargs)[0]
+        return only_from_batch(layout, leaves, self._from_batch(args, kwargs), examples)
 
     def _from_batch(self, args: tuple, kwargs: dict) -> tuple[bool, ...]:
         """For each input leaf: derived from the batch, i.e. downstream of hooked outputs (requires
@@ -525,26 +581,37 @@ class ClippingEngine:
             return self.batch_source.batch_examples
         return self._pass.call_examples
 
-    def _check_examples(self, use: _Use, dims: tuple[int, ...]) -> int:
-        present = [(g, dims[i]) for i, g in enumerate(use.grads) if g is not None]
+    def _check_examples(self, use: _Use) -> int:
+        present = [(g, axis) for g, axis in zip(use.grads, use.layout.outputs) if g is not None]
         expected = self._expected_examples() if self._pass.batch is None else self._pass.batch
         if expected is None:
-            expected = present[0][0].shape[present[0][1]]
-        for grad, dim in present:
-            seen = grad.shape[dim] if grad.dim() > dim else None
-            if seen != expected:
-                raise PrivacyError(_batch_mismatch(use.unit.name, use.capture, grad, dim, expected))
+            expected = present[0][1].examples(present[0][0])
+        for grad, axis in present:
+            if axis.examples(grad) != expected:
+                raise PrivacyError(_batch_mismatch(use.unit, use.capture, grad, axis, expected))
         self._pass.batch = expected
         return expected
+
+    def _batch_first(self, use: _Use) -> None:
+        """Turn the call's output gradients batch-first, and, for a layer with one example dimension
+        (``nn.Linear``, ``nn.Embedding``, …), its inputs too: rules and the fallback work on examples in
+        dimension 0 (the fallback restores each example's layout as it re-runs the module)."""
+        use.grads = [None if g is None else axis.batch_first(g)
+                     for g, axis in zip(use.grads, use.layout.outputs)]
+        dim = use.unit.example_dim
+        if use.unit.rule is not None and dim:
+            leaves, spec = _flatten_call(use.capture.args, use.capture.kwargs)
+            leaves = [x.movedim(dim, 0) if isinstance(x, torch.Tensor) else x for x in leaves]
+            use.capture.args, use.capture.kwargs = _unflatten_call(leaves, spec)
+            use.layout = CallLayout(tuple(None if a is None else Dim(0) for a in use.layout.inputs),
+                                    use.layout.outputs)
 
     def _process(self, use: _Use) -> None:
         use.done = True
         if use.received == 0:
             per_sample: dict[str, PerSampleGrad] = {}
         else:
-            dims = use.unit.rule.output_batch_dims(use.unit.module, use.n_outputs) \
-                if use.unit.rule is not None else (0,) * use.n_outputs
-            batch = self._check_examples(use, dims)
+            batch = self._check_examples(use)
             for tensor, version in use.versions:
                 if tensor._version != version:
                     raise PrivacyError(
@@ -554,8 +621,9 @@ class ClippingEngine:
             if batch == 0:  # an empty Poisson batch: no example, nothing to clip
                 per_sample = {}
             else:
+                self._batch_first(use)
                 if self.grad_scaler is not None:
-                    _drop_overflowed_examples(use, dims, batch)
+                    _drop_overflowed_examples(use, batch)
                 with torch.no_grad(), _no_autocast(use.grads):
                     per_sample = self._per_sample(use)
         with torch.no_grad():
@@ -580,8 +648,8 @@ class ClippingEngine:
         self._recomputing = True
         try:
             with torch.enable_grad(), _replayed_autocast(use.autocast):
-                return fallback_per_sample_grads(use.unit.module, use.capture, use.grads,
-                                                 use.params)
+                return fallback_per_sample_grads(use.unit.module, use.unit.name, use.capture, use.layout,
+                                                 use.grads, use.params)
         finally:
             self._recomputing = False
 
@@ -779,28 +847,28 @@ def _replayed_autocast(state: tuple[str, torch.dtype] | None) -> AbstractContext
     return nullcontext() if state is None else torch.autocast(device_type=state[0], dtype=state[1])
 
 
-def _drop_overflowed_examples(use: _Use, dims: tuple[int, ...], batch: int) -> None:
+def _drop_overflowed_examples(use: _Use, batch: int) -> None:
     """Under loss scaling (float16), zero in this layer call every row of an example whose output
     gradient, or whose input to the call, is infinite or NaN: its per-sample gradient here is then 0, and
     so is its clipped contribution (norm and sum come from the same zeros). Whether an example overflows
     depends on that example alone, and only its own rows change, so each example's contribution stays a
     function of its own data bounded by the clip threshold, and the step releases on schedule whatever
-    the data. Inputs are checked where the layer keeps examples in dimension 0 (for the generic fallback,
-    only inputs derived from the batch); any other non-finite value still fails closed at the norm check."""
+    the data. Output gradients arrive batch-first; inputs are checked where the call's layout keeps their
+    examples along a dimension (for the generic fallback, only inputs derived from the batch); any other
+    non-finite value still fails closed at the norm check."""
     ok = torch.ones(batch, dtype=torch.bool, device=next(g for g in use.grads if g is not None).device)
     leaves, spec = tree_flatten((use.capture.args, use.capture.kwargs))
-    flags = use.capture.from_batch or (True,) * len(leaves)
-    rows = [i for i, (x, per_example) in enumerate(zip(leaves, flags))
-            if per_example and set(dims) == {0} and isinstance(x, torch.Tensor) and x.is_floating_point()
-            and x.dim() > 0 and x.shape[0] == batch]
-    for i in rows:
-        ok &= _finite_rows(leaves[i], 0, batch)
-    for grad, dim in zip(use.grads, dims):
+    rows = [(i, axis.dim) for i, (x, axis) in enumerate(zip(leaves, use.layout.inputs))
+            if isinstance(axis, Dim) and isinstance(x, torch.Tensor) and x.is_floating_point()
+            and axis.examples(x) == batch]
+    for i, dim in rows:
+        ok &= _finite_rows(leaves[i], dim, batch)
+    for grad in use.grads:
         if grad is not None:
-            ok &= _finite_rows(grad, dim, batch)
-    for i in rows:
-        leaves[i] = _zero_rows(leaves[i], ok, 0)
-    use.grads = [None if g is None else _zero_rows(g, ok, dim) for g, dim in zip(use.grads, dims)]
+            ok &= _finite_rows(grad, 0, batch)
+    for i, dim in rows:
+        leaves[i] = _zero_rows(leaves[i], ok, dim)
+    use.grads = [None if g is None else _zero_rows(g, ok, 0) for g in use.grads]
     use.capture.args, use.capture.kwargs = tree_unflatten(leaves, spec)
 
 
@@ -813,17 +881,18 @@ def _zero_rows(x: torch.Tensor, keep: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.where(keep.reshape(shape), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _capture(args: tuple, kwargs: dict, expand_to: int | None = None
+def _capture(args: tuple, kwargs: dict, expand_to: int | None = None, dim: int | None = 0
              ) -> tuple[Capture, list[tuple[torch.Tensor, int]]]:
     """The call's inputs, detached, with their version counters to detect later in-place edits.
-    ``expand_to``: the call is shared by all examples; its one-row inputs are expanded to that many
-    rows, as a layer rule needs one row per example (the fallback passes shared inputs whole)."""
+    ``expand_to``: the call is shared by all examples; its inputs with one row in the example dimension
+    ``dim`` are expanded to that many rows, as a layer rule needs one row per example (the fallback
+    passes shared inputs whole)."""
     leaves, spec = _flatten_call(args, kwargs)
     leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
     versions = [(x, x._version) for x in leaves if isinstance(x, torch.Tensor)]
-    if expand_to is not None:
-        leaves = [x.expand(expand_to, *x.shape[1:])
-                  if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == 1 else x for x in leaves]
+    if expand_to is not None and dim is not None:
+        leaves = [expand_rows(x, dim, expand_to) if isinstance(x, torch.Tensor) and has_one_row(x, dim) else x
+                  for x in leaves]
     args, kwargs = _unflatten_call(leaves, spec)
     return Capture(args=args, kwargs=kwargs), versions
 
@@ -858,36 +927,46 @@ def _storages(leaves: list[Any]) -> set[int]:
     return {_storage(x) for x in leaves if isinstance(x, torch.Tensor)}
 
 
-def _root_examples(args: tuple, kwargs: dict) -> int | None:
-    """The examples of a model call: dimension 0 of its tensor inputs, which must agree."""
-    sizes = {tuple(t.shape): t.shape[0] for t in _flatten_call(args, kwargs)[0]
-             if isinstance(t, torch.Tensor) and t.dim() > 0}
+def _root_examples(args: tuple, kwargs: dict, dim: int = 0) -> int | None:
+    """The examples of a model call: dimension ``dim`` (declared, 0 by default) of its tensor inputs,
+    which must agree."""
+    sizes = {tuple(t.shape): t.shape[dim] for t in _flatten_call(args, kwargs)[0]
+             if isinstance(t, torch.Tensor) and t.dim() > dim}
     if len(set(sizes.values())) > 1:
         raise PrivacyError(
-            f"the model was called with tensor inputs of shapes {sorted(sizes)}, whose dimension 0 "
-            "disagree: without the private loader tunefree takes the examples from dimension 0 of the "
-            "model's inputs; pass every input batch-first with one row per example (expand a tensor "
-            "shared by all examples, e.g. position ids (1, L) → (B, L), or build it inside the model)"
+            f"the model was called with tensor inputs of shapes {sorted(sizes)}, whose dimension {dim} "
+            f"disagree: without the private loader tunefree takes the examples from dimension {dim} of "
+            "the model's inputs (batch_dim declares it); pass every input with one row per example "
+            "there (expand a tensor shared by all examples, e.g. position ids (1, L) → (B, L), or build "
+            "it, or an initial state, inside the model), or train with the private loader, which counts "
+            "the examples itself"
         )
     return next(iter(sizes.values()), None)
 
 
-def _batch_mismatch(layer: str, capture: Capture | None, grad: torch.Tensor, dim: int,
+def _batch_mismatch(unit: Unit, capture: Capture | None, grad: torch.Tensor, axis: Axis,
                     expected: int) -> str:
     inputs = [tuple(t.shape) for t in tree_flatten((capture.args, capture.kwargs))[0]
               if isinstance(t, torch.Tensor)] if capture is not None else []
-    seen = grad.shape[dim] if grad.dim() > dim else None
+    seen = axis.examples(grad)
+    shape = tuple(grad.shape)
+    partial = ("a layer called on part of the batch (e.g. only the sequences still running at a step of a "
+               "loop over packed sequences) cannot be attributed to examples: call it on every example (keep "
+               "finished sequences in the batch and mask their outputs, or use nn.LSTM/GRU/RNN, which take a "
+               "PackedSequence)")
     if seen == 1 and expected != 1:
         hint = ("a tensor with one row is broadcast over the batch (e.g. position ids of shape (1, L)): "
-                "expand it to one row per example, (B, ...), before the call")
-    elif expected in tuple(grad.shape):
-        hint = (f"the examples are in dimension {tuple(grad.shape).index(expected)}, not {dim}: use the "
-                "batch-first layout (batch_first=True, or permute the tensors to [B, ...])")
+                f"expand it to one row per example, (B, ...), before the call; or {partial}")
+    elif isinstance(axis, Dim) and expected in shape[:axis.dim] + (None,) + shape[axis.dim + 1:]:
+        hint = layout_hint(unit.name, unit.module, unit.rule, axis.dim, shape.index(expected))
+    elif seen is not None and seen < expected:
+        hint = partial
     else:
-        hint = ("feed the model the batches the private loader hands out, with one row per example in "
-                "the example dimension of every tensor a layer works on")
-    return (f"layer '{layer}' (inputs of shapes {inputs}, output of shape {tuple(grad.shape)}) shows "
-            f"{seen} examples in its example dimension {dim}, but the batch holds {expected}: {hint}")
+        hint = ("feed the model the batches the private loader hands out, with one row per example "
+                "where each layer carries its examples")
+    return (f"layer '{unit.name}' (inputs of shapes {inputs}, output of shape {shape}, a "
+            f"{type(unit.module).__name__}) shows {seen} examples in {axis.describe()}, where it carries its "
+            f"examples, but the batch holds {expected}: {hint}")
 
 
 def check_model(model: nn.Module) -> None:
@@ -908,9 +987,11 @@ def check_model(model: nn.Module) -> None:
                 )
 
 
-def build_units(model: nn.Module) -> list[Unit]:
-    """One unit per module that directly owns trainable parameters."""
+def build_units(model: nn.Module, declared: DeclaredDims | None = None) -> list[Unit]:
+    """One unit per module that directly owns trainable parameters, each with the example dimension
+    declared for it (``batch_dim``)."""
     check_model(model)
+    declared = declared or DeclaredDims.of(model, 0)
     units: dict[nn.Module, Unit] = {}
     for name, module in model.named_modules():
         direct = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
@@ -926,7 +1007,10 @@ def build_units(model: nn.Module) -> list[Unit]:
                 "a time and cannot replay what a hook does to it; remove the hook, or register it on "
                 "a module that has no trainable parameters of its own (a parent or a wrapper)"
             )
-        units[module] = Unit(name=name or "(root)", module=module, rule=rule, direct=direct)
+        declared.check_fixed(name, module, rule)
+        dim = declared.of_module(name)
+        units[module] = Unit(name=name or "(root)", module=module, rule=rule, direct=direct,
+                             declared_dim=dim, example_dim=example_dim(module, rule, dim))
     for module, unit in units.items():
         if unit.rule is None:
             unit.descendants = [units[m] for m in module.modules() if m is not module and m in units]

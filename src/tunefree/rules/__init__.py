@@ -2,7 +2,8 @@
 
 ``rule_for(module)`` finds the rule by ``isinstance``; a module whose class overrides the base class's
 ``forward``, or that owns parameters its rule does not know, gets ``None`` and goes to the generic
-``torch.func`` fallback (``generic.py``), so no trainable parameter is ever left out.
+``torch.func`` fallback (``generic.py``), so no trainable parameter is ever left out. Where each call's
+tensors carry the examples is its layout (``layout.py``).
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 from torch import nn
 
 from .base import Capture, LayerRule, Materialized, PerSampleGrad
+from .cells import CellRule
 from .conv import ConvRule
 from .embedding import EmbeddingRule
-from .generic import fallback_per_sample_grads
+from .embedding_bag import EmbeddingBagRule
+from .generic import fallback_per_sample_grads, known_layout
 from .hf_conv1d import HFConv1DRule
 from .linear import LinearRule
 from .norms import GroupNormRule, InstanceNormRule, LayerNormRule, RMSNormRule
@@ -20,7 +23,7 @@ from .recurrent import RecurrentRule
 
 RULES: tuple[LayerRule, ...] = (
     LinearRule(), ConvRule(), EmbeddingRule(), LayerNormRule(), GroupNormRule(), RMSNormRule(),
-    InstanceNormRule(), RecurrentRule(), HFConv1DRule(),
+    InstanceNormRule(), RecurrentRule(), CellRule(), EmbeddingBagRule(), HFConv1DRule(),
 )
 
 
@@ -37,5 +40,5 @@ def rule_for(module: nn.Module, trainable_names: set[str]) -> LayerRule | None:
 
 __all__ = [
     "Capture", "LayerRule", "Materialized", "PerSampleGrad", "RULES", "rule_for",
-    "fallback_per_sample_grads",
+    "fallback_per_sample_grads", "known_layout",
 ]

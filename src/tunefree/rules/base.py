@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..dtypes import norm_dtype
+from .layout import CallLayout, uniform_layout
 from .paths import PathChooser
 
 
@@ -96,13 +97,10 @@ class Materialized(PerSampleGrad):
 @dataclass
 class Capture:
     """What a module call left behind in the forward pass for its rule: positional and keyword
-    inputs as the module received them. ``from_batch`` flags, for each leaf of
-    ``tree_flatten((args, kwargs))``, whether it is derived from the batch (downstream of the batch's
-    examples, never a parameter, buffer or constant); the engine fills it for fallback calls."""
+    inputs as the module received them."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    from_batch: tuple[bool, ...] | None = None
 
 
 class LayerRule(ABC):
@@ -112,19 +110,36 @@ class LayerRule(ABC):
     A rule serves modules of ``module_types`` (``isinstance``) that keep the base class's ``forward``;
     ``param_names`` lists the parameters it knows how to handle. A module with other trainable
     parameters, or an overridden ``forward``, goes to the generic fallback instead.
-    ``expands_shared_inputs``: the engine may expand an input shared by all examples (one row in
-    dimension 0, no example data) to one row per example; False for layers whose inputs do not all
-    carry the examples in dimension 0.
+
+    Where a call's tensors carry the examples (its :class:`~.layout.CallLayout`): layers whose tensors
+    may carry them in any dimension (``takes_declared_dim``: ``nn.Linear``, ``nn.Embedding``, the
+    token-wise norms) use the dimension the user declared for them (``batch_dim``, 0 by default), and
+    receive their inputs and output gradients batch-first; other layers fix it by their type and
+    configuration: dimension 0 by default (torch's convention: convolutions, GroupNorm), or their own
+    :meth:`layout` (recurrent layers, ``nn.EmbeddingBag``). Their output gradients always arrive
+    batch-first; only rules with one example dimension (:meth:`example_dim`) get their inputs so.
     """
 
     module_types: tuple[type[nn.Module], ...] = ()
     param_names: tuple[str, ...] = ("weight", "bias")
-    expands_shared_inputs: bool = True
+    takes_declared_dim: bool = False
 
-    def output_batch_dims(self, module: nn.Module, num_outputs: int) -> tuple[int, ...]:
-        """The example dimension of each floating-point tensor output of ``module`` (in the order
-        ``tree_flatten`` gives them); dimension 0 unless the layer's layout says otherwise."""
-        return (0,) * num_outputs
+    def example_dim(self, module: nn.Module, declared: int) -> int | None:
+        """The dimension in which every tensor of this layer's calls carries the examples, given the
+        one declared for it; ``None`` when they carry them in different places (see :meth:`layout`).
+        The engine expands an input shared by all examples (one row there, no example data) only
+        along it."""
+        return declared if self.takes_declared_dim else 0
+
+    def layout(self, module: nn.Module, args: tuple, kwargs: dict, num_outputs: int,
+               declared: int) -> CallLayout:
+        """Where this call's inputs (each leaf of ``tree_flatten((args, kwargs))``) and its
+        floating-point tensor outputs carry the examples."""
+        dim = self.example_dim(module, declared)
+        if dim is None:
+            raise NotImplementedError(f"{type(self).__name__} has no single example dimension: it must "
+                                      "define layout()")
+        return uniform_layout(args, kwargs, num_outputs, dim)
 
     def check(self, module: nn.Module, name: str) -> None:  # noqa: B027 - most rules accept all
         """Raise a clear error when this module's configuration mixes examples."""
@@ -135,4 +150,5 @@ class LayerRule(ABC):
         params: dict[str, nn.Parameter],
     ) -> dict[str, PerSampleGrad]:
         """Per-sample gradients of ``params`` (name → parameter, direct attributes of ``module``)
-        given the captured inputs and the gradient of each tensor output (``None`` when unused)."""
+        given the captured inputs and the gradient of each tensor output (``None`` when unused),
+        output gradients batch-first."""

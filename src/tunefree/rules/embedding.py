@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..dtypes import as_norm_precision
+from ..errors import PrivacyError
 from .base import Capture, LayerRule, PerSampleGrad
 
 
@@ -52,9 +53,23 @@ class EmbeddingGrad(PerSampleGrad):
         return out.index_put_((example, self.ids), self.grad, accumulate=True)
 
 
+def refuse_renorm(module: nn.Module, name: str) -> None:
+    """``max_norm`` rescales, in the forward, the table rows of the batch's ids in place: an update of the
+    parameters that depends on the private batch and is never noised."""
+    if module.max_norm is not None:
+        raise PrivacyError(
+            f"embedding '{name}' has max_norm={module.max_norm}: its forward rescales in place the rows of "
+            "the ids in the batch, a change of the parameters that depends on the private batch and is "
+            "not noised; set max_norm=None (bound the embeddings in the forward instead, e.g. with a "
+            "LayerNorm after the embedding)")
+
+
 class EmbeddingRule(LayerRule):
+    """Ids in any dimension declared for the layer (``batch_dim``), batch-first by default."""
+
     module_types = (nn.Embedding,)
     param_names = ("weight",)
+    takes_declared_dim = True
 
     def check(self, module: nn.Module, name: str) -> None:
         if module.scale_grad_by_freq:
@@ -68,6 +83,7 @@ class EmbeddingRule(LayerRule):
                 f"embedding '{name}' has sparse=True; private gradients are dense (noise touches every "
                 "row), so set sparse=False"
             )
+        refuse_renorm(module, name)
 
     def per_sample_grads(
         self, module: nn.Module, capture: Capture, grad_outputs: list[torch.Tensor | None],

@@ -25,6 +25,7 @@ def _conv1d_class() -> type[nn.Module] | None:
 
 
 class HFConv1DRule(LayerRule):
+    takes_declared_dim = True
     @property
     def module_types(self) -> tuple[type[nn.Module], ...]:  # type: ignore[override]
         conv1d = _conv1d_class()

@@ -1,4 +1,5 @@
-"""``nn.Linear`` on inputs of any rank ≥ 2: ``[B, *, d_in]``, every middle position a token."""
+"""``nn.Linear`` on inputs of any rank ≥ 2: ``[B, *, d_in]``, every middle position a token (the examples in
+the dimension declared for the layer, handed to the rule batch-first)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from .factored import FactoredGrad
 
 class LinearRule(LayerRule):
     module_types = (nn.Linear,)
+    takes_declared_dim = True
 
     def per_sample_grads(
         self, module: nn.Module, capture: Capture, grad_outputs: list[torch.Tensor | None],

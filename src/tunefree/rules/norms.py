@@ -32,6 +32,7 @@ def _affine_grads(
 
 class LayerNormRule(LayerRule):
     module_types = (nn.LayerNorm,)
+    takes_declared_dim = True
 
     def per_sample_grads(self, module, capture: Capture, grad_outputs, params):
         x = as_norm_precision(capture.args[0])
@@ -42,6 +43,7 @@ class LayerNormRule(LayerRule):
 
 class RMSNormRule(LayerRule):
     module_types = (nn.RMSNorm,)
+    takes_declared_dim = True
     param_names = ("weight",)
 
     def per_sample_grads(self, module, capture: Capture, grad_outputs, params):

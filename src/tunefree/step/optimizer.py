@@ -104,10 +104,19 @@ class DPOptimizer(torch.optim.Optimizer):
         optimized = {p for group in self.param_groups for p in group["params"]}
         trainable = {p for g in self.engine.groups for p in g.params}
         names = {p: n for n, p in self.engine.model.named_parameters()}
+        frozen = sorted(names[p] for p in optimized if p not in trainable and p in names)
+        if frozen:
+            raise ValueError(
+                f"the optimizer holds parameters {frozen} that are frozen (requires_grad=False): tunefree "
+                "releases private gradients only for trainable parameters, and fixes that set at "
+                "make_private; build the optimizer from the trainable ones, e.g. "
+                "torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=...), or unfreeze "
+                "them before make_private"
+            )
         outside = [p for p in optimized if p not in trainable]
         if outside:
             raise ValueError(
-                "the optimizer updates parameters that are not trainable parameters of the model "
+                "the optimizer updates parameters that are not parameters of the model "
                 f"({len(outside)} of them); build it from model.parameters() of the private model"
             )
         left_out = sorted(names[p] for p in trainable if p not in optimized)
@@ -189,14 +198,17 @@ class DPOptimizer(torch.optim.Optimizer):
         activations or output gradients depend on another example (``tunefree.independence``). A batch
         of fewer than two examples cannot mix, and waits for the next one. On failure the step's sums
         are dropped: nothing of them is ever released."""
-        inputs = self.engine.retained_inputs
+        inputs, examples = self.engine.retained_inputs, self.engine.retained_examples
         self.engine.retained_inputs = None
-        ready = inputs is not None and _examples_in(inputs) >= 2
+        if inputs is not None and examples is None:
+            examples = _examples_in(inputs, self.engine.declared.root)
+        ready = inputs is not None and examples >= 2
         if self.every_rank is not None and inputs is not None:  # a check is due: on every rank alike
             ready = self.every_rank(ready)
         if ready:
             try:
-                verify_example_independence(self.engine.model, self.engine, inputs.args, inputs.kwargs)
+                verify_example_independence(self.engine.model, self.engine, inputs.args, inputs.kwargs,
+                                            examples=examples)
             except PrivacyError:
                 self.accumulator.pop()
                 raise
@@ -314,7 +326,8 @@ class DPOptimizer(torch.optim.Optimizer):
         return closure
 
 
-def _examples_in(inputs: Capture) -> int:
-    """Examples in a root call's inputs: dimension 0 of its first tensor with a dimension."""
+def _examples_in(inputs: Capture, dim: int = 0) -> int:
+    """Examples in a root call's inputs: dimension ``dim`` (the one declared for the model's inputs) of
+    its first tensor with that dimension."""
     leaves = tree_flatten((inputs.args, inputs.kwargs))[0]
-    return next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), 0)
+    return next((t.shape[dim] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > dim), 0)

@@ -1,0 +1,88 @@
+"""``nn.RNNCell``, ``nn.GRUCell`` and ``nn.LSTMCell``: one time step, usually called in a loop over time.
+
+A cell is two linear maps, ``gᵢ = x W_ihᵀ + b_ih`` and ``g_h = h W_hhᵀ + b_hh``, followed by a pointwise
+function of ``(gᵢ, g_h, state)`` (torch's documented cell equations). The gradients of the step's outputs with
+respect to ``gᵢ`` and ``g_h`` are found for the whole batch at once (the pointwise part keeps examples
+apart), so each weight's per-sample gradient is the factored form of a linear layer — ghost norm or
+materialised — and each bias's is that gradient itself. A cell called T times in a forward is T uses of
+its parameters, which the engine sums per example.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import PrivacyError
+from .base import Capture, LayerRule, Materialized, PerSampleGrad
+from .factored import FactoredGrad
+
+
+def _lstm_step(gi: torch.Tensor, gh: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]):
+    i, f, g, o = (gi + gh).chunk(4, 1)
+    c = torch.sigmoid(f) * state[1] + torch.sigmoid(i) * torch.tanh(g)
+    return [torch.sigmoid(o) * torch.tanh(c), c]
+
+
+def _gru_step(gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor):
+    i_r, i_z, i_n = gi.chunk(3, 1)
+    h_r, h_z, h_n = gh.chunk(3, 1)
+    reset, update = torch.sigmoid(i_r + h_r), torch.sigmoid(i_z + h_z)
+    new = torch.tanh(i_n + reset * h_n)
+    return [(1 - update) * new + update * h]
+
+
+def _rnn_step(module: nn.RNNCell):
+    act = torch.tanh if module.nonlinearity == "tanh" else torch.relu
+    return lambda gi, gh, h: [act(gi + gh)]
+
+
+class CellRule(LayerRule):
+    module_types = (nn.LSTMCell, nn.GRUCell, nn.RNNCell)
+    param_names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+
+    def per_sample_grads(
+        self, module: nn.Module, capture: Capture, grad_outputs: list[torch.Tensor | None],
+        params: dict[str, nn.Parameter],
+    ) -> dict[str, PerSampleGrad]:
+        x, state = _inputs(module, capture)
+        h = state[0] if isinstance(module, nn.LSTMCell) else state
+        with torch.enable_grad():
+            gi = nn.functional.linear(x, module.weight_ih.detach(), _detached(module.bias_ih))
+            gh = nn.functional.linear(h, module.weight_hh.detach(), _detached(module.bias_hh))
+            gi.requires_grad_(True)
+            gh.requires_grad_(True)
+            step = _lstm_step if isinstance(module, nn.LSTMCell) else \
+                _gru_step if isinstance(module, nn.GRUCell) else _rnn_step(module)
+            outputs = step(gi, gh, state)
+            used = [(o, g.to(o.dtype)) for o, g in zip(outputs, grad_outputs) if g is not None]
+            d_gi, d_gh = torch.autograd.grad([o for o, _ in used], [gi, gh], [g for _, g in used],
+                                             allow_unused=True)
+        d_gi = torch.zeros_like(gi) if d_gi is None else d_gi
+        d_gh = torch.zeros_like(gh) if d_gh is None else d_gh
+        factors = {"weight_ih": (x, d_gi), "weight_hh": (h, d_gh)}
+        out: dict[str, PerSampleGrad] = {}
+        for name in params:
+            if name in factors:
+                a, b = factors[name]
+                out[name] = FactoredGrad(a[:, None, None, :], b[:, None, None, :], params[name].shape)
+            else:
+                out[name] = Materialized(d_gi if name == "bias_ih" else d_gh)
+        return out
+
+
+def _detached(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.detach()
+
+
+def _inputs(module: nn.Module, capture: Capture):
+    """The step's input and state (zeros when none was given), batched."""
+    args = list(capture.args) + [capture.kwargs[k] for k in ("input", "hx") if k in capture.kwargs]
+    x, hx = args[0], (args[1] if len(args) > 1 else None)
+    if x.dim() != 2:
+        raise PrivacyError(f"{type(module).__name__} got an unbatched input of shape {tuple(x.shape)}; "
+                           "tunefree needs a batch of examples, [B, input_size]")
+    if hx is None:
+        zeros = x.new_zeros(x.shape[0], module.hidden_size)
+        return x, (zeros, zeros) if isinstance(module, nn.LSTMCell) else zeros
+    return x, hx

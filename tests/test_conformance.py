@@ -1,0 +1,28 @@
+"""Conformance: every layer family × configuration (tests/conformance_cases.py) is exact against the
+batch-size-1 loop under both groupings and both norm paths, or refused with its true message; and
+docs/support-matrix.md is the matrix those cases generate."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conformance_cases import CASES
+from conformance_harness import run
+from conformance_matrix import MATRIX_PATH, render
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_case(case):
+    refusal = run(case)
+    if case.refused is None:
+        assert refusal is None, f"{case.id} was refused: {refusal}"
+    else:
+        assert refusal is not None, f"{case.id} was accepted; expected a refusal matching {case.refused!r}"
+        assert re.search(case.refused, refusal, re.DOTALL), f"{case.id}: unexpected message: {refusal}"
+
+
+def test_support_matrix_is_generated_from_the_cases():
+    assert MATRIX_PATH.read_text() == render(CASES), (
+        "docs/support-matrix.md is stale: regenerate it with `python tests/conformance_matrix.py`"
+    )
