@@ -112,6 +112,13 @@ def report(outcomes: list[Outcome], minimal: dict[str, list[Outcome]], refusals:
         for outcome in members:
             lines += [f"- {'; '.join(f'{v.check}: {v.detail}' for v in outcome.violations)}", "",
                       "  ```python", *("  " + t for t in reproducer(outcome.draw).splitlines()), "  ```", ""]
+    split = [o for o in outcomes if o.split_refusal]
+    if split:
+        lines += ["## Refusals that depend on one example", "",
+                  f"{len(split)} draws ran to the end on D but were refused on some D∖{{j}}: whether the run "
+                  "is refused then tells whether example j was there (a side channel; the released steps "
+                  "of the runs that both made were compared as usual). The first ones:", "",
+                  *(f"- `{o.draw!r}`" for o in split[:5]), ""]
     if refusals:
         lines += ["## Refusals of draws with nothing that leaks", "",
                   "Each refusal below stops code whose draw has no leak feature (`leak_fuzz.leak_features`): "

@@ -52,14 +52,15 @@ class LoopSpec:
         ``eval-public`` / ``eval-private`` (after each step, an eval-mode forward on public data / on the
         private batch).
     split: ``halves`` (two forwards over the halves of the batch, one backward of the summed loss),
-        ``accumulate`` (a backward per half).
+        ``examples`` (a forward per example, one backward), ``accumulate`` (a backward per half),
+        ``subset`` (train on the examples whose first input value is positive).
     resume_at: before this step, save the run (engine, model, optimizer, scaler state), rebuild
         everything and ``make_private`` again; ``resume_engine_state=False`` forgets to load the
         engine's state (the ledger).
     precision: ``float32``, ``float64``, ``bf16`` (autocast), ``fp16`` (autocast and a GradScaler with
         ``init_scale``).
-    loss, reduction: ``ce`` or ``mse``, summed or averaged over the batch; ``declared``: the
-        ``loss_reduction`` given to make_private (``None``: the true one).
+    loss, reduction: ``ce``, ``mse`` or ``energy`` (no targets), summed or averaged over the batch;
+        ``declared``: the ``loss_reduction`` given to make_private (``None``: the true one).
     mix_before: mixing of the batch in the loop, before the model (``mixup``, ``standardise``,
         ``cutmix``, ``token_swap``); it and every ``Mix`` block in the model start at step
         ``mix_start``.
@@ -171,12 +172,13 @@ def sample_loop(rng: random.Random, model: ModelSpec, outside: bool = False) -> 
         examples=rng.choice([3, 4, 5]), steps=steps, loader=loader,
         physical=2 if loader == "poisson" and rng.random() < 0.25 else None,
         extra_forward=_weighted(rng, {None: 0.6, "no-grad": 0.15, "eval-public": 0.15, "eval-private": 0.1}),
-        split=_weighted(rng, {None: 0.85, "halves": 0.075, "accumulate": 0.075}),
+        split=_weighted(rng, {None: 0.8, "halves": 0.05, "examples": 0.05, "accumulate": 0.05,
+                              "subset": 0.05}),
         resume_at=resume_at, resume_engine_state=not forget,
         optimizer=optimizer,
         precision=_weighted(rng, {"float32": 0.55, "float64": 0.1, "bf16": 0.15, "fp16": 0.2}),
         init_scale=rng.choice([2.0 ** 8, 2.0 ** 16, 2.0 ** 24]),
-        loss=_weighted(rng, {"ce": 0.8, "mse": 0.2}), reduction=reduction,
+        loss=_weighted(rng, {"ce": 0.7, "mse": 0.15, "energy": 0.15}), reduction=reduction,
         declared={"sum": "mean", "mean": "sum"}[reduction] if misdeclared else None,
         clipping=_weighted(rng, {"abadi": 0.8, "auto-s": 0.2}),
         groups=_weighted(rng, {"all-layer": 0.8, "per-layer": 0.2}),
@@ -222,6 +224,9 @@ def _autocast(loop: LoopSpec):
 
 
 def _loss(loop: LoopSpec, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if loop.loss == "energy":  # no targets: a per-example energy of the outputs (an autoencoder's kind)
+        per_example = out.pow(2).sum(-1)
+        return per_example.sum() if loop.reduction == "sum" else per_example.mean()
     if loop.loss == "mse":
         return F.mse_loss(out, y.to(out.dtype), reduction=loop.reduction)
     return F.cross_entropy(out, y, reduction=loop.reduction)
@@ -325,14 +330,17 @@ class _Run:
             with torch.no_grad(), _autocast(loop):
                 model(xb)
         half = len(xb) // 2
-        if loop.split is None or half == 0:
+        if loop.split == "subset":  # train on the examples that pass a test of their own values
+            keep = xb.flatten(1)[:, 0] > 0
+            xb, yb = xb[keep], yb[keep]
+        if loop.split in (None, "subset") or half == 0:
             with _autocast(loop):
                 loss = _loss(loop, model(xb), yb)
             self._backward(loss)
-        elif loop.split == "halves":
+        elif loop.split in ("halves", "examples"):
+            parts = [xb[:half], xb[half:]] if loop.split == "halves" else list(xb.split(1))
             with _autocast(loop):
-                out = torch.cat([model(xb[:half]), model(xb[half:])])
-                loss = _loss(loop, out, yb)
+                loss = _loss(loop, torch.cat([model(part) for part in parts]), yb)
             self._backward(loss)
         else:
             for part in (slice(0, half), slice(half, None)):

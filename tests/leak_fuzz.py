@@ -66,6 +66,7 @@ class Outcome:
     invariant: str | None = None
     seconds: float = 0.0
     ratio: float = 0.0          # the largest neighbour distance over R (0: nothing compared)
+    split_refusal: bool = False  # the run on D finished, yet a run on some D∖{j} was refused
 
     def line(self) -> str:
         what = "; ".join(f"{v.check}: {v.detail}" for v in self.violations)
@@ -189,8 +190,10 @@ def check(draw: Draw) -> Outcome:
     refusal = next((_first_line(e) for e in errors if refused_by_tunefree(e)), None)
     verdict = "finding" if violations else "refused" if refusal else "exact"
     invariant = classify(draw, violations, report) if violations else None
+    split = first.error is None and any(t.error is not None and refused_by_tunefree(t.error)
+                                        for t in report.neighbours)
     return Outcome(draw, verdict, violations, refusal, invariant, time.perf_counter() - start,
-                   report.worst.distance / R)
+                   report.worst.distance / R, split)
 
 
 def fuzz(seeds, on_outcome=None, outside: bool = False) -> list[Outcome]:

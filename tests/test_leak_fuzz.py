@@ -154,6 +154,8 @@ def test_draws_are_deterministic_and_cover_the_vocabulary():
     assert seen["loader"] == {"poisson", "own", "poisson-off"}
     assert seen["precision"] == {"float32", "float64", "bf16", "fp16"}
     assert seen["mix_before"] == {None, "mixup", "standardise", "cutmix", "token_swap"}
+    assert seen["split"] == {None, "halves", "examples", "accumulate", "subset"}
+    assert seen["loss"] == {"ce", "mse", "energy"}
     assert all(len(values) >= 2 for values in seen.values()), {k: v for k, v in seen.items() if len(v) < 2}
     assert all(d.loop.declared is None for d in draws)  # user errors no invariant sees stay out of CI
 
