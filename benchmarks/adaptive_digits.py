@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from tunefree.cli import datasets
+from tunefree.cli import preprocess
 from tunefree.cli.training import TrainConfig, train
 
 VARIANTS = {
@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--epsilon", type=float, default=3.0)
     args = parser.parse_args()
-    data = datasets.load("digits")
+    data = preprocess.load("digits")
     print(f"| clipping | variant | test accuracy (mean ± sd over seeds {args.seeds}) | min | ε |")
     print("|---|---|---|---|---|")
     for clipping in args.clipping:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import tunefree
-from tunefree.cli import datasets, models
+from tunefree.cli import models, preprocess
 from tunefree.cli.training import TrainConfig, default_delta, train
 from tunefree.privacy.accounting import epsilon_of
 from tunefree.privacy.calibrate import calibrate
@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--epsilon", type=float, default=3.0)
     parser.add_argument("--timing-only", action="store_true", help="only the step-time table")
     args = parser.parse_args()
-    data = datasets.load("digits")
+    data = preprocess.load("digits")
     if args.timing_only:
         for k, ratios in step_overhead(data).items():
             print(f"| {k} | {statistics.median(ratios):.3f}× ({min(ratios):.3f}–{max(ratios):.3f}) |")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tunefree
-from tunefree.cli import datasets, main, models
+from tunefree.cli import main, models, preprocess
 from tunefree.cli.training import accuracy
 from tunefree.data.poisson import planned_steps
 
@@ -40,24 +40,44 @@ def test_train_writes_result_and_run_directory(short_run):
     assert result["steps"] == 2 * round(n / 256)
     assert result["delta"] == pytest.approx(1 / n ** 1.1)
     run = out / "dir"
-    for name in ("metrics.jsonl", "report.json", "loss_accuracy.png", "epsilon.png",
-                 "clipping.png"):
+    for name in ("metrics.jsonl", "report.json", "model.pt", "model.json", "test_accuracy.png", "epsilon.png",
+                 "learning_rate.png"):
         assert (run / name).stat().st_size > 0, name
+    assert not (run / "thresholds.png").exists()  # fixed thresholds: nothing to draw
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "step"]
     epochs = [r for r in records if r["kind"] == "epoch"]
     assert len(steps) == result["steps"] and len(epochs) == 2
     assert epochs[-1]["epsilon"] == pytest.approx(result["epsilon"])
-    stats = steps[-1]["groups"]["all"]
-    assert 0 <= stats["clip_fraction"] <= 1 and stats["norm_quantiles"]["q10"] <= stats[
-        "norm_quantiles"]["q90"]
     assert json.loads((run / "report.json").read_text())["steps"] == result["steps"]
 
 
-def test_progress_bar_shows_epsilon(tmp_path, capsys):
+# What a step, an epoch and the run's first line of metrics.jsonl may hold: public or released values, and
+# the test accuracy (held-out rows), which the first line names as outside the guarantee.
+RELEASED_STEP_KEYS = {"kind", "epoch", "step", "lr", "thresholds", "loss_bound"}
+EPOCH_KEYS = {"kind", "epoch", "step", "epsilon", "test_accuracy"}
+
+
+def test_nothing_computed_from_the_training_rows_without_noise_is_written(short_run):
+    _, out = short_run
+    records = [json.loads(line) for line in (out / "dir" / "metrics.jsonl").read_text().splitlines()]
+    header = records[0]
+    assert header["kind"] == "run" and "test_accuracy" in header["outside_the_guarantee"]
+    assert all(set(r) <= RELEASED_STEP_KEYS for r in records if r["kind"] == "step")
+    assert all(set(r) <= EPOCH_KEYS for r in records if r["kind"] == "epoch")
+    result = json.loads((out / "result.json").read_text())
+    assert "test_accuracy" in result["outside_the_guarantee"]["keys"]
+    assert not {"loss", "train_loss", "train_accuracy", "diagnostics_are_not_private"} & set(result)
+    assert result["guarantee"].startswith(f"covers the {result['dataset']['train_examples']} training rows")
+
+
+def test_progress_shows_epsilon_and_a_labelled_test_accuracy_and_says_nothing_was_kept(capsys):
     assert main(["train", "--epochs", "1", "--epsilon", "2"]) == 0
-    err = capsys.readouterr().err
-    assert "epoch   1/1" in err and "ε" in err and "loss" in err
+    captured = capsys.readouterr()
+    assert "epoch   1/1" in captured.err and "ε" in captured.err and "loss" not in captured.err
+    assert "test acc" in captured.err and "(held-out rows, outside the guarantee)" in captured.err
+    assert "outside the guarantee" in captured.out.splitlines()[0]
+    assert captured.out.splitlines()[-1].startswith("no --out: the model was not saved")
 
 
 def test_epsilon_calculator(capsys):
@@ -126,10 +146,11 @@ def test_adaptive_per_layer_flags(tmp_path):
     assert result["config"]["target_quantile"] == 0.6
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "step"]
-    layers = set(steps[-1]["groups"])
+    layers = set(steps[-1]["thresholds"])
     assert layers == {"1", "3"}  # the two Linear layers of the MLP, by qualified module name
-    first, last = steps[0]["groups"]["1"]["threshold"], steps[-1]["groups"]["1"]["threshold"]
-    assert first != last  # thresholds adapt
+    first, last = steps[0]["thresholds"]["1"], steps[-1]["thresholds"]["1"]
+    assert first != last  # thresholds adapt (released by noisy counts), and their plot is drawn
+    assert (out / "thresholds.png").stat().st_size > 0
 
 
 def test_the_default_learning_rate_is_automatic_and_the_averaged_model_is_kept(tmp_path):
@@ -146,7 +167,7 @@ def test_the_default_learning_rate_is_automatic_and_the_averaged_model_is_kept(t
     assert all(r["lr"] > 0 and "loss_bound" not in r for r in steps) and steps[0]["lr"] != steps[-1]["lr"]
     epochs = [r for r in records if r["kind"] == "epoch"]
     assert epochs[-1]["test_accuracy"] == result["test_accuracy"] > 0.5
-    data = datasets.load("digits")  # the model kept is in the run directory, as evaluated
+    data = preprocess.load("digits", seed=0)  # the model kept is in the run directory, as evaluated
     model = models.build("auto", data.kind, data.input_shape, data.num_classes)
     model.load_state_dict(torch.load(out / result["model_file"]))
     assert accuracy(model, data.test) == result["test_accuracy"]
@@ -178,6 +199,7 @@ def test_default_run_is_secure_and_a_seeded_run_says_the_seed_removes_the_noise(
     assert result["config"]["seed"] is None and result["randomness"] == "secure"
     out = capsys.readouterr().out
     assert "randomness: secure" in out and result["delta_choice"] in out
+    assert "no --out: the result is in" in out
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -252,8 +274,8 @@ def _write_bad_data(directory, case):
         (directory / "t.csv").write_text("a,label\n" + "".join(
             f"{i},{'' if i == 5 else i % 2}\n" for i in range(20)))
         return str(directory / "t.csv")
-    if case == "empty test split":
-        (directory / "t.csv").write_text("a,label\n1,0\n2,1\n3,0\n4,1\n")
+    if case == "empty test split":  # one row: whatever the key, one of the two splits is empty
+        (directory / "t.csv").write_text("a,label\n1,0\n")
         return str(directory / "t.csv")
     if case == "unseen test labels":
         _idx(directory / "train-images-idx3-ubyte", np.zeros((6, 4, 4)))
@@ -269,13 +291,14 @@ def _write_bad_data(directory, case):
 
 @pytest.mark.parametrize("case, match", [
     ("empty label cell", r"t.csv: column 'label' is empty in data row\(s\) \[6\]"),
-    ("empty test split", "the test split holds no examples"),
-    ("unseen test labels", r"test labels \[5\] never occur in the training split"),
+    ("empty test split", "the 80/20 split of its 1 rows put none in the (test|training) split: add rows"),
+    ("unseen test labels", r"labels \['5'\] are not among the declared classes"),
     ("huge pickle", "expected 1000000000000 bytes in a bytes8, but only 5 remain"),
 ])
 def test_bad_data_is_one_line_error(tmp_path, capsys, case, match):
     dataset = _write_bad_data(tmp_path, case)
-    assert main(["train", "--dataset", dataset, "--steps", "1", "--quiet"]) == 2
+    labels = ["--labels", "0,1"] if case == "unseen test labels" else []
+    assert main(["train", "--dataset", dataset, "--steps", "1", "--quiet", *labels]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("tunefree: error: "), err
     assert re.search(match, err), err

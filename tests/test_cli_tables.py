@@ -17,8 +17,10 @@ import torch
 from tunefree import AutoLR
 from tunefree.cli import main, models, report, scaling
 from tunefree.cli import training as training_module
+from tunefree.cli.releases import Budget
 from tunefree.cli.training import Progress
 from tunefree.privacy.accounting import epsilon_of, planned_event
+from tunefree.privacy.mechanisms import threshold_event
 
 
 class ConstantNoise:
@@ -89,13 +91,13 @@ def test_a_spread_hidden_by_the_noise_is_never_divided_by_a_noisy_number_near_ze
 
 
 def test_standardisation_budget_is_its_share_of_epsilon_and_delta():
-    sigma = scaling.noise_for_share(3.0, 1e-5, "pld")
+    sigma = scaling.noise_for_share(Budget(3.0, 1e-5, "pld"))
     spent = epsilon_of(dpa.ComposedDpEvent([dpa.GaussianDpEvent(sigma)] * 2), scaling.SHARE * 1e-5)
     assert 0.99 * scaling.SHARE * 3.0 <= spent <= scaling.SHARE * 3.0
 
 
 def test_a_table_too_small_to_standardise_privately_is_refused_before_any_release():
-    sigma = scaling.noise_for_share(3.0, 1e-3, "rdp")
+    sigma = scaling.noise_for_share(Budget(3.0, 1e-3, "rdp"))
     needed = scaling.minimum_rows(2, sigma)
     assert needed == math.ceil(16 * sigma * math.sqrt(2))
     scaling.check_enough_rows(needed, 2, sigma, 3.0)
@@ -123,14 +125,20 @@ def test_a_table_with_categories_trains_and_every_release_is_in_the_ledger(tmp_p
     code, result = _run(tmp_path, "--dataset", str(_table(tmp_path / "t.csv")))
     assert code == 0
     out = capsys.readouterr().out
-    assert "category sets of columns ['colour'] were read from the data and are treated as public" in out
+    assert "the category sets of columns ['colour'] were selected privately" in out
+    assert "the classes ['0', '1'] were selected privately from the training rows' labels" in out
     assert "numeric columns ['age', 'income'] were standardised by a private estimate" in out
-    standardisation = result["standardisation"]
+    selection, standardisation = result["preprocessing"]
+    assert selection["release"] == "category and label sets" and selection["columns"] == ["label", "colour"]
+    assert selection["selected"] == {"label": ["0", "1"], "colour": ["blue", "green", "red"]}
     assert standardisation["columns"] == ["age", "income"] and standardisation["share"] == scaling.SHARE
-    # The reported ε is the ledger's: the 3 training steps composed with the 2 standardisation releases.
+    assert result["training_share"] == pytest.approx(1 - selection["share"] - standardisation["share"])
+    assert result["dataset"]["classes"] == ["0", "1", "(other)"]
+    # The reported ε is the ledger's: the 3 training steps composed with every preprocessing release.
     delta, q = result["delta"], result["sample_rate"]
     training = planned_event(result["noise_multiplier"], q, 3)
-    releases = [dpa.GaussianDpEvent(standardisation["noise_multiplier"])] * 2
+    releases = [threshold_event(selection["noise_multiplier"], selection["threshold_delta"]),
+                *[dpa.GaussianDpEvent(standardisation["noise_multiplier"])] * 2]
     expected = epsilon_of(dpa.ComposedDpEvent([training, *releases]), delta, "rdp")
     assert result["epsilon"] == pytest.approx(expected, rel=1e-9)
     assert result["epsilon"] > epsilon_of(training, delta, "rdp")
@@ -142,8 +150,9 @@ def test_a_public_schema_spends_nothing_on_the_encoding(tmp_path, capsys):
         "categorical": {"colour": ["red", "green", "blue", "violet"]},
         "numeric": {"age": [0, 120], "income": [0, 1e7]}}))
     code, result = _run(tmp_path, "--dataset", str(_table(tmp_path / "t.csv")),
-                        "--schema", str(tmp_path / "schema.json"))
-    assert code == 0 and result["standardisation"] is None and result["data_notes"] == []
+                        "--schema", str(tmp_path / "schema.json"), "--labels", "0,1")
+    assert code == 0 and result["preprocessing"] == [] and result["data_notes"] == []
+    assert result["training_share"] == 1.0 and result["dataset"]["classes"] == ["0", "1"]
     assert "note:" not in capsys.readouterr().out
     # the whole budget goes to training: ε is that of the training steps alone
     training = planned_event(result["noise_multiplier"], result["sample_rate"], 3)
@@ -153,7 +162,8 @@ def test_a_public_schema_spends_nothing_on_the_encoding(tmp_path, capsys):
 def test_numeric_scaling_none_feeds_the_columns_raw_and_hidden_sizes_the_mlp(tmp_path, capsys):
     code, result = _run(tmp_path, "--dataset", str(_table(tmp_path / "t.csv")), "--numeric-scaling", "none",
                         "--hidden", "16,8")
-    assert code == 0 and result["standardisation"] is None and result["config"]["hidden"] == [16, 8]
+    assert code == 0 and [r["release"] for r in result["preprocessing"]] == ["category and label sets"]
+    assert result["config"]["hidden"] == [16, 8]
     assert "numeric columns ['age', 'income'] reach the model unscaled" in capsys.readouterr().out
 
 
@@ -166,7 +176,8 @@ def test_a_small_table_is_refused_with_the_ways_out(tmp_path, capsys):
 
 @pytest.mark.parametrize("schema, match", [
     ({"categorical": {"colour": ["red", "green"]}}, "column 'colour' holds 'blue', which is not among"),
-    ({"numeric": {"age": [20, 60]}}, r"column 'age' holds \d+, outside its declared range \[20, 60\]"),
+    ({"numeric": {"age": [20, 60]}, "categorical": {"colour": ["red", "green", "blue"]}},
+     r"column 'age' holds \d+, outside its declared range \[20, 60\]"),
     ({"numeric": {"height": [0, 3]}}, r"the schema names columns \['height'\]"),
     ({"numeric": {"colour": [0, 1]}}, "'colour' is declared numeric in the schema but holds categorical"),
     ({"numeric": {"age": [5, 1]}}, "must be \\[low, high\\] with low < high"),
@@ -175,7 +186,7 @@ def test_a_small_table_is_refused_with_the_ways_out(tmp_path, capsys):
 def test_schema_mismatches_are_one_line_errors(tmp_path, capsys, schema, match):
     (tmp_path / "schema.json").write_text(json.dumps(schema))
     code, _ = _run(tmp_path, "--dataset", str(_table(tmp_path / "t.csv", rows=100)),
-                   "--schema", str(tmp_path / "schema.json"), "--numeric-scaling", "none")
+                   "--schema", str(tmp_path / "schema.json"), "--numeric-scaling", "none", "--labels", "0,1")
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert re.search(match, err), err
@@ -267,14 +278,15 @@ def test_progress_in_a_log_is_plain_lines_every_tenth_or_ten_seconds():
         if step == 33:
             clock.now += 10.0  # a slow step: a line at once, whatever the fraction
         epoch, within = (step - 1) // 50 + 1, (step - 1) % 50 + 1
-        progress.update(epoch, within, step, 0.5, 0.9, float("nan") if epoch == 1 else 1.0)
+        progress.update(epoch, within, step, float("nan") if epoch == 1 else 1.0, 0.9)
         if within == 50:
-            progress.update(epoch, within, step, 0.5, 0.9, 1.0 if epoch == 1 else 2.0, final=True)
+            progress.update(epoch, within, step, 1.0 if epoch == 1 else 2.0, 0.9, final=True)
     lines = stream.getvalue().splitlines()
     assert "\r" not in stream.getvalue()
     steps = [int(line.split()[1].split("/")[0]) for line in lines]
     assert steps == [10, 20, 30, 33, 40, 50, 60, 70, 80, 90, 100]
-    assert lines[-1].startswith("step 100/100 (100%) epoch   2/2") and lines[-1].endswith("ε  2.000")
+    assert lines[-1].startswith("step 100/100 (100%) epoch   2/2 ε  2.000 | test acc 0.900")
+    assert all(line.endswith("(held-out rows, outside the guarantee)") for line in lines)
 
 
 def test_progress_on_a_terminal_redraws_a_bar():
@@ -285,10 +297,11 @@ def test_progress_on_a_terminal_redraws_a_bar():
     stream = Terminal()
     progress = Progress(epochs=1, steps_per_epoch=4, total_steps=4, quiet=False, stream=stream)
     for step in range(1, 5):
-        progress.update(1, step, step, 0.5, 0.9, float("nan"))
-    progress.update(1, 4, 4, 0.5, 0.9, 1.5, final=True)
+        progress.update(1, step, step, float("nan"), float("nan"))
+    progress.update(1, 4, 4, 1.5, 0.9, final=True)
     text = stream.getvalue()
-    assert text.count("\r") == 5 and text.endswith("ε  1.500\n") and "[#####" in text
+    assert text.count("\r") == 5 and "[#####" in text
+    assert text.endswith("ε  1.500 | test acc 0.900 (held-out rows, outside the guarantee)\n")
 
 
 # ---------------------------------------------------------------------------- plots
@@ -300,19 +313,16 @@ def test_moving_average_against_a_direct_mean():
     assert len(report.moving_average(values)) == len(values)
 
 
-def _records(steps: int, auto_lr: bool):
+def _records(steps: int, auto_lr: bool, lr: float = 0.02):
     rng = np.random.default_rng(0)
     records = []
     for t in range(1, steps + 1):
-        record = {"kind": "step", "step": t, "loss": float(rng.random()), "train_accuracy": 0.5,
-                  "lr": 0.01 * (1 + t / steps) if auto_lr else 0.02,
-                  "groups": {"a long clip group name": {
-                      "clip_fraction": float(rng.random()), "threshold": 1.0,
-                      "norm_quantiles": {"q10": 0.5, "q50": 1.0 + float(rng.random()), "q90": 3.0}}}}
+        record = {"kind": "step", "step": t, "lr": 0.01 * (1 + t / steps) if auto_lr else lr,
+                  "thresholds": {"a long clip group name": 1.0 + float(rng.random())}}
         if auto_lr:
-            record["loss_bound"] = 2.0
+            record["loss_bound"] = 2.0 + float(rng.random())
         records.append(record)
-    records.append({"kind": "epoch", "step": steps, "epsilon": 1.0, "train_loss": 0.5, "test_accuracy": 0.9})
+    records.append({"kind": "epoch", "step": steps, "epsilon": 1.0, "test_accuracy": 0.9})
     return records
 
 
@@ -328,19 +338,29 @@ def _inside_figure(fig) -> bool:
     return True
 
 
-def test_learning_rate_plot_has_no_empty_panel_when_the_lr_is_fixed():
+def test_learning_rate_plot_reads_well_when_the_rate_is_constant():
     fixed = report.learning_rate_figure(_records(20, auto_lr=False))
-    assert len(fixed.axes) == 1 and fixed.axes[0].get_title() == "fixed learning rate 0.02"
+    assert len(fixed.axes) == 1 and fixed.axes[0].get_title() == "learning rate 0.02, constant"
+    assert fixed.axes[0].get_ylim() == (0, 0.025)
+    # DoG's rate when it settles: equal to 5 digits, a log axis of identical tick labels before
+    records = _records(20, auto_lr=False)
+    for i, record in enumerate(r for r in records if r["kind"] == "step"):
+        record["lr"] = 1.6274 * (1 + 1e-6 * (i % 3))
+    settled = report.learning_rate_figure(records).axes[0]
+    assert settled.get_title() == "learning rate 1.63, constant within 0.1%"
+    assert settled.get_yscale() == "linear"
     auto = report.learning_rate_figure(_records(20, auto_lr=True))
     assert len(auto.axes) == 2 and all(ax.lines for ax in auto.axes)
+    assert auto.axes[0].get_yscale() == "linear"
+    assert not auto.axes[0].yaxis.get_major_formatter().get_useOffset()
 
 
 def test_plot_labels_fit_and_long_runs_are_smoothed():
-    records = _records(10_000, auto_lr=False)
-    for figure in report.FIGURES.values():
+    records = _records(10_000, auto_lr=True)
+    for figure, _ in report.FIGURES.values():
         assert _inside_figure(figure(records)), figure.__name__
-    loss_axes = report.loss_accuracy_figure(records).axes[0]
-    raw, smoothed = loss_axes.lines[:2]
+    bound_axes = report.learning_rate_figure(records).axes[1]
+    raw, smoothed = bound_axes.lines[:2]
     assert "moving average of 200" in smoothed.get_label()
     assert np.std(smoothed.get_ydata()) < 0.3 * np.std(raw.get_ydata())
 

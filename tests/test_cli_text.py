@@ -8,6 +8,7 @@ import hashlib
 import json
 import random
 
+import dp_accounting as dpa
 import pandas as pd
 import peft
 import pytest
@@ -15,7 +16,10 @@ import torch
 import transformers
 
 from tunefree.cli import main, text_data, text_models
+from tunefree.cli import text as text_module
+from tunefree.cli.split import held_out, split_key, table_rows
 from tunefree.privacy.accounting import epsilon_of, planned_event
+from tunefree.privacy.mechanisms import threshold_event
 
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "good", "great", "fun", "bad", "awful", "dull"]
 SPECIAL = ["[PAD]", "[UNK]", "<eos>"]
@@ -76,15 +80,17 @@ def _train(files, out, *args):
     return result
 
 
-def _test_rows(files, column: str) -> list[str]:
-    texts = pd.read_csv(files / "reviews.csv")[column].tolist()
-    return [texts[i] for i in text_data.split(len(texts))[1]]
+def _held_out(texts, labels=None, seed=0) -> list[int]:
+    """The rows a run with ``--seed seed`` tests on: the keyed hash of each row's text (and label)."""
+    cells = [texts] + ([labels] if labels is not None else [])
+    return [int(i) for i in held_out(table_rows(cells), split_key(seed)).nonzero()[0]]
 
 
 @pytest.fixture(scope="module")
 def bert_run(files, tmp_path_factory):
     out = tmp_path_factory.mktemp("bert_run")
-    return out, _train(files, out, "--model", str(files / "bert"), "--data", str(files / "reviews.csv"))
+    return out, _train(files, out, "--model", str(files / "bert"), "--data", str(files / "reviews.csv"),
+                       "--labels", "neg,pos", "--max-length", "16")
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +109,10 @@ def test_classification_from_csv_saves_a_model_that_loads_and_predicts(files, be
     model = transformers.AutoModelForSequenceClassification.from_pretrained(out / "model").eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(out / "model")
     assert model.config.id2label == {0: "neg", 1: "pos"}
-    texts = _test_rows(files, "text")
-    labels = pd.read_csv(files / "reviews.csv")["label"].map({"neg": 0, "pos": 1}).tolist()
-    expected = torch.tensor([labels[i] for i in text_data.split(len(labels))[1]])
+    frame = pd.read_csv(files / "reviews.csv")
+    rows = _held_out(frame["text"].tolist(), frame["label"].tolist())
+    texts = [frame["text"][i] for i in rows]
+    expected = torch.tensor([{"neg": 0, "pos": 1}[frame["label"][i]] for i in rows])
     with torch.no_grad():
         logits = model(**tokenizer(texts, padding=True, return_tensors="pt")).logits
     assert logits.shape == (len(texts), 2)
@@ -117,10 +124,27 @@ def test_classification_from_csv_saves_a_model_that_loads_and_predicts(files, be
     assert changed, "full fine-tuning must change the weights"
 
 
+def ledger_of(result) -> dpa.DpEvent:
+    """The run's releases as report.json lists them: the training steps and each preprocessing release."""
+    events = [planned_event(result["noise_multiplier"], result["sample_rate"], result["steps"])]
+    for release in result["preprocessing"]:
+        if release["release"] == "category and label sets":
+            events.append(threshold_event(release["noise_multiplier"], release["threshold_delta"]))
+        else:
+            events.append(dpa.GaussianDpEvent(release["noise_multiplier"]))
+    return dpa.ComposedDpEvent(events)
+
+
 def test_reported_epsilon_is_the_ledgers(bert_run, gpt2_lora_run):
-    for _, result, *_ in (bert_run, gpt2_lora_run):
-        event = planned_event(result["noise_multiplier"], result["sample_rate"], result["steps"])
-        assert result["epsilon"] == pytest.approx(epsilon_of(event, result["delta"], "rdp"), rel=1e-12)
+    (_, declared), (_, private, _) = bert_run, gpt2_lora_run
+    assert declared["preprocessing"] == [] and declared["dataset"]["sequence_length"] == 16
+    length, = private["preprocessing"]  # no --max-length: a private quantile of the training texts' lengths
+    assert length["release"] == "text length" and length["share"] == 0.05
+    assert private["dataset"]["sequence_length"] == length["length"] in length["edges"]
+    assert private["training_share"] == 0.95
+    for result in (declared, private):
+        assert result["epsilon"] == pytest.approx(epsilon_of(ledger_of(result), result["delta"], "rdp"),
+                                                  rel=1e-12)
         assert 0 < result["epsilon"] <= 3.0
 
 
@@ -142,8 +166,8 @@ def test_lora_causal_lm_from_json_lines_saves_only_the_adapter(files, gpt2_lora_
     assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # B starts at zero: it was trained
     tokenizer = transformers.AutoTokenizer.from_pretrained(out / "model")
     texts = pd.read_json(files / "lm.jsonl", lines=True)["review"].tolist()
-    held_out = [texts[i] for i in text_data.split(len(texts))[1]]
-    batch = text_data.tokenize(tokenizer, held_out, 128, "causal-lm")
+    held = [texts[i] for i in _held_out(texts)]
+    batch = text_data.tokenize(tokenizer, held, result["dataset"]["sequence_length"], "causal-lm")
     with torch.no_grad():
         loss = text_models.per_example_losses(model, batch, "causal-lm").mean().item()
         generated = model.generate(input_ids=batch["input_ids"][:1, :3], max_new_tokens=2, do_sample=False)
@@ -154,7 +178,7 @@ def test_lora_causal_lm_from_json_lines_saves_only_the_adapter(files, gpt2_lora_
 def test_lora_classification_from_parquet_with_named_columns(files, tmp_path):
     result = _train(files, tmp_path, "--model", str(files / "bert"), "--data", str(files / "reviews.parquet"),
                     "--text-column", "review", "--label-column", "sentiment", "--lora-rank", "2",
-                    "--lora-targets", "query,value", "--max-length", "6")
+                    "--lora-targets", "query,value", "--max-length", "6", "--labels", "neg,pos")
     assert result["task"] == "classification" and result["dataset"]["sequence_length"] == 6
     base = transformers.AutoModelForSequenceClassification.from_pretrained(files / "bert")
     model = peft.PeftModel.from_pretrained(base, tmp_path / "model").eval()
@@ -170,9 +194,10 @@ def test_causal_lm_loss_is_the_mean_over_the_examples_own_tokens(files):
     model = transformers.AutoModelForCausalLM.from_pretrained(files / "gpt2").eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(files / "gpt2")
     texts = ["the cat sat", "a dog ran on the mat fast"]
-    batch = text_data.tokenize(tokenizer, texts, 128, "causal-lm")
+    batch = text_data.tokenize(tokenizer, texts, 10, "causal-lm")  # padded to the declared length
+    assert batch["input_ids"].shape == (2, 10)
     assert (batch["labels"][0, 3:] == text_data.IGNORED_LABEL).all()  # padding is not the example's data
-    assert (batch["attention_mask"][0, 3:] == 0).all() and (batch["attention_mask"][1] == 1).all()
+    assert (batch["attention_mask"][0, 3:] == 0).all() and (batch["attention_mask"][1, :7] == 1).all()
     with torch.no_grad():
         together = text_models.per_example_losses(model, batch, "causal-lm")
         for i, text in enumerate(texts):
@@ -185,7 +210,7 @@ def test_causal_lm_loss_is_the_mean_over_the_examples_own_tokens(files):
 def test_a_gpt2_classifier_pads_with_its_end_of_text_token(files):
     model, tokenizer, notes = text_models.load(str(files / "gpt2"), "classification", ["neg", "pos"], True)
     assert any("score" in note for note in notes)  # the new head is named
-    batch = text_data.tokenize(tokenizer, ["good fun", "bad awful dull the mat"], 128, "classification")
+    batch = text_data.tokenize(tokenizer, ["good fun", "bad awful dull the mat"], 5, "classification")
     text_models.share_padding(model, tokenizer)
     assert batch["attention_mask"][0].tolist() == [1, 1, 0, 0, 0]
     first = {"input_ids": batch["input_ids"][:1, :2], "attention_mask": batch["attention_mask"][:1, :2],
@@ -212,6 +237,9 @@ BAD_INPUTS = [
     (["--data", "{files}/reviews.csv", "--hidden", "8"], "--hidden do not apply to text models"),
     (["--data", "{files}/reviews.csv", "--audit-canaries", "100"], "--audit-canaries do not apply to text"),
     (["--data", "{files}/reviews.csv", "--lr", "auto"], "--lr auto is not available for text models"),
+    (["--data", "{files}/reviews.csv", "--optimizer", "sgd"], "--optimizer sgd on a text model needs --lr"),
+    (["--data", "{files}/reviews.csv", "--max-length", "64"], "--max-length 64 is longer than the model's"),
+    (["--data", "{files}/reviews.csv", "--na-values", "?"], "--na-values do not apply to text models"),
     (["--model", "mlp", "--text-column", "review"], "--text-column apply to text models"),
 ]
 
@@ -221,7 +249,7 @@ def test_bad_input_is_one_line_and_exit_2(files, tmp_path, capsys, args, message
     pd.DataFrame({"text": ["good fun", " ", "bad"], "label": [1, 0, 0]}).to_csv(
         files / "empty_text.csv", index=False)
     args = [a.format(files=files) for a in args]
-    model = [] if "--model" in args else ["--model", str(files / "bert")]
+    model = [] if "--model" in args else ["--model", str(files / "bert"), "--labels", "neg,pos"]
     code = main(["train", "--steps", "1", "--batch-size", "2", "--quiet", "--out", str(tmp_path / "run"),
                  *model, *args])
     err = capsys.readouterr().err
@@ -236,3 +264,21 @@ def test_unknown_task_and_missing_out_are_refused(files, capsys):
     assert exit_info.value.code == 2 and "invalid choice: 'translation'" in capsys.readouterr().err
     code = main(["train", "--model", str(files / "bert"), "--data", str(files / "reviews.csv")])
     assert code == 2 and "needs --out DIR" in capsys.readouterr().err
+
+
+def test_the_optimizer_asked_for_is_the_one_that_trains(files, tmp_path, monkeypatch):
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(model, optimizer, *args, **kwargs):
+        seen["optimizer"] = optimizer
+        raise Stop
+
+    monkeypatch.setattr(text_module, "make_private", capture)
+    with pytest.raises(Stop):
+        main(["train", "--model", str(files / "bert"), "--data", str(files / "reviews.csv"), "--out",
+              str(tmp_path / "run"), "--optimizer", "sgd", "--lr", "0.1", "--labels", "neg,pos",
+              "--max-length", "16", "--batch-size", "8", "--steps", "1", "--quiet"])
+    assert type(seen["optimizer"]) is torch.optim.SGD and seen["optimizer"].param_groups[0]["lr"] == 0.1

@@ -1,4 +1,6 @@
-"""Every local data format, on small files the tests write themselves."""
+"""Every local data format, on small files the tests write themselves. ``preprocess.load`` prepares without
+noise by default (ε = ∞): what is tested here is reading and encoding; the private releases are tested in
+test_cli_private.py."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pandas as pd
 import pytest
 import torch
 
-from tunefree.cli import datasets, tables
+from tunefree.cli import datasets, preprocess, tables
 from tunefree.cli.datasets import DataError
 
 
@@ -33,11 +35,14 @@ def test_mnist_idx_directory(tmp_path, compress):
         write_idx(tmp_path / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)),
                   compress=compress)
         write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte", np.arange(n) % 10, compress=compress)
-    data = datasets.load(str(tmp_path))
+    data = preprocess.load(str(tmp_path), labels=tuple("0123456789"))
     assert data.kind == "image" and data.input_shape == (1, 28, 28) and data.num_classes == 10
     assert len(data.train) == 30 and len(data.test) == 10
     x, y = data.train.tensors
     assert x.min() >= 0 and x.max() <= 1 and y.tolist() == [i % 10 for i in range(30)]
+    # classes no one declares are selected (here exactly: ε = ∞), and an "(other)" class follows them
+    selected = preprocess.load(str(tmp_path))
+    assert selected.classes == (*"0123456789", "(other)") and selected.num_classes == 11
 
 
 def test_bad_idx_file_is_reported(tmp_path):
@@ -45,7 +50,7 @@ def test_bad_idx_file_is_reported(tmp_path):
     with pytest.raises(DataError, match="not an IDX file"):
         datasets.read_idx(tmp_path / "train-images-idx3-ubyte")
     with pytest.raises(DataError, match="t10k"):
-        datasets.load_idx(_with_train_only(tmp_path))
+        datasets.read_idx_directory(_with_train_only(tmp_path))
 
 
 
@@ -75,7 +80,7 @@ def test_cifar10_pickles(tmp_path):
         batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
                  b"labels": list(np.arange(n) % 10)}
         (tmp_path / name).write_bytes(pickle.dumps(batch))
-    data = datasets.load(str(tmp_path))
+    data = preprocess.load(str(tmp_path))
     assert data.input_shape == (3, 32, 32) and len(data.train) == 20 and len(data.test) == 6
 
 
@@ -87,7 +92,7 @@ def test_cifar_pickle_cannot_run_code(tmp_path):
     (tmp_path / "data_batch_1").write_bytes(pickle.dumps({b"data": Exploit(), b"labels": [0]}))
     (tmp_path / "test_batch").write_bytes(pickle.dumps({b"data": Exploit(), b"labels": [0]}))
     with pytest.raises(DataError, match="refusing to unpickle builtins.print"):
-        datasets.load(str(tmp_path))
+        preprocess.load(str(tmp_path))
 
 
 
@@ -124,7 +129,7 @@ def test_cifar_pickle_claiming_a_huge_array_is_refused_before_allocating(tmp_pat
     (tmp_path / "data_batch_1").write_bytes(payload())
     (tmp_path / "test_batch").write_bytes(payload())
     with pytest.raises(DataError, match=match):
-        datasets.load(str(tmp_path))
+        preprocess.load(str(tmp_path))
 
 
 @pytest.mark.parametrize("batch, match", [
@@ -137,7 +142,7 @@ def test_cifar_batch_of_the_wrong_shape_is_reported(tmp_path, batch, match):
     (tmp_path / "data_batch_1").write_bytes(pickle.dumps(batch))
     (tmp_path / "test_batch").write_bytes(pickle.dumps(batch))
     with pytest.raises(DataError, match=match):
-        datasets.load(str(tmp_path))
+        preprocess.load(str(tmp_path))
 
 def _table(n=50):
     rng = np.random.default_rng(1)
@@ -147,25 +152,26 @@ def _table(n=50):
 
 def test_csv_with_label_column(tmp_path):
     _table().to_csv(tmp_path / "data.csv", index=False)
-    data = datasets.load(str(tmp_path / "data.csv"), label_column="target")
+    data = preprocess.load(str(tmp_path / "data.csv"), label_column="target", labels=("no", "yes"),
+                         numeric_scaling="none", seed=3)
     assert data.kind == "table" and data.input_shape == (2,) and data.num_classes == 2
     assert len(data.train) + len(data.test) == 50
-    # stratified and fixed: both classes in the test split, the same split every time
-    again = datasets.load(str(tmp_path / "data.csv"), label_column="target")
+    # the keyed split is the same for the same seed
+    again = preprocess.load(str(tmp_path / "data.csv"), label_column="target", labels=("no", "yes"),
+                          numeric_scaling="none", seed=3)
     assert (data.test.tensors[0] == again.test.tensors[0]).all()
-    assert set(data.test.tensors[1].tolist()) == {0, 1}
 
 
 def test_parquet(tmp_path):
     _table().to_parquet(tmp_path / "data.parquet")
-    data = datasets.load(str(tmp_path / "data.parquet"), label_column="target")
+    data = preprocess.load(str(tmp_path / "data.parquet"), label_column="target")
     assert data.input_shape == (2,)
 
 
 @pytest.mark.parametrize("problem,match", [
     ("missing_label", "label column 'label' not found"),
     ("nan", "missing or infinite"),
-    ("one_class", "single value"),
+    ("one_class", r"only 1 class label\(s\) \['same'\] had enough training rows"),
 ])
 def test_table_errors(tmp_path, problem, match):
     frame = _table().rename(columns={"target": "label"})
@@ -177,7 +183,7 @@ def test_table_errors(tmp_path, problem, match):
         frame["label"] = "same"
     frame.to_csv(tmp_path / "t.csv", index=False)
     with pytest.raises(DataError, match=match):
-        datasets.load(str(tmp_path / "t.csv"))
+        preprocess.load(str(tmp_path / "t.csv"))
 
 
 
@@ -188,7 +194,7 @@ def test_empty_label_cell_is_refused_naming_column_and_row(tmp_path, numeric_lab
     rows = [f"{i},{i * 2},{label}" for i, label in enumerate(labels)]
     (tmp_path / "t.csv").write_text("a,b,target\n" + "\n".join(rows) + "\n")
     with pytest.raises(DataError, match=r"t.csv: column 'target' is empty in data row\(s\) \[4, 10\]"):
-        datasets.load(str(tmp_path / "t.csv"), label_column="target")
+        preprocess.load(str(tmp_path / "t.csv"), label_column="target")
 
 
 @pytest.mark.parametrize("column", ["b", "colour"])
@@ -198,7 +204,7 @@ def test_missing_feature_is_refused_naming_column_and_row(tmp_path, column):
     frame.loc[1, column] = None
     frame.to_csv(tmp_path / "t.csv", index=False)
     with pytest.raises(DataError, match=f"column '{column}' is missing or infinite in data row 2"):
-        datasets.load(str(tmp_path / "t.csv"))
+        preprocess.load(str(tmp_path / "t.csv"))
 
 
 def _mixed(n=40):
@@ -210,13 +216,14 @@ def _mixed(n=40):
 def test_text_and_bool_columns_are_one_hot_and_numeric_ones_left_for_scaling(tmp_path):
     frame = _mixed()
     frame.to_csv(tmp_path / "t.csv", index=False)
-    data = datasets.load(str(tmp_path / "t.csv"))
-    assert data.feature_names == ("colour=blue", "colour=red", "size", "member=False", "member=True")
-    assert data.to_scale == (2,)  # no public range: the private standardisation's job
-    assert data.categories_from_data == ("colour",)  # bool's set {False, True} is known without the data
+    data = preprocess.load(str(tmp_path / "t.csv"), numeric_scaling="none")
+    # colour's set is selected (exactly here, at ε = ∞) and has an "(other)" indicator; bool's is public
+    assert data.feature_names == ("colour=blue", "colour=red", "colour=(other)", "size", "member=False",
+                                  "member=True")
+    assert data.encoder.unscaled() == [3]  # no public range: the private standardisation's job
     x = torch.cat([data.train.tensors[0], data.test.tensors[0]])
-    assert (x[:, [0, 1]].sum(1) == 1).all() and (x[:, [3, 4]].sum(1) == 1).all()
-    assert sorted(x[:, 2].tolist()) == pytest.approx(sorted(frame["size"].tolist()))  # raw, unscaled
+    assert (x[:, [0, 1, 2]].sum(1) == 1).all() and (x[:, [4, 5]].sum(1) == 1).all()
+    assert sorted(x[:, 3].tolist()) == pytest.approx(sorted(frame["size"].tolist()))  # raw, unscaled
     reds = x[:, 1] == 1
     assert int(reds.sum()) == int((frame["colour"] == "red").sum())
 
@@ -225,19 +232,25 @@ def test_json_lines_load_like_csv(tmp_path):
     frame = _mixed()
     frame.to_csv(tmp_path / "t.csv", index=False)
     frame.to_json(tmp_path / "t.jsonl", orient="records", lines=True)
-    from_csv, from_jsonl = datasets.load(str(tmp_path / "t.csv")), datasets.load(str(tmp_path / "t.jsonl"))
+    from_csv = preprocess.load(str(tmp_path / "t.csv"), numeric_scaling="none", seed=0)
+    from_jsonl = preprocess.load(str(tmp_path / "t.jsonl"), numeric_scaling="none", seed=0)
     assert from_jsonl.feature_names == from_csv.feature_names
-    assert torch.allclose(from_jsonl.train.tensors[0], from_csv.train.tensors[0])
+
+    def rows(data):  # every row, whichever split its cells' text put it in (JSON keeps 10 digits)
+        x = torch.cat([data.train.tensors[0], data.test.tensors[0]])
+        return x[torch.argsort(x[:, 3])]
+
+    assert torch.allclose(rows(from_jsonl), rows(from_csv))
 
 
 def test_a_schema_declares_categories_and_ranges(tmp_path):
     _mixed().to_parquet(tmp_path / "t.parquet")
     schema = tables.Schema.from_dict({"categorical": {"colour": ["red", "green", "blue"]},
                                       "numeric": {"size": [-500, 500]}})
-    data = datasets.load(str(tmp_path / "t.parquet"), schema=schema)
+    data = preprocess.load(str(tmp_path / "t.parquet"), schema=schema, seed=0)
     assert data.feature_names[:4] == ("colour=red", "colour=green", "colour=blue", "size")
-    assert data.to_scale == () and data.categories_from_data == ()
-    raw = datasets.load(str(tmp_path / "t.parquet"))
+    assert data.encoder.unscaled() == [] and not data.encoder.columns[0].other
+    raw = preprocess.load(str(tmp_path / "t.parquet"), numeric_scaling="none", seed=0)
     size = raw.feature_names.index("size")
     assert torch.allclose(data.train.tensors[0][:, 3], raw.train.tensors[0][:, size] / 500)
     assert (data.train.tensors[0][:, 1] == 0).all()  # "green" is declared but never occurs
@@ -248,31 +261,33 @@ def test_a_column_neither_numeric_nor_text_is_refused(tmp_path):
     frame["when"] = pd.Timestamp("2020-01-01")
     frame.to_parquet(tmp_path / "t.parquet")
     with pytest.raises(DataError, match="column 'when' has type datetime64.*neither numeric nor text"):
-        datasets.load(str(tmp_path / "t.parquet"))
+        preprocess.load(str(tmp_path / "t.parquet"))
 
 
 def test_empty_test_split_is_refused(tmp_path):
-    # 2 examples per class: the held-out 20% rounds to none
-    (tmp_path / "t.csv").write_text("a,label\n1,0\n2,1\n3,0\n4,1\n")
-    with pytest.raises(DataError, match="the test split holds no examples"):
-        datasets.load(str(tmp_path / "t.csv"))
+    (tmp_path / "t.csv").write_text("a,label\n1,0\n")  # one row: one of the splits is empty
+    with pytest.raises(DataError, match="put none in the (test|training) split"):
+        preprocess.load(str(tmp_path / "t.csv"))
     rng = np.random.default_rng(0)
     write_idx(tmp_path / "train-images-idx3-ubyte", rng.integers(0, 256, (6, 4, 4)))
     write_idx(tmp_path / "train-labels-idx1-ubyte", np.arange(6) % 2)
     write_idx(tmp_path / "t10k-images-idx3-ubyte", np.zeros((0, 4, 4)))
     write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.zeros(0))
     with pytest.raises(DataError, match="the test split holds no examples"):
-        datasets.load(str(tmp_path))
+        preprocess.load(str(tmp_path))
 
 
-def test_test_labels_unseen_in_training_are_refused(tmp_path):
+def test_test_labels_not_among_the_classes_are_other_or_refused(tmp_path):
     rng = np.random.default_rng(0)
     write_idx(tmp_path / "train-images-idx3-ubyte", rng.integers(0, 256, (6, 4, 4)))
     write_idx(tmp_path / "train-labels-idx1-ubyte", np.arange(6) % 3)
     write_idx(tmp_path / "t10k-images-idx3-ubyte", rng.integers(0, 256, (4, 4, 4)))
     write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.array([0, 7, 9, 7]))
-    with pytest.raises(DataError, match=r"test labels \[7, 9\] never occur in the training split"):
-        datasets.load(str(tmp_path))
+    with pytest.raises(DataError, match=r"labels \['7', '9'\] are not among the declared classes"):
+        preprocess.load(str(tmp_path), labels=("0", "1", "2"))
+    selected = preprocess.load(str(tmp_path))  # selected classes: 7 and 9 are the "(other)" class
+    assert selected.classes == ("0", "1", "2", "(other)")
+    assert selected.test.tensors[1].tolist() == [0, 3, 3, 3]
 
 
 @pytest.mark.parametrize("name, content, match", [
@@ -284,7 +299,7 @@ def test_test_labels_unseen_in_training_are_refused(tmp_path):
 def test_unreadable_tables_are_reported(tmp_path, name, content, match):
     (tmp_path / name).write_bytes(content)
     with pytest.raises(DataError, match=match):
-        datasets.load(str(tmp_path / name))
+        preprocess.load(str(tmp_path / name))
 
 def test_hugging_face_directories(tmp_path):
     import datasets as hf
@@ -294,34 +309,37 @@ def test_hugging_face_directories(tmp_path):
                                              for _ in range(20)],
                                    "label": [i % 4 for i in range(20)]})
     hf.DatasetDict({"train": images, "test": images.select(range(5))}).save_to_disk(tmp_path / "img")
-    data = datasets.load(str(tmp_path / "img"))
+    data = preprocess.load(str(tmp_path / "img"))
     assert data.kind == "image" and data.input_shape == (1, 8, 8) and len(data.test) == 5
     no_rows = images.filter(lambda example: False)
     hf.DatasetDict({"train": images, "test": no_rows}).save_to_disk(tmp_path / "no_test")
     with pytest.raises(DataError, match="the test split holds no examples"):
-        datasets.load(str(tmp_path / "no_test"))
+        preprocess.load(str(tmp_path / "no_test"))
     hf.DatasetDict({"train": images, "test": images.select([])}).save_to_disk(tmp_path / "no_shard")
     with pytest.raises(DataError, match="load_from_disk could not read it"):  # the library's IndexError
-        datasets.load(str(tmp_path / "no_shard"))
+        preprocess.load(str(tmp_path / "no_shard"))
     table = hf.Dataset.from_pandas(_table().rename(columns={"target": "label"}))
     table.save_to_disk(tmp_path / "tab")
-    data = datasets.load(str(tmp_path / "tab"))
+    data = preprocess.load(str(tmp_path / "tab"))
     assert data.kind == "table" and len(data.train) + len(data.test) == 50
 
 
 def test_unknown_inputs_are_reported(tmp_path):
     with pytest.raises(DataError, match="not found"):
-        datasets.load(str(tmp_path / "missing.csv"))
+        preprocess.load(str(tmp_path / "missing.csv"))
     (tmp_path / "x.txt").write_text("hello")
     with pytest.raises(DataError, match="unknown file format"):
-        datasets.load(str(tmp_path / "x.txt"))
+        preprocess.load(str(tmp_path / "x.txt"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="cannot tell the format"):
-        datasets.load(str(tmp_path / "empty"))
+        preprocess.load(str(tmp_path / "empty"))
 
 
-def test_digits_split_is_fixed_and_stratified():
-    data = datasets.load("digits")
-    assert len(data.train) + len(data.test) == 1797
-    assert data.input_shape == (1, 8, 8) and data.num_classes == 10
+def test_digits_split_is_keyed_by_the_seed():
+    data = preprocess.load("digits", seed=0)
+    assert len(data.train) + len(data.test) == 1797 and 0.15 < len(data.test) / 1797 < 0.25
+    assert data.input_shape == (1, 8, 8) and data.num_classes == 10 and data.releases == ()
     assert sorted(set(data.test.tensors[1].tolist())) == list(range(10))
+    assert torch.equal(preprocess.load("digits", seed=0).test.tensors[0], data.test.tensors[0])
+    secret = [preprocess.load("digits").test.tensors[0] for _ in range(2)]  # a secret key per run
+    assert secret[0].shape != secret[1].shape or not torch.equal(*secret)

@@ -57,8 +57,9 @@ def test_train_in_two_processes_spends_the_epsilon_of_one_and_writes_once(tmp_pa
     one = train(TrainConfig(dataset=data, epsilon=1.0, epochs=None, steps=STEPS, seed=SEED, batch_size=512,
                             hidden=(8,), quiet=True))
     assert (two["processes"], one["processes"]) == (WORLD, 1)
-    assert two["standardisation"] is not None  # the release outside the steps was made, and accounted:
-    assert two["standardisation"] == one["standardisation"]
+    # the releases outside the steps (label set, standardisation) were made once, and accounted:
+    assert [r["release"] for r in two["preprocessing"]] == ["category and label sets", "standardisation"]
+    assert two["preprocessing"] == one["preprocessing"]
     assert two["epsilon"] == one["epsilon"]
     assert 0.5 < two["epsilon"] <= 1.0
     assert two["steps"] == one["steps"] == STEPS

@@ -13,6 +13,7 @@ from models import MLP, ConvNet, EmbeddingModel, FallbackNet, NormNet, SequenceL
 from tunefree.clipping.functions import CLIP_FUNCTIONS, ClipFunction
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
+from tunefree.rules import conv as conv_rule
 from tunefree.rules.paths import PathChooser
 
 
@@ -114,11 +115,16 @@ CONV_CASES = [
 ]
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-grads", "batched-matmul-grads"])
 @pytest.mark.parametrize("path", [None, "ghost", "materialise"], ids=["formula", "ghost", "materialise"])
 @pytest.mark.parametrize("dims,kwargs", CONV_CASES)
 @pytest.mark.parametrize("grouping", ["all-layer", "per-layer"])
-def test_convolutions_match_brute_force(dims, kwargs, grouping, path):
-    """Every convolution variant by both norm paths (forced), and by the one the cost formula picks."""
+def test_convolutions_match_brute_force(dims, kwargs, grouping, path, native, monkeypatch):
+    """Every convolution variant by both norm paths (forced), and by the one the cost formula picks; the
+    per-sample gradients by the CPU's native grouped kernel and by the batched matrix product that other
+    devices (CUDA) use."""
+    if not native:
+        monkeypatch.setattr(conv_rule, "NATIVE_PER_SAMPLE", frozenset())
     g = torch.Generator().manual_seed(2)
     size = {1: (4, 11), 2: (4, 7, 8), 3: (4, 5, 6, 5)}[dims]
     x = torch.randn(4, *size, generator=g)

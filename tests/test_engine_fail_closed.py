@@ -164,10 +164,11 @@ def test_bfloat16_autocast_matches_float32():
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
 
-    def clipped(use_autocast):
-        engine = engine_for(model)
+    def clipped(use_autocast):  # a summed loss: 16-bit gradients of a mean loss are refused
+        engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"),
+                                loss_reduction="sum")
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_autocast):
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(model(x), y, reduction="sum")
         loss.backward()
         sums, _, norms = engine.pop_step()
         engine.detach()

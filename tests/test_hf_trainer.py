@@ -68,10 +68,11 @@ def test_epsilon_is_logged_from_the_ledger_and_the_trainer_takes_the_planned_ste
     recorder = Recorder()
     trainer = PrivateTrainer(bert(), arguments(tmp_path, gradient_accumulation_steps=2, num_train_epochs=1.5,
                                                eval_strategy="steps", eval_steps=3, logging_steps=3),
-                             train_dataset=text_data(32), eval_dataset=text_data(8), target_epsilon=4.0,
+                             train_dataset=text_data(32), eval_dataset=text_data(40)[32:], target_epsilon=4.0,
                              target_delta=1e-2, example_loss=recorder,
                              privacy={"seed": 0, "accountant": "rdp"})  # RDP: ε in milliseconds per log
-    trainer.train()
+    with pytest.warns(UserWarning, match="the guarantee covers train_dataset only"):
+        output = trainer.train()
     engine = trainer.engine
     # q = 4·2/32: epochs of round(1/q) = 4 steps, 1.5 epochs → 6 planned steps, all taken by the Trainer
     assert engine.sample_rate == 8 / 32 and engine.planned_steps == 6
@@ -86,6 +87,9 @@ def test_epsilon_is_logged_from_the_ledger_and_the_trainer_takes_the_planned_ste
     assert [log["step"] for log in evaluations] == [3, 6] and all("epsilon" in log for log in evaluations)
     unreleased = {"loss", "train_loss", "grad_norm", "total_flos"}
     assert not any(unreleased & set(log) for log in trainer.state.log_history)
+    # nothing computed from the training data without noise comes back from train() either
+    assert output.training_loss is None and not unreleased & set(output.metrics)
+    assert output.global_step == 6 and "train_runtime" in output.metrics
     # physical batches of at most per_device_train_batch_size rows; the last step's rows are its examples
     assert all(len(b["labels"]) <= 4 for b in recorder.batches)
     assert engine.optimizer.verified and engine.last_step.examples > 0
@@ -205,3 +209,26 @@ def test_a_peft_lora_model_trains_only_its_adapters(tmp_path):
     assert trainer.engine.steps == 2
     assert changed == {n for n, p in model.named_parameters() if p.requires_grad} and changed
     assert all("lora_" in n for n in changed)
+
+
+def test_evaluating_or_predicting_on_training_examples_is_refused(tmp_path):
+    train = text_data(16)
+    with pytest.raises(tunefree.PrivacyError, match="eval_dataset shares 16 of its 16 examples"):
+        PrivateTrainer(bert(), arguments(tmp_path), train_dataset=train, eval_dataset=train,
+                       noise_multiplier=1.0, target_delta=1e-2)
+    # one training example among held-out ones, in another form (lists, not tensors), in a dict of sets
+    held_out = text_data(24)[16:]
+    mixed = [*held_out[:3], {k: v.tolist() for k, v in train[5].items()}]
+    with pytest.raises(tunefree.PrivacyError, match="shares 1 of its 4 examples with train_dataset"):
+        PrivateTrainer(bert(), arguments(tmp_path), train_dataset=train,
+                       eval_dataset={"clean": held_out, "mixed": mixed}, noise_multiplier=1.0,
+                       target_delta=1e-2)
+    trainer = PrivateTrainer(bert(), arguments(tmp_path, max_steps=1), train_dataset=train,
+                             eval_dataset=held_out, noise_multiplier=1.0, target_delta=1e-2,
+                             privacy={"seed": 0})
+    with pytest.warns(UserWarning, match="not eval_dataset"):
+        assert "eval_loss" in trainer.evaluate()  # held-out examples: evaluated (outside the guarantee)
+    with pytest.raises(tunefree.PrivacyError, match="the evaluation data set shares 2 of its 2"):
+        trainer.evaluate(eval_dataset=train[:2])
+    with pytest.raises(tunefree.PrivacyError, match="the prediction data set shares 1 of its 3"):
+        trainer.predict([*held_out[:2], train[0]])

@@ -1,5 +1,8 @@
 """Mixed precision: bf16/fp16 autocast, full bf16 parameters, and fp16 loss scaling with GradScaler.
 
+Losses are summed (``loss_reduction="sum"``): gradients in 16 bits under a mean loss are refused (each
+example's rounding would depend on the batch size; ``tests/test_invariant_amp.py``).
+
 The loss scale never reaches a clip weight (norms are taken of unscaled gradients), an example that
 overflows adds nothing where it overflows while the step is released and recorded as planned, and a
 release that overflows in the parameters' dtype is recorded and only its update skipped.
@@ -73,11 +76,11 @@ def test_bf16_autocast_norms_and_clipped_sums_match_brute_force_in_the_same_auto
     reference = copy.deepcopy(model)
     ids, y = token_batch()
     groups = make_groups(model, "per-param", 1.0)
-    engine = ClippingEngine(model, groups, ClipFunction(clip), loss_reduction="mean")
+    engine = ClippingEngine(model, groups, ClipFunction(clip), loss_reduction="sum")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(ids)
         assert logits.dtype == torch.bfloat16
-        loss = F.cross_entropy(logits, y)
+        loss = F.cross_entropy(logits, y, reduction="sum")
     loss.backward()
     sums, examples, norms = engine.pop_step()
     assert examples == len(y)
@@ -106,9 +109,9 @@ def test_generic_fallback_replays_the_autocast_of_the_forward(dtype):
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(5, 3, 3, generator=g), torch.randint(0, 3, (5,), generator=g)
     groups = make_groups(model, "per-layer", 1.0)
-    engine = ClippingEngine(model, groups, ClipFunction("auto-s"), loss_reduction="mean")
+    engine = ClippingEngine(model, groups, ClipFunction("auto-s"), loss_reduction="sum")
     with torch.autocast("cpu", dtype=dtype):
-        loss = F.cross_entropy(model(x), y)
+        loss = F.cross_entropy(model(x), y, reduction="sum")
     loss.backward()
     _, _, norms = engine.pop_step()
     with torch.autocast("cpu", dtype=dtype):
@@ -139,13 +142,16 @@ def test_autocast_clipped_contributions_respect_the_bound():
 
 # ----------------------------------------------------------------------------- GradScaler
 def private_run(*, scale=None, autocast=None, clipping="auto-s", noise=0.0, max_grad_norm=0.05, **kwargs):
+    """A private run of summed losses: a GradScaler needs loss_reduction="sum" (a mean would make each
+    example's overflow depend on the batch size; see tests/test_invariant_amp.py)."""
     torch.manual_seed(1)
     model = DenseNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     x, y = dense_data()
     engine = tunefree.make_private(model, optimizer, DataLoader(TensorDataset(x, y), batch_size=10),
                                    noise_multiplier=noise, target_delta=1e-3, seed=0, steps=4,
-                                   clipping=clipping, max_grad_norm=max_grad_norm, **kwargs)
+                                   clipping=clipping, max_grad_norm=max_grad_norm, loss_reduction="sum",
+                                   **kwargs)
     scaler = None
     if scale is not None:
         scaler = torch.amp.GradScaler("cpu", init_scale=scale)
@@ -161,7 +167,7 @@ def train_step(engine, scaler, autocast, loss_weights=None):
             losses = F.cross_entropy(engine.model(x), y, reduction="none")
         if loss_weights is not None:
             losses = losses * loss_weights[:len(losses)]
-        loss = losses.mean()
+        loss = losses.sum()
         if scaler is None:
             loss.backward()
             engine.optimizer.step()
@@ -209,7 +215,7 @@ def test_without_the_scaler_attached_the_loss_scale_would_change_the_update():
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 14)
     x, y = next(iter(engine.data_loader))
     with torch.autocast("cpu", dtype=torch.float16):
-        loss = F.cross_entropy(engine.model(x), y)
+        loss = F.cross_entropy(engine.model(x), y, reduction="sum")
     scaler.scale(loss).backward()
     engine.optimizer.step()  # the release of sums clipped with the scale left in
     unattached = [p.grad for p in engine.model.parameters()]
@@ -218,7 +224,7 @@ def test_without_the_scaler_attached_the_loss_scale_would_change_the_update():
 
     engine, _, _ = private_run(autocast=torch.float16)
     x, y = next(iter(engine.data_loader))
-    scaler.scale(F.cross_entropy(engine.model(x), y)).backward()
+    scaler.scale(F.cross_entropy(engine.model(x), y, reduction="sum")).backward()
     with pytest.raises(ValueError, match="attach_grad_scaler"):
         scaler.step(engine.optimizer)
     assert engine.steps == 0
@@ -265,7 +271,7 @@ def test_non_finite_input_of_one_example_is_zeroed_where_it_enters():
         with torch.autocast("cpu", dtype=torch.float16):
             losses = F.cross_entropy(engine.model(x if poison else x.nan_to_num(posinf=0.0)), y,
                                      reduction="none")
-        loss = losses.mean() if poison else (losses * keep).mean()
+        loss = losses.sum() if poison else (losses * keep).sum()
         assert torch.isfinite(loss).item() is not poison
         scaler.scale(loss).backward()
         scaler.step(engine.optimizer)
@@ -285,11 +291,12 @@ def test_release_overflowing_the_parameter_dtype_is_recorded_and_the_update_skip
     x, y = dense_data()
     engine = tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                    DataLoader(TensorDataset(x.half(), y), batch_size=10),
-                                   noise_multiplier=1e9, target_delta=1e-3, seed=0, steps=4)
+                                   noise_multiplier=1e9, target_delta=1e-3, seed=0, steps=4,
+                                   loss_reduction="sum")
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
     engine.optimizer.attach_grad_scaler(scaler)
     xb, yb = next(iter(engine.data_loader))
-    scaler.scale(F.cross_entropy(model(xb), yb)).backward()
+    scaler.scale(F.cross_entropy(model(xb), yb, reduction="sum")).backward()
     scaler.step(engine.optimizer)
     scaler.update()
     assert engine.steps == 1
@@ -312,7 +319,7 @@ def test_grad_scaler_with_physical_micro_batches():
     while True:
         x, y = next(batches)
         with torch.autocast("cpu", dtype=torch.float16):
-            loss = F.cross_entropy(engine.model(x), y)
+            loss = F.cross_entropy(engine.model(x), y, reduction="sum")
         scaler.scale(loss).backward()
         if not engine.schedule.ends_logical:
             break
@@ -338,8 +345,8 @@ def test_full_bf16_parameters_train_in_bf16_with_float32_release():
     x, y = dense_data(6)
     x = x.to(torch.bfloat16)
     groups = make_groups(model, "per-layer", 1.0)
-    engine = ClippingEngine(model, groups, ClipFunction("auto-s"), loss_reduction="mean")
-    F.cross_entropy(model(x), y).backward()
+    engine = ClippingEngine(model, groups, ClipFunction("auto-s"), loss_reduction="sum")
+    F.cross_entropy(model(x), y, reduction="sum").backward()
     sums, _, norms = engine.pop_step()
     grads = per_example_grads(reference, F.cross_entropy, x, y)
     _, expected_norms = clipped_sum(grads, make_groups(reference, "per-layer", 1.0), ClipFunction("auto-s"))
@@ -352,7 +359,8 @@ def test_full_bf16_parameters_train_in_bf16_with_float32_release():
     xs, ys = dense_data()
     private = tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                     DataLoader(TensorDataset(xs.to(torch.bfloat16), ys), batch_size=10),
-                                    noise_multiplier=1.0, target_delta=1e-3, seed=0, steps=4)
+                                    noise_multiplier=1.0, target_delta=1e-3, seed=0, steps=4,
+                                    loss_reduction="sum")  # train_step sums the losses
     before = [p.detach().clone() for p in model.parameters()]
     train_step(private, None, None)
     assert private.steps == 1

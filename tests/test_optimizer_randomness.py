@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import copy
 import os
-from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.privacy import randomness as randomness_module
+from tunefree.privacy import chacha20
 
 
 def data(n=60):
@@ -39,22 +39,29 @@ def train(engine, steps):
         engine.optimizer.step()
 
 
-def test_default_run_draws_sampling_and_noise_from_os_urandom(monkeypatch):
-    engine = private()
-    drawn, urandom = [], os.urandom
+def test_default_run_draws_sampling_and_noise_from_one_key_read_from_os_urandom(monkeypatch):
+    """Every secret number of a run (sampling and noise) is a function of the 32 bytes the process reads
+    from ``os.urandom``: the same bytes give the same run, other bytes another run."""
+    reads = []
 
-    def counting(count):
-        drawn.append(count)
-        return urandom(count)
+    def fixed(key):
+        def urandom(count):
+            reads.append(count)
+            return key[:count]
+        return urandom
 
-    monkeypatch.setattr(randomness_module.os, "urandom", counting)
-    train(engine, 1)
-    coordinates = sum(p.numel() for p in engine.model.parameters())
-    # Box-Muller: two 8-byte uniforms per pair of noise coordinates, plus 8 bytes per example for sampling.
-    assert sum(drawn) >= 8 * coordinates + 8 * 60
+    weights = []
+    for key in (bytes(range(32)), bytes(range(32)), bytes(range(1, 33))):
+        monkeypatch.setattr(chacha20, "os", SimpleNamespace(urandom=fixed(key), getpid=os.getpid))
+        engine = private()
+        train(engine, 2)
+        weights.append(engine.model[0].weight.detach().clone())
+    assert reads == [32, 32, 32]  # one key per run's source, nothing else read
+    assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], weights[2])
     assert engine.randomness.secret and engine.randomness.seed is None
     assert "seed" not in str(engine.guarantee())
-    assert engine.state_dict()["randomness"]["randomness"] == "secure"
+    assert engine.state_dict()["randomness"] == {"seed": None, "secure": True, "randomness": "secure",
+                                                 "noise": {}}  # no key, no counter in a checkpoint
 
 
 def test_two_default_runs_with_the_same_torch_seed_differ():
@@ -101,89 +108,6 @@ def test_a_checkpoint_resumes_only_in_the_mode_it_was_made_in():
         seeded.load_state_dict(secure.state_dict())
     with pytest.raises(ValueError, match="seeded run and this run is secure"):
         secure.load_state_dict(seeded.state_dict())
-
-
-class InlineExecutor:
-    """Runs each submitted draw at once, so that the order of draws does not depend on the timing of
-    the background thread (the draw ahead is then made the moment it is asked for)."""
-
-    def __init__(self, **_):
-        pass
-
-    def submit(self, fn, *args):
-        future = Future()
-        future.set_result(fn(*args))
-        return future
-
-
-@pytest.fixture
-def numbered_draws(monkeypatch):
-    """Replaces the OS-backed Box-Muller draw by one whose k-th call returns k everywhere, to follow
-    which block each release receives."""
-    calls = []
-
-    def draw(count):
-        calls.append(count)
-        return torch.full((count,), float(len(calls)), dtype=torch.float64)
-
-    monkeypatch.setattr(randomness_module, "_secure_normal", draw)
-    monkeypatch.setattr(randomness_module, "ThreadPoolExecutor", InlineExecutor)
-    return calls
-
-
-def test_secure_noise_is_drawn_one_release_ahead_and_each_block_is_used_once(numbered_draws):
-    randomness = randomness_module.SecretSource()
-    shapes = [torch.Size([30, 40]), torch.Size([40])]
-    first = randomness.normals(shapes, torch.device("cpu"), torch.float32)
-    second = randomness.normals(shapes, torch.device("cpu"), torch.float32)
-    third = randomness.normals(shapes, torch.device("cpu"), torch.float32)
-    # call 1 serves the first release at once; each release then starts the next block's draw
-    assert [float(z[0].flatten()[0]) for z in (first, second, third)] == [1.0, 2.0, 3.0]
-    assert numbered_draws == [1240] * 4  # three used, the fourth drawn ahead for the next release
-    assert [z.shape for z in third] == shapes
-
-
-def test_blocks_drawn_ahead_are_kept_per_size_and_small_draws_are_not_drawn_ahead(numbered_draws):
-    randomness = randomness_module.SecretSource()
-    cpu, f64 = torch.device("cpu"), torch.float64
-    big, small = torch.Size([2000]), torch.Size([3])
-    assert float(randomness.normal(big, cpu, f64)[0]) == 1.0
-    assert float(randomness.normal(small, cpu, f64)[0]) == 3.0  # block 2 is the big one drawn ahead
-    assert float(randomness.normal(small, cpu, f64)[0]) == 4.0  # nothing of size 3 was drawn ahead
-    assert float(randomness.normal(big, cpu, f64)[0]) == 2.0
-    assert numbered_draws == [2000, 2000, 3, 3, 2000]
-
-
-def test_a_forked_process_never_uses_noise_drawn_ahead_before_the_fork(numbered_draws, monkeypatch):
-    randomness = randomness_module.SecretSource()
-    shape = [torch.Size([5000])]
-    assert float(randomness.normals(shape, torch.device("cpu"), torch.float64)[0][0]) == 1.0
-    monkeypatch.setattr(randomness_module.os, "getpid", lambda: -1)  # as seen from a forked child
-    assert float(randomness.normals(shape, torch.device("cpu"), torch.float64)[0][0]) == 3.0
-
-
-def test_secure_normals_are_standard_normal():
-    z = randomness_module._secure_normal(200_001)
-    assert z.shape == (200_001,) and z.dtype == torch.float64
-    assert abs(float(z.mean())) < 0.01 and abs(float(z.std()) - 1) < 0.01
-    assert abs(float((z.abs() < 1).double().mean()) - 0.6827) < 0.005  # the normal's mass within 1σ
-
-
-def test_secure_poisson_samples_are_drawn_one_step_ahead_and_each_block_is_used_once(monkeypatch):
-    calls = []
-
-    def draw(count):  # the k-th draw includes exactly the examples 0..k-1
-        calls.append(count)
-        return (torch.arange(count) >= len(calls)).double()
-
-    monkeypatch.setattr(randomness_module, "_secure_uniform", draw)
-    monkeypatch.setattr(randomness_module, "ThreadPoolExecutor", InlineExecutor)
-    randomness = randomness_module.SecretSource()
-    included = [randomness.inclusion(step, 2000, 0.5) for step in range(3)]
-    assert [int(mask.sum()) for mask in included] == [1, 2, 3]  # blocks 1, 2, 3: each used once
-    assert calls == [2000] * 4  # the fourth drawn ahead for the next step
-    assert int(randomness.inclusion(3, 100, 0.5).sum()) == 5  # a small draw is made when asked
-    assert calls == [2000] * 4 + [100]
 
 
 FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint_v0_1.pt"

@@ -19,7 +19,9 @@ import tunefree
 from tunefree.clipping.functions import ClipFunction
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
-from tunefree.rules.conv import ConvWeightGrad, unfold
+from tunefree.rules import conv as conv_rule
+from tunefree.rules import factored
+from tunefree.rules.conv import ConvWeightGrad, patches
 from tunefree.rules.factored import FactoredGrad, examples_per_chunk
 from tunefree.rules.paths import GHOST, MATERIALISE, UNFOLD_COST, PathChooser, factored_estimates
 
@@ -174,20 +176,22 @@ def test_fixed_path_and_bad_arguments():
 
 def test_estimates_are_the_multiply_adds_of_each_path():
     assert factored_estimates(2, 5, 3, 4) == {GHOST: 2 * 25 * 7, MATERIALISE: 2 * 5 * 12}
-    # a convolution's ghost norm first writes its T·d_in unfolded patches
-    assert factored_estimates(2, 5, 3, 4, unfolded=True) == {GHOST: 2 * (25 * 7 + UNFOLD_COST * 5 * 3),
-                                                               MATERIALISE: 2 * 5 * 12}
+    # a convolution's paths both first copy its T·d_in patches
+    unfold = UNFOLD_COST * 5 * 3
+    assert factored_estimates(2, 5, 3, 4, unfolded=True) == {GHOST: 2 * (25 * 7 + unfold),
+                                                               MATERIALISE: 2 * (5 * 12 + unfold)}
 
 
 @pytest.mark.parametrize("conv, size, ghost", [
-    (nn.Conv2d(16, 32, 4, stride=2), (16, 13, 13), False),   # mnist-cnn's second layer: 25 positions
+    (nn.Conv2d(16, 32, 4, stride=2), (16, 13, 13), True),   # mnist-cnn's second layer: 25 positions
     (nn.Conv2d(1, 16, 8, stride=2, padding=3), (1, 28, 28), False),  # its first: 196 positions
     (nn.Conv2d(128, 128, 3, padding=1), (128, 4, 4), True),  # a resnet's 4×4 stage: 16 positions, wide
     (nn.Conv2d(16, 32, 3, padding=1), (16, 16, 16), False),  # 256 positions, narrow
 ])
 def test_the_formula_picks_the_measured_faster_conv_path(conv, size, ghost):
-    """Near the crossover the patches' unfolding decides (RESULTS §8.4: mnist-cnn's second layer, B 256,
-    ghost 5.4 ms against 3.3 ms materialised); far from it the multiply-adds do."""
+    """On the CPU the ghost norm copies the patches and the native kernel materialises without them; near
+    the crossover the copy decides (one thread, RESULTS §8.5: mnist-cnn's second layer at B 256, ghost
+    7.3 ms against 13–15 ms materialised); far from it the multiply-adds do."""
     x = torch.randn(2, *size)
     grad = ConvWeightGrad(conv, x, torch.ones_like(conv(x)))
     assert grad._ghost_is_cheaper() is ghost
@@ -201,7 +205,8 @@ def _weights_of(calls):
 
 
 @pytest.mark.parametrize("path", [GHOST, MATERIALISE])
-def test_factored_clipped_sum_slices_examples_and_matches_explicit(path):
+def test_factored_clipped_sum_slices_examples_and_matches_explicit(path, monkeypatch):
+    monkeypatch.setattr(factored, "SLICE_LIMIT", 16)  # slices as small as the layer's own tensors
     g = torch.Generator().manual_seed(0)
     batch, groups, positions, d_in, d_out = 7, 2, 1, 6, 5
     a = torch.randn(batch, groups, positions, d_in, generator=g, dtype=torch.float64)
@@ -225,10 +230,19 @@ def test_factored_clipped_sum_slices_examples_and_matches_explicit(path):
         assert calls == [batch]
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-grads", "batched-matmul-grads"])
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole-batch", "sliced"])
 @pytest.mark.parametrize("path", [GHOST, MATERIALISE])
 @pytest.mark.parametrize("kwargs", [{"padding": 1}, {"stride": 2, "groups": 2},
                                     {"padding": 1, "padding_mode": "circular"}])
-def test_conv_clipped_sum_matches_a_per_example_loop(path, kwargs):
+def test_conv_clipped_sum_matches_a_per_example_loop(path, kwargs, sliced, native, monkeypatch):
+    """Norms alone and the fused clipped sum, over the whole batch at once or in slices of examples
+    (slices of 2: the batch of 5 is split in 3), with the per-sample gradients by
+    the native grouped kernel (CPU) or by the batched matrix product (other devices)."""
+    if not native:
+        monkeypatch.setattr(conv_rule, "NATIVE_PER_SAMPLE", frozenset())
+    if sliced:
+        monkeypatch.setattr(conv_rule, "examples_per_chunk", lambda per_example, layer_elements: 2)
     g = torch.Generator().manual_seed(1)
     conv = nn.Conv2d(4, 6, 3, **kwargs).double()
     x = torch.randn(5, 4, 6, 7, generator=g, dtype=torch.float64)
@@ -241,28 +255,48 @@ def test_conv_clipped_sum_matches_a_per_example_loop(path, kwargs):
     weights = 1.0 / ((sq + other).sqrt() + 0.1)
     grad = ConvWeightGrad(conv, x, grad_out)
     grad.chooser = PathChooser(fixed=path)
+    slices = 3 if sliced else 1
+    assert -(-5 // grad._chunk(path)) == slices
+    calls = []
     with torch.no_grad():
-        result = grad.clipped_sum(other, _weights_of([]))
+        torch.testing.assert_close(grad.sq_norms_by(path), sq)
+        result = grad.clipped_sum(other, _weights_of(calls))
+    assert len(calls) == (slices if path == MATERIALISE else 1)
     torch.testing.assert_close(result.total, torch.einsum("b,boihw->oihw", weights, per_example))
     torch.testing.assert_close(result.sq_norms, sq)
     torch.testing.assert_close(result.weights, weights)
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"stride": (2, 1)}, {"dilation": (1, 2)},
-                                    {"stride": 3, "dilation": 2}])
-def test_two_dimensional_unfold_gives_the_convolution(kwargs):
+@pytest.mark.parametrize("dims, kwargs", [
+    (2, {}), (2, {"stride": (2, 1)}), (2, {"dilation": (1, 2)}), (2, {"stride": 3, "dilation": 2}),
+    (2, {"groups": 2, "stride": 2}), (2, {"groups": 4}), (1, {"stride": 2, "dilation": 3, "groups": 2}),
+    (3, {"stride": (1, 2, 1), "dilation": (2, 1, 1)}), (3, {"groups": 2}),
+])
+@pytest.mark.parametrize("layout", ["contiguous", "channels-last"])
+def test_patches_give_the_convolution(dims, kwargs, layout):
+    """The batched patches (one strided view of the input, copied once) times the weight are the
+    convolution, for every stride, dilation and grouping, whatever the input's memory layout."""
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(3, 4, 9, 8, generator=g, dtype=torch.float64)
-    weight = torch.randn(5, 4, 3, 2, generator=g, dtype=torch.float64)
-    stride, dilation = kwargs.get("stride", 1), kwargs.get("dilation", 1)
-    pair = lambda v: v if isinstance(v, tuple) else (v, v)  # noqa: E731
-    patches = unfold(x, (3, 2), pair(stride), pair(dilation))
-    expected = F.conv2d(x, weight, stride=stride, dilation=dilation)
-    torch.testing.assert_close((patches @ weight.reshape(5, -1).T).transpose(1, 2),
-                               expected.flatten(2))
+    size = {1: (11,), 2: (9, 8), 3: (6, 7, 5)}[dims]
+    x = torch.randn(3, 4, *size, generator=g, dtype=torch.float64)
+    if layout == "channels-last":  # the same values, strided differently
+        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
+    kernel = {1: (3,), 2: (3, 2), 3: (2, 3, 2)}[dims]
+    groups = kwargs.get("groups", 1)
+    weight = torch.randn(8, 4 // groups, *kernel, generator=g, dtype=torch.float64)
+    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
+    expected = conv(x, weight, **kwargs)
+    tuple_of = lambda v: v if isinstance(v, tuple) else (v,) * dims  # noqa: E731
+    a = patches(x, kernel, tuple_of(kwargs.get("stride", 1)), tuple_of(kwargs.get("dilation", 1)), groups)
+    assert a.shape == (3, groups, expected[0, 0].numel(), weight[0].numel())
+    assert a.transpose(-1, -2).is_contiguous()  # one copy, output positions innermost
+    per_group = weight.reshape(groups, 8 // groups, -1)  # [G, C_out/G, d_in]
+    out = (a @ per_group.transpose(-1, -2)[None]).transpose(-1, -2)  # [B, G, C_out/G, T]
+    torch.testing.assert_close(out.reshape(expected.shape), expected)
 
 
-def test_materialised_norms_too_large_to_keep_are_taken_slice_by_slice():
+def test_materialised_norms_too_large_to_keep_are_taken_slice_by_slice(monkeypatch):
+    monkeypatch.setattr(factored, "SLICE_LIMIT", 16)
     g = torch.Generator().manual_seed(4)
     a = torch.randn(9, 1, 1, 8, generator=g, dtype=torch.float64)  # one example's gradient: 40 numbers,
     b = torch.randn(9, 1, 1, 5, generator=g, dtype=torch.float64)  # the layer holds 9·13: 2 per slice
@@ -288,3 +322,16 @@ def test_a_seeded_run_follows_the_cost_estimates_and_a_secure_run_times_the_path
 
     assert engine(seed=0).clipping_engine.path_chooser.measure is False
     assert engine(seed=None).clipping_engine.path_chooser.measure is True
+
+
+def test_the_number_of_slices_is_set_by_the_layer_not_the_batch():
+    """Slices of examples hold at most max(the layer's captured tensors, SLICE_LIMIT): the whole batch
+    while it fits, and never more slices than one example's work over its captured elements (+2 for
+    rounding)."""
+    per_example, captured = 100_000, 300  # one example's work is 333 times its captured tensors
+    slices = {batch: -(-batch // examples_per_chunk(per_example, batch * captured))
+              for batch in (1, 8, 41, 42, 64, 1024, 2**14, 2**17)}
+    assert slices[1] == slices[8] == slices[41] == 1  # 41 examples' work fits in SLICE_LIMIT
+    assert slices[42] == 2
+    assert max(slices.values()) <= per_example // captured + 2
+    assert abs(slices[2**14] - slices[2**17]) <= 1  # beyond SLICE_LIMIT: set by the layer's shape alone

@@ -80,6 +80,7 @@ def make_private(
     verify_every: int | None = None,
     audit_canaries: int | None = None,
     batch_dim: int | Mapping[str, int] = 0,
+    public_buffers: list[str] | tuple[str, ...] = (),
 ) -> DPEngine:
     """Make ``model`` train with an (ε, δ)-DP guarantee, accounted exactly from every release.
 
@@ -159,6 +160,12 @@ def make_private(
             m gradient canaries, each a member with probability ½, released with the gradient on a
             block of coordinates outside the model (``tunefree.privacy.canaries``). They touch no
             private data, so the ledger and ε are unchanged, and never reach the model or optimizer.
+        public_buffers: names of buffers or module attributes (as ``model.named_buffers()`` spells them)
+            that forward passes write from public information only, e.g. a cache that depends only on
+            the sequence length. Every other change of the model's parameters, buffers and attributes
+            between private steps, except the optimizer's update, is refused (``docs/refusals.md``);
+            writes between steps that depend on public values only go inside
+            ``with engine.public_writes():``.
 
     Any option given where it has no effect, or together with its typed form, is refused with a
     ``ValueError`` naming it.
@@ -223,7 +230,7 @@ def make_private(
         audit_canaries, clip_groups, plan.sample_rate, canary_randomness(seed))
     return _build_engine(plan, model, optimizer, loader, randomness, schedule, clip, clip_groups,
                          quantile, noise_allocation, loss_reduction, poisson_sampling,
-                         options.verify_every, parallel, canaries, options.batch_dim)
+                         options.verify_every, parallel, canaries, options.batch_dim, public_buffers)
 
 
 def _dog(optimizer: torch.optim.Optimizer, release: GradientRelease, plan: Plan) -> DistanceOverGradients:
@@ -286,8 +293,8 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
                   clip_groups: list[ClipGroup], quantile: QuantileSettings | None,
                   noise_allocation: str, loss_reduction: str, poisson_sampling: bool,
                   verify_every: int | None, parallel: DataParallel | ShardedDataParallel | None = None,
-                  canaries: GradientCanaries | None = None, batch_dim: int | Mapping[str, int] = 0
-                  ) -> DPEngine:
+                  canaries: GradientCanaries | None = None, batch_dim: int | Mapping[str, int] = 0,
+                  public_buffers: list[str] | tuple[str, ...] = ()) -> DPEngine:
     """The run's parts, with every noise read off the solved ``plan``."""
     auto_lr = None
     if plan.losses is not None:
@@ -320,7 +327,7 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
     if plan.settings.get("auto_lr", {}).get("mode") == "dog":
         lr_rule = _dog(optimizer, release, plan)
     module = model if parallel is None else parallel.module
-    ledger = Ledger(poisson_approximation=not poisson_sampling)
+    ledger = Ledger(poisson_approximation=not poisson_sampling, seeded=not randomness.secret)
     # Hooks go on last, so that a refused argument leaves the model as it was given.
     # The engine books into it, the optimizer releases from it; FSDP2 keeps only this rank's shards.
     accumulator = ShardedAccumulator(parallel, clip_groups) if isinstance(parallel, ShardedDataParallel) \
@@ -333,7 +340,7 @@ def _build_engine(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
         clipping_engine.set_thresholds(estimator.thresholds())
     try:
         private_optimizer = DPOptimizer(optimizer, clipping_engine, release, ledger, plan.sample_rate,
-                                        plan.expected_batch_size, schedule, accumulator)
+                                        plan.expected_batch_size, schedule, accumulator, public_buffers)
     except ValueError:
         clipping_engine.detach()
         raise

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,16 +14,17 @@ from .clipping.groups import ClipGroup, sensitivity
 from .components.dog import DistanceOverGradients
 from .components.hyfreedp import AutoLearningRate
 from .components.thresholds import QuantileEstimator
-from .data.poisson import StepSchedule
+from .data.poisson import PoissonDataLoader, StepSchedule
+from .errors import PrivacyError
 from .parallel.ddp import DataParallel
 from .parallel.fsdp import ShardedDataParallel
 from .persample.engine import ClippingEngine
 from .privacy.canaries import GradientCanaries
 from .privacy.ledger import Ledger
-from .privacy.plan import Plan
+from .privacy.plan import Plan, is_digest_of_0_1
 from .privacy.randomness import NoiseSource
 from .step.component import StepReport
-from .step.optimizer import DPOptimizer
+from .step.optimizer import DPOptimizer, check_updates_recorded
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,15 @@ class DPEngine:
     def guarantee(self, delta: float | None = None) -> Guarantee:
         delta = self.target_delta if delta is None else delta
         return Guarantee(self.epsilon(delta), delta, self.steps, self.accountant,
-                         self.ledger.poisson_approximation, seeded=not self.randomness.secret)
+                         self.ledger.poisson_approximation, seeded=self.ledger.seeded)
+
+    def public_writes(self) -> AbstractContextManager[None]:
+        """A block of writes to the model between private steps that depend on public values only (the
+        released weights, public data, the step count), e.g. a weight projection after ``step()``:
+        ``with engine.public_writes(): project(model)``. Any other change of the model outside the
+        private step is refused (``persample.state_guard``); the block itself is refused if the model
+        changed before it."""
+        return self.optimizer.state_guard.public_writes()
 
     def detach(self) -> nn.Module:
         """Remove every hook; the model is a plain module (or DDP model) again and the private optimizer
@@ -153,7 +163,7 @@ class DPEngine:
     def state_dict(self) -> dict[str, Any]:
         """The run's privacy state: ledger, randomness, position of the sampler, the step components'
         state and the plan it belongs to. Save it with the model's and the optimizer's state dicts; a
-        resumed run continues the same guarantee. It holds a digest of a few examples and, of a seeded
+        resumed run continues the same guarantee. It holds a digest of the data set and, of a seeded
         run, the seed (``["randomness"]["randomness"]`` says so): whoever reads the seed can remove the
         noise, so keep the state as private as the data."""
         return {"ledger": self.ledger.state_dict(), "randomness": self.randomness.state_dict(),
@@ -164,24 +174,52 @@ class DPEngine:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; a state of another plan (other noise, sampling, length, data
         set, groups, clipping, thresholds or learning-rate policy) is refused, naming what differs."""
-        if state.get("fingerprint") != self.plan.fingerprint():
-            differences = self.plan.differences(state.get("plan", {}))
-            raise ValueError(
-                "this checkpoint belongs to a run with other privacy settings; resume with the same "
-                "settings and the same data set. It differs in:\n  " + "\n  ".join(differences))
+        self._check_same_plan(state)
         components = self._components()
         if set(state["components"]) != set(components):
             raise ValueError(
                 f"this checkpoint holds the state of the step components {sorted(state['components'])}, "
                 f"this run has {sorted(components)}; resume with the same settings")
-        self.ledger.load_state_dict(state["ledger"])
-        self.randomness.load_state_dict(state["randomness"])
+        self.randomness.load_state_dict(state["randomness"])  # refuses a secret run resuming a seeded one
+        # A 0.1 ledger names no caveat of its own: its run's randomness says whether it was seeded.
+        self.ledger.load_state_dict({"seeded": not self.randomness.secret, **state["ledger"]})
         self.schedule.load_state_dict(state["schedule"])
+        self._check_resumed_steps()
         for name, component in components.items():
             component.load_state_dict(state["components"][name])
         estimator = self.quantile_estimator
         if estimator is not None:
             self.clipping_engine.set_thresholds(estimator.thresholds())
+        # The resumed model (loaded with the checkpoint's weights) is the state the guard compares with.
+        self.optimizer.state_guard.snapshot()
+
+    def _check_same_plan(self, state: Mapping[str, Any]) -> None:
+        """The checkpoint's plan is this run's (a checkpoint of 0.1, whose data digest read three examples,
+        is compared on those)."""
+        if state.get("fingerprint") == self.plan.fingerprint():
+            return
+        theirs, mine = dict(state.get("plan", {})), self.plan.describe()
+        if is_digest_of_0_1(theirs.get("settings.data"), self.data_loader.dataset, self.plan.num_examples):
+            theirs["settings.data"] = mine["settings.data"]
+        if theirs != mine:
+            differences = "\n  ".join(self.plan.differences(theirs))
+            raise ValueError(
+                "this checkpoint belongs to a run with other privacy settings; resume with the same "
+                f"settings and the same data set. It differs in:\n  {differences}")
+
+    def _check_resumed_steps(self) -> None:
+        """A resumed ledger describes the steps this run took: with the Poisson loader, its position
+        (logical batches handed out) equals the ledger's steps, and the wrapped optimizer applied no more
+        updates than the ledger records (checked again before every update)."""
+        steps, consumed = self.ledger.steps, self.schedule.consumed
+        if isinstance(self.data_loader, PoissonDataLoader) and consumed != steps:
+            raise PrivacyError(
+                f"this checkpoint's ledger records {steps} private steps but its Poisson sampler handed "
+                f"out {consumed} batches: the ledger was edited, or the checkpoint was saved in the "
+                "middle of a step. Save engine.state_dict() right after optimizer.step(), and resume from "
+                "the ledger saved with it")
+        self.optimizer.updates_before_run = 0  # the checkpoint's ledger accounts for every update
+        check_updates_recorded(self.optimizer.original, steps)
 
     def _components(self) -> dict[str, Any]:
         return {type(c).__name__: c for c in self.optimizer.components}

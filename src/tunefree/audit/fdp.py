@@ -34,7 +34,13 @@ import dp_accounting as dpa
 import numpy as np
 from dp_accounting.pld import pld_privacy_accountant
 
-from ..privacy.accounting import MIN_NOISE_SIGMA_FOR_PLD, accountable, epsilon_of
+from ..privacy.accounting import (
+    MIN_NOISE_SIGMA_FOR_PLD,
+    accountable,
+    epsilon_of,
+    is_threshold,
+    split_threshold_delta,
+)
 from .bounds import Guesses
 
 CURVE_POINTS = 160  # ε grid of a curve: 0 … the ε at δ = SMALLEST_DELTA
@@ -68,12 +74,14 @@ class PrivacyCurve:
 
 
 def curve_of(event: dpa.DpEvent) -> PrivacyCurve:
-    """The privacy curve of everything ``event`` releases, from dp_accounting's PLD accountant."""
+    """The privacy curve of everything ``event`` releases, from dp_accounting's PLD accountant; a (0, p)
+    release (partition selection's threshold) adds p to every δ."""
+    event, threshold_delta = split_threshold_delta(accountable(event))
     accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=CURVE_DISCRETIZATION)
-    accountant.compose(accountable(event))
+    accountant.compose(event)
     top = float(accountant.get_epsilon(SMALLEST_DELTA))
     epsilons = np.linspace(0.0, top, CURVE_POINTS)
-    deltas = np.array([accountant.get_delta(float(e)) for e in epsilons])
+    deltas = np.array([accountant.get_delta(float(e)) for e in epsilons]) + threshold_delta
     return PrivacyCurve(epsilons, np.minimum(deltas, 1.0))
 
 
@@ -96,7 +104,10 @@ def fdp_rejects(guesses: Guesses, curve: PrivacyCurve, level: float) -> bool:
 
 
 def scaled(event: dpa.DpEvent, factor: float) -> dpa.DpEvent:
-    """``event`` with every noise multiplier multiplied by ``factor`` (< 1: a less private run)."""
+    """``event`` with every noise multiplier multiplied by ``factor`` (< 1: a less private run); a (0, p)
+    release has no noise to scale."""
+    if is_threshold(event):
+        return event
     if isinstance(event, dpa.GaussianDpEvent):
         return dpa.GaussianDpEvent(event.noise_multiplier * factor)
     if isinstance(event, dpa.LaplaceDpEvent):
@@ -111,6 +122,8 @@ def scaled(event: dpa.DpEvent, factor: float) -> dpa.DpEvent:
 
 
 def _smallest_noise(event: dpa.DpEvent) -> float:
+    if is_threshold(event):
+        return math.inf
     if isinstance(event, (dpa.GaussianDpEvent, dpa.LaplaceDpEvent)):
         return event.noise_multiplier
     if isinstance(event, (dpa.PoissonSampledDpEvent, dpa.SelfComposedDpEvent)):

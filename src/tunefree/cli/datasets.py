@@ -1,11 +1,10 @@
-"""Loading private data sets from local files. Nothing is ever downloaded.
+"""Reading private data sets from local files, as they are. Nothing is ever downloaded.
 
-Every loader returns a :class:`LoadedData`: train and test tensors and what the default model needs to
-know (image shape or feature count, number of classes). Pixel values are scaled by their known range
-(public knowledge); no statistic is computed from the private data, since that would be an unaccounted
-release. The set of class labels is read from the data and treated as public. Table features are
-encoded by ``tables.py`` (one-hot categories, numeric columns by a public range or left for the
-accounted private standardisation of ``scaling.py``).
+Every reader returns :class:`Raw` rows: image arrays or a table (a pandas DataFrame with its label
+column), with the data set's own test split when it has one (MNIST, CIFAR-10, a Hugging Face
+``DatasetDict``, or ``--test-data``). Pixel values are scaled by their known range (public knowledge).
+Nothing here is computed from the private rows: ``preprocess.py`` splits, encodes and scales them, each
+value it learns from the training rows declared public or released privately.
 """
 
 from __future__ import annotations
@@ -18,87 +17,65 @@ import pickletools
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import torch
 from torch.utils.data import TensorDataset
 
-from . import tables
 from .tables import DataError
 
 FORMATS = ("digits", "idx", "cifar10", "csv", "jsonl", "parquet", "hf")
-SPLIT_SEED = 0  # the train/test split is fixed, independent of the training seed
+TABLE_FORMATS = ("csv", "jsonl", "parquet")
+PUBLIC_DIGITS = tuple(str(d) for d in range(10))  # the classes of digits and of the CIFAR-10 format
 
 
+@dataclass
+class Raw:
+    """Rows as read. Images: ``x`` an array [N, C, H, W] in [0, 1] and ``y`` the labels. Tables: ``x`` the
+    DataFrame with every column (the label one included) and ``y`` None. ``test_x``/``test_y``: the data
+    set's own test split, if any. ``classes``: a class set public by the data set's definition."""
+
+    name: str
+    kind: str  # "image" or "table"
+    x: Any
+    y: np.ndarray | None = None
+    test_x: Any = None
+    test_y: np.ndarray | None = None
+    classes: tuple[str, ...] | None = None
+
+    @property
+    def has_test_split(self) -> bool:
+        return self.test_x is not None
 
 
 @dataclass
 class LoadedData:
+    """Data ready for training: tensors of both splits and what the model needs to know, with every
+    preprocessing release made on the training rows (``releases``, for the ledger)."""
+
     name: str
     kind: str  # "image" or "table"
     train: TensorDataset
     test: TensorDataset
     num_classes: int
     input_shape: tuple[int, ...]  # (C, H, W) for images, (features,) for tables
+    classes: tuple[str, ...] = ()  # the model's outputs in order ("(other)": labels not selected)
     feature_names: tuple[str, ...] = ()  # tables: one per feature ("colour=red" for a one-hot indicator)
-    to_scale: tuple[int, ...] = ()  # tables: numeric features with no public range, still raw
-    categories_from_data: tuple[str, ...] = ()  # tables: columns whose category set was read from the data
+    releases: tuple = ()  # releases.Release of the preprocessing, in the order they were made
+    encoder: Any = None  # tables: the TableEncoder that makes new rows into features
+    notes: tuple[str, ...] = ()  # what the output must say about how the data were prepared
 
     @property
     def num_train(self) -> int:
         return len(self.train)
 
 
-def _split(x: np.ndarray, y: np.ndarray, test_fraction: float = 0.2) -> tuple[np.ndarray, ...]:
-    """A stratified split with a fixed seed: the same examples are test examples in every run."""
-    rng = np.random.default_rng(SPLIT_SEED)
-    test = np.zeros(len(y), dtype=bool)
-    for label in np.unique(y):
-        members = np.flatnonzero(y == label)
-        rng.shuffle(members)
-        test[members[: int(round(test_fraction * len(members)))]] = True
-    return x[~test], y[~test], x[test], y[test]
-
-
-def _labels_to_indices(name: str, y_train: np.ndarray, y_test: np.ndarray
-                       ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Class indices of the labels; the classes are those of the training split."""
-    classes = np.unique(y_train)
-    unseen = np.setdiff1d(np.unique(y_test), classes)
-    if unseen.size:
-        raise DataError(f"{name}: test labels {unseen[:10].tolist()} never occur in the training split, "
-                        "so no model can predict them: drop those test examples or add training "
-                        "examples of those classes")
-    return np.searchsorted(classes, y_train), np.searchsorted(classes, y_test), len(classes)
-
-
-def _make(name: str, kind: str, x_train, y_train, x_test, y_test, **table: tuple) -> LoadedData:
-    if len(y_train) == 0:
-        raise DataError(f"{name}: the training split holds no examples")
-    if len(y_test) == 0:
-        raise DataError(f"{name}: the test split holds no examples, so accuracy cannot be measured: "
-                        "supply a non-empty test split, or more data (the held-out 20% of each class "
-                        "rounds to zero below 3 examples per class)")
-    y_train, y_test, num_classes = _labels_to_indices(name, np.asarray(y_train), np.asarray(y_test))
-    if num_classes < 2:
-        raise DataError(f"{name}: the labels take a single value; classification needs at least two")
-    return LoadedData(
-        name=name, kind=kind,
-        train=TensorDataset(torch.as_tensor(x_train, dtype=torch.float32),
-                            torch.as_tensor(y_train, dtype=torch.long)),
-        test=TensorDataset(torch.as_tensor(x_test, dtype=torch.float32),
-                           torch.as_tensor(y_test, dtype=torch.long)),
-        num_classes=num_classes, input_shape=tuple(x_train.shape[1:]), **table,
-    )
-
-
-def load_digits_data() -> LoadedData:
-    """scikit-learn's 8×8 digits (1,797 images shipped with the package), split 80/20."""
+def read_digits() -> Raw:
+    """scikit-learn's 8×8 digits (1,797 images shipped with the package), classes 0–9."""
     from sklearn.datasets import load_digits
 
     x, y = load_digits(return_X_y=True)
-    images = (x / 16.0).reshape(-1, 1, 8, 8)
-    return _make("digits", "image", *_split(images, y))
+    return Raw("digits", "image", (x / 16.0).reshape(-1, 1, 8, 8), y, classes=PUBLIC_DIGITS)
 
 
 # ---------------------------------------------------------------------------- IDX (MNIST family)
@@ -146,7 +123,7 @@ def _find(directory: Path, stem: str) -> Path:
                     "t10k-labels-idx1-ubyte")
 
 
-def load_idx(directory: Path) -> LoadedData:
+def read_idx_directory(directory: Path) -> Raw:
     """MNIST / Fashion-MNIST IDX files in ``directory`` (the official train/test split)."""
     parts = [read_idx(_find(directory, stem)) for stem in (
         "train-images-idx3-ubyte", "train-labels-idx1-ubyte",
@@ -155,8 +132,7 @@ def load_idx(directory: Path) -> LoadedData:
     if x_train.ndim != 3 or len(x_train) != len(y_train) or len(x_test) != len(y_test):
         raise DataError(f"{directory}: images must be [N, H, W] with one label each")
     scale = 255.0 if x_train.dtype == np.uint8 else 1.0
-    return _make(directory.name, "image", x_train[:, None] / scale, y_train,
-                 x_test[:, None] / scale, y_test)
+    return Raw(directory.name, "image", x_train[:, None] / scale, y_train, x_test[:, None] / scale, y_test)
 
 
 # ---------------------------------------------------------------------------- CIFAR-10
@@ -243,8 +219,8 @@ def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return data.reshape(-1, 3, 32, 32), np.asarray(labels, dtype=np.int64)
 
 
-def load_cifar10(directory: Path) -> LoadedData:
-    """The CIFAR-10 python pickles (``cifar-10-batches-py``: data_batch_1..5, test_batch)."""
+def read_cifar10(directory: Path) -> Raw:
+    """The CIFAR-10 python pickles (``cifar-10-batches-py``: data_batch_1..5, test_batch), classes 0–9."""
     train_files = sorted(directory.glob("data_batch_*"))
     test_file = directory / "test_batch"
     if not train_files or not test_file.exists():
@@ -252,51 +228,11 @@ def load_cifar10(directory: Path) -> LoadedData:
                         "the extracted cifar-10-batches-py directory")
     xs, ys = zip(*(_cifar_batch(p) for p in train_files))
     x_test, y_test = _cifar_batch(test_file)
-    return _make(directory.name, "image", np.concatenate(xs) / 255.0, np.concatenate(ys),
-                 x_test / 255.0, y_test)
+    return Raw(directory.name, "image", np.concatenate(xs) / 255.0, np.concatenate(ys), x_test / 255.0,
+               y_test, classes=PUBLIC_DIGITS)
 
 
 # ---------------------------------------------------------------------------- tables
-def _check_no_missing_labels(labels, name: str, label_column: str) -> None:
-    """Refuse empty label cells, naming the rows (counted from 1, after any header)."""
-    import pandas as pd
-
-    missing = np.flatnonzero(pd.isna(np.asarray(labels, dtype=object)))
-    if missing.size:
-        rows = (missing[:10] + 1).tolist()
-        raise DataError(f"{name}: column {label_column!r} is empty in data row(s) {rows} (counting from 1 "
-                        "after the header): fill in or drop those rows")
-
-
-def _feature_frame(frame, name: str, label_column: str):
-    """The feature columns of a table and its labels, both checked for missing values."""
-    if label_column not in frame.columns:
-        raise DataError(f"{name}: label column {label_column!r} not found; columns are "
-                        f"{list(frame.columns)[:20]} — pass --label-column")
-    labels = frame[label_column].to_numpy()
-    _check_no_missing_labels(labels, name, label_column)
-    features = frame.drop(columns=[label_column])
-    if features.shape[1] == 0:
-        raise DataError(f"{name}: no feature columns besides the label")
-    tables.check_no_missing(features, name)
-    return features, labels
-
-
-def _encoded(name: str, train, y_train, test, y_test, schema: tables.Schema | None) -> LoadedData:
-    features = tables.encode(train, test, name, schema)
-    return _make(name, "table", features.train, y_train, features.test, y_test,
-                 feature_names=tuple(features.names), to_scale=tuple(features.to_scale),
-                 categories_from_data=tuple(features.categories_from_data))
-
-
-def _table(frame, name: str, label_column: str, schema: tables.Schema | None = None) -> LoadedData:
-    if len(frame) == 0:
-        raise DataError(f"{name}: the table holds no rows")
-    features, labels = _feature_frame(frame, name, label_column)
-    train_rows, y_train, test_rows, y_test = _split(np.arange(len(frame)), labels)
-    return _encoded(name, features.iloc[train_rows], y_train, features.iloc[test_rows], y_test, schema)
-
-
 def _read_table(reader, path: Path, kind: str):
     try:
         return reader(path)
@@ -304,32 +240,25 @@ def _read_table(reader, path: Path, kind: str):
         raise DataError(f"{path.name} cannot be read as {kind}: {error}") from error
 
 
-def load_csv(path: Path, label_column: str, schema: tables.Schema | None = None) -> LoadedData:
+def read_frame(path: Path):
+    """A ``.csv``, ``.jsonl`` (one JSON object per line) or ``.parquet`` table as a DataFrame."""
     import pandas as pd
 
-    return _table(_read_table(pd.read_csv, path, "CSV"), path.name, label_column, schema)
-
-
-def load_json_lines(path: Path, label_column: str, schema: tables.Schema | None = None) -> LoadedData:
-    """A JSON-lines file: one JSON object per line, one key per column."""
-    import pandas as pd
-
-    def read(file: Path):
-        return pd.read_json(file, lines=True, dtype=False)
-
-    return _table(_read_table(read, path, "JSON lines"), path.name, label_column, schema)
-
-
-def load_parquet(path: Path, label_column: str, schema: tables.Schema | None = None) -> LoadedData:
-    import pandas as pd
-
-    return _table(_read_table(pd.read_parquet, path, "Parquet"), path.name, label_column, schema)
+    fmt = detect_format(str(path))
+    if fmt not in TABLE_FORMATS:
+        raise DataError(f"{path}: a table must be a .csv, .jsonl or .parquet file, got {fmt} data")
+    readers = {"csv": pd.read_csv, "parquet": pd.read_parquet,
+               "jsonl": lambda file: pd.read_json(file, lines=True, dtype=False)}
+    frame = _read_table(readers[fmt], path, {"csv": "CSV", "jsonl": "JSON lines", "parquet": "Parquet"}[fmt])
+    if len(frame) == 0:
+        raise DataError(f"{path.name}: the table holds no rows")
+    return frame
 
 
 # ---------------------------------------------------------------------------- Hugging Face datasets
-def load_hf(directory: Path, label_column: str, schema: tables.Schema | None = None) -> LoadedData:
+def read_hf(directory: Path, label_column: str) -> Raw:
     """A ``datasets`` directory written by ``save_to_disk`` (a Dataset or a DatasetDict with train and
-    test splits); image columns (PIL images or arrays) or numeric feature columns."""
+    test splits); image columns (PIL images or arrays) or table columns."""
     import datasets
 
     try:
@@ -349,14 +278,14 @@ def load_hf(directory: Path, label_column: str, schema: tables.Schema | None = N
     if label_column not in train_frame.column_names:
         raise DataError(f"{directory}: label column {label_column!r} not found; columns are "
                         f"{train_frame.column_names} — pass --label-column")
+    if len(train_frame) == 0 or (test_frame is not None and len(test_frame) == 0):
+        raise DataError(f"{directory}: the {'train' if len(train_frame) == 0 else test_name} split holds "
+                        "no examples")
     image_column = next((c for c in ("image", "img", "pixel_values")
                          if c in train_frame.column_names), None)
     if image_column is None:
-        if test_frame is None:
-            return _table(train_frame.to_pandas(), directory.name, label_column, schema)
-        train, y_train = _feature_frame(train_frame.to_pandas(), directory.name, label_column)
-        test, y_test = _feature_frame(test_frame.to_pandas(), directory.name, label_column)
-        return _encoded(directory.name, train, y_train, test, y_test, schema)
+        return Raw(directory.name, "table", train_frame.to_pandas(),
+                   test_x=None if test_frame is None else test_frame.to_pandas())
 
     def images(split) -> np.ndarray:
         arrays = [np.asarray(img, dtype=np.float64) for img in split[image_column]]
@@ -367,18 +296,10 @@ def load_hf(directory: Path, label_column: str, schema: tables.Schema | None = N
             x = x.transpose(0, 3, 1, 2)
         return x / 255.0 if x.max() > 1.0 else x
 
-    def labels(split) -> np.ndarray:
-        values = np.asarray(split[label_column])
-        _check_no_missing_labels(values, directory.name, label_column)
-        return values
-
-    if len(train_frame) == 0 or (test_frame is not None and len(test_frame) == 0):
-        raise DataError(f"{directory}: the {'train' if len(train_frame) == 0 else test_name} split holds "
-                        "no examples")
-    x, y = images(train_frame), labels(train_frame)
+    x, y = images(train_frame), np.asarray(train_frame[label_column])
     if test_frame is None:
-        return _make(directory.name, "image", *_split(x, y))
-    return _make(directory.name, "image", x, y, images(test_frame), labels(test_frame))
+        return Raw(directory.name, "image", x, y)
+    return Raw(directory.name, "image", x, y, images(test_frame), np.asarray(test_frame[label_column]))
 
 
 # ---------------------------------------------------------------------------- dispatch
@@ -411,23 +332,20 @@ def detect_format(spec: str) -> str:
     raise DataError(f"{path}: unknown file format {path.suffix!r}; use .csv, .jsonl or .parquet")
 
 
-def load(spec: str, label_column: str = "label", schema: tables.Schema | None = None) -> LoadedData:
-    """Load ``--dataset``: ``digits`` or a local path in one of the supported formats. ``schema``
-    declares public category sets and value ranges of a table's columns (see ``tables.py``)."""
+def read(spec: str, label_column: str = "label", test_data: str | None = None) -> Raw:
+    """Read ``--dataset``: ``digits`` or a local path in one of the supported formats. ``test_data``: a
+    table of the same columns to test on (then every row of ``spec`` is a training row)."""
     fmt = detect_format(spec)
-    if schema is not None and fmt not in ("csv", "jsonl", "parquet", "hf"):
-        raise DataError(f"--schema describes the columns of a table, and {spec} is {fmt} data: drop it")
+    if test_data is not None and fmt not in TABLE_FORMATS:
+        raise DataError(f"--test-data gives the test rows of a table, and {spec} is {fmt} data: drop it")
     if fmt == "digits":
-        return load_digits_data()
+        return read_digits()
     path = Path(spec)
     if fmt == "idx":
-        return load_idx(path)
+        return read_idx_directory(path)
     if fmt == "cifar10":
-        return load_cifar10(path)
-    if fmt == "csv":
-        return load_csv(path, label_column, schema)
-    if fmt == "jsonl":
-        return load_json_lines(path, label_column, schema)
-    if fmt == "parquet":
-        return load_parquet(path, label_column, schema)
-    return load_hf(path, label_column, schema)
+        return read_cifar10(path)
+    if fmt == "hf":
+        return read_hf(path, label_column)
+    test = None if test_data is None else read_frame(Path(test_data))
+    return Raw(path.name, "table", read_frame(path), test_x=test)

@@ -1,5 +1,6 @@
-"""``tunefree train``, ``tunefree epsilon`` and ``tunefree audit``: private training, the privacy calculator
-and the empirical audit (cli/audit.py).
+"""``tunefree train``, ``tunefree predict``, ``tunefree epsilon`` and ``tunefree audit``: private training,
+predictions of a trained table model on new rows (cli/predict.py), the privacy calculator and the
+empirical audit (cli/audit.py).
 
 Errors a person can act on are one line on stderr and exit status 2; ``--debug`` shows the traceback.
 """
@@ -7,7 +8,6 @@ Errors a person can act on are one line on stderr and exit status 2; ``--debug``
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ from ..clipping.functions import CLIP_FUNCTIONS
 from ..clipping.groups import GROUPINGS
 from ..privacy.accounting import ACCOUNTANTS
 from ..privacy.mechanisms import NOISE_ALLOCATIONS
-from . import audit, text
+from . import audit, predict, text
 from .models import MODELS
 
 EXIT_USAGE = 2
@@ -54,6 +54,14 @@ def _fraction(text: str) -> float:
     if not value < 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
     return value
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """Comma-separated values, e.g. ``neg,pos`` or ``?,NA``."""
+    names = tuple(part.strip() for part in text.split(","))
+    if not text.strip() or any(not name for name in names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated values like a,b, got {text!r}")
+    return names
 
 
 def _widths(text: str) -> tuple[int, ...]:
@@ -101,11 +109,26 @@ def parser() -> argparse.ArgumentParser:
                        help="label column of a table or HF data set (default: label)")
     train.add_argument("--schema", type=Path, default=None,
                        help="a table's public schema (JSON): category sets and value ranges of its "
-                            "columns, so that nothing about them is read from the private rows")
+                            "columns, so that nothing about them is read from the private rows (default: "
+                            "category sets selected privately, 5%% of ε and δ, in the ledger)")
+    train.add_argument("--labels", type=_names, default=None,
+                       help="the classes, comma-separated (e.g. neg,pos), declared public (default: "
+                            "selected privately from the training rows' labels, with the category sets; "
+                            "labels not selected become the class '(other)'; the built-in digits and "
+                            "CIFAR-10 have their own)")
     train.add_argument("--numeric-scaling", choices=NUMERIC_SCALINGS, default=defaults.numeric_scaling,
                        help="numeric table columns with no range in --schema: private (standardised by "
                             "an estimate that spends 5%% of ε and δ, in the ledger) or none (fed as "
                             "they are) (default: private)")
+    train.add_argument("--na-values", type=_names, default=(),
+                       help="comma-separated cell texts that mark a missing value, e.g. '?,NA,N/A' "
+                            "(default: pandas' own: empty, NA, N/A, NaN, null, …)")
+    train.add_argument("--drop-rows-with-missing", action="store_true",
+                       help="drop every row with a missing value instead of refusing it (each row's fate "
+                            "depends on that row alone)")
+    train.add_argument("--test-data", default=None,
+                       help="a table of the same columns to test on; every row of --dataset then trains "
+                            "(default: the rows whose keyed hash falls in the lowest 20%%)")
     train.add_argument("--model", default=defaults.model,
                        help=f"{', '.join(MODELS)} (auto: a CNN for images of 24 pixels or more a side, an "
                             "MLP otherwise), or PATH of a local Hugging Face model to fine-tune on text "
@@ -113,7 +136,8 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--hidden", type=_widths, default=None,
                        help="hidden layer widths of the MLP, e.g. 256,256 (default: 128)")
     train.add_argument("--epsilon", type=_positive_float, default=defaults.epsilon,
-                       help=f"privacy budget ε (default: {defaults.epsilon})")
+                       help=f"privacy budget ε; 'inf' trains the same run without noise, a non-private "
+                            f"reference to compare with (default: {defaults.epsilon})")
     train.add_argument("--delta", type=_delta, default=None,
                        help="δ of the guarantee (default: 1/N^1.1 for N training examples; the output "
                             "says which δ and why)")
@@ -148,8 +172,8 @@ def parser() -> argparse.ArgumentParser:
                        help="with --clipping psac only: r of DP-PSAC (default: 0.1)")
     train.add_argument("--noise-allocation", choices=NOISE_ALLOCATIONS, default=defaults.noise_allocation,
                        help="how the noise is spread over clip groups; same privacy (default: global)")
-    train.add_argument("--optimizer", choices=list(OPTIMIZERS), default=defaults.optimizer,
-                       help=f"base optimizer (default: {defaults.optimizer})")
+    train.add_argument("--optimizer", choices=list(OPTIMIZERS), default=None,
+                       help=f"base optimizer (default: {defaults.optimizer}; adamw for text models)")
     train.add_argument("--lr", type=_learning_rate, default=None,
                        help="'auto' (the default with --optimizer sgd): SGD's step size set from the "
                             "released gradients, at no ε; 'hyfreedp': HyFreeDP's learning rate from "
@@ -165,7 +189,8 @@ def parser() -> argparse.ArgumentParser:
                             "source)")
     train.add_argument("--json", type=Path, help="write the result as JSON to this file")
     train.add_argument("--out", type=Path,
-                       help="run directory for metrics.jsonl, report.json and plots")
+                       help="run directory for the model (model.pt, model.json), metrics.jsonl, report.json "
+                            "and plots (default: none — the model is not saved, the output says so)")
     train.add_argument("--quiet", action="store_true", help="no progress bars")
     train.add_argument("--audit-canaries", type=_positive_int, default=None, metavar="M",
                        help="audit this run: M gradient canaries ride along in the releases (no private "
@@ -189,6 +214,7 @@ def parser() -> argparse.ArgumentParser:
     eps.add_argument("--delta", type=_delta, required=True)
     eps.add_argument("--accountant", choices=ACCOUNTANTS, default="pld")
     text.add_arguments(train, _positive_int)
+    predict.add_parser(commands)
     audit.add_parser(commands, _positive_float, _positive_int, _delta, _learning_rate)
     return root
 
@@ -208,6 +234,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _train_in_this_process(args: argparse.Namespace) -> int:
     from .launch import is_main_process
+    from .report import where_results_went, write_json
     from .training import TrainConfig, train
 
     if args.model not in MODELS:
@@ -217,14 +244,16 @@ def _train_in_this_process(args: argparse.Namespace) -> int:
     config = TrainConfig(
         dataset=args.dataset, label_column=args.label_column or TrainConfig.label_column,
         model=args.model, hidden=args.hidden,
-        schema=str(args.schema) if args.schema else None, numeric_scaling=args.numeric_scaling,
+        schema=str(args.schema) if args.schema else None, labels=args.labels,
+        numeric_scaling=args.numeric_scaling, na_values=args.na_values,
+        drop_missing=args.drop_rows_with_missing, test_data=args.test_data,
         epsilon=args.epsilon, delta=args.delta, epochs=epochs, steps=args.steps,
         batch_size=args.batch_size,
         clipping=args.clipping, groups=args.groups, thresholds=args.thresholds,
         target_quantile=args.target_quantile, quantile_lr=args.quantile_lr,
         quantile_budget=args.quantile_budget, clip_gamma=args.clip_gamma, psac_r=args.psac_r,
         noise_allocation=args.noise_allocation, lr_update_interval=args.lr_update_interval,
-        loss_privacy=args.loss_privacy, optimizer=args.optimizer,
+        loss_privacy=args.loss_privacy, optimizer=args.optimizer or TrainConfig.optimizer,
         lr=TrainConfig.lr if args.lr is None else args.lr,
         accountant=args.accountant, seed=args.seed,
         audit_canaries=args.audit_canaries,
@@ -233,10 +262,10 @@ def _train_in_this_process(args: argparse.Namespace) -> int:
     if not is_main_process():
         return 0
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"test accuracy {result['test_accuracy']:.4f} — {result['guarantee']}; "
-          f"randomness: {result['randomness']}")
+        write_json(args.json, result)
+    print(f"test accuracy {result['test_accuracy']:.4f} on {result['dataset']['test_examples']} held-out "
+          "rows (outside the guarantee: computed from those rows without noise)")
+    print(f"guarantee: {result['guarantee']}; randomness: {result['randomness']}")
     print(result["delta_choice"])
     print(f"learning rate: {result['learning_rate']}")
     if result["audit"]:
@@ -247,8 +276,7 @@ def _train_in_this_process(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     if result["note"]:
         print(f"note: {result['note']}")
-    if args.out:
-        print(f"run directory: {args.out}")
+    print(where_results_went(args.out, args.json))
     return 0
 
 
@@ -283,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args, argv)
-        return {"epsilon": _epsilon, "audit": audit.run}[args.command](args)
+        return {"epsilon": _epsilon, "audit": audit.run, "predict": predict.run}[args.command](args)
     except (ValueError, OSError, RuntimeError, OverflowError, MemoryError) as error:
         if args.debug:
             raise

@@ -1,8 +1,11 @@
-"""The run directory: ``metrics.jsonl`` (one line per step, plus one per epoch), ``report.json`` and
-PNG plots.
+"""The run directory: ``metrics.jsonl`` (one line per step, plus one per epoch), ``report.json``, the model
+(``model.pt`` and ``model.json``, what ``tunefree predict`` needs) and PNG plots.
 
-The training loss, accuracy and per-sample norm statistics are computed on the private data without
-noise: they are diagnostics for the data's owner, not private outputs, and the report says so.
+Every value written is public (the run's settings, or declared by the user), released (ε, the learning
+rate and clip thresholds, set from released values) or a metric on the held-out test rows, which the
+guarantee does not cover: ``metrics.jsonl`` opens with a line that says which keys those are,
+``report.json`` lists them under ``outside_the_guarantee``, and the plots say it in their titles. Nothing
+is computed from the training rows without noise (no training loss, accuracy or gradient norm).
 """
 
 from __future__ import annotations
@@ -14,22 +17,39 @@ from typing import Any
 
 import torch
 
-QUANTILES = (0.1, 0.5, 0.9)
+# Values computed from the held-out test rows (or the run's timing) without noise, and why they are shown.
+OUTSIDE_THE_GUARANTEE = {
+    "keys": ["test_accuracy", "test_loss", "test_perplexity", "dataset.test_examples", "train_seconds"],
+    "why": "computed from the held-out test rows (or the run's timing) without noise: the guarantee covers "
+           "the training rows, not the test rows. They are for you, the data's owner: do not publish them",
+}
+TEST_LABEL = "held-out rows, outside the guarantee"
 
 
-def norm_statistics(group_norms: dict[str, torch.Tensor], thresholds: dict[str, float]
-                    ) -> dict[str, Any]:
-    """Per clip group: fraction of examples whose norm exceeds the threshold, and norm quantiles."""
-    stats: dict[str, Any] = {}
-    for name, norms in group_norms.items():
-        norms = norms.detach().to("cpu", torch.float64)
-        if norms.numel() == 0:
-            continue
-        values = torch.quantile(norms, torch.tensor(QUANTILES, dtype=torch.float64)).tolist()
-        stats[name] = {"clip_fraction": float((norms > thresholds[name]).double().mean()),
-                       "norm_quantiles": dict(zip([f"q{int(q * 100)}" for q in QUANTILES], values)),
-                       "threshold": thresholds[name]}
-    return stats
+def jsonable(value: Any) -> Any:
+    """``value`` with every non-finite float written as a string ("inf", "nan"): strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def write_json(path: Path, value: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(jsonable(value), indent=2) + "\n")
+
+
+def where_results_went(out: Path | None, json_path: Path | None) -> str:
+    """The last line of a run: where its model and results are, or that they were kept nowhere."""
+    if out:
+        return (f"run directory: {out} (model.pt and model.json — `tunefree predict --run {out}` applies "
+                "them to new rows —, report.json, metrics.jsonl, plots)")
+    kept = f"the result is in {json_path}; " if json_path else ""
+    return (f"no --out: {kept}the model was not saved and no metrics or plots were written — pass --out DIR "
+            "to keep them")
 
 
 class RunDirectory:
@@ -40,22 +60,24 @@ class RunDirectory:
         self.path.mkdir(parents=True, exist_ok=True)
         self._metrics = open(self.path / "metrics.jsonl", "w")  # noqa: SIM115 - open for the run
         self.records: list[dict[str, Any]] = []
+        self.log({"kind": "run", "outside_the_guarantee": OUTSIDE_THE_GUARANTEE["keys"],
+                  "why": OUTSIDE_THE_GUARANTEE["why"]})
 
     def log(self, record: dict[str, Any]) -> None:
         self.records.append(record)
-        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.write(json.dumps(jsonable(record)) + "\n")
         self._metrics.flush()
 
-    def save_model(self, model: Any) -> str:
-        """The trained model's weights (its ``state_dict``), as ``model.pt``; returns the file's name."""
-        import torch
-
+    def save_model(self, model: Any, description: dict[str, Any]) -> str:
+        """The trained model's weights (its ``state_dict``) as ``model.pt``, and ``model.json``: the model's
+        description and the preprocessing of its inputs and classes; returns the weights' file name."""
         torch.save(model.state_dict(), self.path / "model.pt")
+        write_json(self.path / "model.json", description)
         return "model.pt"
 
     def finish(self, report: dict[str, Any]) -> None:
         self._metrics.close()
-        (self.path / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_json(self.path / "report.json", report)
         plot(self.records, self.path)
 
 
@@ -99,19 +121,15 @@ def _pyplot():
     return plt
 
 
-def loss_accuracy_figure(records: list[dict[str, Any]]):
+def test_accuracy_figure(records: list[dict[str, Any]]):
+    """The test accuracy of the weights the run keeps, after each epoch (held-out rows: outside the
+    guarantee)."""
     plt = _pyplot()
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-    _raw_and_smoothed(ax_loss, *_series(records, "step", "loss"), label="train loss (batch)")
-    ax_loss.plot(*_series(records, "epoch", "train_loss"), "o-", ms=3, label="train loss (epoch)")
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("loss")
-    ax_loss.legend(fontsize=8)
-    _raw_and_smoothed(ax_acc, *_series(records, "step", "train_accuracy"), label="train (batch)")
-    ax_acc.plot(*_series(records, "epoch", "test_accuracy"), "o-", ms=3, label="test")
-    ax_acc.set_xlabel("step")
-    ax_acc.set_ylabel("accuracy")
-    ax_acc.legend(fontsize=8)
+    fig, ax = plt.subplots(figsize=(5, 4))
+    ax.plot(*_series(records, "epoch", "test_accuracy"), "o-", ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(f"test accuracy ({TEST_LABEL})", fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -126,9 +144,15 @@ def epsilon_figure(records: list[dict[str, Any]]):
     return fig
 
 
+CONSTANT = 1e-3  # a learning rate that moves by less than this fraction is drawn as a constant
+
+
 def learning_rate_figure(records: list[dict[str, Any]]):
-    """The learning rate; beside it the loss clipping threshold R_l when the lr is automatic. A fixed lr
-    is one panel saying its value."""
+    """The learning rate; beside it the loss clipping threshold R_l when HyFreeDP sets the rate. A rate
+    that stays within 0.1% of its value is one flat line from 0 up, its value in the title; one that
+    moves is on a log scale when it spans more than a factor 10, else on a linear scale without offset."""
+    from matplotlib.ticker import ScalarFormatter
+
     plt = _pyplot()
     steps, rates = _series(records, "step", "lr")
     bound_steps, bounds = _series(records, "step", "loss_bound")
@@ -143,53 +167,60 @@ def learning_rate_figure(records: list[dict[str, Any]]):
     ax_lr.plot(steps, rates, lw=1)
     ax_lr.set_xlabel("step")
     ax_lr.set_ylabel("learning rate")
-    if rates and min(rates) == max(rates):
-        ax_lr.set_title(f"fixed learning rate {rates[0]:.3g}", fontsize=10)
-    elif rates and min(rates) > 0:
-        ax_lr.set_yscale("log")
+    if rates and min(rates) > 0:
+        spread = max(rates) / min(rates)
+        if spread <= 1 + CONSTANT:
+            ax_lr.set_ylim(0, 1.25 * max(rates))
+            within = "" if spread == 1 else " within 0.1%"
+            ax_lr.set_title(f"learning rate {rates[0]:.3g}, constant{within}", fontsize=10)
+        elif spread > 10:
+            ax_lr.set_yscale("log")
+        else:
+            ax_lr.yaxis.set_major_formatter(ScalarFormatter(useOffset=False))
     fig.tight_layout()
     return fig
 
 
-def clipping_figure(records: list[dict[str, Any]], max_groups: int = 12):
-    """Per clip group: the fraction clipped, and the median per-sample norm (its 10–90% band) with the
-    threshold dashed, each smoothed over the run."""
+def thresholds_figure(records: list[dict[str, Any]], max_groups: int = 12):
+    """Per clip group, the threshold of each step (adaptive thresholds: released by noisy counts)."""
     plt = _pyplot()
-    step_records = [r for r in records if r["kind"] == "step"]
-    groups = sorted({g for r in step_records for g in r.get("groups", {})})
-    fig, (ax_frac, ax_norm) = plt.subplots(1, 2, figsize=(10, 4))
+    step_records = [r for r in records if r["kind"] == "step" and "thresholds" in r]
+    groups = sorted({g for r in step_records for g in r["thresholds"]})
+    fig, ax = plt.subplots(figsize=(5, 4))
     for group in groups[:max_groups]:
-        steps = [r["step"] for r in step_records if group in r.get("groups", {})]
-        stats = [r["groups"][group] for r in step_records if group in r.get("groups", {})]
-        _raw_and_smoothed(ax_frac, steps, [s["clip_fraction"] for s in stats], label=group)
-        median = moving_average([s["norm_quantiles"]["q50"] for s in stats])
-        line, = ax_norm.plot(steps, median, lw=1.2, label=group)
-        ax_norm.plot(steps, [s["threshold"] for s in stats], lw=1, ls="--", color=line.get_color())
-        ax_norm.fill_between(steps, moving_average([s["norm_quantiles"]["q10"] for s in stats]),
-                             moving_average([s["norm_quantiles"]["q90"] for s in stats]), alpha=0.2,
-                             color=line.get_color())
-    ax_frac.set_xlabel("step")
-    ax_frac.set_ylabel("fraction clipped")
-    ax_frac.set_title("examples with ‖g‖ > threshold", fontsize=10)
-    ax_norm.set_xlabel("step")
-    ax_norm.set_ylabel("per-sample gradient norm")
-    ax_norm.set_title("median, 10–90% band; threshold dashed", fontsize=10)
-    ax_norm.set_yscale("log")
+        points = [(r["step"], r["thresholds"][group]) for r in step_records if group in r["thresholds"]]
+        ax.plot([p[0] for p in points], [p[1] for p in points], lw=1, label=group)
+    ax.set_xlabel("step")
+    ax.set_ylabel("clip threshold")
+    ax.set_yscale("log")
     if groups:
-        ax_frac.legend(fontsize=7)
-        ax_norm.legend(fontsize=7)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
 
 
-FIGURES = {"loss_accuracy.png": loss_accuracy_figure, "epsilon.png": epsilon_figure,
-           "learning_rate.png": learning_rate_figure, "clipping.png": clipping_figure}
+def _has_test_accuracy(records: list[dict[str, Any]]) -> bool:
+    return bool(_series(records, "epoch", "test_accuracy")[0])
+
+
+def _thresholds_move(records: list[dict[str, Any]]) -> bool:
+    seen = [r["thresholds"] for r in records if r["kind"] == "step" and "thresholds" in r]
+    return any(t != seen[0] for t in seen)
+
+
+# name: (figure, whether the run has something to draw in it)
+FIGURES = {"test_accuracy.png": (test_accuracy_figure, _has_test_accuracy),
+           "epsilon.png": (epsilon_figure, lambda records: True),
+           "learning_rate.png": (learning_rate_figure, lambda records: True),
+           "thresholds.png": (thresholds_figure, _thresholds_move)}
 
 
 def plot(records: list[dict[str, Any]], out: Path) -> None:
-    """loss_accuracy.png, epsilon.png, learning_rate.png and clipping.png in ``out``."""
+    """The figures of ``FIGURES`` that have something to draw, as PNG files in ``out``."""
     plt = _pyplot()
-    for name, figure in FIGURES.items():
+    for name, (figure, drawn) in FIGURES.items():
+        if not drawn(records):
+            continue
         fig = figure(records)
         fig.savefig(out / name, dpi=100)
         plt.close(fig)

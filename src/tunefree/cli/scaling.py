@@ -14,9 +14,10 @@ estimated with the Gaussian mechanism, in two releases over the d columns to sta
 
 Each release is a Gaussian mechanism of noise multiplier σ: two ``GaussianDpEvent(σ)`` go into the ledger
 before the first training step. σ is calibrated so that the two spend ``SHARE`` of ε at ``SHARE`` of δ,
-and training is calibrated on the rest: (1 − SHARE)·ε at (1 − SHARE)·δ. By composition the whole run is
-(ε, δ)-DP, and the ledger (which composes the events exactly) reports what it spent. The number of
-training rows N is public, as it is for the sampling rate.
+and training is calibrated on what the preprocessing releases leave (``releases.py``). By composition the
+whole run is (ε, δ)-DP, and the ledger (which composes the events exactly) reports what it spent. The
+number of training rows N is public, as it is for the sampling rate. σ = 0 (``--epsilon inf``) is the
+exact scaling.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from dataclasses import dataclass
 import dp_accounting as dpa
 import torch
 
-from ..privacy.calculator import noise_multiplier as calibrated_noise
 from ..privacy.mechanisms import release_gaussian
 from ..privacy.randomness import NoiseSource, side_randomness
+from .releases import Budget, Release
 
 STANDARDISATION_STREAM = 0x5CA1E
 
@@ -40,10 +41,10 @@ MIN_STD = 1e-3  # the smallest standard deviation (of x/B) divided by: a constan
 RELEASES = 2
 
 
-def noise_for_share(epsilon: float, delta: float, accountant: str) -> float:
-    """σ of each of the two releases, so that together they spend ``SHARE``·ε at ``SHARE``·δ."""
-    return calibrated_noise(target_epsilon=SHARE * epsilon, sample_rate=1.0, steps=RELEASES,
-                            delta=SHARE * delta, accountant=accountant)
+def noise_for_share(budget: Budget) -> float:
+    """σ of each of the two releases, so that together they spend ``SHARE``·ε at ``SHARE``·δ (0 in a
+    non-private run)."""
+    return budget.noise(SHARE, RELEASES)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,19 @@ class Standardisation:
     def events(self) -> list[dpa.DpEvent]:
         """What the ledger must record for the two releases."""
         return [dpa.GaussianDpEvent(self.noise_multiplier)] * RELEASES
+
+    def to_dict(self) -> dict[str, list]:
+        """The released scaling as JSON (saved with the model, so that new rows are scaled alike)."""
+        return {"columns": list(self.columns), "bound": self.bound.tolist(), "mean": self.mean.tolist(),
+                "std": self.std.tolist()}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, list], noise_multiplier: float = math.nan) -> Standardisation:
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float64)
+
+        return cls(tuple(raw["columns"]), tensor(raw["bound"]), tensor(raw["mean"]), tensor(raw["std"]),
+                   noise_multiplier)
 
 
 def minimum_rows(columns: int, noise_multiplier: float) -> int:
@@ -96,15 +110,16 @@ def release(x: torch.Tensor, columns: list[int] | tuple[int, ...], noise_multipl
     """Privately estimate the scaling of ``columns`` of the training features ``x`` (rows are examples)."""
     if not columns:
         raise ValueError("no columns to standardise")
-    if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
-        raise ValueError(f"the standardisation needs noise: σ must be positive, got {noise_multiplier}")
+    if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+        raise ValueError(f"σ must be a finite number ≥ 0 (0: the exact, non-private scaling), got "
+                         f"{noise_multiplier}")
     values = x[:, list(columns)].to(torch.float64)
     rows, d = values.shape
     bins = LOG2_RANGE[1] - LOG2_RANGE[0] + 1
     histogram = torch.zeros(d, bins, dtype=torch.float64)
     histogram.scatter_add_(1, _magnitude_bins(values).T, torch.ones(d, rows, dtype=torch.float64))
     noise = noise_multiplier * math.sqrt(d)  # each example adds 1 to one bin of each of the d columns
-    histogram, _ = release_gaussian(histogram, math.sqrt(d), noise_multiplier, randomness)
+    histogram = _released(histogram, math.sqrt(d), noise_multiplier, randomness)
     exponents = []
     for counts in histogram:
         clear = torch.nonzero(counts > CLEAR_OF_NOISE * noise).flatten()
@@ -114,11 +129,19 @@ def release(x: torch.Tensor, columns: list[int] | tuple[int, ...], noise_multipl
 
     u = torch.clamp(values / bound, -1.0, 1.0)
     sums = torch.cat([u.sum(0), (u * u).sum(0)])
-    sums, _ = release_gaussian(sums, math.sqrt(2 * d), noise_multiplier, randomness)  # |u|, u² ≤ 1
+    sums = _released(sums, math.sqrt(2 * d), noise_multiplier, randomness)  # |u|, u² ≤ 1
     mean = (sums[:d] / rows).clamp(-1.0, 1.0)
     variance = sums[d:] / rows - mean ** 2
     std = torch.maximum(variance, variance_noise_floor(mean, noise_multiplier, d, rows)).sqrt()
     return Standardisation(tuple(columns), bound, mean, std, noise_multiplier)
+
+
+def _released(values: torch.Tensor, sensitivity: float, noise_multiplier: float,
+              randomness: NoiseSource) -> torch.Tensor:
+    """The Gaussian release of ``values``; the values themselves in a non-private run (σ = 0)."""
+    if noise_multiplier == 0:
+        return values
+    return release_gaussian(values, sensitivity, noise_multiplier, randomness)[0]
 
 
 def variance_noise_floor(mean: torch.Tensor, noise_multiplier: float, columns: int,
@@ -134,3 +157,9 @@ def secret_randomness(seed: int | None) -> NoiseSource:
     """The standardisation's own noise source: secure by default; for a seeded run, a stream derived
     from the seed that no other release of the run draws from."""
     return side_randomness(seed, STANDARDISATION_STREAM)
+
+
+def release_record(released: Standardisation, names: list[str]) -> Release:
+    """The standardisation as one preprocessing release of the run (its two events)."""
+    return Release("standardisation", SHARE, released.noise_multiplier, tuple(released.events()),
+                   {"columns": [names[i] for i in released.columns]})

@@ -1,13 +1,20 @@
 """Feature columns of a table as numbers, without learning anything silently from the private rows.
 
-* Categorical columns (text, or bool) are one-hot encoded. Their category sets come from a public schema
-  (``--schema``) when it declares them; bool columns have the public set {False, True}; otherwise the set
-  is read from the data and **treated as public** (as the set of class labels is), and the caller is told
-  which columns, so that it can say so.
-* Numeric columns declared with a public range in the schema are mapped from that range onto [-1, 1].
-  The others are returned as they are and listed in ``to_scale``: the caller standardises them by a
-  private estimate accounted in the ledger (``scaling.py``) or, if the user asks, leaves them raw.
-* A missing value in any feature column is refused, naming the column and the row.
+* **Kinds.** A column is numeric when its cells are numbers, categorical when they are text or bool (or
+  when the schema declares it so). A column of numbers with a few text cells (``?``, ``N/A``, a typo) is
+  refused, naming the column, the row and the value: ``--na-values`` names the texts that mark a missing
+  value, ``--drop-rows-with-missing`` drops such rows, and a column meant as categories is declared in
+  the schema.
+* **Categorical columns are one-hot encoded.** Their category sets come from a public schema
+  (``--schema``); bool columns have the public set {False, True}; any other set is selected privately
+  from the training rows (``releases.select_sets``), and values not selected share one ``(other)``
+  indicator. A column no value of which is selected (an identifier, free text) is refused.
+* **Numeric columns** declared with a public range are mapped from it onto [-1, 1]; the others are left
+  for the private standardisation (``scaling.py``) or, if the user asks, fed as they are.
+* A missing value is refused, naming the column and the row, unless such rows are dropped.
+
+The encoding is a :class:`TableEncoder`: saved with the model (``preprocessing.json``), it encodes new
+rows the same way (``tunefree predict``).
 
 A schema is a JSON file: ``{"categorical": {"colour": ["red", "green"]}, "numeric": {"age": [0, 120]}}``.
 """
@@ -16,11 +23,15 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .releases import OTHER
+from .split import cell_text
 
 
 class DataError(ValueError):
@@ -54,7 +65,7 @@ class Schema:
         if not isinstance(categorical, dict) or not isinstance(numeric, dict):
             raise DataError(f"{source}: 'categorical' and 'numeric' must be objects keyed by column name")
         for column, values in categorical.items():
-            if not isinstance(values, list) or not values or len(set(map(_key, values))) != len(values):
+            if not isinstance(values, list) or not values or len(set(map(cell_text, values))) != len(values):
                 raise DataError(f"{source}: the categories of {column!r} must be a non-empty list of "
                                  "distinct values")
         ranges = {}
@@ -71,22 +82,7 @@ class Schema:
         return cls(categorical={c: list(v) for c, v in categorical.items()}, numeric=ranges)
 
 
-@dataclass
-class EncodedFeatures:
-    """The feature matrices of both splits and what was done to each column."""
-
-    train: np.ndarray
-    test: np.ndarray
-    names: list[str]  # one per feature: "age", or "colour=red" for a one-hot indicator
-    to_scale: list[int]  # feature indices of numeric columns with no public range
-    categories_from_data: list[str]  # categorical columns whose category set was read from the data
-
-
-def _key(value: Any) -> str:
-    """Categories compare by their text, so that 3 in a schema matches the CSV cell 3 or "3"."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return str(value)
+MISTYPED_SHARE = 0.5  # a text column whose cells are at least this share numbers is refused as mistyped
 
 
 def _kind(series) -> str:
@@ -101,87 +97,217 @@ def _kind(series) -> str:
     return str(series.dtype)
 
 
-def check_no_missing(features, name: str) -> None:
-    """Refuse a missing (or infinite) feature value, naming the column and the data row (from 1)."""
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def clean(frame, na_values: Sequence[str] = (), schema: Schema | None = None):
+    """``frame`` with the cells that are one of ``na_values`` (exactly, after stripping spaces) made
+    missing, and each text column whose other cells are all numbers read as numbers (unless the schema
+    declares it categorical)."""
     import pandas as pd
 
-    for column in features.columns:
-        values = features[column]
-        missing = pd.isna(values).to_numpy()
+    frame = frame.copy()
+    marks = {str(v).strip() for v in na_values}
+    declared = set(schema.categorical) if schema else set()
+    for column in frame.columns:
+        values = frame[column]
+        if _kind(values) != "categorical" or column in declared:
+            continue
+        if marks:
+            values = values.map(lambda v: np.nan if isinstance(v, str) and v.strip() in marks else v)
+        present = values[~pd.isna(values)]
+        if len(present) and all(_is_number(v) for v in present):
+            values = pd.to_numeric(values)
+        frame[column] = values
+    return frame
+
+
+def check_kinds(frame, name: str, schema: Schema) -> None:
+    """Refuse a column of numbers with a few text cells (naming the column, the row and the value), a
+    column declared numeric that holds text, and a column neither numeric, bool nor text."""
+    import pandas as pd
+
+    for column in frame.columns:
+        kind = _kind(frame[column])
+        if column in schema.numeric and kind != "numeric":
+            raise DataError(f"{name}: column {column!r} is declared numeric in the schema but holds {kind} "
+                            "values: declare it categorical or drop its range")
+        if kind not in ("numeric", "categorical", "bool"):
+            raise DataError(f"{name}: column {column!r} has type {kind}, neither numeric nor text: convert "
+                            "it to numbers or to text categories")
+        if kind != "categorical" or column in schema.categorical:
+            continue
+        values = frame[column]
+        present = np.flatnonzero(~pd.isna(values).to_numpy())
+        numbers = np.array([_is_number(values.iloc[i]) for i in present], dtype=bool)
+        if numbers.any() and numbers.mean() >= MISTYPED_SHARE:
+            row = int(present[np.flatnonzero(~numbers)[0]])
+            raise DataError(
+                f"{name}: column {column!r} holds numbers except in some rows, e.g. data row {row + 1} "
+                f"(counting from 1 after the header): {values.iloc[row]!r}. If that marks a missing value, "
+                f"pass --na-values {str(values.iloc[row]).strip()!r} (and --drop-rows-with-missing to drop "
+                "such rows); if the column holds categories, declare it categorical in --schema; "
+                "otherwise fix the cell")
+
+
+def missing_rows(frame) -> np.ndarray:
+    """Which rows have a missing (or infinite) value in any column."""
+    import pandas as pd
+
+    missing = np.zeros(len(frame), dtype=bool)
+    for column in frame.columns:
+        values = frame[column]
+        missing |= pd.isna(values).to_numpy()
         if _kind(values) == "numeric":
-            missing = missing | ~np.isfinite(values.to_numpy(dtype=np.float64, na_value=np.nan))
+            missing |= ~np.isfinite(values.to_numpy(dtype=np.float64, na_value=np.nan))
+    return missing
+
+
+def check_no_missing(features, name: str) -> None:
+    """Refuse a missing (or infinite) feature value, naming the column and the data row (from 1)."""
+    for column in features.columns:
+        missing = missing_rows(features[[column]])
         if missing.any():
             row = int(np.flatnonzero(missing)[0]) + 1
             raise DataError(f"{name}: column {column!r} is missing or infinite in data row {row} (counting "
-                             "from 1 after the header): fill in or drop such rows")
+                            "from 1 after the header): fill in or drop such rows, or pass "
+                            "--drop-rows-with-missing")
 
 
-def _one_hot(values, categories: list[Any], column: str, name: str) -> np.ndarray:
-    index = {_key(c): i for i, c in enumerate(categories)}
-    keys = [_key(v) for v in values]
-    unknown = [k for k in keys if k not in index]
-    if unknown:
-        raise DataError(f"{name}: column {column!r} holds {unknown[0]!r}, which is not among its declared "
-                         f"categories {categories[:10]}: add it to the schema")
-    encoded = np.zeros((len(keys), len(categories)))
-    encoded[np.arange(len(keys)), [index[k] for k in keys]] = 1.0
-    return encoded
+@dataclass(frozen=True)
+class Column:
+    """How one feature column becomes numbers. ``categories`` (cell texts, in order) one-hot encode a
+    categorical column, with one more ``(other)`` indicator when ``other`` (a privately selected set);
+    ``None`` until the set is known. A numeric column with ``bounds`` is mapped from them onto [-1, 1],
+    one without is fed raw (the private standardisation may then scale it)."""
+
+    name: str
+    kind: str  # "categorical" or "numeric"
+    categories: tuple[str, ...] | None = None
+    other: bool = False
+    bounds: tuple[float, float] | None = None
+
+    @property
+    def feature_names(self) -> list[str]:
+        if self.kind == "numeric":
+            return [self.name]
+        return [f"{self.name}={c}" for c in (*self.categories, *((OTHER,) if self.other else ()))]
+
+    def encode(self, values, source: str) -> np.ndarray:
+        """The column's features for ``values``, shape [n, width]."""
+        if self.kind == "numeric":
+            x = np.asarray(values, dtype=np.float64)
+            if self.bounds is None:
+                return x[:, None]
+            low, high = self.bounds
+            outside = (x < low) | (x > high)
+            if outside.any():
+                raise DataError(f"{source}: column {self.name!r} holds {float(x[outside][0]):g}, outside its "
+                                f"declared range [{low:g}, {high:g}]: widen the range in the schema")
+            return ((x - (low + high) / 2) / ((high - low) / 2))[:, None]
+        index = {c: i for i, c in enumerate(self.categories)}
+        keys = [cell_text(v) for v in values]
+        other = len(self.categories)
+        if not self.other:
+            unknown = [k for k in keys if k not in index]
+            if unknown:
+                raise DataError(f"{source}: column {self.name!r} holds {unknown[0]!r}, which is not among "
+                                f"its declared categories {list(self.categories)[:10]}: add it to the schema")
+        encoded = np.zeros((len(keys), other + int(self.other)))
+        encoded[np.arange(len(keys)), [index.get(k, other) for k in keys]] = 1.0
+        return encoded
 
 
-def _scaled_by_range(values: np.ndarray, bounds: tuple[float, float], column: str, name: str
-                     ) -> np.ndarray:
-    low, high = bounds
-    outside = (values < low) | (values > high)
-    if outside.any():
-        raise DataError(f"{name}: column {column!r} holds {float(values[outside][0]):g}, outside its "
-                        f"declared range [{low:g}, {high:g}]: widen the range in the schema")
-    return (values - (low + high) / 2) / ((high - low) / 2)
+@dataclass
+class TableEncoder:
+    """Everything that turns rows of the table into the model's inputs and its classes into indices;
+    all of it public (declared) or released privately, so it is saved with the model."""
+
+    columns: tuple[Column, ...]
+    label_column: str
+    classes: tuple[str, ...]
+    other_class: bool = False  # the last class is "(other)": labels not among the selected ones
+    standardisation: dict[str, list[float] | list[int]] | None = None  # scaling.Standardisation.to_dict()
+
+    @property
+    def feature_names(self) -> list[str]:
+        return [name for column in self.columns for name in column.feature_names]
+
+    @property
+    def class_names(self) -> list[str]:
+        return [*self.classes, *((OTHER,) if self.other_class else ())]
+
+    def unscaled(self) -> list[int]:
+        """Feature indices of the numeric columns with no public range."""
+        indices, position = [], 0
+        for column in self.columns:
+            if column.kind == "numeric" and column.bounds is None:
+                indices.append(position)
+            position += len(column.feature_names)
+        return indices
+
+    def features(self, frame, source: str) -> np.ndarray:
+        """The encoded features of ``frame``'s rows (before any standardisation)."""
+        absent = [c.name for c in self.columns if c.name not in frame.columns]
+        if absent:
+            raise DataError(f"{source}: columns {absent} are missing (the model was trained on "
+                            f"{[c.name for c in self.columns]})")
+        return np.concatenate([c.encode(frame[c.name], source) for c in self.columns], axis=1)
+
+    def class_indices(self, labels, source: str) -> np.ndarray:
+        return class_indices(labels, self.classes, self.other_class, source)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"columns": [asdict(c) for c in self.columns], "label_column": self.label_column,
+                "classes": list(self.classes), "other_class": self.other_class,
+                "standardisation": self.standardisation}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> TableEncoder:
+        columns = tuple(Column(name=c["name"], kind=c["kind"],
+                               categories=None if c["categories"] is None else tuple(c["categories"]),
+                               other=c["other"], bounds=None if c["bounds"] is None else tuple(c["bounds"]))
+                        for c in raw["columns"])
+        return cls(columns, raw["label_column"], tuple(raw["classes"]), raw["other_class"],
+                   raw["standardisation"])
 
 
-def encode(train, test, name: str, schema: Schema | None = None) -> EncodedFeatures:
-    """Encode the feature columns of the train and test frames (the label already dropped) the same way."""
-    schema = schema or Schema()
-    absent = sorted((set(schema.categorical) | set(schema.numeric)) - set(train.columns))
+def class_indices(labels, classes: Sequence[str], other: bool, source: str) -> np.ndarray:
+    """Class index of each label (compared as cell text); a label not among ``classes`` is the class after
+    them, ``(other)``, or refused when the classes were declared (``other`` false)."""
+    index = {c: i for i, c in enumerate(classes)}
+    keys = [cell_text(v) for v in labels]
+    if not other:
+        unknown = sorted({k for k in keys if k not in index})
+        if unknown:
+            raise DataError(f"{source}: labels {unknown[:10]} are not among the declared classes "
+                            f"{list(classes)[:10]}: add them to --labels")
+    return np.array([index.get(k, len(classes)) for k in keys], dtype=np.int64)
+
+
+def plan_columns(frame, schema: Schema) -> list[Column]:
+    """Each feature column's encoding as far as public knowledge goes: schema sets and ranges, bool's
+    {False, True}; a categorical column with ``categories=None`` waits for the private selection."""
+    absent = sorted((set(schema.categorical) | set(schema.numeric)) - set(frame.columns))
     if absent:
-        raise DataError(f"{name}: the schema names columns {absent} that the table does not have")
-    if train.shape[1] == 0:
-        raise DataError(f"{name}: no feature columns besides the label")
-    for frame in (train, test):
-        check_no_missing(frame, name)
-    blocks: list[tuple[np.ndarray, np.ndarray]] = []
-    names: list[str] = []
-    to_scale: list[int] = []
-    from_data: list[str] = []
-    for column in train.columns:
-        kind = _kind(train[column])
-        if column in schema.numeric and kind != "numeric":
-            raise DataError(f"{name}: column {column!r} is declared numeric in the schema but holds {kind} "
-                             "values: declare it categorical or drop its range")
-        if column in schema.categorical or kind in ("categorical", "bool"):
-            categories = schema.categorical.get(column)
-            if categories is None and kind == "bool":
-                categories = [False, True]
-            if categories is None:
-                seen = {_key(v): v for v in (*train[column], *test[column])}
-                categories = [seen[k] for k in sorted(seen)]
-                from_data.append(column)
-            blocks.append((_one_hot(train[column], categories, column, name),
-                           _one_hot(test[column], categories, column, name)))
-            names += [f"{column}={c}" for c in categories]
-        elif kind == "numeric":
-            x_train = train[column].to_numpy(dtype=np.float64)
-            x_test = test[column].to_numpy(dtype=np.float64)
-            if column in schema.numeric:
-                bounds = schema.numeric[column]
-                x_train = _scaled_by_range(x_train, bounds, column, name)
-                x_test = _scaled_by_range(x_test, bounds, column, name)
-            else:
-                to_scale.append(len(names))
-            blocks.append((x_train[:, None], x_test[:, None]))
-            names.append(column)
+        raise DataError(f"the schema names columns {absent} that the table does not have")
+    if frame.shape[1] == 0:
+        raise DataError("no feature columns besides the label")
+    columns = []
+    for name in frame.columns:
+        kind = _kind(frame[name])
+        if name in schema.categorical:
+            columns.append(Column(name, "categorical", tuple(cell_text(c) for c in schema.categorical[name])))
+        elif kind == "bool":
+            columns.append(Column(name, "categorical", ("False", "True")))
+        elif kind == "categorical":
+            columns.append(Column(name, "categorical", None, other=True))
         else:
-            raise DataError(f"{name}: column {column!r} has type {kind}, neither numeric nor text: convert "
-                             "it to numbers or to text categories")
-    return EncodedFeatures(train=np.concatenate([b[0] for b in blocks], axis=1),
-                           test=np.concatenate([b[1] for b in blocks], axis=1),
-                           names=names, to_scale=to_scale, categories_from_data=from_data)
+            columns.append(Column(name, "numeric", bounds=schema.numeric.get(name)))
+    return columns

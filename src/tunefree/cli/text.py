@@ -1,10 +1,13 @@
 """Private fine-tuning of a local Hugging Face model on a text table: what ``tunefree train --model PATH``
 does (classification or causal LM, full fine-tuning or LoRA).
 
-``train_text(config)`` reads and tokenises the table once, loads the model, calls
-:func:`tunefree.make_private`, trains with AdamW, evaluates on the fixed held-out 20% and saves the
-fine-tuned model (the adapter alone, for LoRA) with ``save_pretrained`` in ``<out>/model``; ``report.json``
-beside it holds ε from the run's ledger.
+``train_text(config)`` reads the table, splits it by a keyed hash of each row (``split.py``), selects the
+classes privately unless ``--labels`` declares them, loads the model, sets the token length from
+``--max-length`` or a private quantile of the training texts' lengths, tokenises, calls
+:func:`tunefree.make_private` on what those releases leave of the budget (their events go into the ledger
+first), trains with the chosen optimizer (AdamW by default), evaluates on the held-out rows (outside the
+guarantee, and labelled so) and saves the fine-tuned model (the adapter alone, for LoRA) with
+``save_pretrained`` in ``<out>/model``; ``report.json`` beside it holds ε from the run's ledger.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import argparse
 import math
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,21 +24,28 @@ from torch.utils.data import DataLoader
 from ..api import make_private
 from ..run import DPEngine
 from . import text_data, text_models
-from .report import RunDirectory, norm_statistics
-from .training import Progress, check_config, delta_choice, loose_target_note
+from .releases import OTHER, Budget, Release, delta_choice, private_length, select_sets
+from .report import OUTSIDE_THE_GUARANTEE, RunDirectory, where_results_went, write_json
+from .split import held_out, split_key, table_rows
+from .tables import class_indices
+from .training import OPTIMIZERS, Progress, check_config, guarantee_text, loose_target_note
 
 # AdamW's learning rate when --lr is not given: 5e-4, the order that private fine-tuning of BERT/GPT-2
 # sized models with AUTO-S/normalised clipping uses at batch sizes in the hundreds to thousands (not swept
 # here). With normalised per-example gradients Adam's step does not depend on the gradients' scale.
 DEFAULT_TEXT_LR = 5e-4
+DEFAULT_TEXT_OPTIMIZER = "adamw"
 DEFAULT_TEXT_EPOCHS = 3
+LENGTH_EDGES = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # candidate token lengths (public)
 
 
 @dataclass
 class TextConfig:
     """A text run. ``model``: a local HF model or LoRA adapter directory; ``data``: a .csv, .jsonl or
     .parquet table. ``task`` None infers it (a label column → classification, else causal LM).
-    ``lora_rank`` None fine-tunes every parameter. The privacy fields are ``TrainConfig``'s."""
+    ``lora_rank`` None fine-tunes every parameter. ``labels``: the classes, declared public (None:
+    selected privately); ``max_length``: the token length, declared (None: a private quantile).
+    ``epsilon`` ∞ is a non-private reference run. The other privacy fields are ``TrainConfig``'s."""
 
     model: str
     data: str
@@ -44,7 +53,8 @@ class TextConfig:
     text_column: str = "text"
     label_column: str | None = None
     task: str | None = None
-    max_length: int = 128
+    labels: tuple[str, ...] | None = None
+    max_length: int | None = None
     lora_rank: int | None = None
     lora_targets: tuple[str, ...] | None = None
     epsilon: float = 3.0
@@ -52,6 +62,7 @@ class TextConfig:
     epochs: float | None = DEFAULT_TEXT_EPOCHS
     steps: int | None = None
     batch_size: int = 256
+    optimizer: str = DEFAULT_TEXT_OPTIMIZER
     lr: float | None = None
     clipping: str = "auto-s"
     groups: str = "all-layer"
@@ -70,17 +81,25 @@ def _check(config: TextConfig) -> None:
     if config.lr in ("auto", "hyfreedp"):
         raise ValueError(f"--lr {config.lr} is not available for text models yet: give a number (default "
                          f"{DEFAULT_TEXT_LR} with AdamW)")
+    if config.optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {config.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+    if config.optimizer != DEFAULT_TEXT_OPTIMIZER and config.lr is None:
+        raise ValueError(f"--optimizer {config.optimizer} on a text model needs --lr (a number): the default "
+                         f"{DEFAULT_TEXT_LR} is AdamW's")
     check_config(TrainConfig(epsilon=config.epsilon, delta=config.delta, epochs=config.epochs,
                              steps=config.steps, batch_size=config.batch_size, clipping=config.clipping,
-                             groups=config.groups, lr=config.resolved_lr(), accountant=config.accountant))
+                             groups=config.groups, lr=config.resolved_lr(), accountant=config.accountant,
+                             optimizer=config.optimizer))
     if config.task is not None and config.task not in text_data.TASKS:
         raise ValueError(f"unknown task {config.task!r}: use one of {', '.join(text_data.TASKS)}")
-    if config.max_length < 2:
+    if config.max_length is not None and config.max_length < 2:
         raise ValueError(f"--max-length must be at least 2, got {config.max_length}")
     if config.lora_rank is not None and config.lora_rank < 1:
         raise ValueError(f"--lora-rank must be at least 1, got {config.lora_rank}")
     if config.lora_targets is not None and config.lora_rank is None:
         raise ValueError("--lora-targets chooses where LoRA adapters go: add --lora-rank")
+    if config.labels is not None and config.task == "causal-lm":
+        raise ValueError("--labels names the classes of --task classification: drop it")
     if not config.out:
         raise ValueError("a text model run needs --out DIR: the run directory where the fine-tuned model "
                          "is saved")
@@ -90,17 +109,12 @@ def _batch_size(batch: dict[str, torch.Tensor]) -> int:
     return batch["input_ids"].shape[0]
 
 
-def _step(engine: DPEngine, batch: dict[str, torch.Tensor], task: str) -> tuple[float, int]:
-    """One private step; the batch's summed loss and its size."""
+def _step(engine: DPEngine, batch: dict[str, torch.Tensor], task: str) -> None:
+    """One private step (nothing computed from the batch is returned: it would be unnoised)."""
     engine.optimizer.zero_grad()
-    size = _batch_size(batch)
-    if size == 0:  # an empty Poisson batch: the model cannot run it, but the step (noise) happens
-        engine.optimizer.step()
-        return 0.0, 0
-    losses = text_models.per_example_losses(engine.model, batch, task)
-    losses.mean().backward()  # make_private's loss_reduction="mean"
+    if _batch_size(batch) > 0:  # an empty Poisson batch: the model cannot run it, but the step happens
+        text_models.per_example_losses(engine.model, batch, task).mean().backward()  # loss_reduction="mean"
     engine.optimizer.step()
-    return float(losses.detach().sum()), size
 
 
 @torch.no_grad()
@@ -121,46 +135,87 @@ def evaluate(model: torch.nn.Module, examples: text_data.TextExamples, task: str
     return {"test_loss": loss, "test_perplexity": math.exp(min(loss, 700.0))}
 
 
+def _split_rows(table: text_data.TextTable, label_column: str | None, seed: int | None):
+    """Training and test row indices by the keyed hash of each row's text (and label)."""
+    import numpy as np
+
+    cells = [table.texts] + ([list(table.labels(label_column))] if label_column else [])
+    test = held_out(table_rows(cells), split_key(seed))
+    if test.all() or not test.any():
+        raise text_data.DataError(f"{table.name}: the 80/20 split of its {len(test)} rows put none in the "
+                                  f"{'training' if test.all() else 'test'} split: add rows")
+    return np.flatnonzero(~test), np.flatnonzero(test)
+
+
+def _classes(labels, train_rows, config: TextConfig, budget: Budget
+             ) -> tuple[list[str], bool, Release | None]:
+    """The classes (declared, or selected privately from the training rows) and whether '(other)' follows."""
+    if config.labels is not None:
+        classes, other, release = list(config.labels), False, None
+    else:
+        sets, release = select_sets({"label": labels[train_rows]}, budget, config.seed)
+        classes, other = sets["label"], True
+    if len(classes) < 2:
+        threshold = release.released["threshold"] if release else 0
+        raise text_data.DataError(
+            f"only {len(classes)} class label(s) {classes} had enough training rows to be selected privately "
+            f"(about {threshold:.0f} rows each at this ε): declare the classes with --labels, or train with "
+            "more rows or a larger ε" if release else "the labels take a single value; classification "
+            "needs at least two")
+    return classes, other, release
+
+
 def train_text(config: TextConfig) -> dict[str, Any]:
     """Run private fine-tuning as configured; returns the result, also written to ``<out>/report.json``,
     and saves the model in ``<out>/model``."""
     _check(config)
-    directory = Path(config.model)
-    if not directory.is_dir():
-        raise text_models.not_a_model(directory)
+    text_models.check_model_directory(config.model)
     table = text_data.read_table(config.data, config.text_column)
     task, label_column = text_data.infer_task(config.task, config.label_column, table.columns)
-    train_rows, test_rows = text_data.split(len(table.texts))
+    if config.labels is not None and task != "classification":
+        raise ValueError("--labels names the classes of a classification task, and this table has no label "
+                         "column: drop --labels or pass --label-column")
+    train_rows, test_rows = _split_rows(table, label_column, config.seed)
     delta, delta_text = delta_choice(config.delta, len(train_rows))
     if len(train_rows) < config.batch_size:
         raise ValueError(f"--batch-size {config.batch_size} is larger than the {len(train_rows)} training "
                          f"examples: use --batch-size {len(train_rows)} or less")
-    classes = None
-    if config.seed is not None:
-        torch.manual_seed(config.seed)  # initialisation only; the release's randomness is make_private's
-    tensors: dict[str, torch.Tensor] = {}
+    budget = Budget(config.epsilon, delta, config.accountant)
+    releases: list[Release] = []
+    classes, other, tensors = None, False, {}
     if task == "classification":
         labels = table.labels(label_column)
-        tensors["labels"], classes = text_data.class_indices(labels, train_rows, test_rows)
-    model, tokenizer, notes = text_models.load(config.model, task, classes, config.quiet)
+        classes, other, release = _classes(labels, train_rows, config, budget)
+        releases += [release] if release else []
+        tensors["labels"] = torch.as_tensor(class_indices(labels, classes, other, table.name))
+    if config.seed is not None:
+        torch.manual_seed(config.seed)  # initialisation only; the release's randomness is make_private's
+    names = None if classes is None else [*classes, *((OTHER,) if other else ())]
+    model, tokenizer, notes = text_models.load(config.model, task, names, config.quiet)
     if config.lora_rank is not None:
         if hasattr(model, "peft_config"):
             raise ValueError(f"--model {config.model} is already a LoRA adapter, trained as it is: drop "
                              "--lora-rank")
         model = text_models.add_lora(model, task, config.lora_rank, config.lora_targets)
-    tensors.update(text_data.tokenize(tokenizer, table.texts, config.max_length, task))
+    length, release = _token_length(config, model, tokenizer, table.texts, train_rows, budget)
+    releases += [release] if release else []
+    tensors.update(text_data.tokenize(tokenizer, table.texts, length, task))
     text_models.share_padding(model, tokenizer)
-    if classes is not None:
-        notes.append(f"the classes {[str(c) for c in classes][:10]} were read from the data and are "
-                     "treated as public")
+    notes += _notes(classes, other, releases, length, config)
     train_set = text_data.TextExamples(tensors, train_rows)
     test_set = text_data.TextExamples(tensors, test_rows)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.resolved_lr())
+    optimizer = OPTIMIZERS[config.optimizer](trainable, config.resolved_lr())
+    share = 1.0 - sum(r.share for r in releases)
+    noise = ({"target_epsilon": share * config.epsilon} if math.isfinite(config.epsilon)
+             else {"noise_multiplier": 0.0})
     engine = make_private(model, optimizer, DataLoader(train_set, batch_size=config.batch_size),
-                          target_epsilon=config.epsilon, target_delta=delta, epochs=config.epochs,
-                          steps=config.steps, clipping=config.clipping, groups=config.groups,
-                          accountant=config.accountant, seed=config.seed)
+                          target_delta=share * delta, epochs=config.epochs, steps=config.steps,
+                          clipping=config.clipping, groups=config.groups, accountant=config.accountant,
+                          seed=config.seed, **noise)
+    for release in releases:  # before the first step: the ledger holds every release
+        for event in release.events:
+            engine.ledger.record(event)
     run, started = RunDirectory(config.out), time.perf_counter()
     epsilon = _train_loop(engine, task, config, delta, run)
     train_seconds = time.perf_counter() - started
@@ -170,44 +225,79 @@ def train_text(config: TextConfig) -> dict[str, Any]:
         **evaluate(model, test_set, task), "epsilon": epsilon, "delta": delta, "delta_choice": delta_text,
         "noise_multiplier": engine.noise_multiplier, "steps": engine.steps,
         "planned_steps": engine.planned_steps, "sample_rate": engine.sample_rate,
-        "guarantee": str(engine.guarantee(delta)), "randomness": engine.randomness.description,
+        "guarantee": guarantee_text(engine, delta, len(train_rows)),
+        "randomness": engine.randomness.description,
         "note": loose_target_note(config.epsilon, engine.noise_multiplier, epsilon),
         "data_notes": notes, "task": task, "label_column": label_column,
         "model_directory": str(run.path / "model"), "lora": hasattr(model, "peft_config"),
         "trainable_parameters": sum(p.numel() for p in trainable),
+        "preprocessing": [r.report() for r in releases], "training_share": share,
         "dataset": {"name": table.name, "train_examples": len(train_rows), "test_examples": len(test_rows),
-                    "sequence_length": int(tensors["input_ids"].shape[1])},
-        "config": {**asdict(config), "delta": delta, "lr": config.resolved_lr(), "optimizer": "adamw"},
-        "train_seconds": train_seconds, "diagnostics_are_not_private": True,
+                    "sequence_length": length, "classes": names},
+        "config": {**asdict(config), "delta": delta, "lr": config.resolved_lr()},
+        "train_seconds": train_seconds,
+        "public_by_declaration": ["the number of training rows N (the sampling rate is batch size / N)",
+                                  *([f"the classes given by --labels {list(config.labels)}"]
+                                    if config.labels else []),
+                                  *([f"the token length given by --max-length {config.max_length}"]
+                                    if config.max_length else [])],
+        "outside_the_guarantee": OUTSIDE_THE_GUARANTEE,
     }
     run.finish(result)
     return result
 
 
+def _token_length(config: TextConfig, model, tokenizer, texts: list[str], train_rows, budget: Budget
+                  ) -> tuple[int, Release | None]:
+    """The token length every text is truncated and padded to: ``--max-length``, or the smallest public
+    edge that holds 95% of the training texts, by a private quantile; never beyond the model's positions."""
+    cap = text_models.max_positions(model, tokenizer)
+    if config.max_length is not None:
+        if cap is not None and config.max_length > cap:
+            raise ValueError(f"--max-length {config.max_length} is longer than the model's {cap} positions: "
+                             f"use --max-length {cap} or less")
+        return config.max_length, None
+    top = cap or LENGTH_EDGES[-1]
+    edges = [e for e in LENGTH_EDGES if e < top] + [top]
+    lengths = text_data.token_lengths(tokenizer, [texts[i] for i in train_rows], top)
+    return private_length(lengths, edges, budget, config.seed)
+
+
+def _notes(classes, other: bool, releases: list[Release], length: int, config: TextConfig) -> list[str]:
+    notes = []
+    for release in releases:
+        if release.name == "text length":
+            released = release.released
+            notes.append(f"texts are truncated and padded to {length} tokens: the smallest of "
+                         f"{released['edges']} that holds about {released['quantile']:.0%} of the training "
+                         f"texts, by a private quantile ({release.share:.0%} of ε and δ, in the ledger); "
+                         "--max-length declares it")
+        if release.name == "category and label sets":
+            notes.append(f"the classes {classes[:10]} were selected privately from the training rows' "
+                         f"labels (those at least about {release.released['threshold']:.0f} rows share; "
+                         f"{release.share:.0%} of ε and δ, in the ledger); a row whose label is not among "
+                         f"them is trained and tested as the class {OTHER!r}. Declare the classes with "
+                         "--labels to spend nothing on this")
+    return notes
+
+
 def _train_loop(engine: DPEngine, task: str, config: TextConfig, delta: float, run: RunDirectory) -> float:
-    """The planned steps, logged to ``run``; returns ε spent (from the ledger)."""
+    """The planned steps, logged to ``run`` (public values only); returns ε spent (from the ledger)."""
     planned, steps_per_epoch = engine.planned_steps, len(engine.data_loader)
     epochs = math.ceil(planned / steps_per_epoch)
     progress = Progress(epochs, steps_per_epoch, planned, config.quiet)
     epsilon = float("nan")
     for epoch in range(1, epochs + 1):
-        loss_total, seen = 0.0, 0
         for i, batch in enumerate(engine.data_loader, start=1):
-            loss_sum, size = _step(engine, batch, task)
-            loss_total, seen = loss_total + loss_sum, seen + size
-            record: dict[str, Any] = {"kind": "step", "epoch": epoch, "step": engine.steps,
-                                      "batch_size": size, "loss": loss_sum / size if size else None,
-                                      "lr": engine.optimizer.param_groups[0]["lr"]}
-            if engine.last_step is not None:
-                record["groups"] = norm_statistics(engine.last_step.group_norms, engine.last_step.thresholds)
-            run.log(record)
-            progress.update(epoch, i, engine.steps, loss_total / max(seen, 1), float("nan"), epsilon)
+            _step(engine, batch, task)
+            run.log({"kind": "step", "epoch": epoch, "step": engine.steps,
+                     "lr": engine.optimizer.param_groups[0]["lr"]})
+            progress.update(epoch, i, engine.steps, epsilon, float("nan"))
             if engine.steps >= planned:
                 break
         epsilon = engine.epsilon(delta)
-        progress.update(epoch, i, engine.steps, loss_total / max(seen, 1), float("nan"), epsilon, final=True)
-        run.log({"kind": "epoch", "epoch": epoch, "step": engine.steps, "epsilon": epsilon,
-                 "train_loss": loss_total / max(seen, 1)})
+        progress.update(epoch, i, engine.steps, epsilon, float("nan"), final=True)
+        run.log({"kind": "epoch", "epoch": epoch, "step": engine.steps, "epsilon": epsilon})
     return epsilon
 
 
@@ -227,7 +317,9 @@ def add_arguments(train: argparse.ArgumentParser, positive_int) -> None:
                        help="classification or causal-lm (default: classification when the table has the "
                             "label column, else causal-lm)")
     group.add_argument("--max-length", type=positive_int, default=None,
-                       help="tokens per example; longer texts are truncated (default: 128)")
+                       help="tokens per example, declared public; longer texts are truncated, shorter ones "
+                            "padded (default: the smallest of 8, 16, 32, … up to the model's positions that "
+                            "holds 95%% of the training texts, by a private quantile: 5%% of ε and δ)")
     group.add_argument("--lora-rank", type=positive_int, default=None,
                        help="fine-tune LoRA adapters of this rank instead of every parameter")
     group.add_argument("--lora-targets", type=_targets, default=None,
@@ -251,36 +343,37 @@ def check_no_text_flags(args: argparse.Namespace) -> None:
 TABLE_FLAGS = {"schema": None, "hidden": None, "numeric_scaling": "private", "thresholds": "fixed",
                "target_quantile": None, "quantile_lr": None, "quantile_budget": None, "clip_gamma": None,
                "psac_r": None, "noise_allocation": "global", "lr_update_interval": None,
-               "loss_privacy": None, "optimizer": "sgd", "audit_canaries": None}
+               "loss_privacy": None, "audit_canaries": None, "na_values": (), "drop_rows_with_missing": False,
+               "test_data": None}
 
 
 def command(args: argparse.Namespace) -> int:
     """``tunefree train --model PATH``: build the configuration from the flags, train, print the result."""
-    import json
-
     given = ["--" + name.replace("_", "-") for name, default in TABLE_FLAGS.items()
              if getattr(args, name) != default]
     if given:
-        raise ValueError(f"{', '.join(given)} do not apply to text models (AdamW, fixed thresholds): "
-                         "drop them")
+        raise ValueError(f"{', '.join(given)} do not apply to text models (fixed thresholds, no table "
+                         "columns): drop them")
     config = TextConfig(
         model=args.model, data=args.dataset, out=str(args.out) if args.out else "",
         text_column=args.text_column or "text", label_column=args.label_column, task=args.task,
-        max_length=args.max_length or 128, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
-        epsilon=args.epsilon, delta=args.delta,
+        labels=args.labels, max_length=args.max_length, lora_rank=args.lora_rank,
+        lora_targets=args.lora_targets, epsilon=args.epsilon, delta=args.delta,
         epochs=DEFAULT_TEXT_EPOCHS if args.epochs is None and args.steps is None else args.epochs,
-        steps=args.steps, batch_size=args.batch_size, lr=args.lr, clipping=args.clipping,
-        groups=args.groups, accountant=args.accountant, seed=args.seed, quiet=args.quiet)
+        steps=args.steps, batch_size=args.batch_size, optimizer=args.optimizer or DEFAULT_TEXT_OPTIMIZER,
+        lr=args.lr, clipping=args.clipping, groups=args.groups, accountant=args.accountant, seed=args.seed,
+        quiet=args.quiet)
     result = train_text(config)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result)
     metric = (f"test accuracy {result['test_accuracy']:.4f}" if result["task"] == "classification"
               else f"test loss {result['test_loss']:.4f} (perplexity {result['test_perplexity']:.4g})")
-    print(f"{metric} — {result['guarantee']}; randomness: {result['randomness']}")
+    print(f"{metric} on {result['dataset']['test_examples']} held-out rows (outside the guarantee: computed "
+          "from those rows without noise)")
+    print(f"guarantee: {result['guarantee']}; randomness: {result['randomness']}")
     print(result["delta_choice"])
     for note in [*result["data_notes"], *([result["note"]] if result["note"] else [])]:
         print(f"note: {note}")
-    print(f"model saved in {result['model_directory']}"
-          f"{' (the LoRA adapter only)' if result['lora'] else ''}; run directory: {args.out}")
+    adapter = " (the LoRA adapter only)" if result["lora"] else ""
+    print(f"model saved in {result['model_directory']}{adapter}; {where_results_went(args.out, args.json)}")
     return 0

@@ -1,10 +1,11 @@
 """Text data for ``tunefree train --model PATH``: a CSV, JSON-lines or Parquet table with a text column
 (and a label column for classification), tokenised once, up front.
 
-Padding is not the examples' data: each example is padded on the right to the longest one (at most
-``--max-length`` tokens), its attention mask is 0 on the padding, and for causal LM its labels are -100
-there, so that no padding token enters its loss. The train/test split is fixed (seed 0), independent of
-the training seed. The set of class labels is read from the data and treated as public, as for tables.
+Padding is not the examples' data: each example is truncated or padded on the right to the run's token
+length (``--max-length``, or a private quantile: never a length read from the data), its attention mask
+is 0 on the padding, and for causal LM its labels are -100 there, so that no padding token enters its
+loss. The train/test split is the keyed per-row hash of ``split.py``; the classes are declared or selected
+privately (``text.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from .tables import DataError
 
 TASKS = ("classification", "causal-lm")
 TEXT_FORMATS = ("csv", "jsonl", "parquet")
-SPLIT_SEED = 0
-TEST_FRACTION = 0.2
 IGNORED_LABEL = -100  # torch's cross_entropy ignore_index: a causal-LM position that is not a target
 
 
@@ -102,38 +101,22 @@ def infer_task(task: str | None, label_column: str | None, columns: tuple[str, .
     return "classification", label_column
 
 
-def split(num_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """Train and test row indices: a fixed 80/20 split, the same in every run."""
-    order = np.random.default_rng(SPLIT_SEED).permutation(num_rows)
-    test = max(1, int(round(TEST_FRACTION * num_rows)))
-    if num_rows - test < 1:
-        raise DataError(f"{num_rows} row(s) cannot be split into training and test examples: add data")
-    return np.sort(order[test:]), np.sort(order[:test])
-
-
-def class_indices(labels: np.ndarray, train: np.ndarray, test: np.ndarray
-                  ) -> tuple[torch.Tensor, list[Any]]:
-    """Class indices of all rows, and the classes (those of the training split, sorted)."""
-    classes = np.unique(labels[train])
-    unseen = np.setdiff1d(np.unique(labels[test]), classes)
-    if unseen.size:
-        raise DataError(f"test labels {unseen[:10].tolist()} never occur in the training split: drop "
-                        "those examples or add training examples of those classes")
-    if len(classes) < 2:
-        raise DataError("the labels take a single value; classification needs at least two")
-    return torch.as_tensor(np.searchsorted(classes, labels), dtype=torch.long), classes.tolist()
+def token_lengths(tokenizer, texts: list[str], cap: int) -> torch.Tensor:
+    """Each text's number of tokens, counted up to ``cap``."""
+    encoded = tokenizer(texts, truncation=True, max_length=cap, padding=False)
+    return torch.tensor([len(ids) for ids in encoded["input_ids"]], dtype=torch.float64)
 
 
 def tokenize(tokenizer, texts: list[str], max_length: int, task: str) -> dict[str, torch.Tensor]:
-    """Token ids and attention masks of every text, right-padded to the longest (at most ``max_length``
-    tokens); for causal LM, labels that are the ids with -100 on the padding."""
+    """Token ids and attention masks of every text, truncated or right-padded to ``max_length`` tokens
+    (public: declared or released); for causal LM, labels that are the ids with -100 on the padding."""
     if tokenizer.pad_token is None:  # e.g. GPT-2: any id will do, the mask and labels ignore padding
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
         if tokenizer.pad_token is None:
             raise ValueError("the tokenizer has no padding, end-of-text or unknown token to pad with: "
                              "give it a pad_token and save it with the model")
     tokenizer.padding_side = "right"
-    encoded = tokenizer(texts, truncation=True, max_length=max_length, padding="longest",
+    encoded = tokenizer(texts, truncation=True, max_length=max_length, padding="max_length",
                         return_tensors="pt")
     batch = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
     lengths = batch["attention_mask"].sum(1)

@@ -25,6 +25,13 @@ def not_a_model(path: Path) -> ValueError:
                       "as written by save_pretrained) or a LoRA adapter directory (adapter_config.json)")
 
 
+def check_model_directory(path: str) -> None:
+    """Refuse, before any data is read, a ``--model`` that is not a model or LoRA adapter directory."""
+    directory = Path(path)
+    if not ((directory / "config.json").exists() or (directory / "adapter_config.json").exists()):
+        raise not_a_model(directory)
+
+
 def _auto_class(task: str):
     import transformers
 
@@ -120,6 +127,18 @@ def per_example_losses(model: nn.Module, batch: dict[str, torch.Tensor], task: s
     tokens = F.cross_entropy(logits[:, :-1].transpose(1, 2), targets, reduction="none",
                              ignore_index=IGNORED_LABEL)
     return tokens.sum(1) / (targets != IGNORED_LABEL).sum(1)
+
+
+def max_positions(model: nn.Module, tokenizer) -> int | None:
+    """The most tokens the model reads (its position embeddings), from its config or its tokenizer; None if
+    neither says (public: the model's own)."""
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    return value if isinstance(value, int) and 0 < value < 1_000_000 else None
 
 
 def share_padding(model: nn.Module, tokenizer) -> None:

@@ -1,8 +1,15 @@
 """A complete private training run from a configuration: what ``tunefree train`` does.
 
-``train(config)`` loads the data, builds the default model, calls :func:`tunefree.make_private`, trains,
-evaluates on the held-out split and returns the result; the command line is a thin layer over it, and
+``train(config)`` reads and prepares the data (``preprocess.py``: every value learnt from the training rows
+declared public or released privately), builds the default model, calls :func:`tunefree.make_private` on
+what the preprocessing releases leave of the budget, records those releases in the run's ledger, trains,
+evaluates on the held-out rows and returns the result; the command line is a thin layer over it, and
 experiments reuse it.
+
+Nothing computed from the training rows without noise leaves the run: the output, ``metrics.jsonl``, the
+plots and ``report.json`` hold public values (declared, or the run's settings), released values (ε, the
+learning rate set from released gradients, released thresholds) and the test accuracy on the held-out rows,
+which is labelled outside the guarantee wherever it is shown.
 """
 
 from __future__ import annotations
@@ -12,13 +19,13 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from ..api import make_private
 from ..audit import audit_training
@@ -26,8 +33,9 @@ from ..components.hyfreedp import AutoLearningRate
 from ..config import AutoLR, resolve_options
 from ..privacy.calibrate import MIN_NOISE_MULTIPLIER
 from ..run import DPEngine
-from . import datasets, launch, models, scaling, tables
-from .report import RunDirectory, norm_statistics
+from . import datasets, launch, models, preprocess, tables
+from .releases import default_delta, delta_choice  # noqa: F401  (the run's δ; experiments import them here)
+from .report import OUTSIDE_THE_GUARANTEE, RunDirectory
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr),
@@ -38,7 +46,7 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "radam": lambda params, lr: torch.optim.RAdam(params, lr=lr),
     "adagrad": lambda params, lr: torch.optim.Adagrad(params, lr=lr),
 }
-NUMERIC_SCALINGS = ("private", "none")
+NUMERIC_SCALINGS = preprocess.NUMERIC_SCALINGS
 # The papers' knobs: each is the make_private keyword of the same name; make_private (resolve_options)
 # refuses one given where it has no effect. Their command-line flags, for its messages.
 KNOBS = {"clip_gamma": "--clip-gamma", "psac_r": "--psac-r", "target_quantile": "--target-quantile",
@@ -51,10 +59,13 @@ HYFREEDP_KNOBS = {"lr_update_interval": "--lr-update-interval", "loss_privacy": 
 class TrainConfig:
     """Everything a run depends on. ``delta=None`` means 1/N^1.1 for N training examples. The run's
     length is ``epochs`` (possibly fractional) or ``steps``: the noise is calibrated for, and training
-    runs, exactly ``planned_steps(epochs, steps, q)`` logical steps. ``schema`` is the path of a table's
-    public schema (category sets, value ranges); ``numeric_scaling`` is ``"private"`` (numeric columns
-    with no public range are standardised by an accounted private estimate) or ``"none"`` (fed as
-    they are). ``hidden`` sizes the default MLP's hidden layers (``None``: one of 128). The papers'
+    runs, exactly ``planned_steps(epochs, steps, q)`` logical steps. ``epsilon`` ∞ is a non-private
+    reference run (no noise, ε = ∞). ``schema`` is the path of a table's public schema (category sets,
+    value ranges) and ``labels`` the public classes (otherwise both are selected privately);
+    ``numeric_scaling`` is ``"private"`` (numeric columns with no public range are standardised by an
+    accounted private estimate) or ``"none"`` (fed as they are); ``na_values``, ``drop_missing`` and
+    ``test_data`` are the data flags of ``preprocess.DataOptions``. ``hidden`` sizes the default MLP's
+    hidden layers (``None``: one of 128). The papers'
     knobs (``KNOBS`` and ``noise_allocation``) are the ``make_private`` keywords of the same names.
     ``lr`` is ``"auto"`` (plain SGD's step size from the released gradients: ``make_private``'s
     ``lr="auto"``; the model kept is its averaged one), ``"hyfreedp"`` (HyFreeDP's learning rate from
@@ -81,7 +92,11 @@ class TrainConfig:
     lr_update_interval: int | None = None
     loss_privacy: str | None = None
     schema: str | None = None
+    labels: tuple[str, ...] | None = None
     numeric_scaling: str = "private"
+    na_values: tuple[str, ...] = ()
+    drop_missing: bool = False
+    test_data: str | None = None
     hidden: tuple[int, ...] | None = None
     optimizer: str = "sgd"
     lr: float | str = "auto"  # a number, "auto" (SGD's automatic step) or "hyfreedp"
@@ -109,19 +124,6 @@ class TrainConfig:
         return None
 
 
-def default_delta(num_examples: int) -> float:
-    return 1.0 / num_examples ** 1.1
-
-
-def delta_choice(delta: float | None, num_examples: int) -> tuple[float, str]:
-    """δ of the run and how it was chosen, as the output states it."""
-    if delta is not None:
-        return delta, f"δ = {delta:.3g}, given by --delta"
-    value = default_delta(num_examples)
-    return value, (f"δ = 1/N^1.1 = {value:.3g} for N = {num_examples} training examples, the default "
-                   f"(below 1/N = {1 / num_examples:.3g}, as a guarantee needs; --delta sets it)")
-
-
 def _knobs(config: TrainConfig) -> dict[str, Any]:
     return {name: getattr(config, name) for name in KNOBS}
 
@@ -136,8 +138,8 @@ def loose_target_note(target_epsilon: float, noise_multiplier: float, spent: flo
 
 def check_config(config: TrainConfig) -> None:
     """Refuse a bad configuration before any data is touched."""
-    if not (config.epsilon > 0 and math.isfinite(config.epsilon)):
-        raise ValueError(f"--epsilon must be a positive number, got {config.epsilon}")
+    if not config.epsilon > 0:  # ∞: a non-private reference run
+        raise ValueError(f"--epsilon must be a positive number (or inf, no privacy), got {config.epsilon}")
     if config.delta is not None and not 0 < config.delta < 1:
         raise ValueError(f"--delta must be in (0, 1), got {config.delta}")
     if config.epochs is not None and config.steps is not None:
@@ -160,7 +162,7 @@ def check_config(config: TrainConfig) -> None:
             isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in config.hidden)):
         raise ValueError(f"--hidden takes layer widths of at least 1, e.g. 256,256; got {config.hidden}")
     try:  # make_private's own check of the knobs, before any data is touched
-        resolve_options(target_delta=0.5, target_epsilon=config.epsilon, epochs=config.epochs,
+        resolve_options(target_delta=0.5, target_epsilon=min(config.epsilon, 1e6), epochs=config.epochs,
                         steps=config.steps, clipping=config.clipping, groups=config.groups,
                         thresholds=config.thresholds, noise_allocation=config.noise_allocation,
                         **_knobs(config))
@@ -197,9 +199,10 @@ def accuracy(model: nn.Module, data, batch_size: int = 1024) -> float:
 
 
 class Progress:
-    """Progress of the run on ``stream`` (stderr): on a terminal, a bar redrawn in place with loss,
-    accuracy and the ε spent so far, one line per epoch; anywhere else (a log file, a pipe) plain lines,
-    one every tenth of the run or every 10 seconds, whichever comes first, and one at the end."""
+    """Progress of the run on ``stream`` (stderr): on a terminal, a bar redrawn in place with the ε spent
+    so far and the last test accuracy (of the weights the run keeps), one line per epoch; anywhere else
+    (a log file, a pipe) plain lines, one every tenth of the run or every 10 seconds, whichever comes
+    first, and one at the end. The test accuracy is labelled: it is outside the guarantee."""
 
     PARTS = 10  # a line every tenth of the run
     EVERY_SECONDS = 10.0
@@ -213,14 +216,15 @@ class Progress:
         self.last_line = clock()
         self.next_part = 1
 
-    def update(self, epoch: int, step_in_epoch: int, step: int, loss: float, acc: float, epsilon: float,
+    def update(self, epoch: int, step_in_epoch: int, step: int, epsilon: float, test_accuracy: float,
                final: bool = False) -> None:
         """Report after logical step ``step`` (``step_in_epoch`` within ``epoch``); ``final`` at the end
-        of an epoch, once ε is known."""
+        of an epoch, once ε and the test accuracy are known (NaN before)."""
         if self.quiet:
             return
         eps = "   -  " if math.isnan(epsilon) else f"{epsilon:6.3f}"
-        figures = f"loss {loss:6.4f} acc {acc:5.3f} ε {eps}"
+        tested = "  -  " if math.isnan(test_accuracy) else f"{test_accuracy:5.3f}"
+        figures = f"ε {eps} | test acc {tested} (held-out rows, outside the guarantee)"
         if self.interactive:
             filled = int(20 * step_in_epoch / max(self.steps, 1))
             bar = "#" * filled + "." * (20 - filled)
@@ -243,65 +247,62 @@ class Progress:
             self.next_part += 1
 
 
-def _step(engine: DPEngine, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
-    """One private step; returns the batch's summed loss, correct predictions and size."""
+def _step(engine: DPEngine, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One private step (nothing computed from the batch is returned: it would be unnoised)."""
     engine.optimizer.zero_grad()
 
     def per_sample_losses() -> torch.Tensor:  # for HyFreeDP: the batch's losses at probe points
         return F.cross_entropy(engine.model(x), y, reduction="none")
 
     closure = per_sample_losses if engine.optimizer.closure_gives_per_sample_losses else None
-    if len(y) == 0:  # an empty Poisson batch: no loss to compute, but the step (noise) happens
-        engine.optimizer.step(closure)
-        return 0.0, 0, 0
-    logits = engine.model(x)
-    loss = F.cross_entropy(logits, y)
-    loss.backward()
+    if len(y) > 0:  # an empty Poisson batch: no loss to compute, but the step (noise) happens
+        F.cross_entropy(engine.model(x), y).backward()
     engine.optimizer.step(closure)
-    return float(loss.detach()) * len(y), int((logits.argmax(1) == y).sum()), len(y)
 
 
-def _standardise(data: datasets.LoadedData, config: TrainConfig, delta: float
-                 ) -> tuple[datasets.LoadedData, scaling.Standardisation | None]:
-    """Standardise the numeric columns that have no public range, by the accounted private estimate."""
-    if not data.to_scale or config.numeric_scaling == "none":
-        return data, None
-    sigma = scaling.noise_for_share(config.epsilon, delta, config.accountant)
-    scaling.check_enough_rows(data.num_train, len(data.to_scale), sigma, config.epsilon)
-    x_train, y_train = data.train.tensors
-    x_test, y_test = data.test.tensors
-    released = launch.once_on_rank_zero(  # one release, however many processes train
-        lambda: scaling.release(x_train, data.to_scale, sigma, scaling.secret_randomness(config.seed)))
-    return replace(data, train=TensorDataset(released.apply(x_train), y_train),
-                   test=TensorDataset(released.apply(x_test), y_test)), released
+def _prepared(config: TrainConfig) -> datasets.LoadedData:
+    """The data read and prepared as configured, with the model's refusals made before any release."""
+    schema = tables.Schema.load(config.schema) if config.schema else None
+    options = preprocess.DataOptions(
+        label_column=config.label_column, schema=schema, labels=config.labels, na_values=config.na_values,
+        drop_missing=config.drop_missing, test_data=config.test_data, numeric_scaling=config.numeric_scaling)
+    raw = datasets.read(config.dataset, options.label_column, options.test_data)
+    shape = tuple(raw.x.shape[1:]) if raw.kind == "image" else (1,)
+    models.resolve(config.model, raw.kind, shape, config.hidden)
+    return preprocess.prepare(raw, options, config.epsilon, config.delta, config.accountant, config.seed)
 
 
-def _data_notes(data: datasets.LoadedData, config: TrainConfig,
-                released: scaling.Standardisation | None) -> list[str]:
-    """What the output must say about how a table's features were made from the private rows."""
-    notes = []
-    if data.categories_from_data:
-        notes.append(f"the category sets of columns {list(data.categories_from_data)} were read from the "
-                     "data and are treated as public, like the class labels (a category only one person has "
-                     "reveals them): declare them in --schema to avoid this")
-    scaled = [data.feature_names[i] for i in data.to_scale]
-    if released is not None:
-        notes.append(f"numeric columns {scaled} were standardised by a private estimate that spent "
-                     f"{scaling.SHARE:.0%} of ε and of δ (2 Gaussian releases, σ = "
-                     f"{released.noise_multiplier:.3g}), recorded in the ledger; declare their ranges in "
-                     "--schema to spend nothing on it")
-    elif scaled:
-        notes.append(f"numeric columns {scaled} reach the model unscaled (--numeric-scaling none)")
-    return notes
+def training_share(data: datasets.LoadedData) -> float:
+    """What the preprocessing releases leave of ε and δ for training."""
+    return 1.0 - sum(release.share for release in data.releases)
+
+
+def _make_private(config: TrainConfig, model: nn.Module, data: datasets.LoadedData, delta: float
+                  ) -> DPEngine:
+    optimizer = OPTIMIZERS[config.optimizer](model.parameters(), config.resolved_lr())
+    share = training_share(data)
+    budget = ({"target_epsilon": share * config.epsilon} if math.isfinite(config.epsilon)
+              else {"noise_multiplier": 0.0})  # --epsilon inf: the reference run without noise
+    engine = make_private(
+        launch.data_parallel(model), optimizer, DataLoader(data.train, batch_size=config.batch_size),
+        target_delta=share * delta, epochs=config.epochs, steps=config.steps,
+        clipping=config.clipping, groups=config.groups, max_grad_norm=config.max_grad_norm,
+        thresholds=config.thresholds, lr=config.auto_lr(),
+        accountant=config.accountant, seed=config.seed, audit_canaries=config.audit_canaries,
+        **budget, **{"noise_allocation": config.noise_allocation, **_knobs(config), **config.extra})
+    for release in data.releases:  # before the first step: the ledger holds every release
+        for event in release.events:
+            engine.ledger.record(event)
+    return engine
 
 
 def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[str, Any]:
-    """Run private training as configured; returns the result (also written to ``config.out``). In a
-    process group of several processes (torchrun, ``cli/launch.py``), each process is one rank of one
-    data-parallel run, and only rank 0 writes ``config.out``."""
+    """Run private training as configured; returns the result (also written to ``config.out``). ``data``:
+    data prepared already (its releases go into this run's ledger). In a process group of several
+    processes (torchrun, ``cli/launch.py``), each process is one rank of one data-parallel run: rank 0
+    reads and prepares the data (its releases are made once) and alone writes ``config.out``."""
     check_config(config)
-    schema = tables.Schema.load(config.schema) if config.schema else None
-    data = data or datasets.load(config.dataset, config.label_column, schema)
+    data = data or launch.once_on_rank_zero(lambda: _prepared(config))
     delta, delta_text = delta_choice(config.delta, data.num_train)
     if data.num_train < config.batch_size:
         raise ValueError(f"--batch-size {config.batch_size} is larger than the {data.num_train} training "
@@ -309,20 +310,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
     if config.seed is not None:
         torch.manual_seed(config.seed)  # initialisation only; the release's randomness is make_private's
     model = models.build(config.model, data.kind, data.input_shape, data.num_classes, config.hidden)
-    data, released = _standardise(data, config, delta)  # after every refusal that needs no release
-    share = 0.0 if released is None else scaling.SHARE  # what the standardisation took of ε and δ
-    optimizer = OPTIMIZERS[config.optimizer](model.parameters(), config.resolved_lr())
-    engine = make_private(
-        launch.data_parallel(model), optimizer, DataLoader(data.train, batch_size=config.batch_size),
-        target_epsilon=(1 - share) * config.epsilon, target_delta=(1 - share) * delta,
-        epochs=config.epochs, steps=config.steps,
-        clipping=config.clipping, groups=config.groups, max_grad_norm=config.max_grad_norm,
-        thresholds=config.thresholds, lr=config.auto_lr(),
-        accountant=config.accountant, seed=config.seed, audit_canaries=config.audit_canaries,
-        **{"noise_allocation": config.noise_allocation, **_knobs(config), **config.extra})
-    if released is not None:
-        for event in released.events():  # before the first step: the ledger holds every release
-            engine.ledger.record(event)
+    engine = _make_private(config, model, data, delta)
     writes = launch.is_main_process()  # under torchrun, rank 0 writes the run's outputs
     run = RunDirectory(config.out) if config.out and writes else None
     planned = engine.planned_steps
@@ -330,26 +318,21 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
     epochs = math.ceil(planned / steps_per_epoch)  # the last one partial when planned is not a multiple
     progress = Progress(epochs, steps_per_epoch, planned, config.quiet or not writes)
     started = time.perf_counter()
-    epsilon = float("nan")
+    epsilon, test_accuracy = float("nan"), float("nan")
     for epoch in range(1, epochs + 1):
-        totals = [0.0, 0, 0]
         for i, (x, y) in enumerate(engine.data_loader, start=1):
-            loss_sum, correct, size = _step(engine, x, y)
-            totals = [totals[0] + loss_sum, totals[1] + correct, totals[2] + size]
+            _step(engine, x, y)
             if run:
-                run.log(_step_record(engine, epoch, loss_sum, correct, size))
-            seen = max(totals[2], 1)
-            progress.update(epoch, i, engine.steps, totals[0] / seen, totals[1] / seen, epsilon)
+                run.log(_step_record(engine, epoch))
+            progress.update(epoch, i, engine.steps, epsilon, test_accuracy)
             if engine.steps >= planned:  # the planned run is over, possibly within an epoch
                 break
         epsilon = engine.epsilon(delta)
-        seen = max(totals[2], 1)
         with _model_kept(engine):
             test_accuracy = accuracy(model, data.test)
-        progress.update(epoch, i, engine.steps, totals[0] / seen, totals[1] / seen, epsilon, final=True)
+        progress.update(epoch, i, engine.steps, epsilon, test_accuracy, final=True)
         if run:
             run.log({"kind": "epoch", "epoch": epoch, "step": engine.steps, "epsilon": epsilon,
-                     "train_loss": totals[0] / seen, "train_accuracy": totals[1] / seen,
                      "test_accuracy": test_accuracy})
     train_seconds = time.perf_counter() - started
     engine.detach()
@@ -361,27 +344,52 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
         "noise_multiplier": engine.noise_multiplier, "steps": engine.steps, "planned_steps": planned,
         "sample_rate": engine.sample_rate, "train_seconds": train_seconds,
         "processes": launch.world()[1],
-        "guarantee": str(engine.guarantee(delta)),
+        "guarantee": guarantee_text(engine, delta, data.num_train),
         "randomness": engine.randomness.description,
         "note": loose_target_note(config.epsilon, engine.noise_multiplier, epsilon),
-        "data_notes": _data_notes(data, config, released),
-        "standardisation": None if released is None else {
-            "columns": [data.feature_names[i] for i in released.columns], "share": scaling.SHARE,
-            "noise_multiplier": released.noise_multiplier},
+        "data_notes": list(data.notes),
+        "preprocessing": [release.report() for release in data.releases],
+        "training_share": training_share(data),
         "dataset": {"name": data.name, "train_examples": data.num_train,
-                    "test_examples": len(data.test), "classes": data.num_classes},
-        "config": {**asdict(config), "delta": delta,
-                   "lr": config.lr},
+                    "test_examples": len(data.test), "classes": list(data.classes)},
+        "config": {**asdict(config), "delta": delta, "lr": config.lr},
         "learning_rate": _learning_rate_text(config, engine),
-        "model_file": run.save_model(model) if run else None,
+        "model_file": run.save_model(model, model_description(config, data)) if run else None,
         "audit": None if audit is None else {
             "epsilon_lower_bound": audit.epsilon_lower_bound, "confidence": audit.confidence,
             "canaries": audit.canaries, "verdict": audit.verdict},
-        "diagnostics_are_not_private": True,
+        "public_by_declaration": public_by_declaration(config),
+        "outside_the_guarantee": OUTSIDE_THE_GUARANTEE,
     }
     if run:
         run.finish(result)
     return result
+
+
+def guarantee_text(engine: DPEngine, delta: float, rows: int) -> str:
+    """The guarantee, with what it covers (the training rows) or, for a reference run, that it is none."""
+    if engine.noise_multiplier == 0:
+        return "no privacy: a non-private reference run (--epsilon inf), ε = ∞"
+    return f"covers the {rows} training rows: {engine.guarantee(delta)}"
+
+
+def public_by_declaration(config: TrainConfig) -> list[str]:
+    """What the run reads from the data and treats as public because the user (or the format) says so."""
+    declared = ["the number of training rows N (the sampling rate is batch size / N)",
+                "the file's column names and each column's kind (numeric or text), read from its cells"]
+    if config.schema:
+        declared.append(f"the category sets and value ranges in --schema {config.schema}")
+    if config.labels is not None:
+        declared.append(f"the classes given by --labels {list(config.labels)}")
+    return declared
+
+
+def model_description(config: TrainConfig, data: datasets.LoadedData) -> dict[str, Any]:
+    """What ``tunefree predict`` needs to rebuild the model and prepare new rows (all public or released)."""
+    return {"model": models.resolve(config.model, data.kind, data.input_shape, config.hidden),
+            "hidden": list(config.hidden) if config.hidden else None, "kind": data.kind,
+            "input_shape": list(data.input_shape), "classes": list(data.classes),
+            "table": None if data.encoder is None else data.encoder.to_dict()}
 
 
 def _learning_rate_text(config: TrainConfig, engine: DPEngine) -> str:
@@ -405,16 +413,13 @@ def _model_kept(engine: DPEngine) -> contextlib.AbstractContextManager:
     return engine.dog_lr.averaged()
 
 
-def _step_record(engine: DPEngine, epoch: int, loss_sum: float, correct: int, size: int
-                 ) -> dict[str, Any]:
-    report = engine.last_step
+def _step_record(engine: DPEngine, epoch: int) -> dict[str, Any]:
+    """What ``metrics.jsonl`` says of a step: public or released values only (the learning rate, set from
+    released values or given; the clip thresholds, given or released; HyFreeDP's loss bound R_l)."""
     record: dict[str, Any] = {"kind": "step", "epoch": epoch, "step": engine.steps,
-                              "batch_size": size,
-                              "loss": loss_sum / size if size else None,
-                              "train_accuracy": correct / size if size else None}
-    if report is not None:
-        record["groups"] = norm_statistics(report.group_norms, report.thresholds)
-    record["lr"] = engine.optimizer.param_groups[0]["lr"]
+                              "lr": engine.optimizer.param_groups[0]["lr"]}
+    if engine.last_step is not None:
+        record["thresholds"] = dict(engine.last_step.thresholds)
     auto = next((c for c in engine.optimizer.components if isinstance(c, AutoLearningRate)), None)
     if auto is not None:
         record["loss_bound"] = auto.state.loss_bound

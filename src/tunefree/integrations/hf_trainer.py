@@ -13,17 +13,25 @@ The Trainer's loop, callbacks, evaluation, checkpoints and ``save_model`` stay a
 - **Loss.** Each example's own loss (``example_loss``) is summed over the batch (``loss_reduction="sum"``):
   a mean over the batch's tokens, as HF models compute ``out.loss`` for language modelling, would make
   each example's weight depend on the others. Labels ``-100`` (padding) are no example's data.
-- **Logs.** ``epsilon`` (from the run's ledger) is logged with the other metrics. The training loss, the
-  gradient norm and the FLOP count are computed from private data (or, for the gradient norm, before the
-  release) without noise, so they are left out of the logs.
+- **Nothing private leaves unnoised.** ``epsilon`` (from the run's ledger) is logged with the other
+  metrics. The training loss never enters the Trainer (``training_step`` returns 0), and the values computed
+  from the training data without noise — the training loss, the gradient norm, the FLOP count — are in no
+  log, callback, ``TrainOutput`` or saved state: ``train()`` returns ``training_loss=None``.
+- **Evaluation is on other data.** An evaluation or prediction data set that shares an example with the
+  training set is refused (per-example digests): its loss would be the unnoised training loss. Evaluation
+  metrics, and the checkpoint ``load_best_model_at_end`` picks by them, are computed from the evaluation data
+  without noise: the guarantee covers ``train_dataset``, not ``eval_dataset``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+import hashlib
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
 from torch import nn
@@ -33,6 +41,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from ..api import make_private
 from ..data.poisson import PoissonDataLoader
+from ..errors import PrivacyError
 from ..run import DPEngine
 
 # example_loss(model, inputs) -> one loss per example, shape [n]: runs the model on the batch ``inputs``.
@@ -43,6 +52,9 @@ _SET_BY_TRAINER = ("target_epsilon", "target_delta", "noise_multiplier", "epochs
                    "loss_reduction", "physical_batch_size", "max_physical_batch_size", "poisson_sampling")
 # Computed from private data without noise (or, the gradient norm, before the release): never logged.
 _UNRELEASED_METRICS = ("loss", "train_loss", "grad_norm", "total_flos")
+OUTSIDE_THE_GUARANTEE = ("PrivateTrainer: evaluation metrics, and the checkpoint load_best_model_at_end "
+                         "picks by them, are computed from the evaluation data without noise: the guarantee "
+                         "covers train_dataset only, not eval_dataset")
 
 
 def token_losses_per_example(logits: torch.Tensor, labels: torch.Tensor, next_token: bool) -> torch.Tensor:
@@ -115,6 +127,59 @@ def _examples_in(batch: Any) -> int:
     return next(v.shape[0] for v in values if isinstance(v, torch.Tensor))
 
 
+def _canonical(value: Any) -> bytes:
+    """Bytes that identify a field of an example whatever its container: a tensor, an array or a list of
+    the same numbers give the same bytes (numbers as int64 or float64, with their shape); text as UTF-8."""
+    if isinstance(value, str):
+        return b"s" + value.encode()
+    if isinstance(value, bytes):
+        return b"b" + value
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError):
+        return b"r" + repr(value).encode()
+    if array.dtype.kind in "biu":
+        array = array.astype(np.int64)
+    elif array.dtype.kind == "f":
+        array = array.astype(np.float64)
+    else:
+        return b"r" + repr(value).encode()
+    return b"a" + repr(array.shape).encode() + array.tobytes()
+
+
+def _fields(example: Any) -> dict[Any, Any]:
+    """An example's fields by name (a mapping) or position (a tuple or list)."""
+    if isinstance(example, Mapping):
+        return dict(example)
+    if isinstance(example, (tuple, list)):
+        return dict(enumerate(example))
+    return {0: example}
+
+
+def example_digests(dataset: Iterable[Any], keys: tuple) -> set[bytes]:
+    """A digest of each example's ``keys`` fields: equal examples have equal digests."""
+    digests = set()
+    for example in dataset:
+        fields = _fields(example)
+        digest = hashlib.blake2b(digest_size=16)
+        for key in keys:
+            part = _canonical(fields[key])
+            digest.update(len(part).to_bytes(8, "little") + part)
+        digests.add(digest.digest())
+    return digests
+
+
+def _examples(dataset: Any) -> Iterator[Any]:
+    """The examples of a map-style data set, by index (an HF ``Dataset`` iterates the same way)."""
+    return (dataset[i] for i in range(len(dataset)))
+
+
+def _first(dataset: Any) -> Any:
+    return dataset[0] if len(dataset) else None
+
+
 class _LogicalBatch:
     """One logical batch: its physical batches, handed out one at a time as the model consumes them (the
     engine learns each physical batch's examples from the Poisson loader the moment it is handed out)."""
@@ -163,6 +228,10 @@ class PrivateTrainer(transformers.Trainer):
     ``args.max_grad_norm`` must be 0: tunefree clips each example's gradient (its bound is
     ``privacy={"max_grad_norm": R}``); the Trainer's clipping would act on the whole batch's gradient.
     After training, ``trainer.engine`` is the run's :class:`tunefree.DPEngine` (``engine.guarantee()``).
+
+    ``train()`` returns ``training_loss=None`` and no unnoised metric. ``eval_dataset`` (and any data set
+    given to ``evaluate`` or ``predict``) must share no example with ``train_dataset`` (refused otherwise);
+    its metrics and ``load_best_model_at_end``'s choice are not covered by the guarantee.
     """
 
     def __init__(self, model: nn.Module, args: transformers.TrainingArguments, *, target_delta: float,
@@ -194,6 +263,10 @@ class PrivateTrainer(transformers.Trainer):
                                  "noise_multiplier": noise_multiplier, **privacy}
         self.engine: DPEngine | None = None
         self._epsilon_at: tuple[int, float] | None = None  # (private steps, ε after them)
+        self._training_digests: dict[tuple, set[bytes]] = {}  # by the fields compared
+        self._warned_outside = False
+        for dataset in self._evaluation_sets(self.eval_dataset):
+            self._refuse_training_examples(dataset, "eval_dataset")
 
     @property
     def expected_batch_size(self) -> int:
@@ -205,7 +278,53 @@ class PrivateTrainer(transformers.Trainer):
             raise ValueError("resuming a PrivateTrainer from a checkpoint is not supported: the run's "
                              "privacy state (ledger, sampler, randomness) is not in Trainer checkpoints; "
                              "save trainer.engine.state_dict() yourself and resume with make_private")
-        return super().train(resume_from_checkpoint=None, **kwargs)
+        output = super().train(resume_from_checkpoint=None, **kwargs)
+        metrics = {k: v for k, v in output.metrics.items() if k not in _UNRELEASED_METRICS}
+        return transformers.trainer_utils.TrainOutput(output.global_step, None, metrics)
+
+    # ------------------------------------------------------------------ evaluation on other data only
+    @staticmethod
+    def _evaluation_sets(dataset: Any) -> list[Any]:
+        if dataset is None:
+            return []
+        return list(dataset.values()) if isinstance(dataset, Mapping) else [dataset]
+
+    def _refuse_training_examples(self, dataset: Any, what: str) -> None:
+        """Refuse a data set to evaluate or predict on that shares an example with the training set (by
+        per-example digests of the fields both have): its metrics would be unnoised training metrics."""
+        if self.train_dataset is None or dataset is None or not hasattr(dataset, "__len__"):
+            return
+        first_train, first_other = _first(self.train_dataset), _first(dataset)
+        if first_train is None or first_other is None:
+            return
+        keys = tuple(sorted(set(_fields(first_train)) & set(_fields(first_other)), key=str))
+        if not keys:
+            return
+        if keys not in self._training_digests:
+            self._training_digests[keys] = example_digests(_examples(self.train_dataset), keys)
+        training = self._training_digests[keys]
+        shared = sum(digest in training for digest in example_digests(_examples(dataset), keys))
+        if shared:
+            raise PrivacyError(
+                f"{what} shares {shared} of its {len(dataset)} examples with train_dataset: evaluating on "
+                "training examples releases their loss and metrics without noise. Evaluate on held-out "
+                "examples that are not in train_dataset")
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        """The Trainer's evaluation loader, for a data set that shares no example with the training set."""
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if isinstance(eval_dataset, str):
+            dataset = self.eval_dataset[eval_dataset]
+        self._refuse_training_examples(dataset, "the evaluation data set")
+        if not self._warned_outside:
+            warnings.warn(OUTSIDE_THE_GUARANTEE, stacklevel=2)
+            self._warned_outside = True
+        return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
+        """The Trainer's prediction loader, for a data set that shares no example with the training set."""
+        self._refuse_training_examples(test_dataset, "the prediction data set")
+        return super().get_test_dataloader(test_dataset)
 
     def get_train_dataloader(self) -> Any:
         """Make the run private (once) and return its Poisson loader, one item per logical batch."""
@@ -237,13 +356,12 @@ class PrivateTrainer(transformers.Trainer):
 
     def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         """Forward and backward over each physical batch of the logical batch ``inputs``; the Trainer then
-        calls ``optimizer.step()`` once: clip, noise, record, update. Returns the summed loss over the
-        expected batch size (not logged: it is computed from private data without noise)."""
-        total = torch.zeros((), device=self.args.device)
+        calls ``optimizer.step()`` once: clip, noise, record, update. Returns 0: the training loss is
+        computed from private data without noise, so it never reaches the Trainer's logs or results."""
         for physical in inputs:
             if _examples_in(physical) > 0:  # an empty batch still steps: its release is noise alone
-                total = total + super().training_step(model, physical, None)
-        return total / self.expected_batch_size
+                super().training_step(model, physical, None)
+        return torch.zeros((), device=self.args.device)
 
     def compute_loss(self, model: nn.Module, inputs: Mapping[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:

@@ -300,7 +300,7 @@ class ShardedRelease(GradientRelease):
     with rank r's rows of one process's release on the union batch. The released ``.grad`` of each
     parameter is a DTensor placed as the parameter.
 
-    Who draws the noise: with secret randomness, each rank its own shard, from its own ``os.urandom``.
+    Who draws the noise: with secret randomness, each rank its own shard, from its own secret key.
     Seeded, every rank draws the whole noise in one process's order and keeps its own rows: the noise
     is that of one process with that seed, and every rank's stream stays at the same place.
 

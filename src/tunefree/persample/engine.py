@@ -22,7 +22,7 @@ nothing). The trainable set is fixed when the engine is built.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -37,10 +37,11 @@ from ..clipping.functions import ClipFunction
 from ..clipping.groups import ClipGroup
 from ..dtypes import accumulation_dtype, norm_dtype
 from ..errors import PrivacyError
-from ..rules import Capture, LayerRule, Materialized, PerSampleGrad, rule_for
+from ..rules import Capture, LayerRule, PerSampleGrad, rule_for
 from ..rules.generic import fallback_per_sample_grads
 from ..rules.layout import Axis, CallLayout, Dim
 from ..rules.paths import PathChooser
+from ..rules.summed import SummedUses
 from .accumulator import StepAccumulator
 from .layout import (
     BatchDim,
@@ -58,6 +59,15 @@ SAMPLE_MIXING = {
     nn.modules.batchnorm._BatchNorm: "nn.GroupNorm (or nn.LayerNorm)",
 }
 
+
+# Each example's gradient must reach the engine as a function of that example alone (issue 21).
+MEAN_IN_HALF_PRECISION = (
+    "loss_reduction='mean' with gradients in float16 or bfloat16 (autocast, or half-precision parameters) "
+    "is refused: the mean divides each example's gradient by the number of examples in the batch before "
+    "it is rounded to 16 bits, so how it rounds (and, under loss scaling, whether it overflows) depends on "
+    "how many other examples were sampled: one example would move the others' contributions (measured up "
+    "to 1.02·R in bfloat16). Sum the per-example losses (loss_fn(..., reduction='sum')) and pass "
+    "make_private(..., loss_reduction='sum'); float32 needs no change")
 
 # A per-sample norm at or above this (or NaN) is an overflow: refused rather than clipped, since a
 # float32 clip weight R/‖g‖ would then be subnormal and the bound ‖w·g‖ ≤ R could round away.
@@ -251,6 +261,8 @@ class ClippingEngine:
         self.thresholds: dict[str, float] = {g.name: g.threshold for g in groups}
         self.path_chooser = PathChooser()
         self._leaked: set[str] = set()
+        # Run at the start of each captured forward pass, after the trainable-set check (the state guard).
+        self.forward_checks: list[Callable[[], None]] = []
         self._attach()
 
     # ------------------------------------------------------------------ set-up
@@ -311,6 +323,8 @@ class ClippingEngine:
     def _new_forward(self, args: tuple, kwargs: dict) -> None:
         if self._capturing() and not self._pass.in_backward:
             self._check_trainable_set()
+            for check in self.forward_checks:
+                check()
             retain = self.retain_inputs and self.retained_inputs is None
             # Calls of a forward pass that never had a backward pass released nothing: forget them.
             for use in self._pass.uses:
@@ -527,6 +541,10 @@ class ClippingEngine:
             )
         if not torch._C._will_engine_execute_node(use.anchor_node):
             return  # torch.autograd.grad w.r.t. inputs (e.g. FGSM): does not reach the parameters
+        if self.loss_reduction == "mean" and grad.dtype in (torch.float16, torch.bfloat16):
+            self._reset_pass()
+            self.accumulator.pop()  # nothing of this step may be released
+            raise PrivacyError(MEAN_IN_HALF_PRECISION)
         if use.superseded:
             raise PrivacyError(
                 "a backward pass reached a forward pass that was superseded: tunefree computes "
@@ -659,10 +677,9 @@ class ClippingEngine:
                 self._pass.sq_norms[p] = grad.sq_norms()
                 grad.compact()
             self._pass.per_param[p] = grad
-        else:  # used more than once: the per-sample gradient is the sum over uses
+        else:  # used more than once: the per-sample gradient is the sum over uses, kept as their forms
             total = self._pass.per_param.get(p)
-            value = grad.materialize()
-            self._pass.per_param[p] = Materialized(value if total is None else total.grads + value)
+            self._pass.per_param[p] = grad if total is None else SummedUses.join(total, grad)
 
     def _group_ready(self, group: ClipGroup) -> bool:
         return self._pass.pending[group.name] == 0

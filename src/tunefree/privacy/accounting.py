@@ -107,14 +107,44 @@ def _smallest_noise(event: dpa.DpEvent) -> float:
     return math.inf
 
 
+def is_threshold(event: dpa.DpEvent) -> bool:
+    """A (0, p) release: a non-private event Poisson-sampled with probability p (what a partition
+    selection costs beyond its Gaussian part, ``privacy.mechanisms.threshold_event``)."""
+    return (isinstance(event, dpa.PoissonSampledDpEvent)
+            and isinstance(event.event, dpa.NonPrivateDpEvent))
+
+
+def split_threshold_delta(event: dpa.DpEvent) -> tuple[dpa.DpEvent, float]:
+    """``event`` without its top-level (0, p) releases, and the sum of their p: by composition (ε, δ)
+    of the rest at δ − Σp is (ε, δ) of the whole. A (0, p) release nested inside a sampled event stays
+    (and makes ε infinite)."""
+    if is_threshold(event):
+        return dpa.ComposedDpEvent([]), event.sampling_probability
+    if isinstance(event, dpa.SelfComposedDpEvent):
+        rest, delta = split_threshold_delta(event.event)
+        return dpa.SelfComposedDpEvent(rest, event.count), delta * event.count
+    if isinstance(event, dpa.ComposedDpEvent):
+        parts, total = [], 0.0
+        for part in event.events:
+            rest, delta = split_threshold_delta(part)
+            parts.append(rest)
+            total += delta
+        return dpa.ComposedDpEvent(parts), total
+    return event, 0.0
+
+
 def epsilon_of(event: dpa.DpEvent, delta: float, accountant: str = "pld",
                discretization: float = REPORT_DISCRETIZATION) -> float:
     """ε at ``delta`` of everything ``event`` released (∞ if anything was released without noise).
     With the PLD accountant, an event with a noise multiplier below ``MIN_NOISE_SIGMA_FOR_PLD`` is
-    accounted by RDP instead: an upper bound, in bounded time and memory."""
+    accounted by RDP instead: an upper bound, in bounded time and memory. (0, p) releases (partition
+    selection's threshold) take p off δ; ∞ if they take all of it."""
     check_accountant(accountant)
     check_delta(delta)
-    event = accountable(event)
+    event, threshold_delta = split_threshold_delta(accountable(event))
+    if threshold_delta >= delta:
+        return math.inf
+    delta -= threshold_delta
     if _is_non_private(event):
         return math.inf
     if accountant == "pld" and _smallest_noise(event) >= MIN_NOISE_SIGMA_FOR_PLD:

@@ -17,12 +17,14 @@ from .accounting import epsilon_of
 class Ledger:
     """Releases of one training run.
 
-    ``poisson_approximation`` is set when the user opted into a loader that is not Poisson-sampled: the
-    events are still those of Poisson sampling, and every report says that it is an approximation.
+    Its caveats hold for every release recorded: ``poisson_approximation`` when some were made from a
+    loader that is not Poisson-sampled (the events are still those of Poisson sampling, and every report
+    says that it is an approximation); ``seeded`` when some noise was drawn from a seeded generator
+    (whoever knows the seed can remove it). A ledger loaded into another keeps the caveats of both.
     """
 
-    def __init__(self, poisson_approximation: bool = False):
-        self.poisson_approximation = poisson_approximation
+    def __init__(self, poisson_approximation: bool = False, seeded: bool = False):
+        self.poisson_approximation, self.seeded = poisson_approximation, seeded
         self._runs: list[list[Any]] = []  # [event, count]
 
     def record(self, event: dpa.DpEvent) -> None:
@@ -76,11 +78,19 @@ class Ledger:
         return epsilon_of(self.event(), delta, accountant)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"poisson_approximation": self.poisson_approximation,
+        return {"poisson_approximation": self.poisson_approximation, "seeded": self.seeded,
                 "runs": [(to_dict(event), count) for event, count in self._runs]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.poisson_approximation = state["poisson_approximation"]
+        """Replace the recorded releases by ``state``'s. Caveats are never dropped: those of ``state``
+        join this ledger's own (a ledger carried into a new run keeps the old run's caveats, and the
+        new run's hold for the releases still to come)."""
+        missing = {"poisson_approximation", "seeded", "runs"} - set(state)
+        if missing:
+            raise ValueError(f"this ledger state lacks {sorted(missing)}: it was saved by an older version "
+                             "of tunefree, whose caveats cannot be known; resume from a newer checkpoint")
+        self.poisson_approximation = self.poisson_approximation or bool(state["poisson_approximation"])
+        self.seeded = self.seeded or bool(state["seeded"])
         self._runs = [[from_dict(event), count] for event, count in state["runs"]]
 
 
@@ -103,6 +113,8 @@ def to_dict(event: dpa.DpEvent) -> dict[str, Any]:
         return {"composed": [to_dict(e) for e in event.events]}
     if isinstance(event, dpa.SelfComposedDpEvent):
         return {"repeat": event.count, "event": to_dict(event.event)}
+    if isinstance(event, dpa.NonPrivateDpEvent):  # inside a (0, p) release: partition selection
+        return {"non_private": True}
     raise TypeError(f"the ledger cannot store {event!r}")
 
 
@@ -115,4 +127,6 @@ def from_dict(data: dict[str, Any]) -> dpa.DpEvent:
         return dpa.PoissonSampledDpEvent(data["poisson"], from_dict(data["event"]))
     if "composed" in data:
         return dpa.ComposedDpEvent([from_dict(e) for e in data["composed"]])
+    if "non_private" in data:
+        return dpa.NonPrivateDpEvent()
     return dpa.SelfComposedDpEvent(from_dict(data["event"]), data["repeat"])

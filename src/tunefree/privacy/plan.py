@@ -26,14 +26,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import dp_accounting as dpa
+import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten
+from torch.utils.data import TensorDataset
 
 from .accounting import epsilon_of
 from .calibrate import calibrate
 
 LOSS_RELEASES_PER_UPDATE = 3  # privatised losses at w − Δ, w, w + Δ
-DIGEST_EXAMPLES = 3  # examples hashed into the data set's digest: the first, the middle, the last
+EVERY_EXAMPLE = "every-example:"  # the prefix of a data digest that covers every example
 
 
 @dataclass(frozen=True)
@@ -227,19 +229,56 @@ class Plan:
 
 
 def data_digest(dataset: Any, num_examples: int) -> str:
-    """A cheap digest of the private data set: a hash of a few examples' tensors and numbers, so that a
-    checkpoint cannot resume onto other data of the same size. It is computed from private data, like
+    """A digest of every example of the private data set, in order: a streaming SHA-256 of each tensor of
+    a ``TensorDataset`` (its dtype, shape and bytes), or of every ``dataset[i]``'s leaves for any other
+    data set (tensors and NumPy arrays by their bytes, numbers and strings by ``repr``, objects with
+    ``tobytes()`` by their bytes, anything else by its type only). Checkpoints cannot resume onto other
+    data, and data-parallel ranks must hold the same data set, example for example. It reads the whole
+    data set once (other data sets: one pass of ``__getitem__``); it is computed from private data, like
     the rest of a checkpoint's privacy state (which holds the noise seed): keep checkpoints private."""
     digest = hashlib.sha256(str(num_examples).encode())
-    for index in sorted({0, num_examples // 2, num_examples - 1})[:DIGEST_EXAMPLES]:
+    if isinstance(dataset, TensorDataset):
+        for tensor in dataset.tensors:
+            _digest_leaf(digest, tensor)
+    else:
+        for index in range(num_examples):
+            for leaf in tree_flatten(dataset[index])[0]:
+                _digest_leaf(digest, leaf)
+    return EVERY_EXAMPLE + digest.hexdigest()[:32]
+
+
+def is_digest_of_0_1(recorded: Any, dataset: Any, num_examples: int) -> bool:
+    """Whether ``recorded`` is the data digest a checkpoint of tunefree 0.1 holds for this data set: that
+    version hashed the first, middle and last example only (no ``EVERY_EXAMPLE`` prefix), so its
+    checkpoints are recognised by those three examples."""
+    if not isinstance(recorded, str) or recorded.startswith(EVERY_EXAMPLE):
+        return False
+    digest = hashlib.sha256(str(num_examples).encode())
+    for index in sorted({0, num_examples // 2, num_examples - 1}):
         for leaf in tree_flatten(dataset[index])[0]:
             if isinstance(leaf, torch.Tensor):
                 leaf = leaf.detach().cpu().contiguous()
                 digest.update(f"{leaf.dtype}{tuple(leaf.shape)}".encode())
                 digest.update(leaf.reshape(-1).view(torch.uint8).numpy().tobytes())
-            elif hasattr(leaf, "tobytes"):  # a NumPy array
+            elif hasattr(leaf, "tobytes"):
                 digest.update(leaf.tobytes())
             else:
                 digest.update(repr(leaf).encode() if isinstance(leaf, (int, float, str, bytes))
                               else type(leaf).__name__.encode())
-    return digest.hexdigest()[:16]
+    return recorded == digest.hexdigest()[:16]
+
+
+def _digest_leaf(digest: Any, leaf: Any) -> None:
+    if isinstance(leaf, torch.Tensor):
+        leaf = leaf.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{leaf.dtype}{tuple(leaf.shape)}".encode())
+        digest.update(leaf.view(torch.uint8).numpy())
+    elif isinstance(leaf, np.ndarray):
+        digest.update(f"{leaf.dtype}{leaf.shape}".encode())
+        digest.update(np.ascontiguousarray(leaf).view(np.uint8))
+    elif isinstance(leaf, (int, float, complex, str, bytes, bool, type(None))):
+        digest.update(repr(leaf).encode())
+    elif hasattr(leaf, "tobytes"):  # e.g. a PIL image
+        digest.update(leaf.tobytes())
+    else:
+        digest.update(type(leaf).__name__.encode())

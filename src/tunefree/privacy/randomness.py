@@ -2,9 +2,11 @@
 
 Two kinds, told apart by what they promise (not by a flag to fork on):
 
-- :class:`SecretSource` (the default): every number comes from the operating system's cryptographically
-  secure generator (``os.urandom``). Nobody can replay the noise — not the run itself, not whoever reads
-  its checkpoint — and a resumed run continues from the ledger and the sampler's position.
+- :class:`SecretSource` (the default): every number comes from ChaCha20, a cryptographically secure
+  generator, under a key that each process reads from the operating system (``os.urandom``) and never
+  writes anywhere (``chacha20.py``; docs/randomness.md). Nobody can replay the noise — not the run
+  itself, not whoever reads its checkpoint — and a resumed run continues from the ledger and the
+  sampler's position.
 - :class:`SeededSource`: a seed is the user's explicit request for a reproducible run. Sampling and noise
   come from ``torch.Generator`` streams derived from it (``numpy.random.SeedSequence``): the batch of
   logical step ``t`` from its own stream keyed by ``t`` (so loader prefetching never changes which
@@ -19,14 +21,14 @@ stream instead of splitting the draws).
 from __future__ import annotations
 
 import math
-import os
 import zlib
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+
+from .chacha20 import ChaCha20Generator
 
 _SAMPLING, _NOISE = 1, 2
 SECRET_DESCRIPTION = "secure"
@@ -46,84 +48,38 @@ class NoiseSource(Protocol):
     seed: int | None
 
     @property
-    def description(self) -> str: ...
+    def description(self) -> str:
+        """How the run draws its randomness, as reports and checkpoints say it."""
 
     def normals(self, shapes: Sequence[torch.Size], device: torch.device, dtype: torch.dtype
-                ) -> list[torch.Tensor]: ...
+                ) -> list[torch.Tensor]:
+        """Independent standard Gaussians of each shape, on ``device`` in ``dtype`` (one draw)."""
 
-    def normal(self, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor: ...
+    def normal(self, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """``normals`` of one shape."""
 
     def normals_at(self, sizes: Sequence[int], ranges: Sequence[tuple[int, int]], device: torch.device,
-                   dtype: torch.dtype) -> list[torch.Tensor]: ...
+                   dtype: torch.dtype) -> list[torch.Tensor]:
+        """Gaussians for coordinates ``[a, b)`` of each of one draw's pieces of ``sizes`` coordinates (flat):
+        this process's part of noise that several processes share out. Every process asking about the
+        same pieces stays at the same place of a replayable stream."""
 
-    def owned_range(self, count: int, shard: tuple[int, int]) -> tuple[int, int]: ...
+    def owned_range(self, count: int, shard: tuple[int, int]) -> tuple[int, int]:
+        """Which coordinates ``[a, b)`` of ``count`` rank ``shard[0]`` of ``shard[1]`` noises when each
+        coordinate must be noised by exactly one rank."""
 
-    def inclusion(self, step: int, num_examples: int, sample_rate: float) -> torch.Tensor: ...
+    def inclusion(self, step: int, num_examples: int, sample_rate: float) -> torch.Tensor:
+        """Poisson sampling: which examples logical step ``step`` includes (bool, CPU)."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps (never a secret key)."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict``; a checkpoint of the other kind is refused."""
 
 
 def _derive(seed: int, *key: int) -> int:
     return int(np.random.SeedSequence([seed, *key]).generate_state(1, np.uint64)[0] >> 1)
-
-
-def _secure_uniform(count: int) -> torch.Tensor:
-    """Uniform floats in (0, 1) with 53 random bits each, from ``os.urandom``."""
-    raw = np.frombuffer(os.urandom(8 * count), dtype=np.uint64) >> np.uint64(11)
-    return torch.from_numpy((raw.astype(np.float64) + 0.5) / float(2**53))
-
-
-def _secure_normal(count: int) -> torch.Tensor:
-    """``count`` standard normals (float64) from ``os.urandom``: Box-Muller, both of each pair used."""
-    half = (count + 1) // 2
-    uniform = _secure_uniform(2 * half)  # one read of the OS generator
-    radius = uniform[:half].log_().mul_(-2).sqrt_()
-    angle = uniform[half:].mul_(2 * math.pi)
-    return torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[:count]
-
-
-def _draw_normals(count: int) -> torch.Tensor:
-    return _secure_normal(count)  # looked up at each draw, so that a test can replace it
-
-
-def _draw_uniforms(count: int) -> torch.Tensor:
-    return _secure_uniform(count)
-
-
-class _SecureDrawAhead:
-    """Secure draws (``draw(count)``: normals for the noise, uniforms for Poisson sampling) made one use
-    ahead, on a background thread, while the model computes.
-
-    Each block of ``count`` values is an independent draw from ``os.urandom``, handed out once and then
-    forgotten; the next block of the same size is drawn at once in the background, for the next use of
-    that size. Drawing early changes nothing of the values' distribution or secrecy (they never leave this
-    process before they are used). A forked process never takes over a block drawn before the fork (both
-    processes would hold the same values): it draws its own."""
-
-    SIZES = (1024, 1 << 22)  # block sizes drawn ahead: large enough to matter, small enough to hold twice
-
-    def __init__(self, draw: Callable[[int], torch.Tensor]) -> None:
-        self._draw = draw
-        self._forget()
-
-    def _forget(self) -> None:
-        self._pid = os.getpid()
-        self._executor: ThreadPoolExecutor | None = None
-        self._ahead: dict[int, Future] = {}
-
-    def take(self, count: int) -> torch.Tensor:
-        """``count`` fresh values."""
-        if self._pid != os.getpid():  # a forked child: drop what the parent drew ahead
-            self._forget()
-        ahead = self._ahead.pop(count, None)
-        z = ahead.result() if ahead is not None else self._draw(count)
-        if self.SIZES[0] <= count <= self.SIZES[1]:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tunefree-draw")
-            self._ahead[count] = self._executor.submit(self._draw, count)
-        return z
 
 
 class _Source:
@@ -156,33 +112,30 @@ class _Source:
 
 
 class SecretSource(_Source):
-    """Secret randomness: every draw from ``os.urandom``, never written anywhere, never replayable.
+    """Secret randomness: every number from ChaCha20 under a key read from ``os.urandom`` by this process
+    (``chacha20.py``), never written anywhere, never replayable.
 
-    Each call draws fresh numbers, so two processes (two ranks, or a parent and its fork) never share
-    noise: data-parallel ranks split the coordinates between them instead of replaying one stream."""
+    Each call draws numbers never drawn before, and two processes (two ranks, or a parent and its fork)
+    hold independent keys: data-parallel ranks split the coordinates between them instead of replaying
+    one stream. Noise is made on the device and in the dtype it is asked for (on a CUDA device by one
+    kernel per draw)."""
 
     secret, replayable, seed = True, False, None
 
     def __init__(self) -> None:
-        self._normals_ahead = _SecureDrawAhead(_draw_normals)
-        self._uniforms_ahead = _SecureDrawAhead(_draw_uniforms)
+        self._generator = ChaCha20Generator()
 
     def inclusion(self, step: int, num_examples: int, sample_rate: float) -> torch.Tensor:
         """Which examples logical step ``step`` includes: each independently with ``sample_rate``
         (``step`` is not used: every call is a fresh draw)."""
-        return self._uniforms_ahead.take(num_examples) < sample_rate
+        return self._generator.bernoulli(num_examples, sample_rate)
 
     def normals(self, shapes: Sequence[torch.Size], device: torch.device, dtype: torch.dtype
                 ) -> list[torch.Tensor]:
-        """Independent standard normal noise of each shape, drawn in one piece (one read of the OS
-        generator and one transfer to ``device`` for all of them)."""
+        """Independent standard normal noise of each shape, drawn in one piece on ``device``."""
         sizes = [math.prod(shape) for shape in shapes]
-        z = self._normals_ahead.take(sum(sizes))
-        if device.type == "cuda":  # a copy from pinned memory does not wait for the GPU's queued work
-            z = z.pin_memory().to(device=device, dtype=dtype, non_blocking=True)
-        else:
-            z = z.to(device=device, dtype=dtype)
-        return [chunk.reshape(shape) for chunk, shape in zip(z.split(sizes), shapes)]
+        z = self._generator.normals(sum(sizes), device, dtype)
+        return [chunk.view(shape) for chunk, shape in zip(z.split(sizes), shapes)]
 
     def normals_at(self, sizes: Sequence[int], ranges: Sequence[tuple[int, int]], device: torch.device,
                    dtype: torch.dtype) -> list[torch.Tensor]:
@@ -197,7 +150,7 @@ class SecretSource(_Source):
         return count * rank // world_size, count * (rank + 1) // world_size
 
     def state_dict(self) -> dict[str, Any]:
-        """Nothing to resume from (a resumed run draws fresh secrets); the keys are those of 0.1."""
+        """Nothing to resume from (a resumed run draws with a new key); the keys are those of 0.1."""
         return {"seed": None, "secure": True, "randomness": self.description, "noise": {}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

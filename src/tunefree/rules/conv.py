@@ -1,12 +1,21 @@
 """``nn.Conv1d/2d/3d`` with any stride, padding (numbers, ``"same"``, ``"valid"``, any padding mode),
 dilation and groups.
 
-Per-sample norms come from a ghost norm on unfolded input patches or from per-sample gradients computed by
-the native weight-gradient kernel, whichever is faster for the layer (measured, or by formula: ghost with
-few output positions). The weighted sum uses the native kernel on the padded input, so a layer kept until
-the end of the backward pass holds only its input and output gradient, as autograd would; a layer whose
-clip group is complete at once (per-layer clipping) forms norms and sum from the same per-sample
-gradients, a slice of examples at a time.
+Everything is batched over the examples, a fixed number of calls per layer whatever the batch size. The
+input patches are one strided view of the (padded) input, copied once into ``[B, G, C/G·∏k, T]`` (no
+per-example im2col). Per-sample norms come by a ghost norm on them (two batched Gram products) or from
+the per-sample gradients, whichever is faster for the layer (measured, or by formula). The per-sample
+gradients are one batched matrix product of the patches with the output gradient — except on devices in
+``NATIVE_PER_SAMPLE`` (the CPU), where the native weight-gradient kernel makes them in one grouped call
+(the batch as channel groups; oneDNN runs it as one primitive, several times faster there than the
+patches; CUDA's kernels would loop over the groups, one launch per example). The weighted sum uses the
+native weight-gradient kernel once on the re-weighted output gradient, so a layer kept until the end of
+the backward pass holds only its input and output gradient, as autograd would. A layer whose clip group
+is complete at once (per-layer clipping) forms norms and sum from the same per-sample gradients.
+
+The patches (and Gram matrices or per-sample gradients) of the whole batch are formed at once when they
+fit in the layer's own captured tensors (at least ``factored.SLICE_LIMIT`` elements); otherwise in slices
+of examples of that size — a number of slices set by the layer's shape, not by the batch size.
 """
 
 from __future__ import annotations
@@ -19,8 +28,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import Capture, ClippedSum, LayerRule, Materialized, PerSampleGrad, materialised_sq_norms
-from .factored import FactoredGrad, chunked_clipped_sum, chunked_sq_norms, examples_per_chunk
+from .factored import (
+    chunked_clipped_sum,
+    chunked_sq_norms,
+    examples_per_chunk,
+    factored_per_sample,
+    ghost_sq_norms,
+)
 from .paths import GHOST, MATERIALISE, factored_estimates
+
+# Device types whose native grouped weight-gradient kernel computes all per-sample gradients in one call.
+NATIVE_PER_SAMPLE = frozenset({"cpu"})
 
 
 def explicit_padding(module: nn.modules.conv._ConvNd) -> list[tuple[int, int]]:
@@ -56,27 +74,32 @@ def pad_input(module: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, flat, mode=mode)
 
 
-def unfold(x: torch.Tensor, kernel: tuple[int, ...], stride: tuple[int, ...],
-           dilation: tuple[int, ...]) -> torch.Tensor:
-    """Patches of a padded ``[B, C, *spatial]`` input: ``[B, L, C·∏k]``, channel-major like the weight."""
-    if len(kernel) == 2:  # the native im2col kernel: one pass, no strided gather
-        return F.unfold(x, kernel, dilation=dilation, stride=stride).transpose(1, 2)
-    dims = len(kernel)
-    for i, (k, s, d) in enumerate(zip(kernel, stride, dilation)):
-        x = x.unfold(2 + i, d * (k - 1) + 1, s)[..., ::d]
-    batch, channels = x.shape[:2]
-    positions = x.shape[2:2 + dims]
-    # [B, C, L1..LD, k1..kD] -> [B, L1..LD, C, k1..kD]
-    order = [0, *range(2, 2 + dims), 1, *range(2 + dims, 2 + 2 * dims)]
-    x = x.permute(order)
-    return x.reshape(batch, math.prod(positions), -1)
+def patches(x: torch.Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...],
+            groups: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The patches of a padded ``[B, C, *spatial]`` input as ``[B, G, T, C/G·∏k]`` (T output positions,
+    each row channel-major like the weight): one strided view of ``x``, copied once (in ``dtype``) in
+    the layout ``[B, G, C/G·∏k, T]`` — output positions innermost, so the copy reads the input in runs —
+    and returned as its transposed view."""
+    batch, channels, *spatial = x.shape
+    strides = x.stride()
+    positions = [(size - d * (k - 1) - 1) // s + 1
+                 for size, k, s, d in zip(spatial, kernel, stride, dilation)]
+    per_group = channels // groups
+    # [B, G, C/G, k1..kD, L1..LD]: each output position's window, read in place
+    view = x.as_strided(
+        (batch, groups, per_group, *kernel, *positions),
+        (strides[0], strides[1] * per_group, strides[1], *[st * d for st, d in zip(strides[2:], dilation)],
+         *[st * s for st, s in zip(strides[2:], stride)]),
+        x.storage_offset())
+    copy = torch.empty(view.shape, dtype=dtype or x.dtype, device=x.device).copy_(view)
+    return copy.view(batch, groups, -1, math.prod(positions)).transpose(-1, -2)
 
 
-def per_sample_weight_grads(module: nn.modules.conv._ConvNd, x: torch.Tensor, padding: list[int],
-                            grad: torch.Tensor) -> torch.Tensor:
-    """All per-sample weight gradients ``[B, *weight.shape]`` with the native weight-gradient kernel:
-    the batch becomes channel groups (input ``[1, B·C_in, …]``, ``B·groups`` groups), so each
-    example's gradient comes out as its own slice, with no unfolded copy of the input."""
+def native_per_sample(module: nn.modules.conv._ConvNd, x: torch.Tensor, padding: list[int],
+                      grad: torch.Tensor) -> torch.Tensor:
+    """All per-sample weight gradients ``[B, *weight.shape]`` from one native weight-gradient call: the
+    batch becomes channel groups (input ``[1, B·C_in, …]``, ``B·groups`` groups), so each example's
+    gradient comes out as its own slice, with no copy of the patches."""
     batch, dims = grad.shape[0], len(module.kernel_size)
     shape = module.weight.shape
     # The kernel reads only the weight's shape when no input gradient is asked for.
@@ -89,12 +112,11 @@ def per_sample_weight_grads(module: nn.modules.conv._ConvNd, x: torch.Tensor, pa
 
 
 class ConvWeightGrad(PerSampleGrad):
-    """Conv weight gradients of one call. Norms by ghost norm on unfolded patches or from the
-    materialised per-sample gradients, whichever ``chooser`` measured faster (else the cost formula:
-    ghost with few output positions); the weighted sum from the materialised gradients, or — when
-    only (padded input, output gradient) were kept — with the native kernel. In :meth:`clipped_sum` the
-    materialised path forms the sum slice by slice of examples, with no more memory than the layer's
-    own input and output gradient."""
+    """Conv weight gradients of one call. Norms by ghost norm or from the materialised per-sample
+    gradients (both from the batched patches), whichever ``chooser`` measured faster (else the cost
+    formula); the weighted sum from the materialised gradients, or — when only (input, output gradient)
+    were kept — with the native kernel. In :meth:`clipped_sum` the materialised path forms norms, clip
+    weights and sum from the same per-sample gradients."""
 
     def __init__(self, module: nn.modules.conv._ConvNd, x: torch.Tensor, grad: torch.Tensor):
         padding = native_padding(module)
@@ -104,10 +126,18 @@ class ConvWeightGrad(PerSampleGrad):
         self.module, self.grad = module, grad
         self._grads: torch.Tensor | None = None
 
-    def _estimates(self) -> dict[str, float]:
+    def _sizes(self) -> tuple[int, int, int, int]:
+        """(channel groups, output positions, d_in = C_in/G·∏k, d_out = C_out/G) of one example."""
         groups = self.module.groups
-        return factored_estimates(self.grad.shape[0] * groups, self.grad[0, 0].numel(),
-                                  self.module.weight[0].numel(), self.grad.shape[1] // groups, unfolded=True)
+        return groups, self.grad[0, 0].numel(), self.module.weight[0].numel(), self.grad.shape[1] // groups
+
+    def _estimates(self) -> dict[str, float]:
+        groups, positions, d_in, d_out = self._sizes()
+        estimates = factored_estimates(self.grad.shape[0] * groups, positions, d_in, d_out, unfolded=True)
+        if self._native():  # no patches to copy for the native kernel
+            estimates[MATERIALISE] = factored_estimates(self.grad.shape[0] * groups, positions, d_in,
+                                                        d_out)[MATERIALISE]
+        return estimates
 
     def _ghost_is_cheaper(self) -> bool:
         estimates = self._estimates()
@@ -126,27 +156,55 @@ class ConvWeightGrad(PerSampleGrad):
         run = (lambda path: self._clipped_sum_by(path, zeros, ones)) if fused else self.sq_norms_by
         # time the ghost norm only where its unfolded patches and Gram matrices are no larger than the
         # layer's own tensors (or the estimate picks it anyway): calibrating never raises the peak memory
-        positions = self.grad[0, 0].numel()
-        ghost_elements = batch * positions * (module.weight[0].numel() * module.groups + 2 * positions)
+        ghost_elements = batch * self._per_example(GHOST)
         timeable = (ghost_elements <= self.x.numel() + self.grad.numel()
                     or min(estimates, key=estimates.get) == GHOST)
         return self.chooser.choose(key, estimates, run, self.grad.device, timeable)
 
+    def _native(self) -> bool:
+        return self.grad.device.type in NATIVE_PER_SAMPLE
+
+    def _per_example(self, path: str) -> int:
+        """Working elements per example of a path: the patches and the two Gram matrices (ghost), the
+        per-sample gradient and (unless made natively) the patches (materialise)."""
+        groups, positions, d_in, _ = self._sizes()
+        patches = groups * positions * d_in
+        if path == GHOST:
+            return patches + 2 * groups * positions * positions
+        return self.module.weight.numel() + (0 if self._native() else patches)
+
+    def _chunk(self, path: str) -> int:
+        return examples_per_chunk(self._per_example(path), self.x.numel() + self.grad.numel())
+
+    def _factors(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``a``: the patches ``[n, G, T, d_in]`` and ``b``: the output gradient ``[n, G, T, d_out]`` of
+        examples ``start:stop``."""
+        module, grad = self.module, self.grad[start:stop]
+        x = self.x[start:stop]
+        if any(self.padding):
+            x = pad_input(module, x)
+        a = patches(x, module.kernel_size, module.stride, module.dilation, module.groups, grad.dtype)
+        b = grad.reshape(stop - start, module.groups, -1, a.shape[2]).transpose(-1, -2)
+        return a, b
+
+    def _per_sample(self, start: int, stop: int) -> torch.Tensor:
+        if self._native():
+            return native_per_sample(self.module, self.x[start:stop], self.padding, self.grad[start:stop])
+        return factored_per_sample(*self._factors(start, stop), self.module.weight.shape)
+
     def sq_norms_by(self, path: str) -> torch.Tensor:
         """The per-sample squared norms by ``path`` (``"ghost"`` or ``"materialise"``), keeping nothing."""
         if path == MATERIALISE:
-            return chunked_sq_norms(self._per_sample, self.grad.shape[0], self._chunk())
-        module, groups, batch = self.module, self.module.groups, self.grad.shape[0]
-        patches = unfold(pad_input(module, self.x) if any(self.padding) else self.x,
-                         module.kernel_size, module.stride, module.dilation)
-        positions = patches.shape[1]
-        a = patches.reshape(batch, positions, groups, -1).transpose(1, 2)
-        b = self.grad.reshape(batch, groups, -1, positions).transpose(-1, -2)
-        return FactoredGrad(a, b, module.weight.shape).sq_norms_by(GHOST)
+            def sq_norms_of(start: int, stop: int) -> torch.Tensor:
+                return materialised_sq_norms(self._per_sample(start, stop))
+        else:
+            def sq_norms_of(start: int, stop: int) -> torch.Tensor:
+                return ghost_sq_norms(*self._factors(start, stop))
+        return chunked_sq_norms(sq_norms_of, self.grad.shape[0], self._chunk(path))
 
     def sq_norms(self) -> torch.Tensor:
         path = self._path(fused=False)
-        if path == GHOST or self._chunk() < self.grad.shape[0]:  # the batch's gradients do not fit
+        if path == GHOST or self._chunk(path) < self.grad.shape[0]:  # the batch's gradients do not fit
             return self.sq_norms_by(path)
         return materialised_sq_norms(self.materialize())
 
@@ -162,15 +220,8 @@ class ConvWeightGrad(PerSampleGrad):
             sq_norms = self.sq_norms_by(GHOST)
             weights = weights_of(sq_norms + other_sq_norms)
             return ClippedSum(self._native_weighted_sum(weights), sq_norms, weights)
-        return chunked_clipped_sum(self._per_sample, self.grad.shape[0], self._chunk(), other_sq_norms,
-                                   weights_of)
-
-    def _chunk(self) -> int:
-        return examples_per_chunk(self.module.weight.numel(), self.x.numel() + self.grad.numel())
-
-    def _per_sample(self, start: int, stop: int) -> torch.Tensor:
-        return per_sample_weight_grads(self.module, self.x[start:stop], self.padding,
-                                       self.grad[start:stop])
+        return chunked_clipped_sum(self._per_sample, self.grad.shape[0], self._chunk(MATERIALISE),
+                                   other_sq_norms, weights_of)
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         if self._grads is not None:

@@ -25,6 +25,11 @@ def ghost_is_cheaper(positions: int, d_in: int, d_out: int) -> bool:
     return estimates[GHOST] <= estimates[MATERIALISE]
 
 
+def example_slices(batch: int, chunk: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of consecutive slices of at most ``chunk`` examples covering the batch."""
+    return [(start, min(start + chunk, batch)) for start in range(0, batch, chunk)]
+
+
 def chunked_clipped_sum(per_sample: Callable[[int, int], torch.Tensor], batch: int, chunk: int,
                         other_sq_norms: torch.Tensor,
                         weights_of: Callable[[torch.Tensor], torch.Tensor]) -> ClippedSum:
@@ -33,8 +38,7 @@ def chunked_clipped_sum(per_sample: Callable[[int, int], torch.Tensor], batch: i
     share of the sum, then is dropped, so memory holds one slice and the norm and the summand of an
     example come from the same tensor."""
     total, sq_parts, weight_parts = None, [], []
-    for start in range(0, batch, chunk):
-        stop = min(start + chunk, batch)
+    for start, stop in example_slices(batch, chunk):
         grads = per_sample(start, stop)
         sq_norms = materialised_sq_norms(grads)
         weights = weights_of(sq_norms + other_sq_norms[start:stop])
@@ -42,23 +46,48 @@ def chunked_clipped_sum(per_sample: Callable[[int, int], torch.Tensor], batch: i
         total = part if total is None else total.add_(part)
         sq_parts.append(sq_norms)
         weight_parts.append(weights)
-    return ClippedSum(total.reshape(grads.shape[1:]), torch.cat(sq_parts), torch.cat(weight_parts))
+    return ClippedSum(total.reshape(grads.shape[1:]), _joined(sq_parts), _joined(weight_parts))
 
 
-def chunked_sq_norms(per_sample: Callable[[int, int], torch.Tensor], batch: int, chunk: int) -> torch.Tensor:
-    """``‖gᵢ‖²`` from per-sample gradients materialised ``chunk`` examples at a time."""
-    return torch.cat([materialised_sq_norms(per_sample(start, min(start + chunk, batch)))
-                      for start in range(0, batch, chunk)])
+def chunked_sq_norms(sq_norms_of: Callable[[int, int], torch.Tensor], batch: int,
+                     chunk: int) -> torch.Tensor:
+    """``‖gᵢ‖²`` of the batch from ``sq_norms_of(start, stop)``, ``chunk`` examples at a time."""
+    return _joined([sq_norms_of(start, stop) for start, stop in example_slices(batch, chunk)])
 
 
-# The most elements a slice of materialised per-sample gradients may hold (16 MiB in float32).
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+# The working memory (elements) a slice of examples may always use, whatever the layer's own size
+# (16 MiB in float32).
 SLICE_LIMIT = 2**22
 
 
 def examples_per_chunk(per_example: int, layer_elements: int) -> int:
-    """How many examples' materialised gradients one slice holds: no more elements than the layer's own
-    captured tensors (``layer_elements``) nor ``SLICE_LIMIT``, and at least one example."""
-    return max(1, min(layer_elements, SLICE_LIMIT) // max(1, per_example))
+    """How many examples one slice of per-example work takes (``per_example`` elements each): as many
+    as fit in the layer's own captured tensors (``layer_elements``, which grow with the batch) or in
+    ``SLICE_LIMIT``, whichever is larger, and at least one. The whole batch is one slice whenever its
+    work fits; otherwise the number of slices is about ``per_example`` over the layer's captured
+    elements per example — set by the layer's shape, not by the batch size."""
+    return max(1, max(layer_elements, SLICE_LIMIT) // max(1, per_example))
+
+
+def ghost_sq_norms(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``‖gᵢ‖² = Σ_groups ⟨aᵢaᵢᵀ, bᵢbᵢᵀ⟩`` for ``a: [B, G, T, d_in]``, ``b: [B, G, T, d_out]``: two batched
+    Gram products in float32 or wider."""
+    a, b = as_norm_precision(a), as_norm_precision(b)
+    if a.shape[2] == 1:  # ‖b aᵀ‖² = ‖a‖²‖b‖²
+        return ((a * a).sum((2, 3)) * (b * b).sum((2, 3))).sum(1)
+    gram_a = a @ a.transpose(-1, -2)
+    gram_b = b @ b.transpose(-1, -2)
+    return (gram_a * gram_b).sum((1, 2, 3))
+
+
+def factored_per_sample(a: torch.Tensor, b: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``gᵢ = Σₜ bᵢₜ aᵢₜᵀ`` per group, ``[B, *shape]``: one batched matrix product in ``b``'s dtype."""
+    grads = b.transpose(-1, -2) @ a.to(b.dtype)  # [B, G, d_out, d_in]
+    return grads.reshape(grads.shape[0], *shape)
 
 
 class FactoredGrad(PerSampleGrad):
@@ -100,13 +129,9 @@ class FactoredGrad(PerSampleGrad):
     def sq_norms_by(self, path: str) -> torch.Tensor:
         """The per-sample squared norms by ``path`` (``"ghost"`` or ``"materialise"``), keeping nothing."""
         if path == MATERIALISE:
-            return chunked_sq_norms(self._slice, self.a.shape[0], self._chunk())
-        a, b = as_norm_precision(self.a), as_norm_precision(self.b)
-        if a.shape[2] == 1:  # ‖b aᵀ‖² = ‖a‖²‖b‖²
-            return ((a * a).sum((2, 3)) * (b * b).sum((2, 3))).sum(1)
-        gram_a = a @ a.transpose(-1, -2)
-        gram_b = b @ b.transpose(-1, -2)
-        return (gram_a * gram_b).sum((1, 2, 3))
+            return chunked_sq_norms(lambda start, stop: materialised_sq_norms(self._slice(start, stop)),
+                                    self.a.shape[0], self._chunk())
+        return ghost_sq_norms(self.a, self.b)
 
     def sq_norms(self) -> torch.Tensor:
         path = self._path(fused=False)
@@ -130,8 +155,7 @@ class FactoredGrad(PerSampleGrad):
         return chunked_clipped_sum(self._slice, self.a.shape[0], self._chunk(), other_sq_norms, weights_of)
 
     def _per_sample(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        grads = b.transpose(-1, -2) @ a.to(b.dtype)  # [B, G, d_out, d_in]
-        return grads.reshape(grads.shape[0], *self.shape)
+        return factored_per_sample(a, b, self.shape)
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         if self._grads is not None:

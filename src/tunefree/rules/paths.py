@@ -74,19 +74,19 @@ class PathChooser:
         return choice
 
 
-# A pass that writes each element once (unfolding convolution patches) costs about this many
-# multiply-adds per element on the CPU: it is bound by memory, not arithmetic (RESULTS §8.4).
-UNFOLD_COST = 8
+# A pass that writes each element once (copying convolution patches from their strided view) costs about
+# this many multiply-adds per element on the CPU: it is bound by memory, not arithmetic (RESULTS §8.5).
+UNFOLD_COST = 2
 
 
 def factored_estimates(examples: int, positions: int, d_in: int, d_out: int,
                        unfolded: bool = False) -> dict[str, float]:
     """Multiply-adds of each path for ``examples`` × channel groups of a factored gradient
     ``Σₜ bₜ aₜᵀ``: the ghost norm's two Gram matrices ~T²(d_in + d_out), materialising ~T·d_in·d_out.
-    ``unfolded``: the ghost norm first writes the T·d_in unfolded input (convolution patches)."""
+    ``unfolded``: both paths first copy the T·d_in input patches (convolutions)."""
     unfold = UNFOLD_COST * positions * d_in if unfolded else 0
     return {GHOST: examples * (positions * positions * (d_in + d_out) + unfold),
-            MATERIALISE: examples * positions * d_in * d_out}
+            MATERIALISE: examples * (positions * d_in * d_out + unfold)}
 
 
 def _seconds(run: Callable[[str], object], path: str, device: torch.device) -> float:

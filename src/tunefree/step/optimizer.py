@@ -24,6 +24,7 @@ from ..errors import PrivacyError
 from ..persample.accumulator import StepAccumulator
 from ..persample.engine import ClippingEngine
 from ..persample.independence import verify_example_independence
+from ..persample.state_guard import StateGuard
 from ..privacy.ledger import Ledger
 from ..privacy.mechanisms import GradientRelease
 from ..rules import Capture
@@ -44,6 +45,8 @@ class DPOptimizer(torch.optim.Optimizer):
         schedule: logical-step bookkeeping shared with the Poisson loader.
         accumulator: where the engine books the step's clipped sums; the optimizer pops it once per
             logical step and releases what it holds.
+        public_buffers: buffers or attributes of the model written from public information only, which
+            the state guard does not compare (``persample.state_guard``).
 
     ``planned_steps`` (set by ``make_private``; ``None`` for no plan) is the length of training the noise
     was calibrated for: the first step beyond it warns that ε now grows past the target.
@@ -62,7 +65,8 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: ClippingEngine,
                  release: GradientRelease, ledger: Ledger, sample_rate: float,
-                 expected_batch_size: float, schedule: StepSchedule, accumulator: StepAccumulator):
+                 expected_batch_size: float, schedule: StepSchedule, accumulator: StepAccumulator,
+                 public_buffers: list[str] | tuple[str, ...] = ()):
         if isinstance(optimizer, DPOptimizer):
             raise ValueError("the optimizer is already private; pass the original optimizer")
         self.original = optimizer
@@ -88,15 +92,24 @@ class DPOptimizer(torch.optim.Optimizer):
         self.every_rank: Callable[[bool], bool] | None = None
         self.verified = False
         self.grad_scaler: torch.amp.GradScaler | None = None
+        # The wrapped optimizer's updates before this run (0 again once a checkpoint's ledger is loaded).
+        self.updates_before_run = updates_applied(optimizer)
         engine.retain_inputs = True
+        # Between steps the model changes only through the wrapped optimizer's update.
+        self.state_guard = StateGuard(engine.model, accumulator, self._trainable, public_buffers)
+        engine.forward_checks.append(self.state_guard.before_forward)
 
     def attach_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
         """Train with ``scaler`` (float16 loss scaling). Its scale is divided out of every output
         gradient before per-sample norms and clip weights, so it changes no clip weight; an example
         that overflows contributes nothing where it overflows, and every step is released and recorded
-        as planned. Call it before the first backward pass."""
+        as planned. Call it before the first backward pass. It needs ``loss_reduction="sum"``: under a
+        mean loss each example's scaled gradient is divided by the batch size, so whether it overflows
+        would depend on how many other examples were sampled."""
         if not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"attach_grad_scaler needs a torch.amp.GradScaler, got {type(scaler).__name__}")
+        if self.engine.loss_reduction == "mean":
+            raise PrivacyError(_MEAN_LOSS_UNDER_SCALING)
         self.grad_scaler = scaler
         self.engine.grad_scaler = scaler
 
@@ -209,6 +222,7 @@ class DPOptimizer(torch.optim.Optimizer):
             try:
                 verify_example_independence(self.engine.model, self.engine, inputs.args, inputs.kwargs,
                                             examples=examples)
+                self.state_guard.check("after the example-independence check", full=False)
             except PrivacyError:
                 self.accumulator.pop()
                 raise
@@ -244,6 +258,7 @@ class DPOptimizer(torch.optim.Optimizer):
         """Release, record, update: each release is in the ledger before anything uses it."""
         self._warn_past_plan()
         self.engine.check_no_leak()
+        self.state_guard.check("before the release of a step")
         self._verify_independence()
         booked = self.accumulator.pop()
         thresholds = dict(self.engine.thresholds)
@@ -260,7 +275,11 @@ class DPOptimizer(torch.optim.Optimizer):
         context = StepContext(report, closure, UpdateControl(self.original), thresholds)
         for component in self.components:
             self._record(events, component.before_update(context))
+        if self.components:  # they may run the model (HyFreeDP's probes)
+            self.state_guard.check("before the optimizer's update", full=False, released=True)
+        check_updates_recorded(self.original, self.ledger.steps - 1, self.updates_before_run)
         self.original.step()
+        self.state_guard.updated()
         for component in self.components:
             self._record(events, component.after_update(context))
         if context.next_thresholds is not None:
@@ -324,6 +343,39 @@ class DPOptimizer(torch.optim.Optimizer):
             args, kwargs = result
             closure = args[1] if len(args) > 1 else kwargs.get("closure")
         return closure
+
+
+def updates_applied(optimizer: torch.optim.Optimizer) -> int:
+    """The optimizer's own count of its updates (``state[p]["step"]``, kept by Adam, AdamW, RMSprop...);
+    0 for one that keeps none (SGD)."""
+    counted = next((state["step"] for state in optimizer.state.values() if "step" in state), None)
+    return 0 if counted is None else int(counted)
+
+
+def check_updates_recorded(optimizer: torch.optim.Optimizer, recorded: int, before: int = 0) -> None:
+    """Every update the wrapped optimizer applied in this run has its release in the ledger: its own
+    count, less the ``before`` updates it had when the run began (training outside this guarantee, like
+    pre-trained weights), is at most the ``recorded`` steps — else its state comes from another run
+    whose ledger is missing or was edited."""
+    applied = updates_applied(optimizer)
+    if applied - before > recorded:
+        earlier = f" ({before} of them before make_private)" if before else ""
+        raise PrivacyError(
+            f"the optimizer has applied {applied} updates{earlier} but the ledger records {recorded} "
+            "private steps for them: its state comes from a run whose ledger was edited or left behind, "
+            "and the guarantee would understate what was released. Resume with engine.load_state_dict "
+            "and the ledger saved with this optimizer state (engine.state_dict() and "
+            "optimizer.state_dict() of the same moment); an optimizer state from training outside this "
+            "guarantee (e.g. public pre-training) is loaded before make_private")
+
+
+_MEAN_LOSS_UNDER_SCALING = (
+    "a GradScaler with loss_reduction='mean' is refused: a mean loss divides every example's scaled "
+    "gradient by the number of examples in the batch, so under float16 whether an example's gradient "
+    "overflows (and is dropped) would depend on how many other examples were sampled, and one example "
+    "could change the others' contributions. Sum the per-example losses (loss_fn(..., reduction='sum')) "
+    "with make_private(..., loss_reduction='sum'), and give the scaler a scale that suits a summed loss, "
+    "e.g. torch.amp.GradScaler(init_scale=2**8); or train in bfloat16, which needs no loss scaling")
 
 
 def _examples_in(inputs: Capture, dim: int = 0) -> int:
