@@ -150,18 +150,17 @@ def _weighted(rng: random.Random, options: dict[object, float]) -> object:
 
 
 def sample_loop(rng: random.Random, model: ModelSpec, outside: bool = False) -> LoopSpec:
-    """A loop for ``model``. ``outside``: also draw the user errors no invariant can see (a
-    ``loss_reduction`` declared wrongly; a resume that forgets the engine's state with an optimizer that
-    keeps no step count), which docs/refusals.md lists under what tunefree cannot detect."""
+    """A loop for ``model``. ``outside``: also draw the user errors no invariant can see, which
+    docs/refusals.md lists under what tunefree cannot detect: a ``loss_reduction`` declared wrongly; a
+    resume that forgets the engine's state (the optimizer's state, loaded before make_private, is taken
+    for training outside the guarantee, such as public pre-training)."""
     steps = _weighted(rng, {1: 0.2, 2: 0.5, 3: 0.3})
     loader = _weighted(rng, {"poisson": 0.75, "own": 0.1, "poisson-off": 0.15})
     resume_at = rng.randint(1, steps - 1) if steps > 1 and rng.random() < 0.2 else None
-    forget = resume_at is not None and rng.random() < 0.2
+    forget = resume_at is not None and rng.random() < 0.2 and outside
     reduction = rng.choice(["sum", "mean"])
     misdeclared = outside and rng.random() < 0.15
     optimizer = _weighted(rng, {"sgd": 0.6, "momentum": 0.2, "adam": 0.2})
-    if forget and not outside:
-        optimizer = "adam"  # its step count tells a resumed run from a fresh one
     mixes = any(b.kind == "mix" for b in model.blocks)
     mix_before = None
     if rng.random() < 0.15:
@@ -333,6 +332,9 @@ class _Run:
         if loop.split == "subset":  # train on the examples that pass a test of their own values
             keep = xb.flatten(1)[:, 0] > 0
             xb, yb = xb[keep], yb[keep]
+            if len(xb) == 0:  # none passed: nothing to train on (the private step still comes)
+                self._step()
+                return
         if loop.split in (None, "subset") or half == 0:
             with _autocast(loop):
                 loss = _loss(loop, model(xb), yb)
@@ -347,6 +349,9 @@ class _Run:
                 with _autocast(loop):
                     loss = _loss(loop, model(xb[part]), yb[part])
                 self._backward(loss)
+        self._step()
+
+    def _step(self) -> None:
         optimizer = self.optimizer if self.engine is None else self.engine.optimizer
         if self.scaler is not None:
             if self.engine is None or self.own is not None or self.engine.schedule.ends_logical:
@@ -410,10 +415,13 @@ def run_draw(draw: Draw, x: torch.Tensor, y: torch.Tensor,
     return trace
 
 
-def run_plain(draw: Draw) -> None:
-    """Train ``draw`` without tunefree (the same loop over the user's loader): the draw is ordinary code
-    that runs. Raises whatever plain PyTorch raises."""
-    x, y = draw_data(draw)
+def run_plain(draw: Draw, data: tuple[torch.Tensor, torch.Tensor] | None = None,
+              history: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Train ``draw`` without tunefree (the same loop over the user's loader) on ``data`` (default: the
+    draw's D), as ``run_draw`` would: the draw is ordinary code that runs there. Raises whatever plain
+    PyTorch raises."""
+    x, y = draw_data(draw) if data is None else data
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _Run(draw, TensorDataset(x, y), RunTrace(), plain=True).train(None, (x, y))
+        dataset = TensorDataset(*(history if history is not None else (x, y)))
+        _Run(draw, dataset, RunTrace(), plain=True).train(history, (x, y))

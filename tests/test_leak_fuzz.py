@@ -144,8 +144,8 @@ def test_draws_are_deterministic_and_cover_the_vocabulary():
         seen["inputs"].add(d.model.inputs)
         seen["blocks"].update(b.kind for b in d.model.blocks)
         seen["hooks"].update(h.kind for h in d.model.hooks)
-        for field in ("loader", "physical", "extra_forward", "split", "resume_at", "resume_engine_state",
-                      "optimizer", "precision", "init_scale", "loss", "reduction", "clipping", "groups",
+        for field in ("loader", "physical", "extra_forward", "split", "resume_at", "optimizer", "precision",
+                      "init_scale", "loss", "reduction", "clipping", "groups",
                       "verify_every", "mix_before", "mix_start"):
             seen[field].add(getattr(d.loop, field))
         seen["max_norm"].add(d.model.max_norm)
@@ -157,7 +157,11 @@ def test_draws_are_deterministic_and_cover_the_vocabulary():
     assert seen["split"] == {None, "halves", "examples", "accumulate", "subset"}
     assert seen["loss"] == {"ce", "mse", "energy"}
     assert all(len(values) >= 2 for values in seen.values()), {k: v for k, v in seen.items() if len(v) < 2}
-    assert all(d.loop.declared is None for d in draws)  # user errors no invariant sees stay out of CI
+    # user errors no invariant can see stay out of CI (docs/refusals.md, what tunefree cannot detect)
+    assert all(d.loop.declared is None and d.loop.resume_engine_state for d in draws)
+    outside = [sample_draw(seed, outside=True) for seed in CI_SEEDS]
+    assert any(d.loop.declared is not None for d in outside)
+    assert any(not d.loop.resume_engine_state for d in outside)
 
 
 def test_shrink_keeps_what_still_fails_and_drops_the_rest():
