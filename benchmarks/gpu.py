@@ -223,12 +223,12 @@ def make_step(method: str, workload: Workload):
     autocast = (torch.autocast(device_type, dtype=workload.autocast) if workload.autocast is not None
                 else None)
 
-    def loss_of(run_model, criterion=None):
+    def loss_of(run_model, criterion=None, reduce=torch.mean):
         with autocast if autocast is not None else _nothing():
             logits = logits_of(workload, run_model)
             if criterion is not None:
                 return criterion(logits, workload.targets)
-            return per_example_loss(workload.task, logits, workload.targets).mean()
+            return reduce(per_example_loss(workload.task, logits, workload.targets))
 
     if method == "non-private":
         def step():
@@ -244,11 +244,12 @@ def make_step(method: str, workload: Workload):
             warnings.simplefilter("ignore")
             engine = tunefree.make_private(model, optimizer, _loader(workload.batch), target_delta=1e-5,
                                            noise_multiplier=1.0, groups=f"{groups}-layer",
+                                           loss_reduction="sum",  # a 16-bit mean loss is refused (issue 21)
                                            seed=0 if noise == "seeded" else None, poisson_sampling=False)
 
         def step():
             engine.optimizer.zero_grad()
-            loss_of(model).backward()
+            loss_of(model, reduce=torch.sum).backward()
             engine.optimizer.step()
         return step
     opacus = _need("opacus")
@@ -476,9 +477,6 @@ def table(report: dict) -> str:
 
 
 def main() -> None:
-    # this folder holds a benchmark named transformers.py: keep it from shadowing the package
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "METHOD"), help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")

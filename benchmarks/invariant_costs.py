@@ -8,12 +8,7 @@ step (A/B), for the overall difference. Digest: ``data_digest`` of a 60 000 × 7
 
     OMP_NUM_THREADS=1 python benchmarks/invariant_costs.py --steps 10 --digest
 
-The tiny Hugging Face models (``--models bert-tiny gpt2-tiny``) need ``transformers`` imported before this
-directory's ``transformers.py`` can shadow it:
-
-    OMP_NUM_THREADS=1 python -c "import runpy, sys, transformers; sys.path.append('benchmarks');
-        sys.argv = ['invariant_costs.py', '--models', 'bert-tiny', 'gpt2-tiny'];
-        runpy.run_path('benchmarks/invariant_costs.py', run_name='__main__')"
+The tiny Hugging Face models: ``--models bert-tiny gpt2-tiny``.
 """
 
 from __future__ import annotations

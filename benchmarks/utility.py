@@ -165,18 +165,12 @@ def run(task: Task, method: str, lr: float | None, sigma: float | None, seed: in
                         generator=torch.Generator().manual_seed(seed))
     steps = math.ceil(task.epochs * len(task.train) / task.batch_size)
     engine = None
-    if method in POST_PROCESSING and method != "tf-dog":
+    if method in POST_PROCESSING:
         auto = tunefree.AutoLR(mode="dog", **POST_PROCESSING[method])
     if sigma is not None:
         engine = tunefree.make_private(model, optimizer, loader, noise_multiplier=sigma, target_delta=DELTA,
                                        steps=steps, lr=auto, seed=seed)
         loader, optimizer = engine.data_loader, engine.optimizer
-        dog = engine.dog_lr
-        if method == "tf-dog":  # the library's component with the noise correction off
-            from tunefree.components.dog import DistanceOverGradients
-            dog = DistanceOverGradients(optimizer.release, optimizer.expected_batch_size, noise_aware=False,
-                                        planned_steps=steps)
-            optimizer.components.append(dog)
     component = None if engine is None else engine.auto_lr
     params = list(model.parameters())
     average = [p.detach().clone() for p in params]  # DoG's polynomial average, for every method

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 from brute_force import clipped_sum
+from support import pop_step
 from torch import nn
 
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
 from tunefree.persample.engine import ClippingEngine
@@ -27,7 +28,7 @@ from tunefree.persample.independence import verify_example_independence
 from tunefree.rules.paths import PathChooser
 
 GROUPINGS = ("all-layer", "per-layer")
-CLIP = ClipFunction("auto-s")
+CLIP = clip_function("auto-s")
 EXAMPLES = 3  # the batch: three examples, so that the check probes first, middle and last
 
 
@@ -94,12 +95,12 @@ def _engine_run(
     check: bool,
 ):
     groups = make_groups(model, grouping, 1.0)
-    engine = ClippingEngine(model, groups, CLIP, loss_reduction="sum", batch_dim=case.batch_dim)
-    engine.batch_source = SimpleNamespace(batch_serial=1, batch_examples=EXAMPLES)
-    engine.path_chooser = PathChooser(measure=False, fixed=path)
+    engine = ClippingEngine(model, groups, CLIP, loss_reduction="sum", batch_dim=case.batch_dim,
+                            batch_source=SimpleNamespace(batch_serial=1, batch_examples=EXAMPLES),
+                            path_chooser=PathChooser(measure=False, fixed=path))
     try:
         _loss(model(*inputs), weights).backward()
-        sums, examples, norms = engine.pop_step()
+        sums, examples, norms = pop_step(engine)
         assert examples == EXAMPLES
         if check:
             verify_example_independence(model, engine, inputs, {}, examples=EXAMPLES)

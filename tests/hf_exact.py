@@ -8,9 +8,10 @@ from collections.abc import Callable
 
 import torch
 from brute_force import clipped_sum
+from support import pop_step
 from torch import nn
 
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
 from tunefree.persample.independence import verify_example_independence
@@ -38,10 +39,10 @@ def assert_exact(model: nn.Module, loss_fn: LossFn, batch: dict[str, torch.Tenso
     model = model.double().train()
     batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
     reference = copy.deepcopy(model)
-    clip_fn = ClipFunction(clip)
+    clip_fn = clip_function(clip)
     engine = ClippingEngine(model, make_groups(model, grouping, 1.0), clip_fn, loss_reduction="sum")
     loss_fn(model, batch).sum().backward()
-    sums, examples, norms = engine.pop_step()
+    sums, examples, norms = pop_step(engine)
     verify_example_independence(model, engine, (), batch)
     engine.detach()
 

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 
 
 @dataclass
@@ -111,7 +111,7 @@ def brute_force_release(model_factory: Callable[[], nn.Module], loss_fn: Callabl
     total = {n: torch.zeros_like(p) for p, n in names.items()}
     for grads in per_example_grads(model, loss_fn, x, y):
         norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))
-        weight = ClipFunction("abadi").weights(norm.reshape(1), max_grad_norm)[0]
+        weight = clip_function("abadi").weights(norm.reshape(1), max_grad_norm)[0]
         for p, g in grads.items():
             total[names[p]] += weight * g
     return total

@@ -16,9 +16,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from tunefree import epsilon, make_private
-from tunefree.clipping.functions import CLIP_FUNCTIONS, ClipFunction
+from tunefree.clipping.functions import CLIP_FUNCTIONS, clip_function
 from tunefree.clipping.groups import ClipGroup
-from tunefree.components.thresholds import QuantileEstimator, QuantileSettings
+from tunefree.components.thresholds import AdaptiveQuantile, QuantileEstimator
 from tunefree.privacy.mechanisms import GradientRelease
 from tunefree.privacy.plan import CountShare, Plan
 from tunefree.privacy.randomness import SeededSource
@@ -64,7 +64,7 @@ def run_steps(engine, steps: int, loss_fn=F.cross_entropy, before_step=None) -> 
 # ---------------------------------------------------------------- Proposition 3.1 and the ledger
 @pytest.mark.parametrize("sigma,budget,groups", [(0.8, 0.01, 1), (1.3, 0.1, 7), (4.0, 0.5, 120)])
 def test_proposition_3_1_identity(sigma, budget, groups):
-    plan = Plan(0.1, 10, 100, 1e-5, noise_multiplier=sigma, counts=CountShare(budget, groups))
+    plan = Plan(0.1, 10, 100, 1e-5, noise_multiplier=sigma, shares=(CountShare(budget, groups),))
     gradient, count_std = plan.gradient_noise, plan.count_std
     # equation (3.1), and Remark 3.1: the counts cost the fraction r = Kσ²/(4σ_b²)
     assert gradient == pytest.approx((sigma ** -2 - groups / (2 * count_std) ** 2) ** -0.5,
@@ -93,7 +93,8 @@ def test_joint_accounting_equals_target():
     assert k == 2
     # every step: ONE sampled event composing the gradient release and the K count releases
     step = dpa.PoissonSampledDpEvent(0.05, dpa.ComposedDpEvent([
-        dpa.GaussianDpEvent(gradient), dpa.GaussianDpEvent(2 * count_std / math.sqrt(k))]))
+        dpa.GaussianDpEvent(gradient), dpa.GaussianDpEvent(engine.plan.count_noise)]))
+    assert engine.plan.count_noise == pytest.approx(2 * count_std / math.sqrt(k), rel=1e-12)
     assert engine.ledger.event() == dpa.ComposedDpEvent([dpa.SelfComposedDpEvent(step, steps)])
     spent = engine.epsilon()
     assert 0.99 * target <= spent <= target
@@ -126,7 +127,7 @@ def _groups(thresholds: dict[str, float]) -> list[ClipGroup]:
 
 def test_update_divides_by_the_expected_batch_size():
     groups = _groups({"a": 1.0, "b": 2.0, "unused": 0.5})
-    settings = QuantileSettings(target_quantile=0.7, learning_rate=0.3, budget=0.01)
+    settings = AdaptiveQuantile(target=0.7, lr=0.3, budget=0.01)
     estimator = QuantileEstimator(groups, settings, 0.0, SeededSource(0), expected_batch_size=8.0)
     norms = {"a": torch.tensor([0.5, 0.9, 1.0, 1.5, 3.0], dtype=torch.float64),
              "b": torch.tensor([0.1, 2.5, 4.0, 5.0, 9.0], dtype=torch.float64)}
@@ -154,16 +155,18 @@ def test_update_divides_by_the_expected_batch_size():
 
 def test_count_noise_has_standard_deviation_sigma_b():
     groups = _groups({"a": 1.0, "b": 1.0})
-    settings = QuantileSettings(target_quantile=0.5, learning_rate=1e-9, budget=0.05)
-    count_std, expected_batch = 3.0, 10.0
-    estimator = QuantileEstimator(groups, settings, count_std, SeededSource(1), expected_batch)
+    settings = AdaptiveQuantile(target=0.5, lr=1e-9, budget=0.05)
+    count_noise, expected_batch = 3.0, 10.0
+    estimator = QuantileEstimator(groups, settings, count_noise, SeededSource(1), expected_batch)
+    count_std = count_noise * math.sqrt(2) / 2
+    assert estimator.count_std == count_std
     norms = {"a": torch.tensor([0.5, 2.0]), "b": torch.tensor([0.5, 0.7])}
     exact = torch.tensor([(1 - 1) / expected_batch + 0.5, (2 - 1) / expected_batch + 0.5])
     draws = []
     for step in range(4000):
         events = estimator.update(StepReport(step, 2, norms))
         draws.append(torch.tensor([estimator.unclipped_fractions[g.name] for g in groups]))
-    assert events == [dpa.GaussianDpEvent(2 * count_std / math.sqrt(2))]
+    assert events == [dpa.GaussianDpEvent(count_noise)]
     noise = (torch.stack(draws) - exact) * expected_batch
     assert noise.mean(0).abs().max() < 5 * count_std / math.sqrt(4000)
     assert (noise.std(0) / count_std - 1).abs().max() < 5 / math.sqrt(2 * 4000)
@@ -239,7 +242,7 @@ def test_each_step_clips_with_the_current_thresholds(clipping):
     ref_groups = [ClipGroup(g.name, g.param_names,
                             [dict(reference.named_parameters())[n] for n in g.param_names],
                             threshold=before[g.name]) for g in engine.groups]
-    expected, _ = clipped_sum(per_example, ref_groups, ClipFunction(clipping))
+    expected, _ = clipped_sum(per_example, ref_groups, clip_function(clipping))
     for g, ref in zip(engine.groups, ref_groups, strict=True):
         for p, ref_p in zip(g.params, ref.params, strict=True):
             torch.testing.assert_close(p.grad, expected[ref_p] / 64, rtol=1e-9, atol=1e-12)

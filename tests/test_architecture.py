@@ -13,14 +13,14 @@ import pathlib
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "tunefree"
 
 LAYERS: dict[str, int] = {
-    "errors": 0, "dtypes": 0,
+    "errors": 0, "dtypes": 0, "_validate": 0,
     "clipping": 1, "rules": 1, "data": 1, "privacy": 1,
     "persample": 2, "parallel": 2,
     "step": 3,
     "components": 4,
     "config": 5,
-    "api": 6, "run": 6, "pipeline": 6,
-    "__init__": 7, "audit": 7, "integrations": 7,
+    "api": 6, "run": 6, "build": 6, "pipeline": 6,
+    "__init__": 7, "extend": 7, "audit": 7, "integrations": 7,
     "cli": 8,
 }
 

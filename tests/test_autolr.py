@@ -8,6 +8,7 @@ import dp_accounting as dpa
 import pytest
 import torch
 import torch.nn.functional as F
+from support import pop_step
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -75,7 +76,7 @@ def test_probes_leave_weights_and_optimizer_state_bit_identical():
     x, y = engine.data_loader.dataset.tensors
     engine.optimizer.zero_grad()
     squared_errors(model, x, y).mean().backward()
-    sums, _, _ = engine.clipping_engine.pop_step()
+    sums, _, _ = pop_step(engine.clipping_engine)
     for p in model.parameters():
         p.grad = sums[p] / 8
     before = [p.detach().clone() for p in model.parameters()]

@@ -107,7 +107,8 @@ def test_the_next_loss_bound_is_the_sum_of_the_three_privatised_losses():
 
 
 def test_the_paper_keeps_eta_where_the_fit_has_no_minimiser():
-    auto = tunefree.components.hyfreedp.AutoLearningRate(1, 0.0, 8.0, None, mode="paper")
+    hyfreedp = tunefree.components.hyfreedp
+    auto = hyfreedp.AutoLearningRate(hyfreedp.HyFreeDP(interval=1, mode="paper"), 0.0, 8.0, None)
     assert auto.propose_paper([1.0, 1.2, 1.0], 0.1)[3:] == (0.1, "no minimiser along the update: keep")
     assert auto.propose_paper([1.0, 0.9, 1.2], 0.1)[3:] == (0.1, "no minimiser along the update: keep")
     slope, curvature, estimate, lr, decision = auto.propose_paper([1.2, 1.0, 0.9], 0.1)
@@ -173,7 +174,7 @@ def joint(releases):
 def test_every_probe_release_is_in_the_ledger_as_the_plan_solved_it(auto):
     model, engine = paper_engine(auto, noise_multiplier=1.0, steps=7)
     plan = engine.plan
-    assert plan.losses.releases == auto.releases_per_update
+    assert plan.losses.releases_per_update == auto.releases_per_update
     assert plan.loss_noise > 0 and auto_component(engine).loss_noise == plan.loss_noise
     for _ in range(7):
         one_step(model, engine)
@@ -194,4 +195,4 @@ def test_auto_lr_options_are_validated():
         tunefree.AutoLR(probes="gradients")
     with pytest.raises(ValueError, match="initial_lr"):
         tunefree.AutoLR(initial_lr=-1.0)
-    assert math.isclose(tunefree.AutoLR().initial_lr, 1e-4)
+    assert math.isclose(tunefree.AutoLR(mode="safeguarded").initial_lr, 1e-4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tunefree.clipping.functions import CLIP_FUNCTIONS, ClipFunction
+from tunefree.clipping.functions import CLIP_FUNCTIONS, PSAC, Abadi, AutoS, AutoV, clip_function
 
 NORMS = torch.tensor([0.0, 1e-45, 1e-30, 1e-12, 1e-6, 0.01, 0.5, 1.0, 3.0, 1e6, 1e30, 3e38])
 
@@ -15,7 +15,7 @@ NORMS = torch.tensor([0.0, 1e-45, 1e-30, 1e-12, 1e-6, 0.01, 0.5, 1.0, 3.0, 1e6, 
 @pytest.mark.parametrize("name", CLIP_FUNCTIONS)
 def test_clipped_norm_never_exceeds_threshold(name, threshold, dtype):
     norms = NORMS.to(dtype)
-    weights = ClipFunction(name).weights(norms, threshold)
+    weights = clip_function(name).weights(norms, threshold)
     assert torch.isfinite(weights).all()
     assert (weights >= 0).all()
     assert weights.dtype == torch.float64
@@ -26,35 +26,43 @@ def test_clipped_norm_never_exceeds_threshold(name, threshold, dtype):
 
 def test_values():
     n = torch.tensor([0.0, 0.5, 2.0], dtype=torch.float64)
-    torch.testing.assert_close(ClipFunction("abadi").weights(n, 1.0),
+    torch.testing.assert_close(clip_function("abadi").weights(n, 1.0),
                                torch.tensor([1.0, 1.0, 0.5], dtype=torch.float64))
-    torch.testing.assert_close(ClipFunction("auto-v").weights(n[1:], 1.0),
+    torch.testing.assert_close(clip_function("auto-v").weights(n[1:], 1.0),
                                torch.tensor([2.0, 0.5], dtype=torch.float64))
-    torch.testing.assert_close(ClipFunction("auto-s", gamma=0.1).weights(n, 2.0), 2.0 / (n + 0.1))
+    torch.testing.assert_close(AutoS(gamma=0.1).weights(n, 2.0), 2.0 / (n + 0.1))
     r = 0.3
-    torch.testing.assert_close(ClipFunction("psac", r=r).weights(n, 2.0), 2.0 / (n + r / (n + r)))
+    torch.testing.assert_close(PSAC(r=r).weights(n, 2.0), 2.0 / (n + r / (n + r)))
 
 
 def test_auto_v_normalises_and_psac_is_non_monotonic():
     n = torch.tensor([1e-3, 0.2, 5.0], dtype=torch.float64)
-    torch.testing.assert_close(ClipFunction("auto-v").weights(n, 1.5) * n, torch.full((3,), 1.5,
+    torch.testing.assert_close(clip_function("auto-v").weights(n, 1.5) * n, torch.full((3,), 1.5,
                                                                                       dtype=torch.float64))
     # PSAC's clipped norm ‖g‖/(‖g‖ + r/(‖g‖+r)) rises, but the weight itself is not monotonic.
     grid = torch.linspace(1e-4, 2, 2001, dtype=torch.float64)
-    w = ClipFunction("psac", r=0.1).weights(grid, 1.0)
+    w = PSAC(r=0.1).weights(grid, 1.0)
     assert (w.diff() > 0).any() and (w.diff() < 0).any()
 
 
-@pytest.mark.parametrize("bad", [{"name": "clip"}, {"name": "auto-s", "gamma": 0.0},
-                                 {"name": "psac", "r": -1.0}])
-def test_bad_clip_configuration_is_refused(bad):
-    with pytest.raises(ValueError):
-        ClipFunction(**bad)
+@pytest.mark.parametrize("make, words", [(lambda: clip_function("clip"), "unknown clipping"),
+                                         (lambda: AutoS(gamma=0.0), "AutoS.gamma"),
+                                         (lambda: PSAC(r=-1.0), "PSAC.r")])
+def test_bad_clip_configuration_is_refused(make, words):
+    with pytest.raises(ValueError, match=words):
+        make()
+
+
+def test_the_typed_functions_are_the_registered_ones_and_say_whether_they_normalise():
+    assert [type(clip_function(name)) for name in ("auto-s", "auto-v", "psac", "abadi")] == \
+        [AutoS, AutoV, PSAC, Abadi]
+    assert clip_function("auto-s") == AutoS() and AutoS().describe() == {"name": "auto-s", "gamma": 0.01}
+    assert [c.normalising for c in (AutoS(), AutoV(), PSAC(), Abadi())] == [True, True, True, False]
 
 
 @pytest.mark.parametrize("name", list(CLIP_FUNCTIONS))
 def test_every_registered_function_bounds_the_clipped_norm(name):
     norms = torch.tensor([0.0, 1e-30, 1.0, 1e30], dtype=torch.float64)
     for threshold in (0.1, 1.0, 10.0):
-        clipped = ClipFunction(name).weights(norms, threshold) * norms
+        clipped = clip_function(name).weights(norms, threshold) * norms
         assert (clipped <= threshold * (1 + 4 * torch.finfo(torch.float64).eps)).all(), (name, clipped)

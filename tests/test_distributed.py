@@ -30,6 +30,11 @@ SIGMA = 1.3
 DEADLINE_S = 90  # the whole 2-process scenario, start-up included
 COLLECTIVE_TIMEOUT_S = 4
 GROUPED = {"groups": "per-layer", "physical_batch_size": 3, "clipping": "abadi"}
+# Adaptive thresholds that move visibly in a few steps; Abadi clips at them, so the release shows them.
+ADAPTIVE = {"groups": "per-layer", "clipping": "abadi",
+            "thresholds": tunefree.AdaptiveQuantile(lr=1.0, budget=0.1)}
+HYFREEDP = {"lr": tunefree.AutoLR(mode="safeguarded", interval=2, loss_privacy="laplace")}
+CANARIES = 8
 
 
 def _data() -> TensorDataset:
@@ -50,8 +55,9 @@ def _private(model: nn.Module, noise_multiplier: float, **options):
                                  **{"seed": SEED, **options})
 
 
-def _train(engine, steps: int) -> list[dict[str, torch.Tensor]]:
-    """``steps`` private (logical) steps; the released gradient of each (``.grad`` after the step)."""
+def _train(engine, steps: int, with_losses: bool = False) -> list[dict[str, torch.Tensor]]:
+    """``steps`` private (logical) steps; the released gradient of each (``.grad`` after the step).
+    ``with_losses``: the closure gives the batch's per-sample losses (HyFreeDP's learning rate)."""
     released = []
     batches = iter(engine.data_loader)
     for _ in range(steps):
@@ -61,7 +67,8 @@ def _train(engine, steps: int) -> list[dict[str, torch.Tensor]]:
             last = engine.schedule.ends_logical
             engine.optimizer.zero_grad()
             F.cross_entropy(engine.model(x), y).backward()
-            engine.optimizer.step()
+            engine.optimizer.step((lambda x=x, y=y: F.cross_entropy(engine.model(x), y, reduction="none"))
+                                  if with_losses else None)
         released.append({n: p.grad.clone() for n, p in engine.clipping_engine.model.named_parameters()})
     return released
 
@@ -84,6 +91,8 @@ def _training_scenario(rank: int) -> dict:
     out["quiet_released"] = _train(quiet, STEPS)
     grouped = _private(DistributedDataParallel(_model()), 0.0, **GROUPED)
     out["grouped_released"] = _train(grouped, STEPS)
+    adaptive = _private(DistributedDataParallel(_model()), 0.0, **ADAPTIVE)
+    out["adaptive_released"] = _train(adaptive, STEPS)
     noisy = _private(DistributedDataParallel(_model()), SIGMA)
     _train(noisy, 2)
     out["state_after_2"] = noisy.state_dict()
@@ -93,7 +102,7 @@ def _training_scenario(rank: int) -> dict:
     out["noisy_weights"] = _weights(noisy)
     out["ledger"] = noisy.ledger.state_dict()
     out["epsilon"] = noisy.epsilon()
-    out["bytes_per_step"] = noisy.optimizer.release.bytes_per_step()
+    out["bytes_per_step"] = noisy.parallel.bytes_per_step(noisy.groups)
     dog = _private(DistributedDataParallel(_model()), SIGMA, lr="auto")
     _train(dog, STEPS)
     out["dog_weights"], out["dog_lrs"] = _weights(dog), list(dog.dog_lr.history)
@@ -114,10 +123,40 @@ def _training_scenario(rank: int) -> dict:
     return out
 
 
+def _components_scenario(rank: int) -> dict:
+    """Noisy seeded runs with adaptive thresholds and with HyFreeDP's learning rate (Laplace loss noise):
+    their counts and losses are summed over the ranks and noised once."""
+    out: dict = {}
+    adaptive = _private(DistributedDataParallel(_model()), SIGMA, **ADAPTIVE)
+    out["adaptive_thresholds"] = _train_noting_thresholds(adaptive, STEPS)
+    out["adaptive_weights"], out["adaptive_ledger"] = _weights(adaptive), adaptive.ledger.state_dict()
+    secret = _private(DistributedDataParallel(_model()), SIGMA, **{**ADAPTIVE, "seed": None})
+    out["secret_thresholds"] = _train_noting_thresholds(secret, STEPS)  # each rank noises its own slice
+    hyfreedp = _private(DistributedDataParallel(_model()), 2.0, **HYFREEDP)
+    _train(hyfreedp, STEPS, with_losses=True)
+    out["hyfreedp_lrs"] = [fit.lr_after for fit in hyfreedp.auto_lr.state.history]
+    out["hyfreedp_weights"], out["hyfreedp_ledger"] = _weights(hyfreedp), hyfreedp.ledger.state_dict()
+    for name, seed in (("canaries", SEED), ("secret canaries", None)):
+        audited = _private(DistributedDataParallel(_model()), SIGMA, audit_canaries=CANARIES, seed=seed)
+        _train(audited, STEPS)
+        canaries = audited.canaries
+        out[name] = {"included": canaries.included, "z": canaries.z, "shift": canaries.shift,
+                     "weights": _weights(audited), "epsilon": audited.epsilon()}
+    return out
+
+
+def _train_noting_thresholds(engine, steps: int) -> list[dict[str, float]]:
+    thresholds = []
+    for _ in range(steps):
+        _train(engine, 1)
+        thresholds.append(engine.clip_thresholds)
+    return thresholds
+
+
 def _failure_scenario(rank: int) -> dict:
     """Ranks set up differently are refused; then rank 1 fails inside a step and rank 0 must not update."""
     out: dict = {"refused": []}
-    for options in ({"thresholds": "adaptive"}, {"lr": tunefree.AutoLR(mode="safeguarded")}):
+    for options in ({"poisson_sampling": False},):
         try:
             _private(DistributedDataParallel(_model()), SIGMA, **options)
         except ValueError as error:
@@ -161,7 +200,8 @@ def training(tmp_path_factory) -> list[dict]:
     return _run_ranks(_training_scenario, tmp_path_factory.mktemp("ddp"))
 
 
-@pytest.mark.parametrize("run, options", [("quiet_released", {}), ("grouped_released", GROUPED)])
+@pytest.mark.parametrize("run, options", [("quiet_released", {}), ("grouped_released", GROUPED),
+                                          ("adaptive_released", ADAPTIVE)])
 def test_noise_free_release_equals_one_process_on_the_union_batch(training, run, options):
     reference = _train(_private(_model(), 0.0, **options), STEPS)
     for rank in training:
@@ -261,11 +301,9 @@ def test_a_plain_model_under_several_processes_is_warned_about(training):
 
 def test_a_failing_rank_fails_the_step_on_every_rank_without_an_update(tmp_path):
     first, second = _run_ranks(_failure_scenario, tmp_path)
-    assert len(first["refused"]) == 3
-    assert "its root is not sharded by FSDP2" in first["refused"][2]
-    assert "thresholds='adaptive' is not supported with DistributedDataParallel" in first["refused"][0]
-    assert ("lr=AutoLR(mode='safeguarded') is not supported with DistributedDataParallel"
-            in first["refused"][1])
+    assert len(first["refused"]) == 2
+    assert "its root is not sharded by FSDP2" in first["refused"][1]
+    assert "poisson_sampling=False is not supported with DistributedDataParallel" in first["refused"][0]
     assert "rank 1 was set up differently" in first["mismatch"]
     assert "rank 0 was set up differently" in second["mismatch"]
     for rank in (first, second):
@@ -275,6 +313,65 @@ def test_a_failing_rank_fails_the_step_on_every_rank_without_an_update(tmp_path)
     for rank in (first, second):
         assert rank["unchanged"]
         assert rank["ledger_steps"] == (1, 1)
+
+
+@pytest.fixture(scope="module")
+def components(tmp_path_factory) -> list[dict]:
+    return _run_ranks(_components_scenario, tmp_path_factory.mktemp("ddp-components"))
+
+
+def test_adaptive_thresholds_under_ddp_are_those_of_one_process(components):
+    """The counts are every rank's, summed, and noised once (rank 0 draws the seeded noise as one process
+    does): the same thresholds on every rank, those of the one-process run with the same seed up to the
+    all-reduce's rounding, and one ledger, that of one process."""
+    first, second = components
+    assert first["adaptive_thresholds"] == second["adaptive_thresholds"]
+    assert first["adaptive_ledger"] == second["adaptive_ledger"]
+    single = _private(_model(), SIGMA, **ADAPTIVE)
+    thresholds = _train_noting_thresholds(single, STEPS)
+    for ours, theirs in zip(first["adaptive_thresholds"], thresholds, strict=True):
+        assert ours == pytest.approx(theirs, rel=1e-9)
+    assert thresholds[-1] != {g.name: g.threshold for g in single.groups}  # they moved
+    assert first["secret_thresholds"] == second["secret_thresholds"]  # secret noise: the same on each rank
+    assert first["secret_thresholds"][-1] != thresholds[-1]
+    assert first["adaptive_ledger"] == single.ledger.state_dict()
+    for name, weight in _weights(single).items():
+        torch.testing.assert_close(first["adaptive_weights"][name], weight, rtol=0, atol=1e-5)
+
+
+def test_hyfreedp_under_ddp_fits_the_learning_rate_of_one_process(components):
+    """Each rank's clipped loss sums are summed over the ranks and noised once (the Laplace noise drawn by
+    one rank): the same learning rates and weights on every rank, and those of one process."""
+    first, second = components
+    assert first["hyfreedp_lrs"] == second["hyfreedp_lrs"] and len(first["hyfreedp_lrs"]) == 2
+    for name, weight in first["hyfreedp_weights"].items():
+        assert torch.equal(weight, second["hyfreedp_weights"][name])
+    single = _private(_model(), 2.0, **HYFREEDP)
+    _train(single, STEPS, with_losses=True)
+    expected = [fit.lr_after for fit in single.auto_lr.state.history]
+    assert first["hyfreedp_lrs"] == pytest.approx(expected, rel=1e-6)
+    assert first["hyfreedp_ledger"] == single.ledger.state_dict()
+    for name, weight in _weights(single).items():
+        torch.testing.assert_close(first["hyfreedp_weights"][name], weight, rtol=0, atol=1e-5)
+
+
+def test_audit_canaries_under_ddp_are_one_set_released_once_as_in_one_process(components):
+    """The ranks share the canaries (a seeded run's stream, or rank 0's secret seed), rank 0 alone adds
+    their contributions, and the block is reduced and noised with the model's sums: every rank observes
+    the same releases, those of the one-process run with the same seed, at the same ε."""
+    first, second = components
+    for name in ("canaries", "secret canaries"):
+        assert (first[name]["included"] == second[name]["included"]).all()
+        assert all((a == b).all() for a, b in zip(first[name]["z"], second[name]["z"], strict=True))
+        assert first[name]["shift"] == second[name]["shift"] and len(first[name]["z"]) == STEPS
+    single = _private(_model(), SIGMA, audit_canaries=CANARIES)
+    _train(single, STEPS)
+    assert (first["canaries"]["included"] == single.canaries.included).all()
+    for ours, theirs in zip(first["canaries"]["z"], single.canaries.z, strict=True):
+        assert ours == pytest.approx(theirs, abs=1e-5)  # the all-reduce's rounding, in noise stds
+    assert first["canaries"]["epsilon"] == single.epsilon()
+    for name, weight in _weights(single).items():  # the model's release is untouched by the canaries
+        torch.testing.assert_close(first["canaries"]["weights"][name], weight, rtol=0, atol=1e-5)
 
 
 def test_sharded_sampler_partitions_the_one_process_batch():

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
 from tunefree.errors import PrivacyError
-from tunefree.parallel.fsdp import ShardedAccumulator
+from tunefree.parallel.fsdp import ShardSink
 from tunefree.persample.accumulator import StepAccumulator
 
 WORLD = 2
@@ -35,6 +35,9 @@ RUNS = {
     "all-layer auto-s": ({}, 16),
     "per-layer abadi": ({"groups": "per-layer", "clipping": "abadi"}, 16),
     "per-layer, tiny batches": ({"groups": "per-layer"}, 2),
+    # the counts summed over the ranks: thresholds that move, and Abadi clips at them
+    "per-layer adaptive": ({"groups": "per-layer", "clipping": "abadi",
+                            "thresholds": tunefree.AdaptiveQuantile(lr=1.0, budget=0.1)}, 16),
 }
 
 
@@ -182,7 +185,7 @@ def _streaming(rank: int) -> dict:
         engine = _private(_sharded(_wide_model(), layers=5), 0.0, groups=grouping)
         live, sent, booked = _LiveSums(), [], {}
         x, y = next(iter(engine.data_loader))
-        with _watching(ShardedAccumulator, live, sent, booked):
+        with _watching(ShardSink, live, sent, booked):
             F.cross_entropy(engine.model(x), y).backward()
             in_backward = len(sent)
             engine.optimizer.step()
@@ -204,7 +207,7 @@ def _training_scenario(rank: int) -> dict:
     noisy = _private(_sharded(_model()), SIGMA)
     out["noisy"] = _train(noisy, STEPS)
     out["shard_shapes"] = {n: tuple(p.to_local().shape) for n, p in noisy.model.named_parameters()}
-    out["bytes_per_step"] = noisy.optimizer.accumulator.bytes_per_step()
+    out["bytes_per_step"] = noisy.optimizer.accumulator.sink.bytes_per_step()
     out["grad_is_sharded"] = all(isinstance(p.grad, DTensor) and p.grad.placements == p.placements
                                  for p in noisy.model.parameters())
     # Only the first layer sharded on its own; the root holds the other two (and reshards after forward).
@@ -228,7 +231,7 @@ def _training_scenario(rank: int) -> dict:
 
 def _refusal_scenario(rank: int) -> dict:
     out: dict = {"refused": []}
-    for options in ({"thresholds": "adaptive"}, {"lr": "auto"}, {"audit_canaries": 8},
+    for options in ({"lr": tunefree.AutoLR(mode="safeguarded")}, {"lr": "auto"}, {"audit_canaries": 8},
                     {"physical_batch_size": 4}):
         try:
             _private(_sharded(_model()), SIGMA, **options)
@@ -266,7 +269,7 @@ def _refusal_scenario(rank: int) -> dict:
         """One step, its refusal, and what was sent: each reduce-scatter input, whether it held nonzeros."""
         sent = []
         x, y = next(iter(engine.data_loader))
-        with _watching(ShardedAccumulator, _LiveSums(), sent):
+        with _watching(ShardSink, _LiveSums(), sent):
             F.cross_entropy(engine.model(x), y).backward()
         before = {n: _full(p) for n, p in engine.model.named_parameters()}
         try:
@@ -473,8 +476,9 @@ def test_refusals_and_a_raw_gradient_fail_closed(tmp_path):
         assert len(rank["refused"]) == 6
         assert "'0' (Conv1d) has a layer rule that reads its parameters" in rank["refused"][4]
         assert "'1' (PReLU) has no layer rule" in rank["refused"][5]
-        for option, message in zip(("thresholds='adaptive'", "lr=AutoLR(mode='dog')", "audit_canaries",
-                                    "physical_batch_size=4"), rank["refused"]):
+        refused = ("lr=AutoLR(mode='safeguarded')", "lr=AutoLR(mode='dog')", "audit_canaries",
+                   "physical_batch_size=4")
+        for option, message in zip(refused, rank["refused"]):
             assert f"{option} is not supported with FSDP2 (fully_shard)" in message
         assert "root is not sharded by FSDP2" in rank["root not sharded"]
         assert "fully_shard(model)" in rank["root not sharded"]

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from brute_force import clipped_sum, per_example_grads
 from models import MLP, ConvNet, EmbeddingModel, FallbackNet, NormNet, SequenceLinear, TiedLM
+from support import pop_step
 
-from tunefree.clipping.functions import CLIP_FUNCTIONS, ClipFunction
+from tunefree.clipping.functions import CLIP_FUNCTIONS, clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
 from tunefree.rules import conv as conv_rule
@@ -58,12 +59,10 @@ def groups_for(model, grouping):
 
 def run_engine(model, x, y, grouping, clip, reduction, chooser=None):
     groups = groups_for(model, grouping)
-    engine = ClippingEngine(model, groups, clip, loss_reduction=reduction)
-    if chooser is not None:
-        engine.path_chooser = chooser
+    engine = ClippingEngine(model, groups, clip, loss_reduction=reduction, path_chooser=chooser)
     loss = cross_entropy(reduction)(model(x), y)
     loss.backward()
-    sums, examples, norms = engine.pop_step()
+    sums, examples, norms = pop_step(engine)
     engine.detach()
     return groups, sums, examples, norms
 
@@ -93,13 +92,13 @@ def assert_matches_brute_force(model, x, y, grouping, clip, reduction="mean", ch
 @pytest.mark.parametrize("name", MODELS)
 def test_clipped_sums_match_brute_force(name, grouping, clip):
     model, x, y = case_inputs(name)
-    assert_matches_brute_force(model, x, y, grouping, ClipFunction(clip))
+    assert_matches_brute_force(model, x, y, grouping, clip_function(clip))
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_sum_reduction(name):
     model, x, y = case_inputs(name)
-    assert_matches_brute_force(model, x, y, "per-layer", ClipFunction("abadi"), reduction="sum")
+    assert_matches_brute_force(model, x, y, "per-layer", clip_function("abadi"), reduction="sum")
 
 
 CONV_CASES = [
@@ -130,5 +129,5 @@ def test_convolutions_match_brute_force(dims, kwargs, grouping, path, native, mo
     x = torch.randn(4, *size, generator=g)
     y = torch.randint(0, 3, (4,), generator=g)
     chooser = None if path is None else PathChooser(fixed=path)
-    assert_matches_brute_force(ConvNet(dims, **kwargs), x, y, grouping, ClipFunction("auto-s"),
+    assert_matches_brute_force(ConvNet(dims, **kwargs), x, y, grouping, clip_function("auto-s"),
                                chooser=chooser)

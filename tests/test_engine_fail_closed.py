@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import MLP
+from support import captured_calls, pop_step
 from torch import nn
 
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
 from tunefree.persample.engine import ClippingEngine
@@ -16,7 +17,7 @@ from tunefree.rules.factored import FactoredGrad
 
 
 def engine_for(model, grouping="all-layer"):
-    return ClippingEngine(model, make_groups(model, grouping, 1.0), ClipFunction("auto-s"))
+    return ClippingEngine(model, make_groups(model, grouping, 1.0), clip_function("auto-s"))
 
 
 def test_batchnorm_is_refused_with_the_fix():
@@ -61,7 +62,7 @@ def test_non_finite_or_overflowing_per_sample_norm_is_an_error(value):
     x[2, 0] = value
     with pytest.raises(PrivacyError, match="NaN, infinite or beyond"):
         F.cross_entropy(model(x), torch.zeros(4, dtype=torch.long)).backward()
-    sums, examples, _ = engine.pop_step()
+    sums, examples, _ = pop_step(engine)
     assert sums == {} and examples == 0  # nothing of the tainted step is left to release
 
 
@@ -105,13 +106,13 @@ def test_evaluation_passes_store_nothing():
     engine = engine_for(model)
     with torch.no_grad():
         model(torch.randn(4, 6))
-    assert engine.captured_calls == 0
+    assert captured_calls(engine) == 0
     model.eval()
     model(torch.randn(4, 6))
-    assert engine.captured_calls == 0
+    assert captured_calls(engine) == 0
     model.train()
     model(torch.randn(4, 6))
-    assert engine.captured_calls == 2
+    assert captured_calls(engine) == 2
 
 
 def test_forward_without_backward_is_forgotten_and_stale_backward_refused():
@@ -119,7 +120,7 @@ def test_forward_without_backward_is_forgotten_and_stale_backward_refused():
     engine = engine_for(model)
     first = model(torch.randn(4, 6))
     second = model(torch.randn(4, 6))
-    assert engine.captured_calls == 2  # only the second forward is kept
+    assert captured_calls(engine) == 2  # only the second forward is kept
     with pytest.raises(PrivacyError, match="one batch per backward"):
         (first.sum() + second.sum()).backward()
 
@@ -165,12 +166,12 @@ def test_bfloat16_autocast_matches_float32():
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
 
     def clipped(use_autocast):  # a summed loss: 16-bit gradients of a mean loss are refused
-        engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"),
+        engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"),
                                 loss_reduction="sum")
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_autocast):
             loss = F.cross_entropy(model(x), y, reduction="sum")
         loss.backward()
-        sums, _, norms = engine.pop_step()
+        sums, _, norms = pop_step(engine)
         engine.detach()
         return sums, norms["all"]
 

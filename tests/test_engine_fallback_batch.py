@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from brute_force import clipped_sum, per_example_grads
+from support import pop_step
 from torch import nn
 
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
 from tunefree.persample.engine import ClippingEngine
@@ -50,11 +51,11 @@ def test_shared_table_and_causal_mask_are_not_cut_when_the_batch_has_t_examples(
     torch.manual_seed(0)
     model = Positional().double()
     x, y = torch.randn(T, T, 2, dtype=torch.float64), torch.tensor([0, 1, 2, 1])  # B == T
-    clip = ClipFunction("abadi")
+    clip = clip_function("abadi")
     groups = make_groups(model, "per-layer", 0.5)
     engine = ClippingEngine(model, groups, clip)
     loss_fn(model(x), y).backward()
-    sums, examples, _ = engine.pop_step()
+    sums, examples, _ = pop_step(engine)
     engine.detach()
     expected, _ = clipped_sum(per_example_grads(model, loss_fn, x, y), groups, clip)
     assert examples == T
@@ -77,7 +78,7 @@ class Rescaled(nn.Module):
 
 def test_an_input_not_derived_from_the_batch_that_changes_the_output_shape_is_refused():
     model = Rescaled()
-    ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"))
+    ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"))
     x = torch.randn(5, T, 2)
     with pytest.raises(PrivacyError, match=r"MaskedMixer computed an output of shape \(5, 4, 3\).*"
                                            r"gradient has shape \(1, 4, 3\).*\(5, 4, 1\)"):

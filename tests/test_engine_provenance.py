@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import MLP
+from support import pop_step
 from torch import nn
 
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.data.poisson import StepSchedule, from_loader
 from tunefree.errors import PrivacyError
@@ -17,9 +18,8 @@ from tunefree.privacy.randomness import SeededSource
 
 
 def engine_for(model, source=None):
-    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"))
-    engine.batch_source = source
-    return engine
+    return ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"),
+                          batch_source=source)
 
 
 def loss_of(model, x, y):
@@ -48,9 +48,9 @@ def test_two_forwards_of_one_batch_with_two_backwards_are_refused_without_a_load
     loss_of(model, x, y).backward()
     with pytest.raises(PrivacyError, match="second backward.*this step"):
         loss_of(model, x, y).backward()
-    assert engine.pop_step()[1] == 4
+    assert pop_step(engine)[1] == 4
     loss_of(model, x, y).backward()  # a new step books again
-    assert engine.pop_step()[1] == 4
+    assert pop_step(engine)[1] == 4
 
 
 def test_each_physical_batch_is_booked_once_and_a_step_never_exceeds_the_logical_batch():
@@ -62,7 +62,7 @@ def test_each_physical_batch_is_booked_once_and_a_step_never_exceeds_the_logical
         loss_of(model, x[rows], y[rows]).backward()
         with pytest.raises(PrivacyError, match="second backward.*this batch"):
             loss_of(model, x[rows], y[rows]).backward()  # the same micro-batch again
-    assert engine.pop_step()[1] == 7
+    assert pop_step(engine)[1] == 7
 
 
 def test_a_batch_that_is_not_the_loaders_is_refused_with_the_shapes():
@@ -76,10 +76,8 @@ def test_a_batch_that_is_not_the_loaders_is_refused_with_the_shapes():
 
 
 def engine_declaring(model, source, batch_dim):
-    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"),
-                            batch_dim=batch_dim)
-    engine.batch_source = source
-    return engine
+    return ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"),
+                          batch_dim=batch_dim, batch_source=source)
 
 
 def test_time_major_layer_is_refused_with_the_declaration_that_fixes_it():
@@ -96,7 +94,7 @@ def test_time_major_layer_is_refused_with_the_declaration_that_fixes_it():
     engine = engine_declaring(model, schedule, {"0": 1})  # what the message says: the same call is booked
     schedule.on_batch(True, True, 4)
     model(x).sum().backward()
-    assert engine.pop_step()[1] == 4
+    assert pop_step(engine)[1] == 4
 
 
 class WithPositions(nn.Module):
@@ -138,9 +136,9 @@ def test_input_gradient_books_nothing_and_training_on_the_adversarial_batch_is_e
     x, y = data()
     x_adv = fgsm(model, x, y)  # no no_capture: a backward w.r.t. inputs does not reach parameters
     loss_of(model, x_adv, y).backward()
-    sums, examples, _ = engine.pop_step()
+    sums, examples, _ = pop_step(engine)
     loss_of(model, x_adv, y).backward()
-    reference, reference_examples, _ = engine.pop_step()
+    reference, reference_examples, _ = pop_step(engine)
     assert examples == reference_examples == 4
     for p in sums:
         torch.testing.assert_close(sums[p], reference[p])
@@ -159,7 +157,7 @@ def test_adversarial_training_through_no_capture_books_the_batch_once(attack_ste
             loss_of(model, x_adv, y).backward(inputs=[x_adv])
             x_adv = (x_adv + 0.05 * x_adv.grad.sign()).detach()
     loss_of(model, x_adv, y).backward()
-    sums, examples, _ = engine.pop_step()
+    sums, examples, _ = pop_step(engine)
     assert examples == 4 and all(p.grad is None for p in model.parameters())
     assert sums and all(torch.isfinite(s).all() for s in sums.values())
 

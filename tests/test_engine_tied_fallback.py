@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from brute_force import clipped_sum, per_example_grads
+from support import pop_step
 from torch import nn
 
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
 from tunefree.persample.engine import ClippingEngine
@@ -63,10 +64,10 @@ def assert_tok_and_gain_match_brute_force(model):
     """One step of four examples: the clipped sums of ``tok.weight`` and ``gain`` equal a batch-size-1
     autograd loop (Abadi clipping)."""
     ids, y = torch.randint(0, 9, (4, 5)), torch.tensor([1, 2, 3, 0])
-    clip = ClipFunction("abadi")
+    clip = clip_function("abadi")
     engine, groups = engine_for(model, clip)
     F.cross_entropy(model(ids), y).backward()
-    sums, examples, _ = engine.pop_step()
+    sums, examples, _ = pop_step(engine)
     engine.detach()
     expected, _ = clipped_sum(per_example_grads(model, F.cross_entropy, ids, y), groups, clip)
     assert examples == 4
@@ -76,7 +77,7 @@ def assert_tok_and_gain_match_brute_force(model):
 
 def test_a_tied_head_read_inside_a_fallback_unit_is_refused_with_the_fix():
     model = TiedByRead()
-    engine_for(model, ClipFunction("abadi"))
+    engine_for(model, clip_function("abadi"))
     ids = torch.randint(0, 9, (3, 5))
     with pytest.raises(PrivacyError, match="'tok.weight'.*outside the forward.*nn.Linear sharing the weight"):
         F.cross_entropy(model(ids), torch.tensor([1, 2, 3])).backward()
@@ -92,7 +93,7 @@ def test_the_suggested_tied_module_inside_a_fallback_unit_matches_brute_force():
 
 def test_a_tied_weight_read_before_its_module_runs_is_refused_at_the_forward():
     model = TiedReadFirst()
-    engine_for(model, ClipFunction("abadi"))
+    engine_for(model, clip_function("abadi"))
     with pytest.raises(PrivacyError, match="'tok.weight'.*outside the forward.*nn.Linear sharing the weight"):
         model(torch.randint(0, 9, (3, 5)))
 

@@ -7,14 +7,14 @@ import torch
 from models import MLP
 from torch import nn
 
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
 from tunefree.persample.engine import ClippingEngine
 
 
 def engine_for(model):
-    return ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"))
+    return ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"))
 
 
 def test_freezing_a_parameter_after_the_engine_is_refused_at_the_next_forward():

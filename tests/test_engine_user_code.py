@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from brute_force import clipped_sum, per_example_grads
+from support import pop_step
 from torch import nn
 
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
 from tunefree.persample.engine import ClippingEngine
@@ -23,11 +24,11 @@ def test_user_forward_hook_registered_before_the_engine_is_exact():
     model[0].register_forward_hook(lambda mod, args, out: out * 2.0 + 0.5)
     reference = copy.deepcopy(model)
     x, y = torch.randn(5, 4, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1])
-    clip = ClipFunction("abadi")
+    clip = clip_function("abadi")
     groups = make_groups(model, "all-layer", 0.1)
     engine = ClippingEngine(model, groups, clip)
     F.cross_entropy(model(x), y).backward()
-    sums, examples, norms = engine.pop_step()
+    sums, examples, norms = pop_step(engine)
     engine.detach()
     assert examples == 5
     per_example = per_example_grads(reference, F.cross_entropy, x, y)
@@ -45,12 +46,12 @@ def test_compiled_model_is_refused_at_construction(where):
     else:
         model[0] = torch.compile(model[0])
     with pytest.raises(PrivacyError, match="torch.compile before make_private"):
-        ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"))
+        ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"))
 
 
 def test_double_backward_is_refused_with_a_true_message():
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"))
+    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"))
     x = torch.randn(5, 4, requires_grad=True)
     loss = F.cross_entropy(model(x), torch.tensor([0, 1, 1, 0, 1]))
     with pytest.raises(PrivacyError, match="create_graph=True.*gradient penalty"):

@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_exact import assert_exact
+from support import pop_step
 from torch import nn
 
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.data.poisson import StepSchedule
 from tunefree.errors import PrivacyError
@@ -55,13 +56,13 @@ def test_shared_position_ids_are_exact(source, grouping):
 def test_a_batch_of_one_and_an_empty_batch_need_no_expansion():
     model = Positions("buffer")
     schedule = StepSchedule()
-    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"))
-    engine.batch_source = schedule
+    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"),
+                            batch_source=schedule)
     for examples in (1, 0):
         schedule.on_batch(True, True, examples)
         loss(model, {"ids": torch.randint(0, 9, (examples, 5)), "y": torch.zeros(examples, dtype=torch.long)}
              ).sum().backward()
-        assert engine.pop_step()[1] == examples
+        assert pop_step(engine)[1] == examples
         schedule.on_step()
 
 
@@ -79,7 +80,7 @@ class FirstExampleBroadcast(nn.Module):
 
 def test_a_one_row_input_holding_an_examples_data_is_refused_by_the_independence_check():
     model = FirstExampleBroadcast()
-    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"))
+    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"))
     ids = torch.randint(0, 9, (4, 5))
     with pytest.raises(PrivacyError, match="'pos' mixes examples in its forward"):
         verify_example_independence(model, engine, (ids,))
@@ -96,6 +97,6 @@ def test_a_one_row_input_computed_with_gradients_is_still_refused():
             return self.second(h.mean(0, keepdim=True)) + 0 * h[:, :2]
 
     wrapper = Mean()
-    ClippingEngine(wrapper, make_groups(wrapper, "all-layer", 1.0), ClipFunction("auto-s"))
+    ClippingEngine(wrapper, make_groups(wrapper, "all-layer", 1.0), clip_function("auto-s"))
     with pytest.raises(PrivacyError, match="layer 'second'.*shows 1 examples"):
         wrapper(torch.randn(4, 3)).sum().backward()

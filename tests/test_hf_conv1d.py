@@ -13,7 +13,7 @@ from hf_exact import assert_exact
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
 from tunefree.rules import rule_for
@@ -57,7 +57,7 @@ def test_conv1d_matches_brute_force(shape, d_out, grouping):
 def test_gpt2_runs_without_the_generic_fallback():
     config = hf.GPT2Config(vocab_size=20, n_embd=8, n_layer=1, n_head=2, n_positions=8)
     model = hf.GPT2LMHeadModel(config).train()
-    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"))
+    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"))
     assert [u.name for u in engine.units if u.rule is None] == []
     assert {type(u.rule) for u in engine.units if isinstance(u.module, Conv1D)} == {HFConv1DRule}
 

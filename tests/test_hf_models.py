@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import transformers as hf
 from hf_exact import assert_exact
 
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
 from tunefree.persample.engine import ClippingEngine
@@ -122,7 +122,7 @@ def test_bart_decoder_inputs_built_inside_the_model_are_refused_with_the_fix():
     """From ``labels`` alone BART builds its decoder inputs anew: the engine cannot prove they are the
     batch's, and its fallback for BartScaledWordEmbedding refuses rather than guess."""
     model = hf.BartForConditionalGeneration(bart_config()).train()
-    ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"))
+    ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"))
     batch = seq2seq_batch()
     with pytest.raises(PrivacyError, match="BartScaledWordEmbedding.*derived from the batch"):
         model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -137,7 +137,7 @@ def t5_model():
 
 def test_t5_relative_attention_bias_is_refused_and_exact_when_frozen():
     model = t5_model()
-    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"))
+    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"))
     batch = seq2seq_batch()
     with pytest.raises(PrivacyError, match="relative_attention_bias.*shows 4 examples"):
         seq2seq_loss(model, batch).sum().backward()

@@ -7,9 +7,10 @@ import peft
 import pytest
 import transformers as hf
 from hf_exact import assert_exact
+from support import pop_step
 from test_hf_models import ENCODER, V, causal_lm_loss, classification_loss, text_batch, with_labels
 
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
 from tunefree.persample.independence import verify_example_independence
@@ -53,7 +54,7 @@ def test_lora_adapters_only_are_trainable_and_go_through_the_linear_rule(name):
     model = build().train()
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n or "modules_to_save" in n for n in trainable)
-    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"))
+    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"))
     assert all(isinstance(u.rule, LinearRule) for u in engine.units), \
         [u.name for u in engine.units if not isinstance(u.rule, LinearRule)]
 
@@ -74,10 +75,10 @@ def test_lora_is_exact(name, grouping):
 def test_lora_dropout_passes_the_independence_check_and_writes_no_ordinary_gradient():
     model = peft.get_peft_model(gpt2(), peft.LoraConfig(r=2, target_modules=["c_attn"], lora_dropout=0.5,
                                                         fan_in_fan_out=True, init_lora_weights=False)).train()
-    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("auto-s"))
+    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"))
     batch = text_batch()
     causal_lm_loss(model, batch).mean().backward()
-    sums, examples, norms = engine.pop_step()
+    sums, examples, norms = pop_step(engine)
     verify_example_independence(model, engine, (), batch)
     assert examples == 3 and norms["all"].gt(0).all() and len(sums) == 4
     assert all(p.grad is None for p in model.parameters())

@@ -15,7 +15,7 @@ from hf_exact import per_example_grads
 from test_hf_models import ENCODER, V
 
 import tunefree
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.integrations.hf_trainer import PrivateTrainer, default_example_loss
 
@@ -115,7 +115,7 @@ def test_one_step_at_sigma_zero_is_the_brute_force_clipped_sum_over_the_expected
         return default_example_loss(m, example)
 
     groups = make_groups(reference, "all-layer", 1.0)
-    expected, _ = clipped_sum(per_example_grads(reference, loss_fn, batch), groups, ClipFunction("auto-s"))
+    expected, _ = clipped_sum(per_example_grads(reference, loss_fn, batch), groups, clip_function("auto-s"))
     names = {p: n for n, p in reference.named_parameters()}
     for p, total in expected.items():
         update = dict(model.named_parameters())[names[p]].detach() - before[names[p]]

@@ -3,7 +3,7 @@ import torch
 from mixing_models import CenterMix, FunctionMix, TimeMajorLinear, fallback_mix, hook_mix
 from torch import nn
 
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
 from tunefree.persample.engine import ClippingEngine
@@ -11,7 +11,7 @@ from tunefree.persample.independence import verify_example_independence
 
 
 def engine_for(model):
-    return ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("abadi"), "sum")
+    return ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("abadi"), "sum")
 
 
 @pytest.mark.parametrize(("model", "shape"), [(CenterMix(), (4, 3)), (TimeMajorLinear(), (4, 4, 3))])

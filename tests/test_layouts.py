@@ -11,11 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from support import pop_step
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
 from tunefree.persample.independence import verify_example_independence
@@ -45,7 +46,7 @@ def brute_force_update(model, examples, loss_fn):
     for example in examples:
         grads = torch.autograd.grad(loss_fn(model, *example), list(model.parameters()))
         norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
-        weight = ClipFunction("abadi").weights(norm.reshape(1), R)[0]
+        weight = clip_function("abadi").weights(norm.reshape(1), R)[0]
         for n, g in zip(names, grads):
             total[n] += weight * g
     return total
@@ -161,7 +162,7 @@ def test_declaring_a_dimension_a_layer_type_fixes_otherwise_is_refused(layer, de
     model = nn.ModuleDict({"layer": layer})
     message = f"batch_dim declares dimension {declared} for 'layer'.*drop the entry"
     with pytest.raises(ValueError, match=message):
-        ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("abadi"), "sum",
+        ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("abadi"), "sum",
                        batch_dim={"layer": declared})
 
 
@@ -196,7 +197,7 @@ class Picky(nn.Module):
 @pytest.mark.parametrize("error", [AssertionError, KeyError, TypeError])
 def test_any_exception_of_the_fallback_is_refused_with_the_layer_and_its_cause(error):
     model = nn.Sequential(nn.Linear(3, 3), Picky(error))
-    ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("abadi"), "sum")
+    ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("abadi"), "sum")
     with pytest.raises(tunefree.PrivacyError, match=r"layer '1' \(Picky\) has no layer rule.*"
                                                     rf"{error.__name__}.*expected a batch of 4") as refused:
         model(torch.randn(4, 3)).sum().backward()
@@ -217,7 +218,7 @@ class WrongLayout(nn.Module):
 
 def test_independence_check_names_the_layer_and_the_dimension():
     model = WrongLayout()
-    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("abadi"), "sum")
+    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("abadi"), "sum")
     message = (r"module 'lstm' mixes examples in its forward.*input 0 \(shape \(4, 4, 3\), read with its "
                r"examples in dimension 0\).*changed only row \d of dimension 1.*batch_first=False")
     with pytest.raises(tunefree.PrivacyError, match=message):
@@ -226,7 +227,7 @@ def test_independence_check_names_the_layer_and_the_dimension():
 
 def test_independence_check_reads_initial_states_in_dimension_1():
     model = WithInitialState()
-    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("abadi"), "sum")
+    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("abadi"), "sum")
     verify_example_independence(model, engine, (torch.randn(5, 4, 3), torch.randn(5, 2, 4)), {})
 
 
@@ -242,7 +243,7 @@ class BatchFirstLinear(nn.Module):
 def test_a_wrong_declaration_is_refused_never_trusted():
     """Declaring time-major for a batch-first layer: by the count when T ≠ B, by the check when T == B."""
     def declared_engine(model):
-        return ClippingEngine(model, make_groups(model, "all-layer", 1.0), ClipFunction("abadi"), "sum",
+        return ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("abadi"), "sum",
                               batch_dim={"fc": 1})
     model = BatchFirstLinear()
     engine = declared_engine(model)
@@ -253,7 +254,7 @@ def test_a_wrong_declaration_is_refused_never_trusted():
     engine = declared_engine(model)
     x = torch.randn(4, 4, 3)  # T == B: the counts agree, the examples do not
     model(x).sum().backward()
-    engine.pop_step()
+    pop_step(engine)
     message = (r"module 'fc' mixes examples in its forward.*dimension 1\).*changed only row \d of "
                r"dimension 0.*batch_dim=\{'fc': 0\}")
     with pytest.raises(tunefree.PrivacyError, match=message):

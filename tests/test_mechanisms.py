@@ -24,12 +24,17 @@ def test_no_noise_is_drawn_outside_the_mechanisms():
 
 
 def test_count_noise_has_the_stated_scale_and_event():
-    draws, std = 20000, 3.0
+    draws, multiplier = 20000, 3.0
     counts = torch.zeros(4, dtype=torch.float64)
-    samples = torch.stack([release_counts(counts, std, SeededSource(1 + i))[0] for i in range(draws // 4)])
+    std = multiplier * math.sqrt(4) / 2  # the joint release of 4 counts has sensitivity √4/2
+    samples = torch.stack([release_counts(counts, multiplier, SeededSource(1 + i))[0]
+                           for i in range(draws // 4)])
     assert abs(float(samples.std()) / std - 1) < 0.02
-    _, event = release_counts(counts, std, SeededSource(0))
-    assert event == dpa.GaussianDpEvent(2 * std / math.sqrt(4))
+    _, event = release_counts(counts, multiplier, SeededSource(0))
+    assert event == dpa.GaussianDpEvent(multiplier)
+    one = torch.stack([release_counts(counts[:1], multiplier, SeededSource(i), joint=4)[0]
+                       for i in range(draws)])
+    assert abs(float(one.std()) / std - 1) < 0.02  # one count of a joint release of 4: the same noise
 
 
 def test_gaussian_loss_noise_has_the_stated_scale():

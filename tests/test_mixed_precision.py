@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 from brute_force import clipped_sum, per_example_grads
 from models import FallbackNet
+from support import pop_step
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
 
@@ -76,20 +77,20 @@ def test_bf16_autocast_norms_and_clipped_sums_match_brute_force_in_the_same_auto
     reference = copy.deepcopy(model)
     ids, y = token_batch()
     groups = make_groups(model, "per-param", 1.0)
-    engine = ClippingEngine(model, groups, ClipFunction(clip), loss_reduction="sum")
+    engine = ClippingEngine(model, groups, clip_function(clip), loss_reduction="sum")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(ids)
         assert logits.dtype == torch.bfloat16
         loss = F.cross_entropy(logits, y, reduction="sum")
     loss.backward()
-    sums, examples, norms = engine.pop_step()
+    sums, examples, norms = pop_step(engine)
     assert examples == len(y)
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         grads = per_example_grads(reference, F.cross_entropy, ids, y)
     by_name = dict(zip([n for n, _ in reference.named_parameters()], reference.parameters()))
     ref_groups = make_groups(reference, "per-param", 1.0)
-    expected_sums, expected_norms = clipped_sum(grads, ref_groups, ClipFunction(clip))
+    expected_sums, expected_norms = clipped_sum(grads, ref_groups, clip_function(clip))
     for group in groups:
         torch.testing.assert_close(norms[group.name].double(), expected_norms[group.name],
                                    rtol=4 * BF16_EPS, atol=1e-6)
@@ -109,14 +110,14 @@ def test_generic_fallback_replays_the_autocast_of_the_forward(dtype):
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(5, 3, 3, generator=g), torch.randint(0, 3, (5,), generator=g)
     groups = make_groups(model, "per-layer", 1.0)
-    engine = ClippingEngine(model, groups, ClipFunction("auto-s"), loss_reduction="sum")
+    engine = ClippingEngine(model, groups, clip_function("auto-s"), loss_reduction="sum")
     with torch.autocast("cpu", dtype=dtype):
         loss = F.cross_entropy(model(x), y, reduction="sum")
     loss.backward()
-    _, _, norms = engine.pop_step()
+    _, _, norms = pop_step(engine)
     with torch.autocast("cpu", dtype=dtype):
         grads = per_example_grads(reference, F.cross_entropy, x, y)
-    _, expected = clipped_sum(grads, make_groups(reference, "per-layer", 1.0), ClipFunction("auto-s"))
+    _, expected = clipped_sum(grads, make_groups(reference, "per-layer", 1.0), clip_function("auto-s"))
     eps = BF16_EPS if dtype == torch.bfloat16 else FP16_EPS
     for group in groups:
         torch.testing.assert_close(norms[group.name].double(), expected[group.name], rtol=4 * eps, atol=1e-6)
@@ -129,11 +130,11 @@ def test_autocast_clipped_contributions_respect_the_bound():
     model = TokenNet()
     ids, y = token_batch()
     groups = make_groups(model, "per-layer", 1e-3)
-    engine = ClippingEngine(model, groups, ClipFunction("abadi"), loss_reduction="sum")
+    engine = ClippingEngine(model, groups, clip_function("abadi"), loss_reduction="sum")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = F.cross_entropy(model(ids), y, reduction="sum")
     loss.backward()
-    sums, _, norms = engine.pop_step()
+    sums, _, norms = pop_step(engine)
     for group in groups:
         total = torch.sqrt(sum((sums[p].double() ** 2).sum() for p in group.params))
         assert (norms[group.name] > group.threshold).all()
@@ -345,11 +346,11 @@ def test_full_bf16_parameters_train_in_bf16_with_float32_release():
     x, y = dense_data(6)
     x = x.to(torch.bfloat16)
     groups = make_groups(model, "per-layer", 1.0)
-    engine = ClippingEngine(model, groups, ClipFunction("auto-s"), loss_reduction="sum")
+    engine = ClippingEngine(model, groups, clip_function("auto-s"), loss_reduction="sum")
     F.cross_entropy(model(x), y, reduction="sum").backward()
-    sums, _, norms = engine.pop_step()
+    sums, _, norms = pop_step(engine)
     grads = per_example_grads(reference, F.cross_entropy, x, y)
-    _, expected_norms = clipped_sum(grads, make_groups(reference, "per-layer", 1.0), ClipFunction("auto-s"))
+    _, expected_norms = clipped_sum(grads, make_groups(reference, "per-layer", 1.0), clip_function("auto-s"))
     for group in groups:
         torch.testing.assert_close(norms[group.name].double(), expected_norms[group.name],
                                    rtol=4 * BF16_EPS, atol=1e-6)

@@ -29,7 +29,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
 from tunefree.rules import conv as conv_rule
-from tunefree.rules.paths import PathChooser
 
 _CONVOLUTIONS = {torch.ops.aten.convolution: 8, torch.ops.aten.convolution_backward: 9}
 
@@ -120,9 +119,7 @@ def _private_step(name: str, batch: int, groups: str, path: str | None):
     with pytest.warns(UserWarning, match="not Poisson-sampled"):
         engine = tunefree.make_private(model, optimizer, DataLoader(TensorDataset(x, y), batch_size=batch),
                                        noise_multiplier=1.0, target_delta=1e-3, groups=groups, seed=0,
-                                       poisson_sampling=False)
-    if path is not None:
-        engine.clipping_engine.path_chooser = PathChooser(fixed=path)
+                                       poisson_sampling=False, norm_path="auto" if path is None else path)
 
     def step():
         engine.optimizer.zero_grad()

@@ -53,10 +53,9 @@ def step(engine, with_losses=False):
 def _full_run():
     """A run whose step has every part: both components (adaptive thresholds, lr='auto'). σ = 0 spares
     the budget split's calibration; the releases and their ledger records are those of any σ."""
-    engine = private(thresholds="adaptive", lr=tunefree.AutoLR(mode="safeguarded"), steps=8,
-                     noise_multiplier=0.0)
-    engine.optimizer.verify_every = 1  # the independence check runs on the failing step too
-    return engine
+    # verify_every=1: the independence check runs on the failing step too
+    return private(thresholds="adaptive", lr=tunefree.AutoLR(mode="safeguarded"), steps=8,
+                   noise_multiplier=0.0, verify_every=1)
 
 
 def _component(engine, kind):
@@ -74,7 +73,7 @@ INJECTION_POINTS = {  # where step() calls out, and whether that point comes bef
     "thresholds after_update": (lambda e: (_component(e, "QuantileEstimator"), "after_update"), False),
     "auto lr after_update": (lambda e: (_component(e, "AutoLearningRate"), "after_update"), False),
     "ledger amendment": (lambda e: (e.ledger, "amend_last_step"), False),
-    "engine thresholds": (lambda e: (e.clipping_engine, "set_thresholds"), False),
+    "engine thresholds": (lambda e: (e.clipping_engine, "begin_step"), False),
 }
 
 

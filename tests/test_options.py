@@ -1,15 +1,33 @@
-"""Typed options of make_private: refusals, shortcuts equal to typed forms, defaults, the clip registry."""
+"""The run's settings (RunConfig): refusals, shortcuts equal to typed forms, defaults, legacy keywords through
+one deprecation table, make_private's signature against the config's fields, the clip registry."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
+import warnings
 
 import pytest
 import torch
 
-from tunefree.clipping.functions import CLIP_FUNCTIONS, ClipFunction, register_clip_function
-from tunefree.components.thresholds import QuantileSettings
-from tunefree.config import PSAC, Abadi, AdaptiveQuantile, AutoLR, AutoS, AutoV, Fixed, resolve_options
+import tunefree
+from tunefree.clipping.functions import CLIP_FUNCTIONS, register_clip_function
+from tunefree.config import (
+    LEGACY_KEYWORDS,
+    PSAC,
+    Abadi,
+    AdaptiveQuantile,
+    AutoLR,
+    AutoS,
+    AutoV,
+    DoG,
+    Fixed,
+    HyFreeDP,
+    Performance,
+    RunConfig,
+    resolve_options,
+)
 
 BASE = {"target_delta": 1e-5, "noise_multiplier": 1.0}
 
@@ -20,14 +38,15 @@ def resolve(**kwargs):
 
 def test_defaults_unchanged():
     options = resolve()
-    assert options.clip == ClipFunction("auto-s", gamma=0.01)
-    assert options.quantile is None and options.auto_lr is None
-    assert options.physical_batch_size is None and options.poisson_sampling
+    assert options.clipping == AutoS(gamma=0.01)
+    assert options.thresholds == Fixed() and options.lr is None
+    assert options.performance == Performance() and options.poisson_sampling
     assert (options.groups, options.max_grad_norm, options.accountant) == ("all-layer", 1.0, "pld")
-    assert resolve(thresholds="adaptive").quantile == QuantileSettings(0.5, 0.3, 0.01)
-    assert resolve(lr="auto").auto_lr == AutoLR() and AutoLR().mode == "dog"
+    assert resolve(thresholds="adaptive").thresholds == AdaptiveQuantile(0.5, 0.3, 0.01)
+    assert resolve(lr="auto").lr == AutoLR() == DoG() and AutoLR().mode == "dog"
     assert AutoLR().noise_budget == 4.0 and AutoLR().initial_distance == 0.1
-    assert resolve(clipping="psac").clip == ClipFunction("psac", r=0.1)
+    assert AutoLR(mode="paper", interval=3) == HyFreeDP(interval=3, mode="paper")
+    assert resolve(clipping="psac").clipping == PSAC(r=0.1)
 
 
 @pytest.mark.parametrize("legacy, typed", [
@@ -41,7 +60,9 @@ def test_defaults_unchanged():
     ({"max_physical_batch_size": 8}, {"physical_batch_size": 8}),
 ])
 def test_shortcut_equals_typed_form(legacy, typed):
-    assert resolve(**legacy) == resolve(**typed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert resolve(**legacy) == resolve(**typed)
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
@@ -72,8 +93,10 @@ def test_shortcut_equals_typed_form(legacy, typed):
     ({"secure_rng": 1}, TypeError, "secure_rng"),
 ])
 def test_invalid_or_irrelevant_options_are_refused(kwargs, error, words):
-    with pytest.raises(error, match=words):
-        resolve(**kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(error, match=words):
+            resolve(**kwargs)
 
 
 @pytest.mark.parametrize("fields, error, words", [
@@ -117,9 +140,9 @@ def test_registered_clip_function_is_usable_by_name():
 
     try:
         options = resolve(clipping="half")
-        assert options.clip.name == "half"
+        assert options.clipping.name == "half" and options.clipping.describe() == {"name": "half"}
         norms = torch.tensor([0.5, 2.0])
-        torch.testing.assert_close(options.clip.weights(norms, 1.0),
+        torch.testing.assert_close(options.clipping.weights(norms, 1.0),
                                    torch.tensor([1.0, 0.25], dtype=torch.float64))
         with pytest.raises(ValueError, match="already registered"):
             register_clip_function("half")(half)
@@ -150,3 +173,51 @@ def test_registered_grouping_is_usable_by_name():
         del GROUPINGS["weights-apart"]
     with pytest.raises(ValueError, match="unknown groups"):
         resolve(groups="weights-apart")
+
+
+def test_make_private_keywords_are_the_config_fields_plus_the_legacy_table():
+    """make_private keeps its explicit signature; RunConfig defines each setting once. They cannot drift:
+    every keyword is a field of RunConfig (or of its Performance block) or a legacy name of the one
+    deprecation table, and every field is a keyword."""
+    parameters = inspect.signature(tunefree.make_private).parameters
+    keywords = set(parameters) - {"model", "optimizer", "data_loader"}
+    config = {f.name for f in dataclasses.fields(RunConfig)} - {"performance"}
+    performance = {f.name for f in dataclasses.fields(Performance)}
+    assert keywords == config | performance | set(LEGACY_KEYWORDS)
+    assert not (config | performance) & set(LEGACY_KEYWORDS)
+    defaults = {name: p.default for name, p in parameters.items()}
+    given = {name: defaults[name] for name in (config | performance) - {"target_delta", "noise_multiplier"}}
+    # make_private's defaults (strings where there is a shortcut) are RunConfig's
+    assert RunConfig.from_keywords(target_delta=1e-5, noise_multiplier=1.0, **given) == \
+        RunConfig(target_delta=1e-5, noise_multiplier=1.0)
+    assert all(defaults[name] is None for name in LEGACY_KEYWORDS)  # given or not, never a default
+
+
+@pytest.mark.parametrize("legacy, value", [("clip_gamma", 0.2), ("psac_r", 0.3), ("target_quantile", 0.6),
+                                           ("quantile_lr", 0.2), ("quantile_budget", 0.05),
+                                           ("max_physical_batch_size", 4), ("secure_rng", True)])
+def test_each_legacy_keyword_warns_with_its_replacement(legacy, value):
+    option, shortcut, field = LEGACY_KEYWORDS[legacy]
+    needs = {option: shortcut} if shortcut else {}
+    with pytest.warns(DeprecationWarning, match=rf"{legacy}=\.\.\.\) is deprecated") as caught:
+        resolve(**needs, **{legacy: value})
+    replacement = str(caught[0].message)
+    assert (field or option or "default") in replacement
+    assert caught[0].filename == __file__  # points at the caller
+
+
+def test_the_typed_options_alone_never_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resolve(clipping=PSAC(0.3), thresholds=AdaptiveQuantile(target=0.6), physical_batch_size=4,
+                lr=AutoLR(mode="paper"), verify_every=3, norm_path="formula")
+
+
+def test_performance_knobs_are_validated_once_and_apart_from_the_privacy_settings():
+    with pytest.raises(ValueError, match="norm_path"):
+        resolve(norm_path="fastest")
+    with pytest.raises(ValueError, match="verify_every"):
+        resolve(verify_every=0)
+    config = resolve(physical_batch_size=4, verify_every=2)
+    assert config.performance == Performance(physical_batch_size=4, verify_every=2)
+    assert "performance" not in config.identity()  # speed knobs are not part of the run's identity

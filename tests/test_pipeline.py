@@ -301,7 +301,7 @@ def test_an_adaptive_stage_checkpoint_restores_every_stage_threshold():
     """The noise of a stage depends on all stages' thresholds: a resumed stage must not fall back to
     the initial ones (too little noise where another stage's threshold grew)."""
     from tunefree.clipping.groups import ClipGroup
-    from tunefree.components.thresholds import QuantileSettings
+    from tunefree.components.thresholds import AdaptiveQuantile
     from tunefree.pipeline import StageLayout, StageQuantileEstimator, StageRelease
     from tunefree.privacy.randomness import SecretSource
 
@@ -310,7 +310,7 @@ def test_an_adaptive_stage_checkpoint_restores_every_stage_threshold():
         group = ClipGroup("stage0", ["weight", "bias"], list(module.parameters()), R[0])
         layout = StageLayout(0, STAGES, R, (10, 7))
         release = StageRelease([group], SIGMA, SecretSource(), "global", layout)
-        return StageQuantileEstimator(group, QuantileSettings(), 2.0, SecretSource(), 16.0, release, None)
+        return StageQuantileEstimator(group, AdaptiveQuantile(), 2.0, SecretSource(), 16.0, release, None)
 
     saved = stage_parts()
     saved.quantiles["stage0"], saved.estimates = 0.5, [0.5, 3.0]

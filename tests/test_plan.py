@@ -6,13 +6,15 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
+import dp_accounting as dpa
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tunefree import AutoLR, make_private
+from tunefree import AdaptiveQuantile, AutoLR, make_private
+from tunefree.privacy.ledger import to_dict
 from tunefree.privacy.plan import CountShare, LossShare, Plan, data_digest
 
 
@@ -48,9 +50,9 @@ def train(engine, steps: int) -> None:
 
 COMPONENTS = {
     "fixed thresholds, fixed lr": {},
-    "adaptive thresholds, fixed lr": {"counts": CountShare(0.1, 3)},
-    "fixed thresholds, lr=auto": {"losses": LossShare(4)},
-    "adaptive thresholds, lr=auto": {"counts": CountShare(0.1, 3), "losses": LossShare(4, "laplace")},
+    "adaptive thresholds, fixed lr": {"shares": (CountShare(0.1, 3),)},
+    "fixed thresholds, HyFreeDP": {"shares": (LossShare(4),)},
+    "adaptive thresholds, HyFreeDP": {"shares": (CountShare(0.1, 3), LossShare(4, "laplace"))},
 }
 
 
@@ -58,21 +60,22 @@ COMPONENTS = {
 def test_solved_plan_spends_the_target_within_one_percent_never_above(components):
     plan = Plan(sample_rate=0.05, steps=30, num_examples=1000, delta=1e-5, **components).solve(2.0)
     assert plan.noise_multiplier > 0
-    assert (plan.loss_noise > 0) == ("losses" in components)
+    assert (plan.loss_noise > 0) == any(isinstance(s, LossShare) for s in components.get("shares", ()))
     assert 0.99 * 2.0 <= plan.epsilon() <= 2.0
 
 
 def test_combined_plan_does_not_depend_on_the_order_its_components_are_declared_in():
     base = Plan(sample_rate=0.05, steps=30, num_examples=1000, delta=1e-5, accountant="rdp")
     counts, losses = CountShare(0.1, 3), LossShare(4)
-    first = replace(replace(base, counts=counts), losses=losses).solve(2.0)
-    second = replace(replace(base, losses=losses), counts=counts).solve(2.0)
-    assert first == second
+    first = replace(base, shares=(counts, losses)).solve(2.0)
+    second = replace(base, shares=(losses, counts)).solve(2.0)
+    assert first.noise_multiplier == second.noise_multiplier and first.loss_noise == second.loss_noise
+    assert first.step_releases(1) == second.step_releases(1) and first.event() == second.event()
     # the count share stays inside the gradient's step, at γσ jointly (Proposition 3.1)
     joint = (first.gradient_noise ** -2 + first.count_noise ** -2) ** -0.5
     assert joint == pytest.approx(1.01 * first.noise_multiplier, rel=1e-12)
     # σ is that of the run without the loss share; the losses take their share of the same target
-    assert first.noise_multiplier == replace(base, counts=counts).solve(2.0).noise_multiplier
+    assert first.noise_multiplier == replace(base, shares=(counts,)).solve(2.0).noise_multiplier
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"thresholds": "adaptive", "groups": "per-layer",
@@ -94,16 +97,57 @@ def test_recorded_ledger_spends_what_the_plan_said(kwargs):
         assert engine.epsilon() == pytest.approx(plan.epsilon(step), rel=1e-9)
 
 
+THRESHOLD_RULES = {"fixed": "fixed", "adaptive": AdaptiveQuantile(budget=0.1)}
+LR_RULES = {"optimizer's lr": None, "DoG": AutoLR(), "HyFreeDP": AutoLR(mode="safeguarded", interval=2),
+            "HyFreeDP differences": AutoLR(mode="paper", interval=3, probes="differences",
+                                           loss_privacy="laplace")}
+
+
+@pytest.mark.parametrize("lr", LR_RULES)
+@pytest.mark.parametrize("thresholds", THRESHOLD_RULES)
+def test_every_component_records_exactly_the_releases_its_share_planned(thresholds, lr):
+    """Whatever the components, each step's record in the ledger is the plan's step releases: the events
+    the mechanisms returned are those the plan was solved on (no component releases what its share does
+    not declare, or declares what it does not release)."""
+    engine = engine_for(dataset(), thresholds=THRESHOLD_RULES[thresholds], lr=LR_RULES[lr], steps=5,
+                        groups="per-layer", noise_multiplier=2.0)  # σ = 2: a quick loss-noise solve
+    plan = engine.plan
+    train(engine, 5)
+    recorded = [event for event, count in engine.ledger.state_dict()["runs"] for _ in range(count)]
+    planned = [to_dict(dpa.PoissonSampledDpEvent(plan.sample_rate, joint(plan.step_releases(t))))
+               for t in range(1, 6)]
+    assert recorded == planned
+    declared = {type(share).__name__ for share in plan.shares}
+    assert declared == {name for name, used in (("CountShare", thresholds == "adaptive"),
+                                                ("LossShare", lr.startswith("HyFreeDP"))) if used}
+    assert engine.epsilon() == pytest.approx(plan.epsilon(), rel=1e-9)
+
+
+def test_canaries_release_nothing_the_plan_does_not_hold():
+    engine = engine_for(dataset(), audit_canaries=4, steps=3)
+    train(engine, 3)
+    recorded = [event for event, count in engine.ledger.state_dict()["runs"] for _ in range(count)]
+    assert recorded == [to_dict(dpa.PoissonSampledDpEvent(engine.plan.sample_rate,
+                                                          joint(engine.plan.step_releases(t))))
+                        for t in range(1, 4)]
+
+
+def joint(releases):
+    return releases[0] if len(releases) == 1 else dpa.ComposedDpEvent(releases)
+
+
 # ----------------------------------------------------------------------------- identity
 @pytest.mark.parametrize("change,named", [
     ({"sample_rate": 0.06}, "sample_rate"), ({"steps": 31}, "steps"),
     ({"num_examples": 1001}, "num_examples"), ({"noise_multiplier": 1.2}, "noise_multiplier"),
-    ({"counts": CountShare(0.2, 3)}, "counts"), ({"losses": LossShare(5)}, "losses"),
-    ({"loss_noise": 3.0}, "loss_noise"), ({"settings": {"clipping": "abadi"}}, "settings.clipping"),
+    ({"shares": (CountShare(0.2, 3), LossShare(4, noise=2.0))}, "shares"),
+    ({"shares": (CountShare(0.1, 3), LossShare(5, noise=2.0))}, "shares"),
+    ({"shares": (CountShare(0.1, 3), LossShare(4, noise=3.0))}, "shares"),
+    ({"settings": {"clipping": "abadi"}}, "settings.clipping"),
 ])
 def test_fingerprint_changes_with_every_part_of_the_plan(change, named):
     plan = Plan(sample_rate=0.05, steps=30, num_examples=1000, delta=1e-5, noise_multiplier=1.1,
-                counts=CountShare(0.1, 3), losses=LossShare(4), loss_noise=2.0,
+                shares=(CountShare(0.1, 3), LossShare(4, noise=2.0)),
                 settings={"clipping": "auto-s"})
     other = replace(plan, **change)
     assert other.fingerprint() != plan.fingerprint()

@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from brute_force import clipped_sum, per_example_grads
+from support import pop_step
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.clipping.functions import CLIP_FUNCTIONS, ClipFunction
+from tunefree.clipping.functions import CLIP_FUNCTIONS, clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
 from tunefree.persample.engine import ClippingEngine
@@ -125,10 +126,10 @@ def test_engine_clipped_sums_match_brute_force(clip, batch_first, T):
     ids = torch.randint(0, 7, (B, T))
     y = torch.randint(0, 3, (B,))
     groups = make_groups(model, "per-layer", 1.3)
-    clip = ClipFunction(clip)
+    clip = clip_function(clip)
     engine = ClippingEngine(model, groups, clip, loss_reduction="mean")
     F.cross_entropy(model(ids), y).backward()
-    sums, examples, norms = engine.pop_step()
+    sums, examples, norms = pop_step(engine)
     engine.detach()
     assert examples == B
     ref_groups = make_groups(reference, "per-layer", 1.3)

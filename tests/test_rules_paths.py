@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 from brute_force import clipped_sum, per_example_grads
 from models import ConvNet, SequenceLinear, TiedLM
+from support import pop_step
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.clipping.functions import ClipFunction
+from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
 from tunefree.rules import conv as conv_rule
@@ -51,10 +52,10 @@ MODELS = ["sequence", "conv2d-groups", "conv2d-reflect-stride", "conv1d-dilated"
 
 
 def _engine_sums(model, x, y, grouping, chooser):
-    engine = ClippingEngine(model, make_groups(model, grouping, 1.3), ClipFunction("auto-s"))
-    engine.path_chooser = chooser
+    engine = ClippingEngine(model, make_groups(model, grouping, 1.3), clip_function("auto-s"),
+                            path_chooser=chooser)
     F.cross_entropy(model(x), y).backward()
-    sums, examples, norms = engine.pop_step()
+    sums, examples, norms = pop_step(engine)
     engine.detach()
     return engine, sums, examples, norms
 
@@ -68,7 +69,7 @@ def _assert_matches_brute_force(name, grouping, chooser):
     assert examples == len(y)
     groups, ref_groups = make_groups(model, grouping, 1.3), make_groups(reference, grouping, 1.3)
     per_example = per_example_grads(reference, lambda out, t: F.cross_entropy(out, t), x, y)
-    expected, expected_norms = clipped_sum(per_example, ref_groups, ClipFunction("auto-s"))
+    expected, expected_norms = clipped_sum(per_example, ref_groups, clip_function("auto-s"))
     for group, ref_group in zip(groups, ref_groups):
         torch.testing.assert_close(norms[group.name], expected_norms[ref_group.name], rtol=1e-7, atol=1e-10)
         for p, ref_p in zip(group.params, ref_group.params):
@@ -98,14 +99,14 @@ def test_measured_choice_matches_brute_force_and_takes_the_faster_path(name, gro
 
 def test_choice_is_made_once_per_shape_whatever_the_batch_size():
     model, x, y = _inputs("conv2d-groups", batch=6)
-    engine = ClippingEngine(model, make_groups(model, "per-layer", 1.0), ClipFunction("auto-s"))
-    engine.path_chooser = PathChooser(min_cost=0, max_ratio=float("inf"))
+    engine = ClippingEngine(model, make_groups(model, "per-layer", 1.0), clip_function("auto-s"),
+                            path_chooser=PathChooser(min_cost=0, max_ratio=float("inf")))
     F.cross_entropy(model(x), y).backward()
-    engine.pop_step()
+    pop_step(engine)
     first = dict(engine.path_chooser.timings_ms)
     assert first, "the first step must time the paths"
     F.cross_entropy(model(x[:4]), y[:4]).backward()  # a smaller (e.g. Poisson) batch: no new timing
-    assert engine.pop_step()[1] == 4
+    assert pop_step(engine)[1] == 4
     assert engine.path_chooser.timings_ms == first
 
 
@@ -335,3 +336,19 @@ def test_the_number_of_slices_is_set_by_the_layer_not_the_batch():
     assert slices[42] == 2
     assert max(slices.values()) <= per_example // captured + 2
     assert abs(slices[2**14] - slices[2**17]) <= 1  # beyond SLICE_LIMIT: set by the layer's shape alone
+
+
+def test_norm_path_is_a_performance_knob_of_make_private():
+    """``norm_path`` picks the chooser: forced paths, the cost formula, or timing (secret runs only)."""
+    def chooser(**options):
+        model = nn.Linear(3, 2)
+        data = TensorDataset(torch.randn(16, 3), torch.randn(16, 2))
+        engine = tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                       DataLoader(data, batch_size=4), target_delta=1e-5,
+                                       noise_multiplier=1.0, steps=2, **options)
+        return engine.clipping_engine.path_chooser
+
+    assert chooser(norm_path="ghost").fixed == "ghost"
+    assert chooser(norm_path="materialise", seed=0).fixed == "materialise"
+    assert chooser(norm_path="formula").measure is False and chooser(norm_path="formula").fixed is None
+    assert chooser(norm_path="auto", seed=0).measure is False

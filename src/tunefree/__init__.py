@@ -1,11 +1,11 @@
 """tunefree: differentially private deep learning in PyTorch with no DP hyperparameters to tune."""
 
-from . import audit
+from . import audit, extend
 from .api import make_private
 from .clipping.functions import CLIP_FUNCTIONS
 from .clipping.groups import GROUPINGS
 from .config import PSAC, Abadi, AdaptiveQuantile, AutoLR, AutoS, AutoV, Fixed
-from .errors import PrivacyError
+from .errors import ModelRefused, PrivacyError, SettingsRefused
 from .persample.independence import verify_example_independence
 from .pipeline import PrivatePipelineStage, make_private_pipeline
 from .privacy.calculator import epsilon, noise_multiplier
@@ -15,7 +15,8 @@ from .step.optimizer import DPOptimizer
 
 __all__ = [
     "CLIP_FUNCTIONS", "DPEngine", "DPOptimizer", "GROUPINGS", "PSAC", "Abadi", "AdaptiveQuantile",
-    "AutoLR", "AutoS", "AutoV", "Fixed", "audit", "Guarantee", "PrivacyError", "StepReport", "epsilon",
+    "AutoLR", "AutoS", "AutoV", "Fixed", "audit", "extend", "Guarantee", "ModelRefused", "PrivacyError",
+    "SettingsRefused", "StepReport", "epsilon",
     "make_private", "make_private_pipeline", "noise_multiplier", "PrivatePipelineStage",
     "verify_example_independence",
 ]

@@ -1,210 +1,273 @@
-"""Typed options of ``make_private``: each validates itself; strings stay as shortcuts.
+"""One definition of a run's settings: :class:`RunConfig` (what the guarantee depends on) and
+:class:`Performance` (what changes only speed or memory).
 
-``resolve_options(**keywords)`` takes ``make_private``'s keyword arguments (legacy and typed forms) and
-returns one frozen, validated :class:`RunOptions`, refusing irrelevant or contradictory options.
+Every ``make_private`` setting is a field here, defined and validated once; ``make_private`` keeps its
+explicit signature, and a test checks that the two agree. Options are typed strategies: the clip
+function (``AutoS``, ``AutoV``, ``PSAC``, ``Abadi``), the threshold rule (``Fixed``,
+``AdaptiveQuantile``) and the learning-rate rule (``DoG``, ``HyFreeDP``; ``AutoLR(mode=...)`` makes
+either). :meth:`RunConfig.from_keywords` maps the string shortcuts and the legacy keywords (one table,
+:data:`LEGACY_KEYWORDS`, each with a ``DeprecationWarning``) onto them.
 """
 
 from __future__ import annotations
 
-import math
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .clipping.functions import CLIP_FUNCTIONS, ClipFunction
+from ._validate import count, flag, fraction, non_negative, one_of, positive
+from .clipping.functions import PSAC, Abadi, AutoS, AutoV, ClipFunction, clip_function
 from .clipping.groups import GROUPINGS, GroupSpec
-from .components.thresholds import QuantileSettings
-from .privacy.accounting import check_accountant
+from .components.dog import DoG
+from .components.hyfreedp import HyFreeDP
+from .components.thresholds import AdaptiveQuantile, Fixed
+from .errors import SettingsRefused
+from .privacy.accounting import ACCOUNTANTS
 from .privacy.mechanisms import NOISE_ALLOCATIONS
+from .privacy.plan import Plan
+from .rules.paths import NORM_PATHS
 
+__all__ = ["PSAC", "Abadi", "AdaptiveQuantile", "AutoLR", "AutoS", "AutoV", "DoG", "Fixed", "HyFreeDP",
+           "LEGACY_KEYWORDS", "Performance", "RunConfig"]
 
-def _positive(option: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{option} must be a number, got {value!r}")
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{option} must be a positive finite number, got {value}")
-    return float(value)
-
-
-def _non_negative(value: Any) -> bool:
-    return (not isinstance(value, bool) and isinstance(value, (int, float))
-            and value >= 0 and math.isfinite(value))
-
-
-def _fraction(option: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
-        raise ValueError(f"{option} must be in (0, 1), got {value!r}")
-    return float(value)
-
-
-def _count(option: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{option} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{option} must be ≥ 1, got {value}")
-    return value
-
-
-@dataclass(frozen=True)
-class AutoS:
-    """AUTO-S clipping R/(‖g‖ + γ); γ only shapes small gradients, never the privacy guarantee."""
-
-    gamma: float = 0.01
-
-    def __post_init__(self) -> None:
-        _positive("AutoS.gamma", self.gamma)
-
-
-@dataclass(frozen=True)
-class AutoV:
-    """AUTO-V clipping R/‖g‖: every example contributes norm R."""
-
-
-@dataclass(frozen=True)
-class PSAC:
-    """DP-PSAC clipping R/(‖g‖ + r/(‖g‖ + r)); r has no effect on privacy."""
-
-    r: float = 0.1
-
-    def __post_init__(self) -> None:
-        _positive("PSAC.r", self.r)
-
-
-@dataclass(frozen=True)
-class Abadi:
-    """Abadi et al. clipping min(1, R/‖g‖)."""
-
-
-@dataclass(frozen=True)
-class Fixed:
-    """Clip thresholds fixed at ``max_grad_norm`` throughout."""
-
-
-@dataclass(frozen=True)
-class AdaptiveQuantile:
-    """Thresholds tracking a private ``target`` quantile of each group's norms; ``budget`` is the
-    fraction of the privacy budget spent on the count releases (the total ε is unchanged).
-
-    ``rescale`` (Abadi clipping with several groups): the estimates Qₖ set only the groups' relative
-    thresholds, ``C̃ₖ = C·Qₖ/√(Σⱼ Qⱼ²)`` with C the initial total sensitivity (group-wise paper), so
-    the total sensitivity, and the noise, stay fixed. The normalising clip functions always do this."""
-
-    target: float = 0.5
-    lr: float = 0.3
-    budget: float = 0.01
-    rescale: bool = False
-
-    def __post_init__(self) -> None:
-        _fraction("AdaptiveQuantile.target", self.target)
-        _positive("AdaptiveQuantile.lr", self.lr)
-        _fraction("AdaptiveQuantile.budget", self.budget)
-        if not isinstance(self.rescale, bool):
-            raise TypeError(f"AdaptiveQuantile.rescale must be True or False, got {self.rescale!r}")
-
-
-_DOG_FIELDS = ("initial_distance", "noise_budget")
-_HYFREEDP_FIELDS = ("interval", "loss_privacy", "gradient_noise_increase", "probes", "initial_lr")
-
-
-@dataclass(frozen=True)
-class AutoLR:
-    """The automatic learning rate (``lr="auto"`` is ``AutoLR()``).
-
-    ``mode="dog"`` (the default) sets the step size of plain SGD from the released gradients alone
-    (``tunefree.autolr_dog``): noise-aware DoG, whose step is the distance travelled over the gradient
-    energy with the known privacy noise taken out of both, bounded by a noise budget that keeps the
-    planned run's noise walk within κ·(1 + ‖x₀‖) (``noise_budget`` κ; ``None`` turns it off). It
-    releases nothing: no ε, no extra forward, no closure. ``initial_distance`` is DoG's first move
-    relative to 1 + ‖x₀‖. Both constants were chosen on validation splits (benchmarks/RESULTS.md §5c,
-    §5e). The other fields do not apply to it.
-
-    ``mode="safeguarded"`` or ``"paper"`` is HyFreeDP (GeN-DP) for any optimizer: every ``interval``
-    steps the learning rate is fitted to privatised losses of the current batch (``step(closure)``
-    must return per-sample losses); the gradient noise grows by ``gradient_noise_increase`` (> 1) so
-    that the whole run spends what plain DP-SGD would. ``"paper"`` sets η to the fitted value
-    (HyFreeDP, Algorithm 1), ``"safeguarded"`` adds the safeguards of ``tunefree.autolr``. ``probes``:
-    ``"losses"`` releases three clipped losses per update (the paper), ``"differences"`` two clipped
-    per-sample loss differences Lᵢ(w ± Δ) − Lᵢ(w). ``initial_lr`` is η before the first fit (the
-    paper's 10⁻⁴); ``loss_privacy`` is ``"gaussian"`` or ``"laplace"``. None of them changes ε: every
-    release is accounted on the plan. On the benchmark tasks it does not match a tuned learning rate
-    (benchmarks/RESULTS.md §5)."""
-
-    interval: int = 5
-    loss_privacy: str = "gaussian"
-    gradient_noise_increase: float = 1.01
-    mode: str = "dog"
-    probes: str = "losses"
-    initial_lr: float = 1e-4
-    initial_distance: float = 0.1  # autolr_dog.INITIAL_DISTANCE
-    noise_budget: float | None = 4.0  # autolr_dog.NOISE_BUDGET
-
-    def __post_init__(self) -> None:
-        _count("AutoLR.interval", self.interval)
-        if self.loss_privacy not in ("gaussian", "laplace"):
-            raise ValueError("AutoLR.loss_privacy must be 'gaussian' or 'laplace', "
-                             f"got {self.loss_privacy!r}")
-        if _positive("AutoLR.gradient_noise_increase", self.gradient_noise_increase) <= 1:
-            raise ValueError("AutoLR.gradient_noise_increase must be > 1 (it pays for the loss releases), "
-                             f"got {self.gradient_noise_increase}")
-        if self.mode not in ("dog", "safeguarded", "paper"):
-            raise ValueError(f"AutoLR.mode must be 'dog', 'safeguarded' or 'paper', got {self.mode!r}")
-        if self.probes not in ("losses", "differences"):
-            raise ValueError(f"AutoLR.probes must be 'losses' or 'differences', got {self.probes!r}")
-        _positive("AutoLR.initial_lr", self.initial_lr)
-        _positive("AutoLR.initial_distance", self.initial_distance)
-        if self.noise_budget is not None:
-            _positive("AutoLR.noise_budget", self.noise_budget)
-        other_modes = _HYFREEDP_FIELDS if self.mode == "dog" else _DOG_FIELDS
-        fields = AutoLR.__dataclass_fields__
-        foreign = [name for name in other_modes if getattr(self, name) != fields[name].default]
-        if foreign:
-            raise ValueError(f"AutoLR({', '.join(foreign)}) has no effect with mode={self.mode!r}: drop "
-                             f"them, or choose their mode ('dog': {', '.join(_DOG_FIELDS)}; "
-                             f"'safeguarded'/'paper': {', '.join(_HYFREEDP_FIELDS)})")
-
-    @property
-    def releases_per_update(self) -> int:
-        """Values released at each learning-rate update: three losses, two differences, or none (DoG)."""
-        if self.mode == "dog":
-            return 0
-        return 3 if self.probes == "losses" else 2
-
-
-Clipping = AutoS | AutoV | PSAC | Abadi
 Thresholds = Fixed | AdaptiveQuantile
+LearningRateRule = DoG | HyFreeDP
 
-_CLIP_SHORTCUTS: dict[str, Clipping] = {"auto-s": AutoS(), "auto-v": AutoV(), "psac": PSAC(),
-                                         "abadi": Abadi()}
-_THRESHOLD_SHORTCUTS: dict[str, Thresholds] = {"fixed": Fixed(), "adaptive": AdaptiveQuantile()}
+
+def AutoLR(mode: str = "dog", **settings: Any) -> LearningRateRule:  # noqa: N802 - the option's name
+    """The automatic learning rate (``lr="auto"`` is ``AutoLR()``): ``mode="dog"`` is :class:`DoG`
+    (plain SGD's step size from the released gradients alone, no release); ``"safeguarded"`` or
+    ``"paper"`` is :class:`HyFreeDP` (GeN-DP from privatised losses, for any optimizer). ``settings``
+    are the fields of that rule; a field of the other rule is refused."""
+    rule = DoG if mode == "dog" else HyFreeDP
+    if mode != "dog":
+        settings = {"mode": one_of("AutoLR.mode", mode, ("dog", "safeguarded", "paper")), **settings}
+    own = {f.name for f in fields(rule)}
+    foreign = [name for name in settings if name not in own]
+    if foreign:
+        other = HyFreeDP if rule is DoG else DoG
+        raise ValueError(
+            f"AutoLR({', '.join(foreign)}) has no effect with mode={mode!r}: drop them, or choose their "
+            f"mode ('dog': {', '.join(f.name for f in fields(DoG))}; 'safeguarded'/'paper': "
+            f"{', '.join(f.name for f in fields(HyFreeDP) if f.name != 'mode')})"
+            if all(name in {f.name for f in fields(other)} for name in foreign)
+            else f"AutoLR has no setting {', '.join(foreign)}")
+    return rule(**settings)
 
 
 @dataclass(frozen=True)
-class RunOptions:
-    """Every setting of a private run, validated. ``quantile`` is ``None`` for fixed thresholds and
-    ``auto_lr`` ``None`` when the optimizer's own learning rate is kept."""
+class Performance:
+    """Knobs that change speed or memory, never what is released or what it costs (they are not part
+    of a run's identity: a checkpoint resumes under other values).
+
+    Args:
+        physical_batch_size: cut logical batches into micro-batches of at most this many examples; the
+            optimizer steps (and the ledger records) once per logical batch.
+        verify_every: besides the check before the first release, re-check example independence every
+            this many steps (``None``: once).
+        norm_path: how layers with two exact per-sample norm paths pick one: ``"auto"`` (timed once per
+            layer shape; a seeded run follows the cost formula, so that it replays bit for bit),
+            ``"formula"``, ``"ghost"`` or ``"materialise"``.
+    """
+
+    physical_batch_size: int | None = None
+    verify_every: int | None = None
+    norm_path: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.physical_batch_size is not None:
+            count("physical_batch_size", self.physical_batch_size)
+        if self.verify_every is not None:
+            count("verify_every", self.verify_every)
+        one_of("norm_path", self.norm_path, NORM_PATHS)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every setting of a private run, validated; the arguments of :func:`tunefree.make_private`
+    (documented there) in their typed form."""
 
     target_delta: float
-    target_epsilon: float | None
-    noise_multiplier: float | None
-    epochs: float | None
-    steps: int | None
-    clip: ClipFunction
-    max_grad_norm: float | Mapping[str, float]
-    groups: GroupSpec
-    loss_reduction: str
-    accountant: str
-    seed: int | None
-    secure_rng: bool
-    poisson_sampling: bool
-    physical_batch_size: int | None
-    noise_allocation: str
-    quantile: QuantileSettings | None
-    auto_lr: AutoLR | None
-    verify_every: int | None = None
+    target_epsilon: float | None = None
+    noise_multiplier: float | None = None
+    epochs: float | None = None
+    steps: int | None = None
+    clipping: ClipFunction = field(default_factory=AutoS)
+    max_grad_norm: float | Mapping[str, float] = 1.0
+    groups: GroupSpec = "all-layer"
+    loss_reduction: str = "mean"
+    accountant: str = "pld"
+    seed: int | None = None
+    poisson_sampling: bool = True
+    noise_allocation: str = "global"
+    thresholds: Thresholds = field(default_factory=Fixed)
+    lr: LearningRateRule | None = None
+    audit_canaries: int | None = None
     batch_dim: int | Mapping[str, int] = 0
+    public_buffers: tuple[str, ...] = ()
+    performance: Performance = field(default_factory=Performance)
+
+    def __post_init__(self) -> None:
+        # one check per field
+        fraction("target_delta", self.target_delta)
+        if self.target_epsilon is not None:
+            positive("target_epsilon", self.target_epsilon)
+        if self.noise_multiplier is not None:
+            non_negative("noise_multiplier", self.noise_multiplier)
+        if self.epochs is not None:
+            positive("epochs", self.epochs)
+        if self.steps is not None:
+            count("steps", self.steps)
+        _typed("clipping", self.clipping, ClipFunction, "a name or AutoS/AutoV/PSAC/Abadi")
+        if isinstance(self.groups, str):
+            one_of("groups", self.groups, GROUPINGS)
+        one_of("loss_reduction", self.loss_reduction, ("mean", "sum"))
+        one_of("accountant", self.accountant, ACCOUNTANTS)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+        flag("poisson_sampling", self.poisson_sampling)
+        one_of("noise_allocation", self.noise_allocation, NOISE_ALLOCATIONS)
+        _typed("thresholds", self.thresholds, (Fixed, AdaptiveQuantile),
+               "'fixed', 'adaptive', Fixed() or AdaptiveQuantile()")
+        if self.lr is not None:
+            _typed("lr", self.lr, (DoG, HyFreeDP), "None, 'auto' or AutoLR(...)")
+        if self.audit_canaries is not None and count("audit_canaries", self.audit_canaries) < 2:
+            raise ValueError(f"audit_canaries must be at least 2 (half are members, half not), "
+                             f"got {self.audit_canaries}")
+        _check_batch_dim(self.batch_dim)
+        if isinstance(self.public_buffers, list):  # validated against the model by the state guard
+            object.__setattr__(self, "public_buffers", tuple(self.public_buffers))
+        _typed("performance", self.performance, Performance, "Performance(...)")
+        # what the fields must agree on
+        if (self.target_epsilon is None) == (self.noise_multiplier is None):
+            raise SettingsRefused("give exactly one of target_epsilon and noise_multiplier")
+        if self.epochs is not None and self.steps is not None:
+            raise SettingsRefused("give epochs or steps, not both")
+        if self.target_epsilon is not None and self.epochs is None and self.steps is None:
+            raise SettingsRefused("target_epsilon needs the planned length of training: give epochs or steps")
+        if self.performance.physical_batch_size is not None and not self.poisson_sampling:
+            raise SettingsRefused("physical_batch_size needs the Poisson loader (poisson_sampling=True)")
+        if self.audit_canaries is not None and self.noise_allocation == "weighted":
+            raise SettingsRefused(
+                "audit_canaries cannot be used with noise_allocation='weighted': its noise scales depend on "
+                "the group sizes, which the canary block would change; use 'global' or 'equal-budget'")
+        if self.audit_canaries is not None and self.noise_multiplier == 0:
+            raise SettingsRefused("audit_canaries needs a noisy run: with noise_multiplier=0 everything is "
+                                  "released exactly (ε = ∞) and there is nothing to audit")
+
+    @classmethod
+    def from_keywords(cls, **keywords: Any) -> RunConfig:
+        """The config of ``make_private``'s keyword arguments: string shortcuts (``clipping="psac"``,
+        ``thresholds="adaptive"``, ``lr="auto"``) become their typed options, and each legacy keyword
+        (:data:`LEGACY_KEYWORDS`) goes into the option it belongs to, with a ``DeprecationWarning``.
+        A legacy keyword given where it has no effect, or beside the typed form of its option, is refused
+        naming it. ``None`` stands for a keyword not given."""
+        keywords = {name: value for name, value in keywords.items() if value is not None}
+        _take_legacy(keywords)
+        if isinstance(keywords.get("clipping"), str):
+            keywords["clipping"] = clip_function(keywords["clipping"])
+        if isinstance(keywords.get("thresholds"), str):
+            keywords["thresholds"] = _named("thresholds", keywords["thresholds"], THRESHOLD_SHORTCUTS)
+        if isinstance(keywords.get("lr"), str):
+            keywords["lr"] = _named("lr", keywords["lr"], {"auto": DoG()})
+        performance = {f.name: keywords.pop(f.name) for f in fields(Performance) if f.name in keywords}
+        return cls(**keywords, performance=Performance(**performance))
+
+    def identity(self) -> dict[str, Any]:
+        """The settings that identify the run beyond its plan (clip function, threshold rule,
+        learning-rate rule, allocation, loss reduction), as plain values."""
+        return {"clipping": self.clipping.describe(), "thresholds": _describe(self.thresholds),
+                "lr": None if self.lr is None else _describe(self.lr),
+                "noise_allocation": self.noise_allocation, "loss_reduction": self.loss_reduction}
 
 
-def _batch_dim(value: Any) -> int | Mapping[str, int]:
+THRESHOLD_SHORTCUTS: dict[str, Thresholds] = {"fixed": Fixed(), "adaptive": AdaptiveQuantile()}
+
+# Legacy keyword → (the keyword of the option it belongs to, the option's shortcut it needs, its field
+# there). A keyword with no field is a plain rename; ``secure_rng`` names the default and is only checked.
+LEGACY_KEYWORDS: dict[str, tuple[str | None, str | None, str | None]] = {
+    "clip_gamma": ("clipping", "auto-s", "gamma"),
+    "psac_r": ("clipping", "psac", "r"),
+    "target_quantile": ("thresholds", "adaptive", "target"),
+    "quantile_lr": ("thresholds", "adaptive", "lr"),
+    "quantile_budget": ("thresholds", "adaptive", "budget"),
+    "max_physical_batch_size": ("physical_batch_size", None, None),
+    "secure_rng": (None, None, None),
+}
+_DEFAULT_SHORTCUTS = {"clipping": "auto-s", "thresholds": "fixed"}
+_TYPED = {"clipping": {"auto-s": AutoS, "psac": PSAC}, "thresholds": {"adaptive": AdaptiveQuantile}}
+
+
+def _take_legacy(keywords: dict[str, Any]) -> None:
+    """Move each legacy keyword of ``keywords`` into its option, in place (see :data:`LEGACY_KEYWORDS`)."""
+    given = {name: keywords.pop(name) for name in LEGACY_KEYWORDS if name in keywords}
+    for name in given:
+        warnings.warn(f"make_private({name}=...) is deprecated: {_replacement(name)}", DeprecationWarning,
+                      stacklevel=4)
+    moved: dict[str, dict[str, tuple[str, Any]]] = {}
+    irrelevant: dict[str, list[str]] = {}
+    for name, value in given.items():
+        option, shortcut, attribute = LEGACY_KEYWORDS[name]
+        if option is None:  # secure_rng: the secret default, said explicitly
+            flag(name, value)
+            if value and "seed" in keywords:
+                raise SettingsRefused(
+                    f"secure_rng=True and seed={keywords['seed']!r} contradict each other: a seed makes the "
+                    "noise reproducible by anyone who knows it. Drop seed for a secret run (the default) or "
+                    "drop secure_rng for a reproducible one")
+        elif attribute is None:  # a plain rename, validated under the name it was given
+            if option in keywords:
+                raise ValueError(f"give {option} only ({name} is its old name)")
+            _as_given(name, Performance, option, value)
+            keywords[option] = value
+        elif keywords.get(option, _DEFAULT_SHORTCUTS[option]) != shortcut:
+            irrelevant.setdefault(f"{option}={shortcut!r}", []).append(name)
+        else:
+            moved.setdefault(option, {})[attribute] = (name, value)
+    for applies_to, names in irrelevant.items():
+        option, shortcut, attribute = LEGACY_KEYWORDS[names[0]]
+        typed = _TYPED[option][shortcut].__name__
+        inside = f"use {typed}({attribute}=...)" if len(names) == 1 else f"give them inside {typed}(...)"
+        raise ValueError(f"{', '.join(names)} only apply to {applies_to} (or {inside}); set it or drop them")
+    for option, values in moved.items():
+        typed = _TYPED[option][keywords.get(option, _DEFAULT_SHORTCUTS[option])]
+        for attribute, (name, value) in values.items():  # each validated under the name it was given
+            _as_given(name, typed, attribute, value)
+        keywords[option] = typed(**{attribute: value for attribute, (_, value) in values.items()})
+
+
+def _as_given(name: str, typed: type, attribute: str, value: Any) -> None:
+    """Validate ``value`` as ``typed``'s field ``attribute``, the message naming it ``name``."""
+    try:
+        typed(**{attribute: value})
+    except (TypeError, ValueError) as error:
+        message = str(error).replace(f"{typed.__name__}.{attribute}", name)
+        raise type(error)(message if name in message else message.replace(attribute, name, 1)) from None
+
+
+def _replacement(name: str) -> str:
+    option, shortcut, attribute = LEGACY_KEYWORDS[name]
+    if option is None:
+        return "a secret run is the default (drop it)"
+    if attribute is None:
+        return f"use {option}=..."
+    return f"use {option}={_TYPED[option][shortcut].__name__}({attribute}=...)"
+
+
+def _named(option: str, name: str, shortcuts: Mapping[str, Any]) -> Any:
+    if name not in shortcuts:
+        raise ValueError(f"unknown {option} {name!r}: use one of {', '.join(map(repr, shortcuts))} or the "
+                         "typed form (e.g. AdaptiveQuantile(...), AutoLR(...))")
+    return shortcuts[name]
+
+
+def _typed(option: str, value: Any, kinds: type | tuple[type, ...], expected: str) -> None:
+    if not isinstance(value, kinds):
+        raise TypeError(f"{option} must be {expected}, got {value!r}")
+
+
+def _check_batch_dim(value: Any) -> None:
     """A dimension (an int ≥ 0), or a mapping from module names to dimensions (names are checked
     against the model when the engine is built)."""
     entries = value.items() if isinstance(value, Mapping) else [("", value)]
@@ -215,162 +278,40 @@ def _batch_dim(value: Any) -> int | Mapping[str, int]:
             raise TypeError(f"batch_dim must be an int or a mapping of module names to ints, got {value!r}")
         if dim < 0:
             raise ValueError(f"batch_dim must name dimensions ≥ 0, got {value!r}")
-    return dict(value) if isinstance(value, Mapping) else value
 
 
-def _refuse_irrelevant(given: dict[str, Any], applies_to: str) -> None:
-    named = [name for name, value in given.items() if value is not None]
-    if named:
-        raise ValueError(f"{', '.join(named)} only apply to {applies_to}; set it or drop them")
+def _describe(option: Any) -> dict[str, Any]:
+    """A typed option as plain values: its kind and its fields."""
+    return {"kind": type(option).__name__, **{f.name: getattr(option, f.name) for f in fields(option)}}
 
 
-def _clip_function(clipping: Any, clip_gamma: Any, psac_r: Any) -> ClipFunction:
-    if isinstance(clipping, str):
-        if clipping not in _CLIP_SHORTCUTS:
-            if clipping in CLIP_FUNCTIONS:  # registered without a typed form
-                _refuse_irrelevant({"clip_gamma": clip_gamma, "psac_r": psac_r}, "clipping='auto-s'/'psac'")
-                return ClipFunction(clipping)
-            raise ValueError(f"unknown clipping {clipping!r}: use one of {', '.join(CLIP_FUNCTIONS)} "
-                             "or AutoS(), AutoV(), PSAC(), Abadi()")
-        if clipping == "auto-s" and clip_gamma is not None:
-            clipping = AutoS(clip_gamma)
-            clip_gamma = None
-        elif clipping == "psac" and psac_r is not None:
-            clipping = PSAC(psac_r)
-            psac_r = None
-        else:
-            clipping = _CLIP_SHORTCUTS[clipping]
-    _refuse_irrelevant({"clip_gamma": clip_gamma}, "clipping='auto-s' (or use AutoS(gamma=...))")
-    _refuse_irrelevant({"psac_r": psac_r}, "clipping='psac' (or use PSAC(r=...))")
-    if isinstance(clipping, AutoS):
-        return ClipFunction("auto-s", gamma=clipping.gamma)
-    if isinstance(clipping, PSAC):
-        return ClipFunction("psac", r=clipping.r)
-    if isinstance(clipping, AutoV):
-        return ClipFunction("auto-v")
-    if isinstance(clipping, Abadi):
-        return ClipFunction("abadi")
-    raise TypeError(f"clipping must be a name or AutoS/AutoV/PSAC/Abadi, got {clipping!r}")
+def read_description(description: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpoint's plan description in today's format (2): one of 0.1 (format 1, no ``"format"``
+    key) is read as the description the same run has today, so that its checkpoints keep loading."""
+    if description.get("format", 1) != 1:
+        return dict(description)
+    read = Plan.read_format_1(description)
+    clip = read.pop("settings.clipping", {})
+    constant = {"auto-s": "gamma", "psac": "r"}.get(clip.get("name"))
+    read["settings.clipping"] = {"name": clip.get("name"), **({constant: clip[constant]} if constant else {})}
+    thresholds = read.pop("settings.thresholds", "fixed")
+    read["settings.thresholds"] = {"kind": "Fixed"} if thresholds == "fixed" else {
+        "kind": "AdaptiveQuantile", "target": thresholds["target_quantile"],
+        "lr": thresholds["learning_rate"], "budget": thresholds["budget"], "rescale": thresholds["rescale"]}
+    lr = read.pop("settings.auto_lr", None)
+    if lr is not None and lr["mode"] == "dog":
+        lr = {"kind": "DoG", "initial_distance": lr["initial_distance"], "noise_budget": lr["noise_budget"],
+              "noise_aware": True}
+    elif lr is not None:
+        losses = description["losses"]
+        lr = {"kind": "HyFreeDP", "interval": losses["interval"], "loss_privacy": losses["privacy"],
+              "gradient_noise_increase": losses["increase"], "mode": lr["mode"], "probes": lr["probes"],
+              "initial_lr": lr["initial_lr"]}
+    read["settings.lr"] = lr
+    return read
 
 
-def _quantile(thresholds: Any, target: Any, lr: Any, budget: Any) -> QuantileSettings | None:
-    legacy = {"target_quantile": target, "quantile_lr": lr, "quantile_budget": budget}
-    if isinstance(thresholds, str):
-        if thresholds not in _THRESHOLD_SHORTCUTS:
-            raise ValueError(f"unknown thresholds {thresholds!r}: use 'fixed', 'adaptive', Fixed() or "
-                             "AdaptiveQuantile(...)")
-        if thresholds == "adaptive":
-            for option, value, check in (("target_quantile", target, _fraction),
-                                         ("quantile_lr", lr, _positive),
-                                         ("quantile_budget", budget, _fraction)):
-                if value is not None:
-                    check(option, value)  # named as the caller gave it
-            default = AdaptiveQuantile()
-            thresholds = AdaptiveQuantile(default.target if target is None else target,
-                                          default.lr if lr is None else lr,
-                                          default.budget if budget is None else budget)
-            legacy = {}
-        else:
-            thresholds = Fixed()
-    _refuse_irrelevant(legacy, "thresholds='adaptive' (or give them inside AdaptiveQuantile(...))")
-    if isinstance(thresholds, Fixed):
-        return None
-    if isinstance(thresholds, AdaptiveQuantile):
-        return QuantileSettings(float(thresholds.target), float(thresholds.lr), float(thresholds.budget),
-                                thresholds.rescale)
-    raise TypeError("thresholds must be 'fixed', 'adaptive', Fixed() or AdaptiveQuantile(), "
-                    f"got {thresholds!r}")
+def resolve_options(**keywords: Any) -> RunConfig:
+    """``RunConfig.from_keywords`` (the name the command line uses to check its options early)."""
+    return RunConfig.from_keywords(**keywords)
 
-
-def _auto_lr(lr: Any) -> AutoLR | None:
-    if lr == "auto":
-        return AutoLR()
-    if isinstance(lr, str):
-        raise ValueError(f"unknown lr {lr!r}: use None (the optimizer's own), 'auto' or AutoLR(...)")
-    if lr is None or isinstance(lr, AutoLR):
-        return lr
-    raise TypeError(f"lr must be None, 'auto' or AutoLR(...), got {lr!r}")
-
-
-def _choice(option: str, value: Any, choices: tuple[str, ...] | Mapping[str, Any]) -> str:
-    if value not in choices:
-        raise ValueError(f"unknown {option} {value!r}: use one of {', '.join(choices)}")
-    return value
-
-
-def resolve_options(
-    *,
-    target_delta: float,
-    target_epsilon: float | None = None,
-    noise_multiplier: float | None = None,
-    epochs: float | None = None,
-    steps: int | None = None,
-    clipping: str | Clipping = "auto-s",
-    max_grad_norm: float | Mapping[str, float] = 1.0,
-    groups: GroupSpec = "all-layer",
-    loss_reduction: str = "mean",
-    accountant: str = "pld",
-    seed: int | None = None,
-    secure_rng: bool = False,
-    poisson_sampling: bool = True,
-    max_physical_batch_size: int | None = None,
-    physical_batch_size: int | None = None,
-    clip_gamma: float | None = None,
-    psac_r: float | None = None,
-    noise_allocation: str = "global",
-    thresholds: str | Thresholds = "fixed",
-    target_quantile: float | None = None,
-    quantile_lr: float | None = None,
-    quantile_budget: float | None = None,
-    lr: str | AutoLR | None = None,
-    verify_every: int | None = None,
-    batch_dim: int | Mapping[str, int] = 0,
-) -> RunOptions:
-    """Validate ``make_private``'s keyword arguments into one :class:`RunOptions`.
-
-    Legacy keywords (``clip_gamma``, ``target_quantile``...) keep their meaning;
-    given with a setting they do not apply to, or beside the typed form of the same setting, they are
-    refused. ``max_physical_batch_size`` is an alias of ``physical_batch_size``.
-    """
-    if (target_epsilon is None) == (noise_multiplier is None):
-        raise ValueError("give exactly one of target_epsilon and noise_multiplier")
-    if target_epsilon is not None:
-        _positive("target_epsilon", target_epsilon)
-    if noise_multiplier is not None and not _non_negative(noise_multiplier):
-        raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier!r}")
-    _fraction("target_delta", target_delta)
-    if epochs is not None:
-        _positive("epochs", epochs)
-    if steps is not None:
-        _count("steps", steps)
-    if max_physical_batch_size is not None and physical_batch_size is not None:
-        raise ValueError("give physical_batch_size only (max_physical_batch_size is its old name)")
-    batch = physical_batch_size if max_physical_batch_size is None else max_physical_batch_size
-    if batch is not None:
-        _count("physical_batch_size" if physical_batch_size is not None else "max_physical_batch_size",
-               batch)
-    if batch is not None and not poisson_sampling:
-        raise ValueError("physical_batch_size needs the Poisson loader (poisson_sampling=True)")
-    for option, flag in (("secure_rng", secure_rng), ("poisson_sampling", poisson_sampling)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{option} must be True or False, got {flag!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise TypeError(f"seed must be an int or None, got {seed!r}")
-    if verify_every is not None:
-        _count("verify_every", verify_every)
-    check_accountant(accountant)
-    if isinstance(groups, str):
-        _choice("groups", groups, GROUPINGS)
-    return RunOptions(
-        target_delta=float(target_delta), target_epsilon=target_epsilon, noise_multiplier=noise_multiplier,
-        epochs=epochs, steps=steps, clip=_clip_function(clipping, clip_gamma, psac_r),
-        max_grad_norm=max_grad_norm, groups=groups,
-        loss_reduction=_choice("loss_reduction", loss_reduction, ("mean", "sum")),
-        accountant=accountant, seed=seed, secure_rng=secure_rng, poisson_sampling=poisson_sampling,
-        physical_batch_size=batch,
-        noise_allocation=_choice("noise_allocation", noise_allocation, NOISE_ALLOCATIONS),
-        quantile=_quantile(thresholds, target_quantile, quantile_lr, quantile_budget),
-        auto_lr=_auto_lr(lr),
-        verify_every=verify_every,
-        batch_dim=_batch_dim(batch_dim),
-    )

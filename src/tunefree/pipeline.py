@@ -19,7 +19,6 @@ Micro-batches run one at a time through the stages (the engine holds one forward
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,9 +30,10 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 
-from .api import make_private
+from .build import assemble, plan_run, threshold_component
 from .clipping.groups import ClipGroup
-from .components.thresholds import QuantileEstimator, QuantileSettings
+from .components.thresholds import AdaptiveQuantile, QuantileEstimator
+from .config import RunConfig
 from .errors import PrivacyError
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease, group_noise_stds
@@ -112,12 +112,14 @@ class StageQuantileEstimator(QuantileEstimator):
         scale: ``None`` (Abadi: Cₖ = Qₖ) or the constant total sensitivity √(Σₖ Cₖ²).
     """
 
-    def __init__(self, group: ClipGroup, settings: QuantileSettings, count_noise: float,
+    state_key = "StageQuantileEstimator"
+
+    def __init__(self, group: ClipGroup, settings: AdaptiveQuantile, count_noise: float,
                  randomness: NoiseSource, expected_batch_size: float, release: StageRelease,
                  scale: float | None):
         layout = release.layout
-        super().__init__([group], settings, count_noise * math.sqrt(layout.num_stages) / 2, randomness,
-                         expected_batch_size, scale)
+        super().__init__([group], settings, count_noise, randomness, expected_batch_size, scale)
+        self.joint_counts = layout.num_stages  # this stage's count is one of the K stages' counts
         self.release, self.layout = release, layout
         self.estimates = list(layout.thresholds)  # every stage's Qₖ
 
@@ -130,15 +132,14 @@ class StageQuantileEstimator(QuantileEstimator):
 
     def update(self, report: StepReport) -> list[dpa.DpEvent]:
         (group,) = self.groups
-        super().update(report)
-        joint = dpa.GaussianDpEvent(2 * self.count_std / math.sqrt(self.layout.num_stages))
+        events = super().update(report)  # the joint event of the K counts, as every stage records it
         estimates = [0.0] * self.layout.num_stages
         dist.all_gather_object(estimates, self.quantiles[group.name], group=self.layout.group)
         self.estimates = [float(q) for q in estimates]
         norm = math.sqrt(sum(q * q for q in self.estimates))
         self.release.stage_thresholds = tuple(
             q if self.scale is None else self.scale * q / norm for q in self.estimates)
-        return [joint]
+        return events
 
     def state_dict(self) -> dict[str, Any]:
         """With every stage's estimate: a resumed stage must noise for all stages' current thresholds."""
@@ -357,35 +358,24 @@ def make_private_pipeline(
     stage_name = f"stage{stage_index}"
     stage_seed = seed if seed is None or stage_index == 0 else \
         side_randomness(seed, _STAGE_NOISE_STREAM + stage_index).seed
-    with warnings.catch_warnings():  # the warning that a plain module trains alone does not apply
-        warnings.filterwarnings("ignore", message="torch.distributed runs .* not wrapped in")
-        engine = make_private(
-            stage_module, optimizer, data_loader, target_delta=target_delta,
-            target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, epochs=epochs, steps=steps,
-            clipping=clipping, max_grad_norm={stage_name: max_grad_norm}, groups={stage_name: names},
-            loss_reduction=loss_reduction, accountant=accountant, seed=stage_seed,
-            physical_batch_size=physical_batch_size, noise_allocation=noise_allocation,
-            thresholds=thresholds)
-    try:
-        run = {k: v for k, v in engine.plan.describe().items() if k != "settings.groups"}
-        run.update(secret=engine.randomness.secret, physical_batch_size=physical_batch_size)
-        facts = {"run": run, "threshold": float(max_grad_norm), "size": engine.groups[0].size}
-        gathered = _exchange(facts, group, stage_index)
-    except Exception:
-        engine.detach()
-        raise
+    config = RunConfig.from_keywords(
+        target_delta=target_delta, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier,
+        epochs=epochs, steps=steps, clipping=clipping, max_grad_norm={stage_name: max_grad_norm},
+        groups={stage_name: names}, loss_reduction=loss_reduction, accountant=accountant, seed=stage_seed,
+        physical_batch_size=physical_batch_size, noise_allocation=noise_allocation, thresholds=thresholds)
+    run = plan_run(config, stage_module, data_loader)
+    local = threshold_component(run)  # refuses what one stage's group cannot do
+    described = {k: v for k, v in run.plan.describe().items() if k != "settings.groups"}
+    described.update(secret=run.randomness.secret, physical_batch_size=physical_batch_size)
+    facts = {"run": described, "threshold": float(max_grad_norm), "size": run.groups[0].size}
+    gathered = _exchange(facts, group, stage_index)
     layout = StageLayout(stage_index, num_stages, tuple(f["threshold"] for f in gathered),
                          tuple(f["size"] for f in gathered), group)
-    release = StageRelease(engine.groups, engine.plan.gradient_noise, engine.randomness, noise_allocation,
-                           layout)
-    engine.optimizer.release = release
-    local = engine.quantile_estimator
-    if local is not None:  # the stage's one count becomes one of the K counts of the joint release
-        estimator = StageQuantileEstimator(
-            engine.groups[0], local.settings, engine.plan.count_noise, engine.randomness,
-            engine.plan.expected_batch_size, release, None if local.scale is None else layout.sensitivity)
-        engine.optimizer.components = [estimator]
-        engine.clipping_engine.set_thresholds(estimator.thresholds())
-    stage = PrivatePipelineStage(engine, layout, loss_fn)
-    engine.data_loader.batch_sampler.randomness = _SharedSampling(engine.randomness, layout, stage.device)
-    return stage
+    release = StageRelease(run.groups, run.plan.gradient_noise, run.randomness, noise_allocation, layout)
+    estimator = None if local is None else StageQuantileEstimator(  # one of the K counts of the joint release
+        run.groups[0], local.settings, run.plan.count_noise, run.randomness, run.plan.expected_batch_size,
+        release, None if local.scale is None else layout.sensitivity)
+    device = next(stage_module.parameters()).device
+    engine = assemble(run, stage_module, optimizer, data_loader, release, estimator,
+                      sampling=_SharedSampling(run.randomness, layout, device))
+    return PrivatePipelineStage(engine, layout, loss_fn)

@@ -14,10 +14,10 @@ from .clipping.groups import ClipGroup, sensitivity
 from .components.dog import DistanceOverGradients
 from .components.hyfreedp import AutoLearningRate
 from .components.thresholds import QuantileEstimator
+from .config import read_description
 from .data.poisson import PoissonDataLoader, StepSchedule
 from .errors import PrivacyError
-from .parallel.ddp import DataParallel
-from .parallel.fsdp import ShardedDataParallel
+from .parallel.base import Parallelism
 from .persample.engine import ClippingEngine
 from .privacy.canaries import GradientCanaries
 from .privacy.ledger import Ledger
@@ -57,16 +57,20 @@ class DPEngine:
     """
 
     def __init__(self, *, model: nn.Module, optimizer: DPOptimizer, data_loader: Any,
-                 clipping_engine: ClippingEngine, ledger: Ledger, randomness: NoiseSource,
+                 clipper: ClippingEngine, ledger: Ledger, randomness: NoiseSource,
                  schedule: StepSchedule, groups: list[ClipGroup], plan: Plan,
-                 parallel: DataParallel | ShardedDataParallel | None = None,
-                 canaries: GradientCanaries | None = None):
+                 parallel: Parallelism, canaries: GradientCanaries | None = None):
         self.model, self.optimizer, self.data_loader = model, optimizer, data_loader
-        self.clipping_engine, self.ledger, self.randomness = clipping_engine, ledger, randomness
+        self.clipper, self.ledger, self.randomness = clipper, ledger, randomness
         self.schedule, self.groups, self.plan = schedule, groups, plan
-        self.parallel = parallel  # the data-parallel rank and world size (None: one process)
+        self.parallel = parallel  # how the run spans processes (its kind, rank and world size)
         # make_private(audit_canaries=m): the canaries' releases, for tunefree.audit.audit_training
         self.canaries = canaries
+
+    @property
+    def clipping_engine(self) -> ClippingEngine:
+        """The per-sample clipper hooked into the model (:attr:`clipper`; the older name)."""
+        return self.clipper
 
     @property
     def noise_multiplier(self) -> float:
@@ -100,8 +104,8 @@ class DPEngine:
 
     @property
     def clip_thresholds(self) -> dict[str, float]:
-        """Each clip group's current threshold, by group name."""
-        return dict(self.clipping_engine.thresholds)
+        """Each clip group's current threshold, by group name (those the next step clips with)."""
+        return dict(self.optimizer.thresholds)
 
     @property
     def quantile_estimator(self) -> QuantileEstimator | None:
@@ -110,9 +114,17 @@ class DPEngine:
         return next((c for c in components if isinstance(c, QuantileEstimator)), None)
 
     @property
+    def lr_rule(self) -> AutoLearningRate | DistanceOverGradients | None:
+        """The learning-rate rule of the run: DoG for ``lr="auto"``, HyFreeDP for
+        ``AutoLR(mode="safeguarded"/"paper")`` (``None`` when the optimizer's own learning rate is kept)."""
+        return next((c for c in self.optimizer.components
+                     if isinstance(c, (AutoLearningRate, DistanceOverGradients))), None)
+
+    @property
     def auto_lr(self) -> AutoLearningRate | None:
-        """The automatic learning rate of ``lr="auto"`` (``None`` with a fixed learning rate); e.g.
-        ``engine.auto_lr.record_training_losses(losses)`` hands it L(w) from the training forward."""
+        """HyFreeDP's learning rate (``AutoLR(mode="safeguarded"/"paper")``; ``None`` otherwise, and under
+        ``lr="auto"``, which is DoG: :attr:`dog_lr`); e.g. ``engine.auto_lr.record_training_losses(losses)``
+        hands it L(w) from the training forward. Deprecated name: use :attr:`lr_rule`."""
         return next((c for c in self.optimizer.components if isinstance(c, AutoLearningRate)), None)
 
     @property
@@ -155,9 +167,8 @@ class DPEngine:
     def detach(self) -> nn.Module:
         """Remove every hook; the model is a plain module (or DDP model) again and the private optimizer
         is done."""
-        self.clipping_engine.detach()
-        if self.parallel is not None:
-            self.parallel.release_model()
+        self.clipper.detach()
+        self.parallel.release_model()
         return self.model
 
     def state_dict(self) -> dict[str, Any]:
@@ -168,37 +179,28 @@ class DPEngine:
         noise, so keep the state as private as the data."""
         return {"ledger": self.ledger.state_dict(), "randomness": self.randomness.state_dict(),
                 "schedule": self.schedule.state_dict(),
-                "components": {name: c.state_dict() for name, c in self._components().items()},
+                "components": self.optimizer.component_states(),
                 "plan": self.plan.describe(), "fingerprint": self.plan.fingerprint()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; a state of another plan (other noise, sampling, length, data
         set, groups, clipping, thresholds or learning-rate policy) is refused, naming what differs."""
         self._check_same_plan(state)
-        components = self._components()
-        if set(state["components"]) != set(components):
-            raise ValueError(
-                f"this checkpoint holds the state of the step components {sorted(state['components'])}, "
-                f"this run has {sorted(components)}; resume with the same settings")
+        self.optimizer.load_component_states(state["components"])  # checked first: refused as a whole
         self.randomness.load_state_dict(state["randomness"])  # refuses a secret run resuming a seeded one
         # A 0.1 ledger names no caveat of its own: its run's randomness says whether it was seeded.
         self.ledger.load_state_dict({"seeded": not self.randomness.secret, **state["ledger"]})
         self.schedule.load_state_dict(state["schedule"])
         self._check_resumed_steps()
-        for name, component in components.items():
-            component.load_state_dict(state["components"][name])
-        estimator = self.quantile_estimator
-        if estimator is not None:
-            self.clipping_engine.set_thresholds(estimator.thresholds())
         # The resumed model (loaded with the checkpoint's weights) is the state the guard compares with.
         self.optimizer.state_guard.snapshot()
 
     def _check_same_plan(self, state: Mapping[str, Any]) -> None:
-        """The checkpoint's plan is this run's (a checkpoint of 0.1, whose data digest read three examples,
-        is compared on those)."""
+        """The checkpoint's plan is this run's. A checkpoint of 0.1 (plan description format 1, a data
+        digest of three examples) is read as today's description and compared on those examples."""
         if state.get("fingerprint") == self.plan.fingerprint():
             return
-        theirs, mine = dict(state.get("plan", {})), self.plan.describe()
+        theirs, mine = read_description(state.get("plan", {})), self.plan.describe()
         if is_digest_of_0_1(theirs.get("settings.data"), self.data_loader.dataset, self.plan.num_examples):
             theirs["settings.data"] = mine["settings.data"]
         if theirs != mine:
@@ -220,6 +222,3 @@ class DPEngine:
                 "the ledger saved with it")
         self.optimizer.updates_before_run = 0  # the checkpoint's ledger accounts for every update
         check_updates_recorded(self.optimizer.original, steps)
-
-    def _components(self) -> dict[str, Any]:
-        return {type(c).__name__: c for c in self.optimizer.components}

@@ -24,7 +24,6 @@ from torch.utils.data import TensorDataset
 
 from .tables import DataError
 
-FORMATS = ("digits", "idx", "cifar10", "csv", "jsonl", "parquet", "hf")
 TABLE_FORMATS = ("csv", "jsonl", "parquet")
 PUBLIC_DIGITS = tuple(str(d) for d in range(10))  # the classes of digits and of the CIFAR-10 format
 

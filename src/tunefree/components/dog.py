@@ -37,11 +37,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import dp_accounting as dpa
 import torch
 
+from .._validate import flag, positive
+from ..parallel.base import DDP, ONE_PROCESS
 from ..privacy.mechanisms import GradientRelease
 from ..step.component import StepComponent, StepContext
 
@@ -54,32 +57,57 @@ WALK_MARGIN = 1.0  # the distance counts once it exceeds the noise walk by this 
 NOISE_BUDGET = 4.0  # κ: the planned run's noise walk may reach κ·(1 + ‖x_0‖) (RESULTS §5e)
 
 
+@dataclass(frozen=True)
+class DoG:
+    """``lr="auto"``: the step size of plain SGD from the released gradients alone (noise-aware DoG),
+    bounded by a noise budget that keeps the planned run's noise walk within κ·(1 + ‖x₀‖)
+    (``noise_budget`` κ; ``None`` turns it off). It releases nothing: no ε, no extra forward, no
+    closure. ``initial_distance`` is DoG's first move relative to 1 + ‖x₀‖. Both constants were chosen
+    on validation splits (benchmarks/RESULTS.md §5c, §5e)."""
+
+    mode: ClassVar[str] = "dog"
+    # it reads only the released gradient and the weights, the same on every DDP rank; under FSDP2 both are
+    # sharded and its norms would be this rank's only
+    parallelisms: ClassVar[tuple[str, ...]] = (ONE_PROCESS, DDP)
+    releases_per_update: ClassVar[int] = 0  # values released at each learning-rate update
+
+    initial_distance: float = INITIAL_DISTANCE
+    noise_budget: float | None = NOISE_BUDGET
+    noise_aware: bool = True  # False: DoG on the noisy gradient as it is (a baseline, benchmarks/utility.py)
+
+    def __post_init__(self) -> None:
+        positive("AutoLR.initial_distance", self.initial_distance)
+        if self.noise_budget is not None:
+            positive("AutoLR.noise_budget", self.noise_budget)
+        flag("AutoLR.noise_aware", self.noise_aware)
+
+    def share(self) -> None:
+        """No share of the budget: DoG is post-processing."""
+        return None
+
+
 class DistanceOverGradients(StepComponent):
     """Sets the learning rate of every parameter group of the wrapped optimizer (meant for SGD) by DoG.
 
     Args:
         release: the gradient mechanism, read for its per-group noise standard deviations (public).
         expected_batch_size: q·N, by which the released sums are divided.
-        noise_aware: subtract the known noise energy from the gradient energy and from the distance.
-        initial_distance: DoG's r_ε relative to 1 + ‖x_0‖ (public; the default was chosen on the
-            validation splits of the benchmark tasks, benchmarks/RESULTS.md §5c).
+        settings: DoG's initial distance r_ε (relative to 1 + ‖x_0‖), its noise budget κ (the noise
+            walk the planned run may reach relative to 1 + ‖x_0‖; ``None``: no budget) and whether it is
+            noise-aware (subtracts the known noise energy from the gradient energy and the distance).
         planned_steps: the planned length T of the run, over which the noise budget is spent (``None``:
             no budget).
-        noise_budget: κ, the noise walk the planned run may reach relative to 1 + ‖x_0‖ (``None``: no
-            budget; the default was chosen on the validation splits, benchmarks/RESULTS.md §5e).
     """
 
-    def __init__(self, release: GradientRelease, expected_batch_size: float, noise_aware: bool = True,
-                 initial_distance: float = INITIAL_DISTANCE, planned_steps: int | None = None,
-                 noise_budget: float | None = NOISE_BUDGET):
-        if not (initial_distance > 0 and math.isfinite(initial_distance)):
-            raise ValueError(f"initial_distance must be a positive finite number, got {initial_distance}")
-        if noise_budget is not None and not (noise_budget > 0 and math.isfinite(noise_budget)):
-            raise ValueError(f"noise_budget must be a positive finite number or None, got {noise_budget}")
+    state_key = "DistanceOverGradients"
+
+    def __init__(self, release: GradientRelease, expected_batch_size: float, settings: DoG = DoG(), *,
+                 planned_steps: int | None = None):
         if planned_steps is not None and not (isinstance(planned_steps, int) and planned_steps >= 1):
             raise ValueError(f"planned_steps must be a positive integer or None, got {planned_steps}")
+        initial_distance, noise_budget = settings.initial_distance, settings.noise_budget
         self.release, self.expected_batch_size = release, expected_batch_size
-        self.noise_aware, self.initial_distance = noise_aware, initial_distance
+        self.noise_aware, self.initial_distance = settings.noise_aware, initial_distance
         self.planned_steps = planned_steps
         self.noise_budget = None if planned_steps is None else noise_budget
         self.walk_budget = math.inf  # (κ·(1 + ‖x_0‖))², set at the first step

@@ -31,19 +31,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import dp_accounting as dpa
 import torch
 
+from .._validate import count, one_of, positive
 from ..errors import PrivacyError
-from ..privacy.mechanisms import LOSS_PRIVACY, release_loss_sum
+from ..parallel.base import DDP, ONE_PROCESS
+from ..privacy.mechanisms import LOSS_PRIVACY, SINGLE_PROCESS, Reduction, release_loss_sum
+from ..privacy.plan import LossShare
 from ..privacy.randomness import NoiseSource
 from ..step.component import StepComponent, StepContext, UpdateControl
 
 MODES = ("safeguarded", "paper")
 PROBES = ("losses", "differences")
-DEFAULT_INTERVAL = 5  # K: see benchmarks/RESULTS.md for the measurement behind it
 INITIAL_LR = 1e-4  # the paper's initial η (Section 5)
 INITIAL_LOSS_BOUND = 1.0  # the paper's initial loss clipping threshold R_l (also the first R_d)
 SIGNIFICANCE = 2.0  # a fitted slope or curvature counts when it exceeds this many noise deviations
@@ -53,6 +55,51 @@ GROWTH = 1.25  # factor on η when the fit cannot be resolved but the loss falls
 MAX_RELATIVE_UPDATE = 0.05  # no unresolved growth once a step moves the weights by 5% of their norm
 DIFFERENCE_BOUND_FACTOR = 4.0  # R_d ≥ this × the larger privatised mean difference (scaled to the new η)
 DIFFERENCE_SIGNAL_TO_NOISE = 4.0  # R_d as large as keeps the mean difference this many noise deviations up
+
+
+@dataclass(frozen=True)
+class HyFreeDP:
+    """HyFreeDP (GeN-DP) for any optimizer: every ``interval`` steps the learning rate is fitted to
+    privatised losses of the current batch (``step(closure)`` must return per-sample losses); the
+    gradient noise grows by ``gradient_noise_increase`` (> 1) so that the whole run spends what plain
+    DP-SGD would. ``mode="paper"`` sets η to the fitted value (HyFreeDP, Algorithm 1),
+    ``"safeguarded"`` adds the safeguards of :meth:`AutoLearningRate.propose`. ``probes``: ``"losses"``
+    releases three clipped losses per update (the paper), ``"differences"`` two clipped per-sample loss
+    differences Lᵢ(w ± Δ) − Lᵢ(w). ``initial_lr`` is η before the first fit (the paper's 10⁻⁴);
+    ``loss_privacy`` is ``"gaussian"`` or ``"laplace"``. None of them changes ε: every release is
+    accounted on the plan. On the benchmark tasks it does not match a tuned learning rate
+    (benchmarks/RESULTS.md §5)."""
+
+    # under DDP every rank's loss sums are summed and noised once; under FSDP2 its trial update would read
+    # norms of sharded parameters
+    parallelisms: ClassVar[tuple[str, ...]] = (ONE_PROCESS, DDP)
+
+    interval: int = 5  # K: see benchmarks/RESULTS.md for the measurement behind it
+    loss_privacy: str = "gaussian"
+    gradient_noise_increase: float = 1.01
+    mode: str = "safeguarded"
+    probes: str = "losses"
+    initial_lr: float = INITIAL_LR
+
+    def __post_init__(self) -> None:
+        count("AutoLR.interval", self.interval)
+        one_of("AutoLR.loss_privacy", self.loss_privacy, LOSS_PRIVACY)
+        if positive("AutoLR.gradient_noise_increase", self.gradient_noise_increase) <= 1:
+            raise ValueError("AutoLR.gradient_noise_increase must be > 1 (it pays for the loss releases), "
+                             f"got {self.gradient_noise_increase}")
+        one_of("AutoLR.mode", self.mode, MODES)
+        one_of("AutoLR.probes", self.probes, PROBES)
+        positive("AutoLR.initial_lr", self.initial_lr)
+
+    @property
+    def releases_per_update(self) -> int:
+        """Values released at each learning-rate update: three losses or two differences."""
+        return 3 if self.probes == "losses" else 2
+
+    def share(self) -> LossShare:
+        """Its share of the budget: the loss releases of every ``interval``-th step."""
+        return LossShare(self.interval, self.loss_privacy, self.gradient_noise_increase,
+                         self.releases_per_update)
 
 
 @dataclass
@@ -83,36 +130,28 @@ class AutoLearningRate(StepComponent):
     """Sets the learning rate of every parameter group of the wrapped optimizer by GeN-DP.
 
     Args:
-        interval: K, the learning rate is refitted every K steps (the first step included).
+        settings: the rule (interval K, loss privacy, probes, mode, initial η).
         loss_noise: σ_l, the noise of each release relative to its clipping bound (R_l or R_d)
             (Gaussian standard deviation, or Laplace scale for ``loss_privacy="laplace"``).
         expected_batch_size: q·N; the noisy sums are divided by it.
         randomness: the run's source of noise.
-        loss_privacy: ``"gaussian"`` (L2 clipping, the default) or ``"laplace"`` (L1, Table 1).
-        initial_lr: η before the first fit (public: chosen without data).
-        mode: ``"paper"`` (η = the fitted b/a) or ``"safeguarded"``.
-        probes: ``"losses"`` (three releases per update) or ``"differences"`` (two).
+        parallelism: the run's; under several processes each loss sum is every process's, noised once.
     """
 
-    def __init__(self, interval: int, loss_noise: float, expected_batch_size: float,
-                 randomness: NoiseSource, loss_privacy: str = "gaussian",
-                 initial_lr: float = INITIAL_LR, mode: str = "safeguarded", probes: str = "losses"):
-        if int(interval) != interval or interval < 1:
-            raise ValueError(f"lr_update_interval must be a positive integer, got {interval}")
-        if loss_privacy not in LOSS_PRIVACY:
-            raise ValueError(f"loss_privacy must be one of {LOSS_PRIVACY}, got {loss_privacy!r}")
-        if mode not in MODES:
-            raise ValueError(f"AutoLR mode must be one of {MODES}, got {mode!r}")
-        if probes not in PROBES:
-            raise ValueError(f"AutoLR probes must be one of {PROBES}, got {probes!r}")
-        if not (initial_lr > 0 and math.isfinite(initial_lr)):
-            raise ValueError(f"initial_lr must be a positive finite number, got {initial_lr}")
-        self.interval, self.loss_noise = int(interval), loss_noise
+    state_key = "AutoLearningRate"
+    closure_gives_per_sample_losses = True
+
+    def __init__(self, settings: HyFreeDP, loss_noise: float, expected_batch_size: float,
+                 randomness: NoiseSource, parallelism: Reduction = SINGLE_PROCESS):
+        self.settings, self.loss_noise = settings, loss_noise
+        self.interval, self.loss_privacy = settings.interval, settings.loss_privacy
+        self.mode, self.probes = settings.mode, settings.probes
         self.expected_batch_size, self.randomness = expected_batch_size, randomness
-        self.loss_privacy, self.mode, self.probes = loss_privacy, mode, probes
-        self.state = AutoLRState(lr=initial_lr)
+        self.parallelism = parallelism
+        self.state = AutoLRState(lr=settings.initial_lr)
         self._relative_update = 0.0
         self._training_losses: list[torch.Tensor] = []
+        self._events: list[dpa.DpEvent] = []  # the events of the releases of the update in progress
 
     @property
     def lr(self) -> float:
@@ -121,12 +160,7 @@ class AutoLearningRate(StepComponent):
     @property
     def releases_per_update(self) -> int:
         """Private values released at each learning-rate update: 3 losses or 2 differences."""
-        return 3 if self.probes == "losses" else 2
-
-    def loss_event(self) -> dpa.DpEvent:
-        if self.loss_privacy == "gaussian":
-            return dpa.GaussianDpEvent(self.loss_noise)
-        return dpa.LaplaceDpEvent(self.loss_noise)
+        return self.settings.releases_per_update
 
     def record_training_losses(self, losses: torch.Tensor) -> None:
         """Hand over the per-sample losses of the training forward at ``w`` (of one physical batch;
@@ -151,17 +185,17 @@ class AutoLearningRate(StepComponent):
             here = None
             if training:
                 here = _checked(torch.cat(training), step.report.examples, "record_training_losses")
-            values = self._probe(step.update, step.closure, step.report.examples, here)
+            values, events = self._probe(step.update, step.closure, step.report.examples, here)
             self._update(values, step.report.step)
-            events = [self.loss_event()] * self.releases_per_update
         step.update.set_lr(self.state.lr)
         return events
 
     def _probe(self, update: UpdateControl, closure: Callable[[], Any], examples: int,
-               here: torch.Tensor | None = None) -> list[float]:
+               here: torch.Tensor | None = None) -> tuple[list[float], list[dpa.DpEvent]]:
         """Privatised mean values at w − Δ, w and w + Δ (Δ the update at the current η): losses, or
-        differences to ``L(w)`` (whose own value is then 0 and not released). ``here`` is ``L(w)``
-        per sample from the training forward, if handed over."""
+        differences to ``L(w)`` (whose own value is then 0 and not released), with the events of their
+        releases as the mechanism returned them. ``here`` is ``L(w)`` per sample from the training
+        forward, if handed over."""
         params = update.params
         saved = [p.detach().clone() for p in params]
         update.set_lr(self.state.lr)
@@ -183,17 +217,21 @@ class AutoLearningRate(StepComponent):
                 for p, w in zip(params, saved):
                     p.copy_(w)
         if self.probes == "differences":
-            return [self._privatise(back - here), 0.0, self._privatise(forward - here)]
-        return [self._privatise(back), self._privatise(here), self._privatise(forward)]
+            released = [self._privatise(back - here), None, self._privatise(forward - here)]
+        else:
+            released = [self._privatise(back), self._privatise(here), self._privatise(forward)]
+        values = [0.0 if r is None else r[0] for r in released]
+        return values, [r[1] for r in released if r is not None]
 
-    def _privatise(self, values: torch.Tensor) -> float:
-        """Clip each value to |vᵢ| ≤ R, sum, add noise σ_l·R, divide by q·N (equation 7)."""
+    def _privatise(self, values: torch.Tensor) -> tuple[float, dpa.DpEvent]:
+        """Clip each value to |vᵢ| ≤ R, sum, add noise σ_l·R, divide by q·N (equation 7); the mean
+        and the event of its release."""
         bound = self.state.loss_bound
         values = values.detach().to(torch.float64)
         clipped = values * (bound / values.abs().clamp_min(bound))
-        noisy, _ = release_loss_sum(float(clipped.sum()), bound, self.loss_noise, self.loss_privacy,
-                                    self.randomness)
-        return noisy / self.expected_batch_size
+        noisy, event = release_loss_sum(float(clipped.sum()), bound, self.loss_noise, self.loss_privacy,
+                                        self.randomness, self.parallelism)
+        return noisy / self.expected_batch_size, event
 
     # ------------------------------------------------------------------ the fit
     def noise_of_mean(self) -> float:

@@ -19,30 +19,58 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import dp_accounting as dpa
 import torch
 
+from .._validate import flag, fraction, positive
 from ..clipping.groups import ClipGroup
-from ..privacy.mechanisms import release_counts
+from ..parallel.base import DDP, FSDP2, ONE_PROCESS
+from ..privacy.mechanisms import SINGLE_PROCESS, Reduction, release_counts
+from ..privacy.plan import CountShare
 from ..privacy.randomness import NoiseSource
 from ..step.component import StepComponent, StepContext, StepReport
 
-DEFAULT_TARGET_QUANTILE = 0.5
-DEFAULT_QUANTILE_LR = 0.3
-DEFAULT_QUANTILE_BUDGET = 0.01
+
+@dataclass(frozen=True)
+class Fixed:
+    """Clip thresholds fixed at ``max_grad_norm`` throughout: nothing is released for them."""
+
+    parallelisms: ClassVar[tuple[str, ...]] = (ONE_PROCESS, DDP, FSDP2)  # the kinds it runs under
+
+    def share(self, num_groups: int) -> None:
+        """No share of the budget."""
+        return None
 
 
 @dataclass(frozen=True)
-class QuantileSettings:
-    """Private quantile estimation: target quantile q, learning rate η, budget fraction r; ``rescale``
-    keeps Abadi clipping's total sensitivity fixed (``C̃ₖ = C·Qₖ/‖Q‖``, see ``QuantileEstimator``)."""
+class AdaptiveQuantile:
+    """Thresholds tracking a private ``target`` quantile of each group's norms, moved by the geometric
+    step ``lr`` (η); ``budget`` (r) is the fraction of the privacy budget spent on the count releases
+    (the total ε is unchanged).
 
-    target_quantile: float = DEFAULT_TARGET_QUANTILE
-    learning_rate: float = DEFAULT_QUANTILE_LR
-    budget: float = DEFAULT_QUANTILE_BUDGET
+    ``rescale`` (Abadi clipping with several groups): the estimates Qₖ set only the groups' relative
+    thresholds, ``C̃ₖ = C·Qₖ/√(Σⱼ Qⱼ²)`` with C the initial total sensitivity (group-wise paper), so
+    the total sensitivity, and the noise, stay fixed. The normalising clip functions always do this."""
+
+    # its counts are summed over the processes and noised once (Parallelism.noisy_values)
+    parallelisms: ClassVar[tuple[str, ...]] = (ONE_PROCESS, DDP, FSDP2)
+
+    target: float = 0.5
+    lr: float = 0.3
+    budget: float = 0.01
     rescale: bool = False
+
+    def __post_init__(self) -> None:
+        fraction("AdaptiveQuantile.target", self.target)
+        positive("AdaptiveQuantile.lr", self.lr)
+        fraction("AdaptiveQuantile.budget", self.budget)
+        flag("AdaptiveQuantile.rescale", self.rescale)
+
+    def share(self, num_groups: int) -> CountShare:
+        """Its share of each step's budget: ``num_groups`` counts at a fraction ``budget`` of it."""
+        return CountShare(self.budget, num_groups)
 
 
 class QuantileEstimator(StepComponent):
@@ -60,25 +88,38 @@ class QuantileEstimator(StepComponent):
 
     Args:
         groups: the clip groups; each one's configured ``threshold`` is its initial estimate Qₖ.
-        settings: target quantile q, learning rate η and budget fraction r.
-        count_std: σ_b, the noise standard deviation of each group's count (0 only when privacy is
-            off, for debugging).
+        settings: target quantile q, learning rate η and budget fraction r (``rescale`` is decided by
+            ``scale``).
+        count_noise: σ_c, the noise multiplier of the joint release of the groups' counts (each count
+            gets noise of standard deviation σ_b = σ_c·√K/2; 0 only when privacy is off, for debugging).
         randomness: the run's source of noise.
         expected_batch_size: q·N; the noisy count is divided by it, never by the private batch size.
         scale: ``None`` for ``Cₖ = Qₖ``; otherwise the constant total sensitivity ``√(Σₖ Cₖ²)``.
+        parallelism: the run's; under several processes each count is the sum of every process's
+            (the norms never leave their process), noised once.
     """
 
-    def __init__(self, groups: Sequence[ClipGroup], settings: QuantileSettings, count_std: float,
-                 randomness: NoiseSource, expected_batch_size: float, scale: float | None = None):
-        if not (count_std >= 0 and math.isfinite(count_std)):
-            raise ValueError(f"count_std must be a finite number ≥ 0, got {count_std}")
+    state_key = "QuantileEstimator"
+
+    joint_counts: int | None = None  # counts in the joint release (None: this estimator's groups)
+
+    def __init__(self, groups: Sequence[ClipGroup], settings: AdaptiveQuantile, count_noise: float,
+                 randomness: NoiseSource, expected_batch_size: float, scale: float | None = None,
+                 parallelism: Reduction = SINGLE_PROCESS):
+        if not (count_noise >= 0 and math.isfinite(count_noise)):
+            raise ValueError(f"count_noise must be a finite number ≥ 0, got {count_noise}")
         if scale is not None and not (scale > 0 and math.isfinite(scale)):
             raise ValueError(f"scale must be a positive number or None, got {scale}")
-        self.groups, self.settings, self.count_std = list(groups), settings, count_std
+        self.groups, self.settings, self.count_noise = list(groups), settings, count_noise
         self.randomness, self.expected_batch_size = randomness, expected_batch_size
-        self.scale = scale
+        self.scale, self.parallelism = scale, parallelism
         self.quantiles = {g.name: g.threshold for g in self.groups}
         self.unclipped_fractions: dict[str, float] | None = None
+
+    @property
+    def count_std(self) -> float:
+        """σ_b, the noise standard deviation of each count: σ_c·√K/2 for K counts released jointly."""
+        return self.count_noise * math.sqrt(self.joint_counts or len(self.groups)) / 2
 
     def thresholds(self) -> dict[str, float]:
         """The clip threshold of each group (by name) that follows from the current estimates."""
@@ -104,19 +145,18 @@ class QuantileEstimator(StepComponent):
         return counts
 
     def after_update(self, step: StepContext) -> list[dpa.DpEvent]:
-        """Release the counts against the estimates this step clipped with, update them, and set the
-        step's ``next_thresholds``."""
-        events = self.update(step.report)
-        step.next_thresholds = self.thresholds()
-        return events
+        """Release the counts against the estimates this step clipped with and update them (the next
+        step's thresholds follow from them: :meth:`thresholds`)."""
+        return self.update(step.report)
 
     def update(self, report: StepReport) -> list[dpa.DpEvent]:
         """Release the counts of ``report``'s norms against the current estimates and move them."""
-        counts, event = release_counts(self.centred_counts(report), self.count_std, self.randomness)
+        counts, event = release_counts(self.centred_counts(report), self.count_noise, self.randomness,
+                                       self.joint_counts, self.parallelism)
         fractions = (counts / self.expected_batch_size + 0.5).tolist()
-        q, eta = self.settings.target_quantile, self.settings.learning_rate
-        for g, fraction in zip(self.groups, fractions, strict=True):
-            self.quantiles[g.name] *= math.exp(-eta * (fraction - q))
+        q, eta = self.settings.target, self.settings.lr
+        for g, below in zip(self.groups, fractions, strict=True):
+            self.quantiles[g.name] *= math.exp(-eta * (below - q))
         self.unclipped_fractions = {g.name: f for g, f in zip(self.groups, fractions, strict=True)}
         return [event]
 

@@ -1,1 +1,1 @@
-"""Poisson sampling and data set loading."""
+"""Poisson sampling: the sampler and loader of a private run, and its logical-step schedule."""

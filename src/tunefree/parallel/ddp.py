@@ -1,12 +1,14 @@
 """Data-parallel private training on ``torch.distributed`` (DDP under ``torchrun``).
 
 Each rank Poisson-samples its shard of the data set (``data.poisson``), clips its own examples and books
-their clipped sums as in one process. At the step, :class:`DistributedRelease` adds the Gaussian noise
-of every coordinate on exactly one rank (secret: each rank its own slice; seeded: rank 0) and all-reduces
-the sums in flat buckets launched asynchronously, so that every rank receives ``Σ (clipped sums of all
-ranks) + one noise draw``: the release of one process on the union batch, with total noise variance
-σ²S² whatever the world size. Each example sits on one rank, so the sensitivity is that of one process,
-and every rank records the same event in its ledger. DDP's own gradient synchronisation is switched off
+their clipped sums as in one process. At the step, the release (:meth:`DataParallel.noisy_sum`) adds the
+Gaussian noise of every coordinate on exactly one rank (secret: each rank its own slice; seeded: rank 0)
+and all-reduces the sums in flat buckets launched asynchronously, so that every rank receives
+``Σ (clipped sums of all ranks) + one noise draw``: the release of one process on the union batch, with
+total noise variance σ²S² whatever the world size. The step components' few numbers (clip counts, loss
+sums) are summed and noised once the same way (:meth:`DataParallel.noisy_values`). Each example sits on
+one rank, so the sensitivity is that of one process, and every rank records the same event in its
+ledger. DDP's own gradient synchronisation is switched off
 while tunefree owns the model: the engine takes the parameters out of autograd's graph, so DDP has no
 raw gradient to reduce; the clipped sums are reduced here instead. DDP still broadcasts rank 0's
 weights at wrapping.
@@ -18,7 +20,6 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import dp_accounting as dpa
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -27,21 +28,31 @@ from torch.nn.parallel import DistributedDataParallel
 from ..clipping.groups import ClipGroup
 from ..dtypes import accumulation_dtype
 from ..errors import PrivacyError
-from ..privacy.mechanisms import GradientRelease, add_bucket_noise
+from ..persample.accumulator import LocalSums, Sink
+from ..privacy.mechanisms import add_bucket_noise, clipped_sum
 from ..privacy.randomness import NoiseSource
+from .base import DDP
 
 # The size of one all-reduce bucket, DDP's default (bucket_cap_mb=25).
 BUCKET_BYTES = 25 * 2**20
 
 
 class DataParallel:
-    """A ``DistributedDataParallel`` model taken over by tunefree: the wrapped module is hooked, and
-    DDP's own gradient synchronisation is off from :meth:`take_over` to :meth:`release_model`. DDP
-    reduces raw gradients, and there are none: the engine keeps the parameters out of autograd's graph.
-    Switched off, DDP does no reducer bookkeeping per pass, and a raw gradient that reached a parameter
-    anyway is refused by the engine's leak check on this rank, never averaged across ranks first."""
+    """A ``DistributedDataParallel`` model taken over by tunefree (a :class:`~.base.Parallelism`): the
+    wrapped module is hooked, and DDP's own gradient synchronisation is off from :meth:`take_over` to
+    :meth:`release_model`. DDP reduces raw gradients, and there are none: the engine keeps the parameters
+    out of autograd's graph. Switched off, DDP does no reducer bookkeeping per pass, and a raw gradient
+    that reached a parameter anyway is refused by the engine's leak check on this rank, never averaged
+    across ranks first.
 
-    def __init__(self, wrapper: DistributedDataParallel):
+    Args:
+        wrapper: the DDP model.
+        bucket_bytes: the size of one all-reduce of the release.
+    """
+
+    kind = DDP
+
+    def __init__(self, wrapper: DistributedDataParallel, bucket_bytes: int = BUCKET_BYTES):
         if not dist.is_initialized():
             raise ValueError("the model is wrapped in DistributedDataParallel but torch.distributed is "
                              "not initialised: call torch.distributed.init_process_group first")
@@ -49,6 +60,8 @@ class DataParallel:
         self.group = wrapper.process_group
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self._synced = wrapper.require_backward_grad_sync
+        self.bucket_bytes = bucket_bytes
+        self._buckets: tuple[tuple[int, ...], list[list[nn.Parameter]]] | None = None
 
     @property
     def shard(self) -> tuple[int, int]:
@@ -62,6 +75,86 @@ class DataParallel:
     def release_model(self) -> None:
         """Give DDP its gradient synchronisation back (the model is a plain DDP model again)."""
         self.wrapper.require_backward_grad_sync = self._synced
+
+    def sink(self, groups: Sequence[ClipGroup]) -> Sink:
+        """Each rank keeps its sums whole until the step, where they are all-reduced in buckets."""
+        return LocalSums()
+
+    def noisy_sum(self, sums: Mapping[nn.Parameter, torch.Tensor], stds: Sequence[tuple[nn.Parameter, float]],
+                  randomness: NoiseSource) -> dict[nn.Parameter, torch.Tensor]:
+        """The noisy sum of every rank's clipped sums (identical on every rank), all-reduced in flat buckets
+        launched asynchronously (the noise of a bucket is drawn while the previous ones travel). Who draws
+        the noise (``privacy.mechanisms.add_bucket_noise``, asking the source's ``owned_range``): with a
+        secret source, each rank its own 1/W slice of every bucket; with a replayable (seeded) one, rank 0
+        all of it, as one process with that seed would. A rank that fails or never arrives makes the
+        collective fail (after the process group's timeout) before anything is released or recorded."""
+        std_of = dict(stds)
+        in_flight = []
+        for bucket in self.buckets([p for p, _ in stds]):
+            flat = torch.cat([clipped_sum(p, sums.get(p)).reshape(-1) for p in bucket])
+            add_bucket_noise(flat, [(p, std_of[p]) for p in bucket], randomness, self.shard)
+            in_flight.append((bucket, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+        noisy = {}
+        for bucket, flat, work in in_flight:
+            work.wait()
+            for p, piece in zip(bucket, flat.split([p.numel() for p in bucket])):
+                noisy[p] = piece.view(p.shape)
+        return noisy
+
+    def noisy_values(self, values: torch.Tensor, noise: torch.Tensor,
+                     randomness: NoiseSource) -> torch.Tensor:
+        """Every rank's ``values`` summed, each coordinate's noise added by the rank that owns it."""
+        return reduce_values(values, noise, randomness, self.shard, self.group, self._collective_device())
+
+    def agree(self, flag: bool) -> bool:
+        """Whether ``flag`` is True on every rank (a collective)."""
+        return all_ranks(flag, self.group, self._collective_device())
+
+    def from_first(self, value: int) -> int:
+        """Rank 0's ``value``, on every rank (a collective)."""
+        return first_rank(value, self.group)
+
+    def buckets(self, params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """The release's all-reduce buckets of ``params`` (in release order), made once."""
+        key = tuple(id(p) for p in params)
+        if self._buckets is None or self._buckets[0] != key:
+            self._buckets = (key, _buckets(params, self.bucket_bytes))
+        return self._buckets[1]
+
+    def bytes_per_step(self, groups: Sequence[ClipGroup]) -> int:
+        """Bytes each rank contributes to the all-reduce of one step (the size of the sums)."""
+        return sum(p.numel() * accumulation_dtype(p.dtype).itemsize for g in groups for p in g.params)
+
+    def _collective_device(self) -> torch.device:
+        """Where the process group communicates: the parameters' device (NCCL: a GPU)."""
+        return next(self.module.parameters()).device
+
+
+def reduce_values(values: torch.Tensor, noise: torch.Tensor, randomness: NoiseSource, shard: tuple[int, int],
+                  group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    """``values`` (float64, CPU) summed over the ranks of ``group``, plus ``noise`` counted once: each rank
+    adds the noise of the coordinates it owns (``NoiseSource.owned_range``: a secret source's own slice, a
+    replayable source's all on rank 0, as one process adds them) before the all-reduce."""
+    low, high = randomness.owned_range(values.numel(), shard)
+    local = values.to(torch.float64).clone().reshape(-1)
+    local[low:high] += noise.reshape(-1)[low:high]
+    local = local.to(device)
+    dist.all_reduce(local, group=group)
+    return local.cpu().reshape(values.shape)
+
+
+def first_rank(value: int, group: dist.ProcessGroup) -> int:
+    """Rank 0 of ``group``'s ``value``, on every rank of it (a collective)."""
+    shared = [value]
+    dist.broadcast_object_list(shared, group_src=0, group=group)
+    return int(shared[0])
+
+
+def all_ranks(flag: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether ``flag`` is True on every rank of ``group`` (a collective: every rank must call it)."""
+    agreed = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    return bool(agreed.item())
 
 
 def data_parallel(model: nn.Module) -> DataParallel | None:
@@ -102,52 +195,6 @@ def _buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn.
             last.append(p)
             size += nbytes
     return buckets
-
-
-class DistributedRelease(GradientRelease):
-    """The gradient release of a data-parallel run: every coordinate gets its noise from exactly one
-    rank, and the sums of every rank are all-reduced, in flat buckets launched asynchronously (the
-    noise of a bucket is drawn while the previous ones travel). Every rank gets the same noisy sum, and
-    the same event, as one process releasing the union batch: total noise variance σ²S² whatever the
-    world size.
-
-    Who draws the noise (``privacy.mechanisms.add_bucket_noise``, asking the source's ``owned_range``):
-    with a secret source, each rank its own 1/W slice of every bucket (the noise work scales out); with
-    a replayable (seeded) one, rank 0 all of it, as one process with that seed would.
-
-    Args:
-        groups, noise_multiplier, randomness, allocation: as for :class:`GradientRelease`.
-        parallel: the run's process group, rank and world size.
-        bucket_bytes: the size of one all-reduce.
-    """
-
-    def __init__(self, groups: Sequence[ClipGroup], noise_multiplier: float, randomness: NoiseSource,
-                 allocation: str, parallel: DataParallel, bucket_bytes: int = BUCKET_BYTES):
-        super().__init__(groups, noise_multiplier, randomness, allocation)
-        self.parallel = parallel
-        self.buckets = _buckets([p for g in self.groups for p in g.params], bucket_bytes)
-
-    def release(self, sums: dict[nn.Parameter, torch.Tensor], thresholds: Mapping[str, float]
-                ) -> tuple[dict[nn.Parameter, torch.Tensor], dpa.DpEvent]:
-        """The noisy sum of every rank's clipped sums (identical on every rank). A rank that fails or
-        never arrives makes the collective fail (after the process group's timeout) before anything is
-        released or recorded here."""
-        stds = dict(self.param_stds(thresholds))
-        in_flight = []
-        for bucket in self.buckets:
-            flat = torch.cat([self.clipped_sum(p, sums.get(p)).reshape(-1) for p in bucket])
-            add_bucket_noise(flat, [(p, stds[p]) for p in bucket], self.randomness, self.parallel.shard)
-            in_flight.append((bucket, flat, dist.all_reduce(flat, group=self.parallel.group, async_op=True)))
-        noisy = {}
-        for bucket, flat, work in in_flight:
-            work.wait()
-            for p, piece in zip(bucket, flat.split([p.numel() for p in bucket])):
-                noisy[p] = piece.view(p.shape)
-        return noisy, self.event()
-
-    def bytes_per_step(self) -> int:
-        """Bytes each rank contributes to the all-reduce of one step (the size of the sums)."""
-        return sum(p.numel() * accumulation_dtype(p.dtype).itemsize for b in self.buckets for p in b)
 
 
 def check_same_run(parallel: DataParallel, identity: Mapping[str, Any]) -> None:

@@ -13,13 +13,15 @@ for them and FSDP2's own reduce-scatter has nothing to reduce (it is switched of
 norms need no communication: a layer rule computes them from the layer's inputs and output gradients,
 which are whole on each rank (each rank holds its own examples and the full layer during its call).
 
-The clipped sums never wait, full size, for the step: :class:`ShardedAccumulator` reduce-scatters each
-parameter's sum into FSDP2's dim-0 shards the moment the engine completes it (per-layer groups: in the
-backward pass, as each layer is clipped; all-layer groups: as each weighted sum is formed) and keeps only
-this rank's shard, the sum over all ranks of its own rows. At the step, :class:`ShardedRelease` has the
-ranks agree that none found an ordinary gradient, then adds the Gaussian noise of this rank's shard
-(each coordinate noised by exactly one rank: total variance σ²S² whatever the world size) and writes the
-result as the sharded ``.grad``. Every rank records the same event.
+The clipped sums never wait, full size, for the step: the accumulator's sink (:class:`ShardSink`)
+reduce-scatters each parameter's sum into FSDP2's dim-0 shards the moment the engine completes it
+(per-layer groups: in the backward pass, as each layer is clipped; all-layer groups: as each weighted sum
+is formed) and keeps only this rank's shard, the sum over all ranks of its own rows. At the step, the
+release (:meth:`ShardedDataParallel.noisy_sum`) has the ranks agree that none found an ordinary
+gradient, then adds the Gaussian noise of this rank's shard (each coordinate noised by exactly one rank:
+total variance σ²S² whatever the world size) and writes the result as the sharded ``.grad``. Every rank
+records the same event. The step components' few numbers (clip counts) are summed over the ranks and
+noised once (:meth:`ShardedDataParallel.noisy_values`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 
-import dp_accounting as dpa
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -36,24 +37,23 @@ from torch.autograd.graph import get_gradient_edge
 from ..clipping.groups import ClipGroup
 from ..dtypes import accumulation_dtype
 from ..errors import PrivacyError
-from ..persample.accumulator import StepAccumulator, StepResult
-from ..privacy.mechanisms import GradientRelease, add_shard_noise
+from ..privacy.mechanisms import add_shard_noise
 from ..privacy.randomness import NoiseSource
 from ..rules import rule_for
-from ..rules.embedding import EmbeddingRule
-from ..rules.hf_conv1d import HFConv1DRule
-from ..rules.linear import LinearRule
-from ..rules.norms import GroupNormRule, InstanceNormRule, LayerNormRule, RMSNormRule
+from .base import FSDP2
+from .ddp import all_ranks, first_rank, reduce_values
 
 _RECIPE = ("call fully_shard on each layer (or block) and then on the root module, e.g. "
            "`for layer in model: fully_shard(layer)`, then `fully_shard(model)` (docs/distributed.md)")
 
 
 class ShardedDataParallel:
-    """A model sharded by FSDP2 and taken over by tunefree: its examples are split across the ranks
-    of the model's process group, and FSDP2's own gradient reduce-scatter is off from
-    :meth:`take_over` to :meth:`release_model` (the engine leaves no raw gradient to reduce; one that
-    appears anyway stays on its rank and is refused before the release)."""
+    """A model sharded by FSDP2 and taken over by tunefree (a :class:`~.base.Parallelism`): its examples
+    are split across the ranks of the model's process group, and FSDP2's own gradient reduce-scatter is
+    off from :meth:`take_over` to :meth:`release_model` (the engine leaves no raw gradient to reduce; one
+    that appears anyway stays on its rank and is refused before the release)."""
+
+    kind = FSDP2
 
     def __init__(self, model: nn.Module):
         from torch.distributed.fsdp import FSDPModule
@@ -99,13 +99,47 @@ class ShardedDataParallel:
         for state, group, auto, mesh_info in self._resharding.values():
             state._auto_reshard_after_forward, group.post_forward_mesh_info = auto, mesh_info
 
-    def every_rank(self, flag: bool) -> bool:
+    def agree(self, flag: bool) -> bool:
         """Whether ``flag`` is True on every rank (a collective: every rank must call it). FSDP2's forward
         passes gather parameters from every rank, so a forward that one rank runs alone (the
         independence check) would wait forever: the ranks decide together."""
-        agreed = torch.tensor([int(flag)], dtype=torch.int32, device=self._collective_device())
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(agreed.item())
+        return all_ranks(flag, self.group, self._collective_device())
+
+    def from_first(self, value: int) -> int:
+        """Rank 0's ``value``, on every rank (a collective)."""
+        return first_rank(value, self.group)
+
+    def sink(self, groups: Sequence[ClipGroup]) -> ShardSink:
+        """Each clipped sum reduce-scattered into this rank's shard as it is booked."""
+        return ShardSink(self, groups)
+
+    def noisy_sum(self, sums: Mapping[nn.Parameter, torch.Tensor], stds: Sequence[tuple[nn.Parameter, float]],
+                  randomness: NoiseSource) -> dict[nn.Parameter, torch.Tensor]:
+        """This rank's shard of the noisy sum of every rank's clipped sums; ``sums`` holds this rank's
+        shards (:meth:`ShardSink.collect`; a parameter without one has sum zero on every rank), and each
+        released ``.grad`` is a DTensor placed as its parameter. The ranks first agree that none holds a
+        raw gradient (one all-reduce): if any does, every rank refuses the step before any noise is drawn,
+        anything is released or recorded. A rank that fails or never arrives makes that agreement fail
+        (after the process group's timeout).
+
+        Who draws the noise: with a secret source, each rank its own shard, from its own secret key.
+        Seeded, every rank draws the whole noise in one process's order and keeps its own rows: the noise
+        is that of one process with that seed, and every rank's stream stays at the same place."""
+        leaked = self.raw_gradients()
+        if not self.agree(not leaked):
+            where = f"parameters {leaked}" if leaked else "parameters on another rank"
+            raise PrivacyError(
+                f"{where} received ordinary (non-private) gradients in FSDP2's unsharded tensors: a "
+                "parameter was used outside the forward of the module that owns it. Use it only "
+                "through its module; nothing of this step is released")
+        shards = {p: sums[p] if p in sums else _zero_shard(p) for p, _ in stds}
+        add_shard_noise(shards, stds, randomness, self.shard)
+        return {p: _as_sharded(shards[p], p) for p, _ in stds}
+
+    def noisy_values(self, values: torch.Tensor, noise: torch.Tensor,
+                     randomness: NoiseSource) -> torch.Tensor:
+        """Every rank's ``values`` summed, each coordinate's noise added by the rank that owns it."""
+        return reduce_values(values, noise, randomness, self.shard, self.group, self._collective_device())
 
     def _collective_device(self) -> torch.device:
         return next(self.module.parameters()).device
@@ -142,20 +176,16 @@ def _receives_raw_gradient(fsdp_param) -> bool:
             and torch._C._will_engine_execute_node(get_gradient_edge(unsharded).node))
 
 
-# Layer rules whose per-sample gradients need the layer's inputs and output gradients only (of the
-# parameters, their shapes): FSDP2 holds the full parameters only during the layer's forward, not when
-# the engine clips in the backward pass. Convolutions (their weighted sum runs the convolution backward
-# with the weight) and recurrent layers (per-example autograd through the weights) are not among them.
-_INPUTS_ONLY_RULES = (LinearRule, EmbeddingRule, LayerNormRule, GroupNormRule, RMSNormRule, InstanceNormRule,
-                      HFConv1DRule)
-
-
 def _check_layer_rules(model: nn.Module) -> None:
-    """Every module owning trainable parameters needs a layer rule that reads no parameter value."""
+    """Every module owning trainable parameters needs a layer rule that reads no parameter value
+    (``LayerRule.reads_parameters`` False: its per-sample gradients need the layer's inputs and output
+    gradients only): FSDP2 holds the full parameters only during the layer's forward, not when the engine
+    clips in the backward pass. Convolutions (their weighted sum runs the convolution backward with the
+    weight) and recurrent layers (per-example autograd through the weights) read them."""
     for name, module in model.named_modules():
         direct = {n for n, p in module.named_parameters(recurse=False) if p.requires_grad}
         rule = rule_for(module, direct) if direct else None
-        if direct and not isinstance(rule, _INPUTS_ONLY_RULES):
+        if direct and (rule is None or rule.reads_parameters):
             what = ("has no layer rule (tunefree's generic fallback re-runs it per example with its "
                     "parameters)" if rule is None else "has a layer rule that reads its parameters")
             raise ValueError(
@@ -204,13 +234,13 @@ def sharded_data_parallel(model: nn.Module) -> ShardedDataParallel | None:
     return ShardedDataParallel(model)
 
 
-class ShardedAccumulator(StepAccumulator):
-    """The step's bookings of an FSDP2 run, each clipped sum kept as this rank's shard only: the engine
-    books each parameter's full-size sum the moment it is complete, and it is reduce-scattered at once
-    into FSDP2's dim-0 shards (:func:`_launch_reduce_scatter`), so that rank r receives the sum over all
-    ranks of its own rows; the full-size sum is freed as soon as its reduce-scatter completes. At most
-    one reduce-scatter is in flight (asynchronous: it travels while the engine forms the next sum), so a
-    rank holds at most two full-size sums at once, not the model's.
+class ShardSink:
+    """The sink of an FSDP2 run's clipped sums, each kept as this rank's shard only: the engine books each
+    parameter's full-size sum the moment it is complete, and it is reduce-scattered at once into FSDP2's
+    dim-0 shards (:func:`_launch_reduce_scatter`), so that rank r receives the sum over all ranks of its
+    own rows; the full-size sum is freed as soon as its reduce-scatter completes. At most one
+    reduce-scatter is in flight (asynchronous: it travels while the engine forms the next sum), so a rank
+    holds at most two full-size sums at once, not the model's.
 
     The collectives match across ranks because the engine books every parameter once per backward pass,
     in an order that does not depend on the data (clip group after clip group as the backward pass
@@ -219,13 +249,12 @@ class ShardedAccumulator(StepAccumulator):
     Fail closed: before sending the first sum of a step, the rank looks for ordinary (non-private)
     gradients, held or coming in the running backward pass (:meth:`ShardedDataParallel.raw_gradients`);
     if it finds any it sends zeros in place of every sum of the step, keeping its place in the
-    collectives, and :class:`ShardedRelease` refuses the step on every rank. What travels is internal to
-    the run: nothing is released before the release's noise, which every rank adds only once all have
-    agreed to release.
+    collectives, and the release refuses the step on every rank. What travels is internal to the run:
+    nothing is released before the release's noise, which every rank adds only once all have agreed to
+    release.
     """
 
     def __init__(self, parallel: ShardedDataParallel, groups: Sequence[ClipGroup]):
-        super().__init__()
         self.parallel, self.groups = parallel, list(groups)
         self._shards: dict[nn.Parameter, torch.Tensor] = {}
         self._in_flight: tuple | None = None  # (parameter, padded shard, work, inputs kept alive)
@@ -258,13 +287,12 @@ class ShardedAccumulator(StepAccumulator):
         earlier = self._shards.get(p)
         self._shards[p] = local if earlier is None else earlier.add_(local)
 
-    def pop(self) -> StepResult:
-        """The step's bookings, with this rank's shard of every sum the ranks sent (a parameter no
-        backward pass of the step reached on any rank has none: its sum is zero)."""
+    def collect(self) -> dict[nn.Parameter, torch.Tensor]:
+        """This rank's shard of every sum the ranks sent (a parameter no backward pass of the step
+        reached on any rank has none: its sum is zero)."""
         self._receive_in_flight()
-        result = super().pop()
-        result.sums, self._shards, self._withheld = self._shards, {}, None
-        return result
+        shards, self._shards, self._withheld = self._shards, {}, None
+        return shards
 
     def bytes_per_step(self) -> int:
         """Bytes each rank puts into the reduce-scatters of one step: the clipped sums, in their
@@ -293,50 +321,9 @@ def _launch_reduce_scatter(full: torch.Tensor, group: dist.ProcessGroup, world: 
     return shard, dist.reduce_scatter(shard, chunks, group=group, async_op=True), chunks
 
 
-class ShardedRelease(GradientRelease):
-    """The gradient release of an FSDP2 run: each rank holds its shard of every parameter's sum over all
-    ranks (:class:`ShardedAccumulator`) and adds the noise of its own shard's coordinates, so that every
-    coordinate receives exactly one draw (total variance σ²S² whatever the world size) and rank r ends
-    with rank r's rows of one process's release on the union batch. The released ``.grad`` of each
-    parameter is a DTensor placed as the parameter.
-
-    Who draws the noise: with secret randomness, each rank its own shard, from its own secret key.
-    Seeded, every rank draws the whole noise in one process's order and keeps its own rows: the noise
-    is that of one process with that seed, and every rank's stream stays at the same place.
-
-    Args:
-        groups, noise_multiplier, randomness, allocation: as for :class:`GradientRelease`.
-        parallel: the run's sharded model (process group, rank and world size).
-    """
-
-    def __init__(self, groups: Sequence[ClipGroup], noise_multiplier: float, randomness: NoiseSource,
-                 allocation: str, parallel: ShardedDataParallel):
-        super().__init__(groups, noise_multiplier, randomness, allocation)
-        self.parallel = parallel
-
-    def release(self, sums: dict[nn.Parameter, torch.Tensor], thresholds: Mapping[str, float]
-                ) -> tuple[dict[nn.Parameter, torch.Tensor], dpa.DpEvent]:
-        """This rank's shard of the noisy sum of every rank's clipped sums; ``sums`` holds this rank's
-        shards (:meth:`ShardedAccumulator.pop`; a parameter without one has sum zero on every rank).
-        The ranks first agree that none holds a raw gradient (one all-reduce): if any does, every rank
-        refuses the step before any noise is drawn, anything is released or recorded. A rank that
-        fails or never arrives makes that agreement fail (after the process group's timeout)."""
-        leaked = self.parallel.raw_gradients()
-        if not self.parallel.every_rank(not leaked):
-            where = f"parameters {leaked}" if leaked else "parameters on another rank"
-            raise PrivacyError(
-                f"{where} received ordinary (non-private) gradients in FSDP2's unsharded tensors: a "
-                "parameter was used outside the forward of the module that owns it. Use it only "
-                "through its module; nothing of this step is released")
-        stds = self.param_stds(thresholds)
-        shards = {p: sums[p] if p in sums else self._zero_shard(p) for p, _ in stds}
-        add_shard_noise(shards, stds, self.randomness, self.parallel.shard)
-        return {p: _as_sharded(shards[p], p) for p, _ in stds}, self.event()
-
-    @staticmethod
-    def _zero_shard(p: nn.Parameter) -> torch.Tensor:
-        local = p.to_local()
-        return torch.zeros(local.shape, dtype=accumulation_dtype(p.dtype), device=local.device)
+def _zero_shard(p: nn.Parameter) -> torch.Tensor:
+    local = p.to_local()
+    return torch.zeros(local.shape, dtype=accumulation_dtype(p.dtype), device=local.device)
 
 
 def _as_sharded(local: torch.Tensor, like: nn.Parameter) -> torch.Tensor:

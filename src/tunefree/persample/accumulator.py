@@ -2,9 +2,10 @@
 
 The engine writes into it during and after each backward pass (each parameter's clipped sum ``Σᵢ wᵢ gᵢ``
 the moment its clip group is clipped, the number of examples and each clip group's per-sample norms); the
-optimizer pops it once per logical step and releases the sums through the gradient mechanism (an FSDP2
-run books into ``distributed_fsdp.ShardedAccumulator``, which keeps only this rank's shard of each sum).
-It also enforces that each physical batch is booked by one backward pass only, so that no example adds
+optimizer pops it once per logical step and releases the sums through the gradient mechanism. Where the
+sums go is the accumulator's *sink*, given by the run's parallelism: :class:`LocalSums` (one process,
+DDP) or FSDP2's reduce-scatter (``parallel/fsdp.py``), which keeps only this rank's shard of each sum. It
+also enforces that each physical batch is booked by one backward pass only, so that no example adds
 more than one clipped gradient per step.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -29,11 +31,42 @@ class StepResult:
     group_norms: dict[str, torch.Tensor]
 
 
-class StepAccumulator:
-    """The clipped sums, booked example count and per-group norms of the current logical step."""
+class Sink(Protocol):
+    """Where the clipped sums of a step go."""
+
+    def add(self, p: nn.Parameter, contribution: torch.Tensor | None) -> None:
+        """``p``'s complete clipped sum of one backward pass (``None``: no example reached ``p``)."""
+
+    def collect(self) -> dict[nn.Parameter, torch.Tensor]:
+        """The step's sums (a parameter without one has sum zero), and start a new step."""
+
+
+class LocalSums:
+    """The sums of this process, kept whole until the step."""
 
     def __init__(self) -> None:
         self._sums: dict[nn.Parameter, torch.Tensor] = {}
+
+    def add(self, p: nn.Parameter, contribution: torch.Tensor | None) -> None:
+        if contribution is None:
+            return
+        total = self._sums.get(p)
+        if total is None:
+            self._sums[p] = contribution.to(accumulation_dtype(p.dtype)).reshape(p.shape)
+        else:
+            total.add_(contribution.reshape(p.shape))
+
+    def collect(self) -> dict[nn.Parameter, torch.Tensor]:
+        sums, self._sums = self._sums, {}
+        return sums
+
+
+class StepAccumulator:
+    """The clipped sums (in ``sink``, by default :class:`LocalSums`), booked example count and per-group
+    norms of the current logical step."""
+
+    def __init__(self, sink: Sink | None = None) -> None:
+        self.sink = LocalSums() if sink is None else sink
         self._examples = 0
         self._norms: dict[str, list[torch.Tensor]] = defaultdict(list)
         self._booked: set[int] = set()
@@ -49,13 +82,7 @@ class StepAccumulator:
         """Add a clipped, weighted per-sample gradient sum for ``p`` (``None``: no example of this
         backward pass reached ``p``). The engine books every trainable parameter once per backward pass,
         clip group after clip group, each in its parameters' order."""
-        if contribution is None:
-            return
-        total = self._sums.get(p)
-        if total is None:
-            self._sums[p] = contribution.to(accumulation_dtype(p.dtype)).reshape(p.shape)
-        else:
-            total.add_(contribution.reshape(p.shape))
+        self.sink.add(p, contribution)
 
     def add_norms(self, group: str, norms: torch.Tensor) -> None:
         self._norms[group].append(norms.detach())
@@ -65,7 +92,7 @@ class StepAccumulator:
 
     def pop(self) -> StepResult:
         """Hand over the step's bookings and start a new step."""
-        result = StepResult(self._sums, self._examples,
+        result = StepResult(self.sink.collect(), self._examples,
                             {name: torch.cat(values) for name, values in self._norms.items()})
-        self._sums, self._examples, self._norms, self._booked = {}, 0, defaultdict(list), set()
+        self._examples, self._norms, self._booked = 0, defaultdict(list), set()
         return result

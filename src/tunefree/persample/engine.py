@@ -22,7 +22,7 @@ nothing). The trainable set is fixed when the engine is built.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..clipping.functions import ClipFunction
 from ..clipping.groups import ClipGroup
 from ..dtypes import accumulation_dtype, norm_dtype
-from ..errors import PrivacyError
+from ..errors import ModelRefused, PrivacyError
 from ..rules import Capture, LayerRule, PerSampleGrad, rule_for
 from ..rules.generic import fallback_per_sample_grads
 from ..rules.layout import Axis, CallLayout, Dim
@@ -54,8 +54,9 @@ from .layout import (
     only_from_batch,
 )
 
-# Modules whose statistics mix the examples of a batch, with the replacement to suggest.
-SAMPLE_MIXING = {
+# Modules whose statistics mix the examples of a batch, with the replacement to suggest (add one with
+# tunefree.extend.register_example_mixing).
+SAMPLE_MIXING: dict[type[nn.Module], str] = {
     nn.modules.batchnorm._BatchNorm: "nn.GroupNorm (or nn.LayerNorm)",
 }
 
@@ -208,25 +209,29 @@ class ClippingEngine:
             ``"sum"`` if it is their sum. Per-sample gradients are those of each example's own loss.
         accumulator: where each backward pass books its clipped sums (``make_private`` passes the one
             the private optimizer releases from); a new one by default, for standalone use.
-        Each group's clip threshold starts at its configured ``threshold``; ``set_thresholds`` moves them.
+        batch_dim: where the layers' tensors carry the examples, for layers whose type does not fix it
+            (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, HF ``Conv1D``, modules of
+            the generic fallback): one dimension for the whole model (and its inputs), or a mapping from
+            module names to dimensions (``""``: the model itself; a module takes its closest named
+            ancestor's entry). Recurrent layers and attention follow their ``batch_first``,
+            convolutions and GroupNorm dimension 0. A wrong declaration is refused (example counts, the
+            example-independence check), never trusted.
+        batch_source: where the number of examples of each physical batch comes from (a private run: the
+            Poisson loader's schedule). Every captured layer call must show exactly that many at its
+            example dimension, and each physical batch may be booked by one backward pass only. Without
+            it, the examples are those of the model call (dimension 0 of its tensor inputs) and a logical
+            step books one backward pass.
+        path_chooser: how layers with two exact norm paths (ghost norm, materialised per-sample
+            gradients) pick one: timed once per layer shape by default; ``PathChooser(measure=False)``
+            follows the cost formula (deterministic), ``PathChooser(fixed="ghost")`` forces a path.
+            Privacy does not depend on it.
+        retain_inputs: keep the inputs of the first model call from now on in ``retained_inputs``
+            (the private optimizer's independence check reads them before its first release).
+        forward_checks: run at the start of each captured forward pass, after the trainable-set check
+            (a private run's state guard: the model changed only through the optimizer's update).
 
-    ``batch_source`` (set by ``make_private`` to the Poisson loader's schedule) gives the number of
-    examples of each physical batch: every captured layer call must show exactly that many at its
-    example dimension, and each physical batch may be booked by one backward pass only. Without it,
-    the examples are those of the model call (dimension 0 of its tensor inputs) and a logical step
-    books one backward pass.
-
-    ``batch_dim``: where the layers' tensors carry the examples, for layers whose type does not fix it
-    (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, HF ``Conv1D``, modules of the generic
-    fallback): one dimension for the whole model (and its inputs), or a mapping from module names to
-    dimensions (``""``: the model itself; a module takes its closest named ancestor's entry). Recurrent layers
-    and attention follow their ``batch_first``, convolutions and GroupNorm dimension 0. A wrong
-    declaration is refused (example counts, the example-independence check), never trusted.
-
-    ``path_chooser``: how layers with two exact norm paths (ghost norm, materialised per-sample
-    gradients) pick one: timed once per layer shape by default; ``PathChooser(measure=False)`` follows the
-    cost formula (deterministic), ``PathChooser(fixed="ghost")`` forces a path. Privacy does not depend
-    on it.
+    Each group's clip threshold starts at its configured ``threshold``; the private step hands the
+    thresholds of each following step over with :meth:`begin_step`.
 
     ``grad_scaler`` (set by ``DPOptimizer.attach_grad_scaler``): the ``torch.amp.GradScaler`` whose
     factor multiplies the loss. Each backward pass divides it out of the output gradients before any
@@ -236,7 +241,9 @@ class ClippingEngine:
 
     def __init__(self, model: nn.Module, groups: list[ClipGroup], clip: ClipFunction,
                  loss_reduction: str = "mean", accumulator: StepAccumulator | None = None,
-                 batch_dim: BatchDim = 0):
+                 batch_dim: BatchDim = 0, *, batch_source: BatchSource | None = None,
+                 path_chooser: PathChooser | None = None, retain_inputs: bool = False,
+                 forward_checks: Sequence[Callable[[], None]] = ()):
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.model, self.groups, self.clip = model, groups, clip
@@ -249,20 +256,20 @@ class ClippingEngine:
         self._anchor = torch.zeros((), requires_grad=True)
         self._handles: list[Any] = []
         self.accumulator = StepAccumulator() if accumulator is None else accumulator
-        self.batch_source: BatchSource | None = None
+        self.batch_source = batch_source
         self._pass = _PassState()
         self._recomputing = False
         self._suspended = 0
         self._broadcast: _Broadcast | None = None
-        self.retain_inputs = False
+        self.retain_inputs = retain_inputs  # keep the next root call's inputs (the independence check)
         self.retained_inputs: Capture | None = None
         self.retained_examples: int | None = None  # their examples, by provenance
         self.grad_scaler: torch.amp.GradScaler | None = None
         self.thresholds: dict[str, float] = {g.name: g.threshold for g in groups}
-        self.path_chooser = PathChooser()
+        self.path_chooser = PathChooser() if path_chooser is None else path_chooser
         self._leaked: set[str] = set()
         # Run at the start of each captured forward pass, after the trainable-set check (the state guard).
-        self.forward_checks: list[Callable[[], None]] = []
+        self.forward_checks = tuple(forward_checks)
         self._attach()
 
     # ------------------------------------------------------------------ set-up
@@ -314,8 +321,9 @@ class ClippingEngine:
         finally:
             self._suspended -= 1
 
-    def set_thresholds(self, thresholds: Mapping[str, float]) -> None:
-        """The clip threshold of each group (by name) for the following backward passes."""
+    def begin_step(self, thresholds: Mapping[str, float]) -> None:
+        """The clip threshold of each group (by name) for the backward passes of the next step (the
+        private step, which owns them, hands them over)."""
         if set(thresholds) != set(self.thresholds):
             raise ValueError(f"thresholds must name exactly the clip groups {sorted(self.thresholds)}")
         self.thresholds = {name: float(value) for name, value in thresholds.items()}
@@ -759,11 +767,6 @@ class ClippingEngine:
     def _reset_pass(self) -> None:
         self._pass = _PassState()
 
-    @property
-    def captured_calls(self) -> int:
-        """Layer calls of the current forward pass captured and awaiting its backward pass."""
-        return len(self._pass.uses)
-
     # ------------------------------------------------------------------ results
     def _non_private_grad(self, name: str) -> None:
         self._leaked.add(name)
@@ -785,13 +788,6 @@ class ClippingEngine:
                 "see (was the model in eval mode, or called under torch.no_grad?); run training steps "
                 "with model.train() and let the private optimizer produce the gradients"
             )
-
-    def pop_step(self) -> tuple[dict[nn.Parameter, torch.Tensor], int, dict[str, torch.Tensor]]:
-        """Hand over the clipped sums, example count and per-group norms booked so far
-        (``accumulator.pop()`` as a tuple) — for standalone use of the engine; a private run's
-        optimizer pops the accumulator itself."""
-        result = self.accumulator.pop()
-        return result.sums, result.examples, result.group_norms
 
 
 # Tensor methods and attributes that read a parameter's metadata or switch its flags, not its values.
@@ -989,7 +985,7 @@ def _batch_mismatch(unit: Unit, capture: Capture | None, grad: torch.Tensor, axi
 def check_model(model: nn.Module) -> None:
     """Refuse compiled models and modules that mix examples, with the fix to use."""
     if any(type(module).__name__ == "OptimizedModule" for module in model.modules()):
-        raise PrivacyError(
+        raise ModelRefused(
             "the model (or one of its modules) was compiled with torch.compile before make_private; "
             "compiled code bypasses the hooks that clip each example's gradient: call make_private "
             "on the plain model"
@@ -997,7 +993,7 @@ def check_model(model: nn.Module) -> None:
     for name, module in model.named_modules():
         for kind, fix in SAMPLE_MIXING.items():
             if isinstance(module, kind):
-                raise PrivacyError(
+                raise ModelRefused(
                     f"'{name or type(model).__name__}' is a {type(module).__name__}, which mixes "
                     f"the examples of a batch (its statistics, and so each example's gradient, depend "
                     f"on the other examples); replace it with {fix}"
@@ -1018,7 +1014,7 @@ def build_units(model: nn.Module, declared: DeclaredDims | None = None) -> list[
         if rule is not None:
             rule.check(module, name or "(root)")
         elif module._forward_hooks or module._forward_pre_hooks:
-            raise PrivacyError(
+            raise ModelRefused(
                 f"module '{name or '(root)'}' ({type(module).__name__}) has forward hooks registered "
                 "before make_private, and no layer rule: tunefree re-runs such a module one example at "
                 "a time and cannot replay what a hook does to it; remove the hook, or register it on "

@@ -11,10 +11,13 @@ model's coordinates, with the host group's noise. The noisy block is recorded, t
 reaches the model, the optimizer or the user's outputs.
 
 Privacy: no private example has a gradient on the block, so its release is canary contributions plus
-fresh noise — independent of the private data. It costs the data nothing and the ledger records nothing
-for it (ε is the same with or without canaries). The model's coordinates keep their noise scale (the
-``"weighted"`` noise allocation, whose scales depend on group sizes, is refused). Canary membership and
-sampling come from a stream of their own: secure in a secure run, derived from the seed in a seeded one.
+fresh noise — independent of the private data. Under data parallelism every rank holds the same canaries
+(their randomness is shared: rank 0's secret seed, or the run's seed), only rank 0 adds their
+contributions, and the block is reduced and noised with the model's sums. It costs the data nothing and
+the ledger records nothing for it (ε is the same with or without canaries). The model's coordinates keep
+their noise scale (the ``"weighted"`` noise allocation, whose scales depend on group sizes, is refused).
+Canary membership and sampling come from a stream of their own: secure in a secure run, derived from the
+seed in a seeded one.
 Observations cover the steps since ``make_private``; they are not part of the run's checkpoint.
 """
 
@@ -49,10 +52,6 @@ class GradientCanaries:
 
     def __init__(self, count: int, groups: Sequence[ClipGroup], sample_rate: float,
                  randomness: NoiseSource):
-        if isinstance(count, bool) or not isinstance(count, int):
-            raise TypeError(f"audit_canaries must be an int (the number of canaries), got {count!r}")
-        if count < 2:
-            raise ValueError(f"audit_canaries must be at least 2 (half are members, half not), got {count}")
         self.host = max(groups, key=lambda g: g.threshold)
         anchor = self.host.params[0]
         self.block = nn.Parameter(torch.zeros(count, device=anchor.device, dtype=anchor.dtype),
@@ -78,40 +77,53 @@ class GradientCanaries:
         self.shift.append(threshold / claimed_std)
 
 
-class CanaryRelease(GradientRelease):
-    """The run's gradient release with the canary block in the host group; it releases the block in
-    the same call as the model's coordinates, records it and returns the model's sums only."""
+class CanaryRelease:
+    """A decorator of the run's gradient mechanism: it releases the canary block in the host group, in the
+    same call (and with the same noise scale) as the model's coordinates, records the block and returns
+    the model's sums only. It is what it decorates in every other respect (σ, groups, noise scales)."""
 
-    def __init__(self, release: GradientRelease, canaries: GradientCanaries):
-        if release.noise_multiplier == 0:
-            raise ValueError("audit_canaries needs a noisy run: with noise_multiplier=0 everything is "
-                             "released exactly (ε = ∞) and there is nothing to audit")
-        if release.allocation == "weighted":
-            raise ValueError("audit_canaries cannot be used with noise_allocation='weighted': its noise "
-                             "scales depend on the group sizes, which the canary block would change; use "
-                             "'global' or 'equal-budget'")
-        groups = [replace(g, params=[*g.params, canaries.block]) if g is canaries.host else g
-                  for g in release.groups]
-        super().__init__(groups, release.noise_multiplier, release.randomness, release.allocation)
-        self.model_groups, self.canaries = list(release.groups), canaries
+    def __init__(self, release: GradientRelease, canaries: GradientCanaries,
+                 adds_contributions: bool = True):
+        self.model_release, self.canaries = release, canaries
+        self.adds_contributions = adds_contributions  # under data parallelism, rank 0 only
+        host = canaries.host
+        self._with_block = release.with_groups(
+            [replace(g, params=[*g.params, canaries.block]) if g is host else g for g in release.groups])
+        self.groups, self.noise_multiplier = release.groups, release.noise_multiplier
+        self.randomness, self.allocation = release.randomness, release.allocation
 
     def release(self, sums: dict[nn.Parameter, torch.Tensor], thresholds: Mapping[str, float]
                 ) -> tuple[dict[nn.Parameter, torch.Tensor], dpa.DpEvent]:
         host = self.canaries.host
         block = self.canaries.block
-        noisy, event = super().release({**sums, block: self.canaries.block_sum(thresholds[host.name])},
-                                       thresholds)
+        block_sum = self.canaries.block_sum(thresholds[host.name])
+        if self.adds_contributions:
+            sums = {**sums, block: block_sum}
+        noisy, event = self._with_block.release(sums, thresholds)
         self.canaries.record(noisy.pop(block), thresholds[host.name], self._claimed_std(thresholds))
         return noisy, event
+
+    def noise_stds(self, thresholds: Mapping[str, float]) -> list[float]:
+        """The model's groups' noise standard deviations (the block takes the host group's)."""
+        return self.model_release.noise_stds(thresholds)
+
+    def param_stds(self, thresholds: Mapping[str, float]) -> list[tuple[nn.Parameter, float]]:
+        """The model's parameters with their noise standard deviations (not the block's)."""
+        return self.model_release.param_stds(thresholds)
+
+    def event(self) -> dpa.DpEvent:
+        return self.model_release.event()
 
     def _claimed_std(self, thresholds: Mapping[str, float]) -> float:
         """The host group's noise standard deviation as the plan claims it (from the noise multiplier,
         not from the release's own arithmetic, which is what the audit checks)."""
-        stds = group_noise_stds([thresholds[g.name] for g in self.model_groups],
-                                [g.size for g in self.model_groups], self.noise_multiplier, self.allocation)
-        return stds[[g.name for g in self.model_groups].index(self.canaries.host.name)]
+        groups = self.groups
+        stds = group_noise_stds([thresholds[g.name] for g in groups], [g.size for g in groups],
+                                self.noise_multiplier, self.allocation)
+        return stds[[g.name for g in groups].index(self.canaries.host.name)]
 
 
 def canary_randomness(seed: int | None) -> NoiseSource:
-    """The canaries' own stream: secure unless the run is seeded."""
+    """The canaries' own stream: secure unless the run is seeded (or under data parallelism, where the
+    ranks share one: ``seed`` is then rank 0's :func:`~.randomness.secret_seed` for a secret run)."""
     return side_randomness(seed, CANARY_STREAM)

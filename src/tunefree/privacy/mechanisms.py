@@ -1,12 +1,17 @@
 """Mechanisms: each release of private data adds its noise and returns the DpEvent it must be
-accounted as. The optimizer records the events of one step in the ledger as one sampled event."""
+accounted as. The optimizer records the events of one step in the ledger as one sampled event.
+
+A release of a run that spans processes sums every process's private values and adds the noise of each
+coordinate exactly once, whatever the number of processes: how is the run's parallelism's business
+(``parallel/``: :class:`Reduction` is what a mechanism asks of it); :data:`SINGLE_PROCESS` is one
+process."""
 
 from __future__ import annotations
 
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import dp_accounting as dpa
 import torch
@@ -41,8 +46,59 @@ def group_noise_stds(thresholds: Sequence[float], sizes: Sequence[int], noise_mu
     return [scale * gamma for gamma in gammas]
 
 
+class Reduction(Protocol):
+    """What a mechanism asks of the run's parallelism: the sum over the processes of their private values,
+    with the noise of every coordinate added exactly once."""
+
+    def noisy_sum(self, sums: Mapping[nn.Parameter, torch.Tensor],
+                  stds: Sequence[tuple[nn.Parameter, float]],
+                  randomness: NoiseSource) -> dict[nn.Parameter, torch.Tensor]:
+        """Every parameter of ``stds`` (in release order, each with its noise standard deviation): the
+        sum of every process's ``sums[p]`` (zeros where a process has none) plus Gaussian noise."""
+
+    def noisy_values(self, values: torch.Tensor, noise: torch.Tensor,
+                     randomness: NoiseSource) -> torch.Tensor:
+        """``values`` (float64, CPU) summed over the processes, plus ``noise`` (drawn from ``randomness``
+        by every process, scaled) counted once: each coordinate's from the process that owns it."""
+
+
+class OneProcess:
+    """The reduction of a run in one process: its values are the sums, noised here."""
+
+    def noisy_sum(self, sums: Mapping[nn.Parameter, torch.Tensor],
+                  stds: Sequence[tuple[nn.Parameter, float]],
+                  randomness: NoiseSource) -> dict[nn.Parameter, torch.Tensor]:
+        noisy, to_noise = {}, {}
+        for p, std in stds:
+            noisy[p] = clipped_sum(p, sums.get(p))
+            if std > 0:
+                to_noise.setdefault((noisy[p].device, noisy[p].dtype), []).append((p, std))
+        for (device, dtype), entries in to_noise.items():  # one draw per device and precision
+            draws = randomness.normals([p.shape for p, _ in entries], device, dtype)
+            # noisy = std·noise + sum, all parameters in two calls (the draws are fresh, used once)
+            torch._foreach_mul_(draws, [std for _, std in entries])
+            torch._foreach_add_(draws, [noisy[p] for p, _ in entries])
+            noisy.update((p, noise) for (p, _), noise in zip(entries, draws))
+        return noisy
+
+    def noisy_values(self, values: torch.Tensor, noise: torch.Tensor,
+                     randomness: NoiseSource) -> torch.Tensor:
+        return values + noise
+
+
+SINGLE_PROCESS = OneProcess()
+
+
+def clipped_sum(p: nn.Parameter, total: torch.Tensor | None) -> torch.Tensor:
+    """``p``'s clipped sum in its accumulation precision (zeros if no example reached ``p``)."""
+    if total is None:
+        return torch.zeros(p.shape, device=p.device, dtype=accumulation_dtype(p.dtype))
+    return total
+
+
 class GradientRelease:
-    """Releases the clipped gradient sums with Gaussian noise (the Gaussian mechanism of DP-SGD).
+    """Releases the clipped gradient sums with Gaussian noise (the Gaussian mechanism of DP-SGD), under
+    the run's parallelism.
 
     Args:
         groups: the clip groups whose sums are released.
@@ -51,16 +107,18 @@ class GradientRelease:
         randomness: the run's source of noise.
         allocation: how the noise is spread over groups (``"global"``, ``"equal-budget"``,
             ``"weighted"``); the privacy cost is that of σ whatever the choice.
+        parallelism: how the processes' sums are reduced and noised (one process by default).
     """
 
     def __init__(self, groups: Sequence[ClipGroup], noise_multiplier: float,
-                 randomness: NoiseSource, allocation: str = "global"):
+                 randomness: NoiseSource, allocation: str = "global",
+                 parallelism: Reduction = SINGLE_PROCESS):
         if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
             raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier}")
         if allocation not in NOISE_ALLOCATIONS:
             raise ValueError(f"unknown noise_allocation {allocation!r}: use one of {NOISE_ALLOCATIONS}")
         self.groups, self.noise_multiplier = list(groups), noise_multiplier
-        self.randomness, self.allocation = randomness, allocation
+        self.randomness, self.allocation, self.parallelism = randomness, allocation, parallelism
         self._stds_for: tuple[tuple, list[float]] | None = None  # (key, noise_stds)
 
     def noise_stds(self, thresholds: Mapping[str, float]) -> list[float]:
@@ -77,18 +135,9 @@ class GradientRelease:
         """Noisy sums for every parameter of every group (a parameter without a sum gets noise only).
 
         ``thresholds`` are those the sums were clipped with (by group name): each group's sum has
-        sensitivity ``thresholds[name]``, and the noise is calibrated to them."""
-        noisy, to_noise = {}, {}
-        for p, std in self.param_stds(thresholds):
-            noisy[p] = self.clipped_sum(p, sums.get(p))
-            if std > 0:
-                to_noise.setdefault((noisy[p].device, noisy[p].dtype), []).append((p, std))
-        for (device, dtype), entries in to_noise.items():  # one draw per device and precision
-            draws = self.randomness.normals([p.shape for p, _ in entries], device, dtype)
-            # noisy = std·noise + sum, all parameters in two calls (the draws are fresh, used once)
-            torch._foreach_mul_(draws, [std for _, std in entries])
-            torch._foreach_add_(draws, [noisy[p] for p, _ in entries])
-            noisy.update((p, noise) for (p, _), noise in zip(entries, draws))
+        sensitivity ``thresholds[name]``, and the noise is calibrated to them. Under several processes
+        (the parallelism), the sums of every process are released, each coordinate noised once."""
+        noisy = self.parallelism.noisy_sum(sums, self.param_stds(thresholds), self.randomness)
         return noisy, self.event()
 
     def param_stds(self, thresholds: Mapping[str, float]) -> list[tuple[nn.Parameter, float]]:
@@ -98,12 +147,10 @@ class GradientRelease:
         return [(p, std) for group, std in zip(self.groups, self.noise_stds(thresholds))
                 for p in group.params]
 
-    @staticmethod
-    def clipped_sum(p: nn.Parameter, total: torch.Tensor | None) -> torch.Tensor:
-        """``p``'s clipped sum in its accumulation precision (zeros if no example reached ``p``)."""
-        if total is None:
-            return torch.zeros(p.shape, device=p.device, dtype=accumulation_dtype(p.dtype))
-        return total
+    def with_groups(self, groups: Sequence[ClipGroup]) -> GradientRelease:
+        """The same mechanism over other groups (a decorator's, e.g. the canaries' extended host group)."""
+        return GradientRelease(groups, self.noise_multiplier, self.randomness, self.allocation,
+                               self.parallelism)
 
     def event(self) -> dpa.DpEvent:
         """What one release costs: a Gaussian mechanism of multiplier σ on the total sensitivity."""
@@ -161,17 +208,21 @@ def add_shard_noise(shards: Mapping[nn.Parameter, torch.Tensor], params: Sequenc
             shards[p] += std * noise.view(shards[p].shape)
 
 
-def release_counts(centred_counts: torch.Tensor, count_std: float,
-                   randomness: NoiseSource) -> tuple[torch.Tensor, dpa.DpEvent]:
-    """Releases K centred clip counts (each of sensitivity ½) with Gaussian noise of standard
-    deviation ``count_std``; the event is one Gaussian of multiplier ``count_std/(½√K)``."""
-    if not (count_std >= 0 and math.isfinite(count_std)):
-        raise ValueError(f"count_std must be a finite number ≥ 0, got {count_std}")
+def release_counts(centred_counts: torch.Tensor, noise_multiplier: float, randomness: NoiseSource,
+                   joint: int | None = None, parallelism: Reduction = SINGLE_PROCESS
+                   ) -> tuple[torch.Tensor, dpa.DpEvent]:
+    """Releases centred clip counts (each of sensitivity ½; under several processes, summed over them) as
+    part of one Gaussian release of ``joint`` counts (by default these; a pipeline stage releases its one
+    count of the stages' K) of noise multiplier σ_c: each count gets noise of standard deviation
+    ``σ_c·√joint/2`` (the joint release's sensitivity is √joint/2), once; the event is that of the joint
+    release, Gaussian of multiplier σ_c."""
+    if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+        raise ValueError(f"the counts' noise multiplier must be a finite number ≥ 0, got {noise_multiplier}")
     counts = centred_counts.to(torch.float64)
-    if count_std > 0:
-        counts = counts + count_std * randomness.normal(counts.shape, torch.device("cpu"), torch.float64)
-    multiplier = 2 * count_std / math.sqrt(counts.numel())
-    return counts, dpa.GaussianDpEvent(multiplier)
+    std = noise_multiplier * math.sqrt(counts.numel() if joint is None else joint) / 2
+    noise = std * randomness.normal(counts.shape, torch.device("cpu"), torch.float64) if std > 0 \
+        else torch.zeros_like(counts)
+    return parallelism.noisy_values(counts, noise, randomness), dpa.GaussianDpEvent(noise_multiplier)
 
 
 def release_gaussian(values: torch.Tensor, sensitivity: float, noise_multiplier: float,
@@ -189,19 +240,24 @@ LOSS_PRIVACY = ("gaussian", "laplace")
 
 
 def release_loss_sum(clipped_sum: float, bound: float, noise_multiplier: float, kind: str,
-                     randomness: NoiseSource) -> tuple[float, dpa.DpEvent]:
-    """Releases a sum of losses clipped to ``|Lᵢ| ≤ bound`` with noise of scale ``noise_multiplier·bound``:
-    Gaussian (standard deviation) or Laplace (scale b, drawn as the difference of two exponentials,
-    each ½ of a χ² with two degrees of freedom)."""
+                     randomness: NoiseSource, parallelism: Reduction = SINGLE_PROCESS
+                     ) -> tuple[float, dpa.DpEvent]:
+    """Releases a sum of losses clipped to ``|Lᵢ| ≤ bound`` (under several processes, summed over them) with
+    noise of scale ``noise_multiplier·bound``, once: Gaussian (standard deviation) or Laplace (scale b,
+    drawn as the difference of two exponentials, each ½ of a χ² with two degrees of freedom)."""
     if kind not in LOSS_PRIVACY:
         raise ValueError(f"unknown loss_privacy {kind!r}: use one of {LOSS_PRIVACY}")
     scale = noise_multiplier * bound
     if kind == "gaussian":
         noise = float(randomness.normal(torch.Size([1]), torch.device("cpu"), torch.float64)[0])
-        return clipped_sum + scale * noise, dpa.GaussianDpEvent(noise_multiplier)
-    u = randomness.normal(torch.Size([4]), torch.device("cpu"), torch.float64)
-    noise = float(u[:2].pow(2).sum() - u[2:].pow(2).sum()) / 2
-    return clipped_sum + scale * noise, dpa.LaplaceDpEvent(noise_multiplier)
+        event: dpa.DpEvent = dpa.GaussianDpEvent(noise_multiplier)
+    else:
+        u = randomness.normal(torch.Size([4]), torch.device("cpu"), torch.float64)
+        noise = float(u[:2].pow(2).sum() - u[2:].pow(2).sum()) / 2
+        event = dpa.LaplaceDpEvent(noise_multiplier)
+    noisy = parallelism.noisy_values(torch.tensor([clipped_sum], dtype=torch.float64),
+                                     torch.tensor([scale * noise], dtype=torch.float64), randomness)
+    return float(noisy[0]), event
 
 
 def threshold_event(noise_multiplier: float, threshold_delta: float) -> dpa.DpEvent:

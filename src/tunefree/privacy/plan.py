@@ -1,19 +1,20 @@
 """The planned run as one object: what every step releases, as a function of the run's noise.
 
 A private run is Poisson sampling at rate q for T planned steps over N examples, accounted at δ. Each
-step releases the noisy gradient sum and, depending on the run's components:
+step releases the noisy gradient sum and whatever the run's components release, each component declaring
+its **share** of the budget (:class:`Share`):
 
-- adaptive thresholds (``CountShare``): K clip counts, spending a fraction r of the step's budget
+- adaptive thresholds (:class:`CountShare`): K clip counts, spending a fraction r of the step's budget
   (group-wise clipping paper, Prop. 3.1): the gradient gets ``σ/√(1−r)``, the counts ``σ/√r``, and
   together they are one Gaussian mechanism of multiplier σ;
-- ``lr="auto"`` (``LossShare``): every K-th step, three privatised losses (or two loss differences) of
-  noise σ_l; the gradient
-  noise grows by γ and σ_l is solved so that the whole run spends what the run without them would
-  (HyFreeDP, Algorithm 2).
+- HyFreeDP's learning rate (:class:`LossShare`): every K-th step, three privatised losses (or two loss
+  differences) of noise σ_l; the gradient noise grows by γ and σ_l is solved so that the whole run
+  spends what the run without them would (HyFreeDP, Algorithm 2).
 
-:meth:`Plan.solve` calibrates σ (for a target ε) and then the loss share, once and jointly on the
-planned ledger of the whole run; the result does not depend on the order the components were declared
-in. The plan's :meth:`Plan.fingerprint` identifies the run for checkpoints.
+:meth:`Plan.solve` calibrates σ (for a target ε) and then the noise of each share that has its own, once
+and jointly on the planned ledger of the whole run; the result does not depend on the order the shares
+were declared in. The plan's :meth:`Plan.fingerprint` identifies the run for checkpoints; its
+:meth:`Plan.describe` is format 2 (:meth:`Plan.read_format_1` reads the descriptions of 0.1).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import dp_accounting as dpa
 import numpy as np
@@ -36,12 +37,50 @@ from .calibrate import calibrate
 
 LOSS_RELEASES_PER_UPDATE = 3  # privatised losses at w − Δ, w, w + Δ
 EVERY_EXAMPLE = "every-example:"  # the prefix of a data digest that covers every example
+DESCRIPTION_FORMAT = 2
+
+
+class Share(Protocol):
+    """A component's share of the run's budget: what it releases on each step, as a function of the
+    step's noise multiplier, and what it takes from the gradient's noise for it.
+
+    ``kind`` names it in the plan's description; ``increase`` multiplies the noise of every release of
+    every step (1: none); ``budget`` is the fraction of each step's joint release (of σ⁻²) its releases
+    take (0: none; the gradient gets ``σ/√(1 − Σ budgets)``); ``period``: its releases repeat every this
+    many steps; ``before_update``: it releases before the wrapped optimizer's update (the order the
+    optimizer records releases in); ``noise``: its own noise multiplier, solved by the plan after σ
+    (``None``: it has none, its noise follows from σ)."""
+
+    kind: ClassVar[str]
+    before_update: ClassVar[bool]
+
+    @property
+    def increase(self) -> float: ...
+    @property
+    def budget(self) -> float: ...
+    @property
+    def period(self) -> int: ...
+    @property
+    def noise(self) -> float | None: ...
+
+    def releases(self, step: int, sigma: float) -> list[dpa.DpEvent]:
+        """Its releases on 1-based ``step``, whose joint noise multiplier (σ times every increase) is
+        ``sigma``."""
+
+    def with_noise(self, noise: float) -> Share:
+        """The share with its own noise multiplier set (only for shares whose ``noise`` is not None)."""
+
+    def describe(self) -> dict[str, Any]:
+        """Its settings and noise, as plain values."""
 
 
 @dataclass(frozen=True)
 class CountShare:
     """Adaptive thresholds: each step releases ``num_groups`` clip counts (sensitivity ½ each) with a
     fraction ``budget`` (r) of the step's budget — of σ⁻², the share of Rényi-DP at every order."""
+
+    kind: ClassVar[str] = "counts"
+    before_update: ClassVar[bool] = False  # the counts are released after the update (QuantileEstimator)
 
     budget: float
     num_groups: int
@@ -52,17 +91,44 @@ class CountShare:
         if self.num_groups < 1:
             raise ValueError(f"adaptive thresholds need at least one clip group, got {self.num_groups}")
 
+    increase: ClassVar[float] = 1.0
+    period: ClassVar[int] = 1
+    noise: ClassVar[None] = None
+
+    def multiplier(self, sigma: float) -> float:
+        """The joint noise multiplier of the K count releases: σ/√r."""
+        return sigma / math.sqrt(self.budget)
+
+    def std(self, sigma: float) -> float:
+        """σ_b, the noise standard deviation of each count (sensitivity ½): ``multiplier·√K/2``."""
+        return self.multiplier(sigma) * math.sqrt(self.num_groups) / 2
+
+    def releases(self, step: int, sigma: float) -> list[dpa.DpEvent]:
+        return [dpa.GaussianDpEvent(self.multiplier(sigma))]
+
+    def with_noise(self, noise: float) -> CountShare:  # pragma: no cover - its noise follows from σ
+        raise TypeError("the counts' noise follows from σ")
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "budget": self.budget, "num_groups": self.num_groups}
+
 
 @dataclass(frozen=True)
 class LossShare:
-    """``lr="auto"``: every ``interval``-th step (the first included) releases ``releases`` values
-    (three losses, or two loss differences) with ``privacy`` noise (``"gaussian"`` or ``"laplace"``);
-    the gradient noise is multiplied by ``increase`` (γ > 1) to leave room for them in the budget."""
+    """HyFreeDP's learning rate: every ``interval``-th step (the first included) releases ``releases``
+    values (three losses, or two loss differences) with ``privacy`` noise (``"gaussian"`` or
+    ``"laplace"``) of multiplier ``noise`` (σ_l, solved by the plan); the gradient noise is multiplied by
+    ``increase`` (γ > 1) to leave room for them in the budget."""
+
+    kind: ClassVar[str] = "losses"
+    before_update: ClassVar[bool] = True  # the learning rate is fitted before the update (AutoLearningRate)
+    budget: ClassVar[float] = 0.0
 
     interval: int
     privacy: str = "gaussian"
     increase: float = 1.01
-    releases: int = LOSS_RELEASES_PER_UPDATE
+    releases_per_update: int = LOSS_RELEASES_PER_UPDATE
+    noise: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.interval, bool) or int(self.interval) != self.interval or self.interval < 1:
@@ -71,8 +137,14 @@ class LossShare:
             raise ValueError(f"loss_privacy must be 'gaussian' or 'laplace', got {self.privacy!r}")
         if not (self.increase > 1 and math.isfinite(self.increase)):
             raise ValueError(f"gradient_noise_increase must be a number above 1, got {self.increase}")
-        if isinstance(self.releases, bool) or not isinstance(self.releases, int) or self.releases < 1:
-            raise ValueError(f"releases per learning-rate update must be a positive int, got {self.releases}")
+        if (isinstance(self.releases_per_update, bool) or not isinstance(self.releases_per_update, int)
+                or self.releases_per_update < 1):
+            raise ValueError("releases per learning-rate update must be a positive int, got "
+                             f"{self.releases_per_update}")
+
+    @property
+    def period(self) -> int:
+        return self.interval
 
     def updates(self, steps: int) -> int:
         """Steps among the first ``steps`` that release losses: ⌈T/K⌉."""
@@ -81,6 +153,22 @@ class LossShare:
     def releases_on(self, step: int) -> bool:
         """Whether 1-based ``step`` refits the learning rate (and so releases losses)."""
         return (step - 1) % self.interval == 0
+
+    def event(self) -> dpa.DpEvent:
+        """One loss release."""
+        if self.privacy == "laplace":
+            return dpa.LaplaceDpEvent(self.noise)
+        return dpa.GaussianDpEvent(self.noise)
+
+    def releases(self, step: int, sigma: float) -> list[dpa.DpEvent]:
+        return [self.event()] * self.releases_per_update if self.releases_on(step) else []
+
+    def with_noise(self, noise: float) -> LossShare:
+        return replace(self, noise=noise)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "interval": self.interval, "privacy": self.privacy,
+                "increase": self.increase, "releases": self.releases_per_update, "noise": self.noise}
 
 
 @dataclass(frozen=True)
@@ -94,11 +182,11 @@ class Plan:
         delta: δ of the guarantee.
         accountant: ``"pld"`` or ``"rdp"``.
         noise_multiplier: σ, the multiplier of each step's joint gradient (and count) release before
-            the loss share; what a plain DP-SGD step of the same cost would use.
-        loss_noise: σ_l of each loss release (0 without ``losses``).
-        counts, losses: the components' shares of the budget (``None``: not in this run).
+            the shares' increases; what a plain DP-SGD step of the same cost would use.
+        shares: the components' shares of the budget, in the order their components record their
+            releases within a step's phase (before / after the update).
         settings: the rest of what identifies the run (clip function, groups and their initial
-            thresholds, quantile and learning-rate settings, a digest of the data); it is part of the
+            thresholds, threshold and learning-rate rules, a digest of the data); it is part of the
             fingerprint and changes no noise.
     """
 
@@ -108,73 +196,86 @@ class Plan:
     delta: float
     accountant: str = "pld"
     noise_multiplier: float = 0.0
-    loss_noise: float = 0.0
-    counts: CountShare | None = None
-    losses: LossShare | None = None
+    shares: tuple[Share, ...] = ()
     settings: Mapping[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ the noise of each release
     @property
+    def step_noise(self) -> float:
+        """σ times every share's increase: the multiplier of each step's joint release."""
+        sigma = self.noise_multiplier
+        for share in self.shares:
+            sigma *= share.increase
+        return sigma
+
+    @property
     def gradient_noise(self) -> float:
-        """The gradient release's noise multiplier: γ·σ/√(1−r)."""
-        sigma = self.noise_multiplier * (self.losses.increase if self.losses else 1.0)
-        return sigma / math.sqrt(1 - self.counts.budget) if self.counts else sigma
-
-    @property
-    def count_noise(self) -> float:
-        """The joint noise multiplier of the K count releases: γ·σ/√r (0 without adaptive thresholds)."""
-        if self.counts is None:
-            return 0.0
-        sigma = self.noise_multiplier * (self.losses.increase if self.losses else 1.0)
-        return sigma / math.sqrt(self.counts.budget)
-
-    @property
-    def count_std(self) -> float:
-        """σ_b, the noise standard deviation of each count (sensitivity ½): ``count_noise·√K/2``."""
-        if self.counts is None:
-            return 0.0
-        return self.count_noise * math.sqrt(self.counts.num_groups) / 2
+        """The gradient release's noise multiplier: γ·σ/√(1 − Σ r)."""
+        return self.step_noise / math.sqrt(1 - sum(share.budget for share in self.shares))
 
     @property
     def expected_batch_size(self) -> float:
         """q·N: noisy sums are divided by it, never by the private batch size."""
         return self.sample_rate * self.num_examples
 
-    def loss_event(self) -> dpa.DpEvent:
-        if self.losses is not None and self.losses.privacy == "laplace":
-            return dpa.LaplaceDpEvent(self.loss_noise)
-        return dpa.GaussianDpEvent(self.loss_noise)
+    def share(self, kind: type) -> Any:
+        """The share of type ``kind`` (``None``: not in this run)."""
+        return next((s for s in self.shares if isinstance(s, kind)), None)
+
+    @property
+    def counts(self) -> CountShare | None:
+        return self.share(CountShare)
+
+    @property
+    def losses(self) -> LossShare | None:
+        return self.share(LossShare)
+
+    @property
+    def count_noise(self) -> float:
+        """The joint noise multiplier of the K count releases (0 without adaptive thresholds)."""
+        return 0.0 if self.counts is None else self.counts.multiplier(self.step_noise)
+
+    @property
+    def count_std(self) -> float:
+        """σ_b, the noise standard deviation of each count (0 without adaptive thresholds)."""
+        return 0.0 if self.counts is None else self.counts.std(self.step_noise)
+
+    @property
+    def loss_noise(self) -> float:
+        """σ_l of each loss release (0 without HyFreeDP's learning rate)."""
+        return 0.0 if self.losses is None else self.losses.noise
 
     def step_releases(self, step: int) -> list[dpa.DpEvent]:
-        """The releases of 1-based ``step``, in the order the optimizer records them: the gradient,
-        the losses (on a learning-rate update step), the counts."""
-        releases = [dpa.GaussianDpEvent(self.gradient_noise)]
-        if self.losses is not None and self.losses.releases_on(step):
-            releases += [self.loss_event()] * self.losses.releases
-        if self.counts is not None:
-            releases.append(dpa.GaussianDpEvent(self.count_noise))
+        """The releases of 1-based ``step``, in the order the optimizer records them: the gradient, then
+        the shares released before the update, then those released after it."""
+        sigma = self.step_noise
+        releases: list[dpa.DpEvent] = [dpa.GaussianDpEvent(self.gradient_noise)]
+        for share in sorted(self.shares, key=lambda s: not s.before_update):
+            releases += share.releases(step, sigma)
         return releases
 
     # ------------------------------------------------------------------ the planned ledger
     def event(self, steps: int | None = None) -> dpa.DpEvent:
-        """The ledger of the first ``steps`` steps (the planned T by default), as one event."""
+        """The ledger of the first ``steps`` steps (the planned T by default), as one event: each kind of
+        step (steps repeat with the shares' periods) once, with its count."""
         steps = self.steps if steps is None else steps
         if steps is None:
             raise ValueError("the plan has no planned length: give epochs or steps")
-        kinds: list[tuple[list[dpa.DpEvent], int]] = []
-        if self.losses is None:
-            kinds.append((self.step_releases(1), steps))
-        else:
-            updates = self.losses.updates(steps)
-            kinds.append((self.step_releases(1), updates))
-            if self.losses.interval > 1:
-                kinds.append((self.step_releases(2), steps - updates))
+        period = math.lcm(1, *(share.period for share in self.shares))
+        kinds: list[list[Any]] = []  # [releases, count], in order of first occurrence
+        for step in range(1, min(period, steps) + 1):
+            releases = self.step_releases(step)
+            count = (steps - step) // period + 1
+            same = next((kind for kind in kinds if kind[0] == releases), None)
+            if same is None:
+                kinds.append([releases, count])
+            else:
+                same[1] += count
         parts = []
         for releases, count in kinds:
-            if count > 0:
-                inner = releases[0] if len(releases) == 1 else dpa.ComposedDpEvent(releases)
-                parts.append(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(self.sample_rate, inner),
-                                                     count))
+            inner = releases[0] if len(releases) == 1 else dpa.ComposedDpEvent(releases)
+            sampled = dpa.PoissonSampledDpEvent(self.sample_rate, inner)
+            parts.append(dpa.SelfComposedDpEvent(sampled, count))
         return dpa.ComposedDpEvent(parts)
 
     def epsilon(self, steps: int | None = None) -> float:
@@ -184,37 +285,70 @@ class Plan:
     # ------------------------------------------------------------------ calibration and budget splits
     def solve(self, target_epsilon: float | None = None) -> Plan:
         """The plan with its noise solved, jointly on the planned run: σ for ``target_epsilon`` (with
-        the count share inside each step), then σ_l so that the run with the loss share spends the
-        target (by default what the run at σ without it would). Without a target, σ is kept."""
-        plan = replace(self, loss_noise=0.0)
+        the shares whose noise follows from σ inside each step), then the noise of each share that has
+        its own, so that the run with it spends the target (by default what the run at σ without it
+        would). Without a target, σ is kept."""
+        own = [index for index, share in enumerate(self.shares) if share.noise is not None]
+        plan = self
+        for index in own:
+            plan = plan._with_share_noise(index, 0.0)
         if target_epsilon is not None:
             if self.steps is None:
                 raise ValueError("target_epsilon needs the planned length of training: give epochs or steps")
-            sigma = calibrate(lambda s: replace(plan, noise_multiplier=s, losses=None).event(),
+            without = tuple(s for s in plan.shares if s.noise is None)
+            sigma = calibrate(lambda s: replace(plan, noise_multiplier=s, shares=without).event(),
                               target_epsilon, self.delta, self.accountant)
             plan = replace(plan, noise_multiplier=sigma)
-        if plan.losses is not None and plan.steps is None:
+        if own and plan.steps is None:
             raise ValueError("HyFreeDP's learning rate (AutoLR(mode='safeguarded'/'paper')) splits the "
                              "budget over the planned run: give epochs or steps")
-        if plan.losses is None or plan.noise_multiplier == 0:
+        if plan.noise_multiplier == 0:
             return plan
-        target = replace(plan, losses=None).epsilon() if target_epsilon is None else target_epsilon
-        loss_noise = calibrate(lambda s: replace(plan, loss_noise=s).event(), target, self.delta,
-                               self.accountant)
-        return replace(plan, loss_noise=loss_noise)
+        for index in own:
+            plan = plan._solve_share(index, target_epsilon)
+        return plan
+
+    def _with_share_noise(self, index: int, noise: float) -> Plan:
+        shares = list(self.shares)
+        shares[index] = shares[index].with_noise(noise)
+        return replace(self, shares=tuple(shares))
+
+    def _solve_share(self, index: int, target_epsilon: float | None) -> Plan:
+        """The plan with share ``index``'s own noise solved so that the run spends ``target_epsilon``
+        (``None``: what it spends without that share)."""
+        if target_epsilon is None:
+            target_epsilon = replace(self, shares=self.shares[:index] + self.shares[index + 1:]).epsilon()
+        noise = calibrate(lambda s: self._with_share_noise(index, s).event(), target_epsilon, self.delta,
+                          self.accountant)
+        return self._with_share_noise(index, noise)
 
     # ------------------------------------------------------------------ identity, for checkpoints
     def describe(self) -> dict[str, Any]:
-        """Everything that identifies the run, as plain JSON values."""
+        """Everything that identifies the run, as plain JSON values (description format 2)."""
         return json.loads(json.dumps({
-            "sample_rate": self.sample_rate, "steps": self.steps, "num_examples": self.num_examples,
-            "delta": self.delta, "accountant": self.accountant,
+            "format": DESCRIPTION_FORMAT, "sample_rate": self.sample_rate, "steps": self.steps,
+            "num_examples": self.num_examples, "delta": self.delta, "accountant": self.accountant,
             "noise_multiplier": self.noise_multiplier, "gradient_noise": self.gradient_noise,
-            "count_noise": self.count_noise, "loss_noise": self.loss_noise,
-            "counts": None if self.counts is None else vars(self.counts),
-            "losses": None if self.losses is None else vars(self.losses),
+            "shares": [share.describe() for share in self.shares],
             **{f"settings.{key}": value for key, value in sorted(self.settings.items())},
         }, sort_keys=True))
+
+    @staticmethod
+    def read_format_1(description: Mapping[str, Any]) -> dict[str, Any]:
+        """A description of 0.1 (format 1: the two shares as ``counts``/``losses`` and their noise as
+        ``count_noise``/``loss_noise``) in format 2; its settings are left as they were."""
+        old = dict(description)
+        counts, losses = old.pop("counts", None), old.pop("losses", None)
+        loss_noise = old.pop("loss_noise", 0.0)
+        old.pop("count_noise", None)
+        shares = []
+        if counts is not None:
+            shares.append({"kind": CountShare.kind, **counts})
+        if losses is not None:
+            shares.append({"kind": LossShare.kind, "interval": losses["interval"],
+                           "privacy": losses["privacy"], "increase": losses["increase"],
+                           "releases": losses["releases"], "noise": loss_noise})
+        return {**old, "format": DESCRIPTION_FORMAT, "shares": shares}
 
     def fingerprint(self) -> str:
         """A hash of :meth:`describe`."""

@@ -21,6 +21,7 @@ stream instead of splitting the draws).
 from __future__ import annotations
 
 import math
+import secrets
 import zlib
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -228,6 +229,13 @@ def run_randomness(seed: int | None, secure_rng: bool) -> NoiseSource:
             "by anyone who knows it. Drop seed for a secret run (the default) or drop secure_rng for a "
             "reproducible one")
     return SecretSource() if seed is None else SeededSource(seed)
+
+
+def secret_seed() -> int:
+    """A seed from the operating system's secure generator, for randomness several processes must share
+    without anyone outside knowing it (the audit canaries of a data-parallel run: rank 0 draws it, every
+    rank uses it)."""
+    return secrets.randbits(63)
 
 
 def side_randomness(seed: int | None, stream: int) -> NoiseSource:

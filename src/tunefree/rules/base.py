@@ -118,11 +118,17 @@ class LayerRule(ABC):
     configuration: dimension 0 by default (torch's convention: convolutions, GroupNorm), or their own
     :meth:`layout` (recurrent layers, ``nn.EmbeddingBag``). Their output gradients always arrive
     batch-first; only rules with one example dimension (:meth:`example_dim`) get their inputs so.
+
+    Capability flags, read by the engine and the parallel paths (never a list of rules kept elsewhere):
+    ``takes_declared_dim`` (above) and ``reads_parameters``: the per-sample gradients need the
+    parameters' values (False: the inputs and output gradients alone, so FSDP2 may hold the parameters
+    sharded while they are computed).
     """
 
     module_types: tuple[type[nn.Module], ...] = ()
     param_names: tuple[str, ...] = ("weight", "bias")
     takes_declared_dim: bool = False
+    reads_parameters: bool = True
 
     def example_dim(self, module: nn.Module, declared: int) -> int | None:
         """The dimension in which every tensor of this layer's calls carries the examples, given the

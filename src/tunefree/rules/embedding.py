@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..dtypes import as_norm_precision
-from ..errors import PrivacyError
+from ..errors import ModelRefused
 from .base import Capture, LayerRule, PerSampleGrad
 
 
@@ -57,7 +57,7 @@ def refuse_renorm(module: nn.Module, name: str) -> None:
     """``max_norm`` rescales, in the forward, the table rows of the batch's ids in place: an update of the
     parameters that depends on the private batch and is never noised."""
     if module.max_norm is not None:
-        raise PrivacyError(
+        raise ModelRefused(
             f"embedding '{name}' has max_norm={module.max_norm}: its forward rescales in place the rows of "
             "the ids in the batch, a change of the parameters that depends on the private batch and is "
             "not noised; set max_norm=None (bound the embeddings in the forward instead, e.g. with a "
@@ -70,16 +70,17 @@ class EmbeddingRule(LayerRule):
     module_types = (nn.Embedding,)
     param_names = ("weight",)
     takes_declared_dim = True
+    reads_parameters = False
 
     def check(self, module: nn.Module, name: str) -> None:
         if module.scale_grad_by_freq:
-            raise ValueError(
+            raise ModelRefused(
                 f"embedding '{name}' has scale_grad_by_freq=True, which scales each example's "
                 "gradient by id counts over the whole batch (it mixes examples); set "
                 "scale_grad_by_freq=False"
             )
         if module.sparse:
-            raise ValueError(
+            raise ModelRefused(
                 f"embedding '{name}' has sparse=True; private gradients are dense (noise touches every "
                 "row), so set sparse=False"
             )

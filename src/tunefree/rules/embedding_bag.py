@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..dtypes import as_norm_precision
-from ..errors import PrivacyError
+from ..errors import ModelRefused, PrivacyError
 from .base import Capture, LayerRule, PerSampleGrad
 from .embedding import refuse_renorm
 from .layout import CallLayout, Dim, Segments, Structure
@@ -94,11 +94,11 @@ class EmbeddingBagRule(LayerRule):
 
     def check(self, module: nn.Module, name: str) -> None:
         if module.scale_grad_by_freq:
-            raise ValueError(f"embedding bag '{name}' has scale_grad_by_freq=True, which scales each "
+            raise ModelRefused(f"embedding bag '{name}' has scale_grad_by_freq=True, which scales each "
                              "example's gradient by id counts over the whole batch (it mixes examples); set "
                              "scale_grad_by_freq=False")
         if module.sparse:
-            raise ValueError(f"embedding bag '{name}' has sparse=True; private gradients are dense (noise "
+            raise ModelRefused(f"embedding bag '{name}' has sparse=True; private gradients are dense (noise "
                              "touches every row), so set sparse=False")
         refuse_renorm(module, name)
 

@@ -26,6 +26,8 @@ def _conv1d_class() -> type[nn.Module] | None:
 
 class HFConv1DRule(LayerRule):
     takes_declared_dim = True
+    reads_parameters = False
+
     @property
     def module_types(self) -> tuple[type[nn.Module], ...]:  # type: ignore[override]
         conv1d = _conv1d_class()

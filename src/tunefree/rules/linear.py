@@ -12,6 +12,7 @@ from .factored import FactoredGrad
 
 class LinearRule(LayerRule):
     module_types = (nn.Linear,)
+    reads_parameters = False
     takes_declared_dim = True
 
     def per_sample_grads(

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..dtypes import as_norm_precision
+from ..errors import ModelRefused
 from .base import Capture, LayerRule, Materialized, PerSampleGrad
 
 
@@ -32,6 +33,7 @@ def _affine_grads(
 
 class LayerNormRule(LayerRule):
     module_types = (nn.LayerNorm,)
+    reads_parameters = False
     takes_declared_dim = True
 
     def per_sample_grads(self, module, capture: Capture, grad_outputs, params):
@@ -43,6 +45,7 @@ class LayerNormRule(LayerRule):
 
 class RMSNormRule(LayerRule):
     module_types = (nn.RMSNorm,)
+    reads_parameters = False
     takes_declared_dim = True
     param_names = ("weight",)
 
@@ -55,6 +58,7 @@ class RMSNormRule(LayerRule):
 
 class GroupNormRule(LayerRule):
     module_types = (nn.GroupNorm,)
+    reads_parameters = False
 
     def per_sample_grads(self, module, capture: Capture, grad_outputs, params):
         x = as_norm_precision(capture.args[0])
@@ -64,10 +68,11 @@ class GroupNormRule(LayerRule):
 
 class InstanceNormRule(LayerRule):
     module_types = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+    reads_parameters = False
 
     def check(self, module: nn.Module, name: str) -> None:
         if module.track_running_stats:
-            raise ValueError(
+            raise ModelRefused(
                 f"'{name}' ({type(module).__name__}) has track_running_stats=True: its running "
                 "statistics average over examples and would leak them unaccounted; set "
                 "track_running_stats=False"

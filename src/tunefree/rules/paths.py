@@ -99,3 +99,15 @@ def _seconds(run: Callable[[str], object], path: str, device: torch.device) -> f
     if cuda:
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
+
+
+# make_private's ``norm_path``: timed (``"auto"``), the cost formula, or one path forced.
+NORM_PATHS = ("auto", "formula", GHOST, MATERIALISE)
+
+
+def path_chooser(norm_path: str, replayable: bool) -> PathChooser:
+    """The chooser of a run's ``norm_path``; a ``replayable`` (seeded) run never times (a timing would
+    make its float rounding depend on the machine's load): ``"auto"`` then follows the cost formula."""
+    if norm_path in PATHS:
+        return PathChooser(fixed=norm_path)
+    return PathChooser(measure=norm_path == "auto" and not replayable)

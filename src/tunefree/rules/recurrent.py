@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from torch.utils._pytree import tree_flatten
 
-from ..errors import PrivacyError
+from ..errors import ModelRefused, PrivacyError
 from .base import Capture, LayerRule, Materialized, PerSampleGrad
 from .layout import Axis, CallLayout, Dim, Packed, Structure
 
@@ -66,10 +66,10 @@ class RecurrentRule(LayerRule):
 
     def check(self, module: nn.Module, name: str) -> None:
         if module.num_layers > _MAX_LAYERS:
-            raise ValueError(f"recurrent layer '{name}' has {module.num_layers} layers; tunefree supports "
-                             f"at most {_MAX_LAYERS}")
+            raise ModelRefused(f"recurrent layer '{name}' has {module.num_layers} layers; tunefree supports "
+                               f"at most {_MAX_LAYERS}: stack single-layer modules instead")
         if module.dropout > 0 and module.num_layers > 1:
-            raise PrivacyError(
+            raise ModelRefused(
                 f"recurrent layer '{name}' has dropout={module.dropout} between its layers; its masks are "
                 "drawn inside the fused kernel and cannot be replayed per example. Set dropout=0 and put "
                 "nn.Dropout between single-layer recurrent modules instead")

@@ -18,7 +18,22 @@ class StepComponent:
     """A piece of the private step beyond the gradient release (adaptive thresholds, automatic
     learning rate...). It sees the step through a :class:`StepContext`, never the optimizer itself.
     Every release it makes returns its DpEvent, which the optimizer records with the gradient's in the
-    step's single Poisson-sampled event."""
+    step's single Poisson-sampled event; the plan accounts for it through the component's option's
+    ``share()``."""
+
+    # Whether the user's closure returns the batch's per-sample losses (read by this component) instead
+    # of the loss torch.optim expects.
+    closure_gives_per_sample_losses: bool = False
+
+    @property
+    def state_key(self) -> str:
+        """The key of its state in a checkpoint; the built-in components pin theirs, so that a rename
+        never orphans a checkpoint."""
+        return type(self).__name__
+
+    def thresholds(self) -> dict[str, float] | None:
+        """The clip thresholds (by group name) it sets for the next step; ``None``: it sets none."""
+        return None
 
     def before_update(self, step: StepContext) -> list[dpa.DpEvent]:
         """After the noisy gradient is in ``.grad``, before the wrapped optimizer steps."""
@@ -73,16 +88,15 @@ class UpdateControl:
 class StepContext:
     """One private step as a component sees it.
 
-    ``report`` says what the step released from; ``closure`` is the user's closure (with ``lr="auto"``,
-    the batch's per-sample losses); ``update`` controls the wrapped optimizer's update;
-    ``thresholds`` are those the step clipped with, and a component that adapts them sets
-    ``next_thresholds`` (by group name) for the steps that follow."""
+    ``report`` says what the step released from; ``closure`` is the user's closure (with HyFreeDP's
+    learning rate, the batch's per-sample losses); ``update`` controls the wrapped optimizer's update;
+    ``thresholds`` are those the step clipped with (a component that adapts them says the next ones
+    through :meth:`StepComponent.thresholds`)."""
 
     report: StepReport
     closure: Callable[[], Any] | None
     update: UpdateControl
     thresholds: dict[str, float]
-    next_thresholds: dict[str, float] | None = None
 
 
 @dataclass
@@ -101,7 +115,7 @@ class StepReport:
 @contextmanager
 def _without_step_hooks(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Within it, ``optimizer.step()`` runs torch's bare step function, without the step hooks (the
-    user's and torch's global ones): a component's trial steps (lr="auto" probes) are not real steps."""
+    user's and torch's global ones): a component's trial steps (HyFreeDP's loss probes) are not real steps."""
     bare = getattr(type(optimizer).step, "__wrapped__", None)
     if bare is None:
         yield

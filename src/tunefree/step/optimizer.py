@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import dp_accounting as dpa
@@ -45,11 +45,22 @@ class DPOptimizer(torch.optim.Optimizer):
         schedule: logical-step bookkeeping shared with the Poisson loader.
         accumulator: where the engine books the step's clipped sums; the optimizer pops it once per
             logical step and releases what it holds.
-        public_buffers: buffers or attributes of the model written from public information only, which
-            the state guard does not compare (``persample.state_guard``).
+        components: the parts of the step beyond the gradient release (adaptive thresholds, a
+            learning-rate rule), run in this order after the release.
+        planned_steps: the length of training the noise was calibrated for (``None``: no plan); the
+            first step beyond it warns that ε now grows past the target.
+        verify_every: re-check example independence every this many steps (``None``: only before the
+            first release).
+        every_rank: under FSDP2, whose forward passes are collectives: whether a flag is True on every
+            rank, so that every rank runs the independence check or none does (``None``: one process).
+        state_guard: the check that between steps the model changes only through the wrapped optimizer's
+            update (``persample.state_guard``), run before the release and the update.
 
-    ``planned_steps`` (set by ``make_private``; ``None`` for no plan) is the length of training the noise
-    was calibrated for: the first step beyond it warns that ε now grows past the target.
+    The optimizer owns the clip thresholds: it starts from the groups' own (or those an adaptive
+    component sets), releases each step with the thresholds the step clipped with, and hands the next
+    step's to the engine (:meth:`ClippingEngine.begin_step`). A closure returns the loss, as in
+    ``torch.optim``, unless a component reads per-sample losses from it
+    (``StepComponent.closure_gives_per_sample_losses``: HyFreeDP's learning rate).
     Step hooks (``register_step_pre_hook``/``register_step_post_hook``) fire once per logical step,
     around the whole private step, as torch's do; micro-batch calls that only accumulate do not fire them.
 
@@ -65,8 +76,10 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: ClippingEngine,
                  release: GradientRelease, ledger: Ledger, sample_rate: float,
-                 expected_batch_size: float, schedule: StepSchedule, accumulator: StepAccumulator,
-                 public_buffers: list[str] | tuple[str, ...] = ()):
+                 expected_batch_size: float, schedule: StepSchedule, accumulator: StepAccumulator, *,
+                 components: Sequence[StepComponent] = (), planned_steps: int | None = None,
+                 verify_every: int | None = None, every_rank: Callable[[bool], bool] | None = None,
+                 state_guard: StateGuard):
         if isinstance(optimizer, DPOptimizer):
             raise ValueError("the optimizer is already private; pass the original optimizer")
         self.original = optimizer
@@ -74,9 +87,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self.sample_rate, self.expected_batch_size = sample_rate, expected_batch_size
         self.schedule, self.accumulator = schedule, accumulator
         self.last_step: StepReport | None = None
-        self.components: list[StepComponent] = []
-        self.closure_gives_per_sample_losses = False
-        self.planned_steps: int | None = None
+        self.components: tuple[StepComponent, ...] = tuple(components)
+        self.closure_gives_per_sample_losses = any(c.closure_gives_per_sample_losses for c in self.components)
+        self.planned_steps = planned_steps
         self._warned_past_plan = False
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
@@ -86,18 +99,14 @@ class DPOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._check_parameters()
         self._trainable = frozenset(p for g in engine.groups for p in g.params)
-        self.verify_every: int | None = None
-        # Set by make_private under FSDP2, whose forward passes are collectives: whether every rank's flag
-        # is True, so that every rank runs the independence check or none does.
-        self.every_rank: Callable[[bool], bool] | None = None
+        self.verify_every, self.every_rank = verify_every, every_rank
         self.verified = False
         self.grad_scaler: torch.amp.GradScaler | None = None
         # The wrapped optimizer's updates before this run (0 again once a checkpoint's ledger is loaded).
         self.updates_before_run = updates_applied(optimizer)
-        engine.retain_inputs = True
-        # Between steps the model changes only through the wrapped optimizer's update.
-        self.state_guard = StateGuard(engine.model, accumulator, self._trainable, public_buffers)
-        engine.forward_checks.append(self.state_guard.before_forward)
+        self.state_guard = state_guard
+        self.thresholds: dict[str, float] = {}
+        self._hand_over_thresholds()
 
     def attach_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
         """Train with ``scaler`` (float16 loss scaling). Its scale is divided out of every output
@@ -234,9 +243,10 @@ class DPOptimizer(torch.optim.Optimizer):
         """One optimizer step on privatised gradients (only at the end of a logical batch).
 
         ``closure``, if given, is evaluated first with gradients enabled, as ``torch.optim`` does: it
-        runs the forward and backward pass of the current batch and returns the loss. With
-        ``lr="auto"`` it instead returns the current batch's per-sample losses (a 1-D tensor) and
-        tunefree evaluates it, without gradients, at the probe points of the learning-rate fit.
+        runs the forward and backward pass of the current batch and returns the loss. With HyFreeDP's
+        learning rate (``AutoLR(mode="safeguarded"/"paper")``) it instead returns the current batch's
+        per-sample losses (a 1-D tensor) and tunefree evaluates it, without gradients, at the probe
+        points of the learning-rate fit.
         """
         self._check_trainable_set()
         logical = self.schedule.ends_logical
@@ -261,7 +271,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.state_guard.check("before the release of a step")
         self._verify_independence()
         booked = self.accumulator.pop()
-        thresholds = dict(self.engine.thresholds)
+        thresholds = self.thresholds  # those the step's backward passes clipped with
         noisy, event = self.release.release(booked.sums, thresholds)
         events = [event]
         self.ledger.record_step(self.sample_rate, events)
@@ -282,9 +292,31 @@ class DPOptimizer(torch.optim.Optimizer):
         self.state_guard.updated()
         for component in self.components:
             self._record(events, component.after_update(context))
-        if context.next_thresholds is not None:
-            self.engine.set_thresholds(context.next_thresholds)
+        self._hand_over_thresholds()
         self.last_step = report
+
+    def _hand_over_thresholds(self) -> None:
+        """The thresholds the next step clips with: those a component sets (adaptive thresholds), else
+        the groups' own; the engine receives them here, and only here."""
+        proposed = [t for c in self.components if (t := c.thresholds()) is not None]
+        own = {g.name: g.threshold for g in self.engine.groups}
+        self.thresholds = dict(proposed[-1]) if proposed else own
+        self.engine.begin_step(self.thresholds)
+
+    def component_states(self) -> dict[str, Any]:
+        """Each component's checkpoint state, by its ``state_key``."""
+        return {c.state_key: c.state_dict() for c in self.components}
+
+    def load_component_states(self, states: dict[str, Any]) -> None:
+        """Restore :meth:`component_states` (the same components, or refused), and the thresholds that
+        follow from them."""
+        if set(states) != {c.state_key for c in self.components}:
+            raise ValueError(
+                f"this checkpoint holds the state of the step components {sorted(states)}, this run has "
+                f"{sorted(c.state_key for c in self.components)}; resume with the same settings")
+        for component in self.components:
+            component.load_state_dict(states[component.state_key])
+        self._hand_over_thresholds()
 
     def _check_scaler_call(self, logical: bool) -> None:
         """``scaler.step(optimizer)`` (which sets ``grad_scale``) needs the scaler attached, so that the

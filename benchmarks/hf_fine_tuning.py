@@ -16,8 +16,8 @@ Peak memory: on CUDA the allocator's peak during the steps; on CPU the RSS high-
 (``/proc/self/clear_refs`` reset after the imports) minus the RSS then — weights, optimizer state,
 activations, gradients and per-example work, with the libraries' pages cancelled out.
 
-    python benchmarks/transformers.py --layers 2 --seq 128 --batch 8 --threads 1 --rounds 2
-    python benchmarks/transformers.py --device cuda --layers 12 --seq 256 --batch 32
+    python benchmarks/hf_fine_tuning.py --layers 2 --seq 128 --batch 8 --threads 1 --rounds 2
+    python benchmarks/hf_fine_tuning.py --device cuda --layers 12 --seq 256 --batch 32
 """
 
 from __future__ import annotations

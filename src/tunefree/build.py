@@ -1,0 +1,224 @@
+"""Complete objects from a :class:`RunConfig`: the model, optimizer and loader of a private run, each
+part constructed with everything it needs (nothing is set on an object after it is built).
+
+:func:`build_run` solves the plan once (every noise is read off it), then makes, in order: the Poisson
+loader, the clip groups, the step components of the options, the gradient mechanism, the ledger, the
+engine (hooks go on last, so that a refused argument leaves the model as it was given) and the private
+optimizer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from .clipping.groups import ClipGroup, make_groups, sensitivity
+from .components.dog import DistanceOverGradients, DoG
+from .components.hyfreedp import AutoLearningRate, HyFreeDP
+from .components.thresholds import AdaptiveQuantile, QuantileEstimator
+from .config import RunConfig
+from .data.poisson import StepSchedule, from_loader, planned_steps, sample_rate_of
+from .errors import SettingsRefused
+from .parallel.base import FSDP2, ONE_PROCESS, Parallelism, Single
+from .parallel.ddp import check_same_run, data_parallel, run_identity
+from .parallel.fsdp import check_sharded_options, sharded_data_parallel
+from .persample.accumulator import StepAccumulator
+from .persample.engine import ClippingEngine
+from .persample.state_guard import StateGuard
+from .privacy.canaries import CanaryRelease, GradientCanaries, canary_randomness
+from .privacy.ledger import Ledger
+from .privacy.mechanisms import GradientRelease
+from .privacy.plan import Plan, data_digest
+from .privacy.randomness import NoiseSource, run_randomness, secret_seed
+from .rules.paths import path_chooser
+from .run import DPEngine
+from .step.component import StepComponent
+from .step.optimizer import DPOptimizer
+
+
+def detect_parallel(model: nn.Module) -> Parallelism:
+    """How ``model`` spans processes: FSDP2 (sharded parameters), DDP, or one process."""
+    return sharded_data_parallel(model) or data_parallel(model) or Single()
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """What a run is before anything is hooked: its randomness, logical-step schedule, clip groups and
+    solved plan (every noise is read off it). A pipeline stage exchanges it with the other stages before
+    its parts are made."""
+
+    config: RunConfig
+    module: nn.Module
+    randomness: NoiseSource
+    schedule: StepSchedule
+    groups: list[ClipGroup]
+    plan: Plan
+    parallel: Parallelism
+
+
+def plan_run(config: RunConfig, model: nn.Module, data_loader: Any, parallel: Parallelism | None = None
+             ) -> PlannedRun:
+    """The plan of ``config`` over ``model`` and ``data_loader``; ``parallel`` is how the run spans
+    processes (:func:`detect_parallel`; one process by default)."""
+    parallel = Single() if parallel is None else parallel
+    if not isinstance(data_loader, DataLoader):
+        raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
+    _check_parallel_options(config, parallel)
+    if parallel.kind == FSDP2:
+        check_sharded_options(config.performance.physical_batch_size)
+    randomness = run_randomness(config.seed, False)
+    num_examples, sample_rate = sample_rate_of(data_loader)
+    check_delta(config.target_delta, num_examples)
+    module = getattr(parallel, "module", model)
+    groups = make_groups(module, config.groups, config.max_grad_norm)
+    # each component's option declares its share of the budget (in the order of its component's releases)
+    shares = (config.thresholds.share(len(groups)), None if config.lr is None else config.lr.share())
+    plan = Plan(
+        sample_rate=sample_rate, steps=planned_steps(config.epochs, config.steps, sample_rate),
+        num_examples=num_examples, delta=config.target_delta, accountant=config.accountant,
+        noise_multiplier=0.0 if config.noise_multiplier is None else config.noise_multiplier,
+        shares=tuple(share for share in shares if share is not None),
+        settings={**config.identity(), "groups": {g.name: [list(g.param_names), g.threshold] for g in groups},
+                  "data": data_digest(data_loader.dataset, num_examples)},
+    ).solve(config.target_epsilon)
+    if parallel.kind != ONE_PROCESS:
+        check_same_run(parallel, run_identity(plan.describe(), groups, randomness))
+    return PlannedRun(config, module, randomness, StepSchedule(), groups, plan, parallel)
+
+
+def build_run(config: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: Any,
+              parallel: Parallelism | None = None) -> DPEngine:
+    """The private run of ``config`` over ``model`` (hooked in place), ``optimizer`` and ``data_loader``;
+    ``parallel`` is how the run spans processes (:func:`detect_parallel`; one process by default)."""
+    run = plan_run(config, model, data_loader, parallel)
+    release = GradientRelease(run.groups, run.plan.gradient_noise, run.randomness, config.noise_allocation,
+                              run.parallel)
+    canaries = None
+    if config.audit_canaries is not None:
+        seed = config.seed
+        if seed is None and run.parallel.kind != ONE_PROCESS:  # the ranks share the canaries' randomness
+            seed = run.parallel.from_first(secret_seed())
+        canaries = GradientCanaries(config.audit_canaries, run.groups, run.plan.sample_rate,
+                                    canary_randomness(seed))
+        release = CanaryRelease(release, canaries, adds_contributions=run.parallel.shard[0] == 0)
+    return assemble(run, model, optimizer, data_loader, release, threshold_component(run), canaries=canaries)
+
+
+def assemble(run: PlannedRun, model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: Any,
+             release: GradientRelease, thresholds: StepComponent | None, *, sampling: Any = None,
+             canaries: GradientCanaries | None = None) -> DPEngine:
+    """The parts of a planned run, in order: the Poisson loader (drawing its samples from ``sampling``,
+    by default the run's randomness), the step components (``thresholds``, then the learning-rate rule),
+    the engine (hooks go on last, so that a refused argument leaves the model as it was given) and the
+    private optimizer releasing through ``release``."""
+    config, plan, schedule, parallel = run.config, run.plan, run.schedule, run.parallel
+    if config.poisson_sampling:
+        loader: Any = from_loader(data_loader, run.randomness if sampling is None else sampling, schedule,
+                                  config.performance.physical_batch_size, shard=parallel.shard)
+    else:
+        loader = data_loader
+        warnings.warn(
+            "poisson_sampling=False: the loader is not Poisson-sampled, so the reported ε is the "
+            "Poisson approximation, not a proof of privacy", stacklevel=4)
+    components = [c for c in (thresholds, _learning_rate(run, optimizer, release)) if c is not None]
+    # The engine books into the accumulator, the optimizer releases from it; its sink is the parallelism's
+    # (FSDP2 keeps only this rank's shards).
+    accumulator = StepAccumulator(parallel.sink(run.groups))
+    chooser = path_chooser(config.performance.norm_path, replayable=run.randomness.replayable)
+    trainable = [p for g in run.groups for p in g.params]
+    # Between steps the model changes only through the wrapped optimizer's update.
+    guard = StateGuard(run.module, accumulator, trainable, config.public_buffers)
+    engine = ClippingEngine(run.module, run.groups, config.clipping, config.loss_reduction, accumulator,
+                            config.batch_dim, batch_source=schedule, retain_inputs=True, path_chooser=chooser,
+                            forward_checks=(guard.before_forward,))
+    try:
+        ledger = Ledger(poisson_approximation=not config.poisson_sampling, seeded=not run.randomness.secret)
+        private_optimizer = DPOptimizer(
+            optimizer, engine, release, ledger, plan.sample_rate, plan.expected_batch_size, schedule,
+            accumulator, components=components, planned_steps=plan.steps,
+            verify_every=config.performance.verify_every,
+            every_rank=parallel.agree if parallel.kind == FSDP2 else None, state_guard=guard)
+    except ValueError:
+        engine.detach()
+        raise
+    parallel.take_over()
+    return DPEngine(model=model, optimizer=private_optimizer, data_loader=loader, clipper=engine,
+                    ledger=private_optimizer.ledger, randomness=run.randomness, schedule=schedule,
+                    groups=run.groups, plan=plan, parallel=parallel, canaries=canaries)
+
+
+def check_delta(delta: float, num_examples: int | None) -> None:
+    """δ must be far below 1/N: a δ of 1/N allows leaking whole examples."""
+    if num_examples is not None and delta >= 1 / num_examples:
+        raise SettingsRefused(
+            f"target_delta={delta:.3g} is not below 1/N = {1 / num_examples:.3g} for N = "
+            f"{num_examples} examples: such a δ allows leaking whole examples; use δ ≪ 1/N, "
+            f"e.g. {1 / num_examples ** 1.1:.2g}"
+        )
+
+
+def threshold_component(run: PlannedRun) -> QuantileEstimator | None:
+    """The estimator of adaptive thresholds. Normalising clip functions keep the initial total
+    sensitivity; Abadi's clips at the estimates unless asked to rescale them (group-wise paper), which
+    needs more than one group."""
+    rule, groups = run.config.thresholds, run.groups
+    if not isinstance(rule, AdaptiveQuantile):
+        return None
+    normalising = run.config.clipping.normalising
+    if not normalising and rule.rescale and len(groups) < 2:
+        raise SettingsRefused(
+            "AdaptiveQuantile(rescale=True) with Abadi clipping rescales the thresholds of several clip "
+            "groups to a fixed total; with one group the threshold would never move: use "
+            "groups='per-layer' (or similar) or rescale=False")
+    scale = sensitivity(groups) if normalising or rule.rescale else None
+    return QuantileEstimator(groups, rule, run.plan.count_noise, run.randomness, run.plan.expected_batch_size,
+                             scale, run.parallel)
+
+
+def _learning_rate(run: PlannedRun, optimizer: torch.optim.Optimizer,
+                   release: GradientRelease) -> StepComponent | None:
+    """The component of ``lr``: HyFreeDP at the plan's loss noise, or DoG (plain SGD only)."""
+    rule, plan = run.config.lr, run.plan
+    if isinstance(rule, HyFreeDP):
+        return AutoLearningRate(rule, plan.loss_noise, plan.expected_batch_size, run.randomness, run.parallel)
+    if not isinstance(rule, DoG):
+        return None
+    plain = all(not (g.get("momentum") or g.get("weight_decay") or g.get("nesterov"))
+                for g in optimizer.param_groups)
+    if type(optimizer) is not torch.optim.SGD or not plain:
+        raise ValueError(
+            "lr='auto' (AutoLR(mode='dog')) sets the step size of plain SGD: pass "
+            "torch.optim.SGD(model.parameters(), lr=1.0) without momentum or weight decay, or "
+            "lr=tunefree.AutoLR(mode='safeguarded') (HyFreeDP) for another optimizer; "
+            f"got {type(optimizer).__name__}")
+    if plan.steps is None and rule.noise_budget is not None:
+        raise ValueError("lr='auto' spends its noise budget over the planned run: give epochs or steps "
+                         "(or lr=tunefree.AutoLR(noise_budget=None) for DoG without it)")
+    return DistanceOverGradients(release, plan.expected_batch_size, rule, planned_steps=plan.steps)
+
+
+def _check_parallel_options(config: RunConfig, parallel: Parallelism) -> None:
+    """Refuse the options the run's parallelism does not run: each option lists the kinds it runs under
+    (``parallelisms``). Several processes need tunefree's Poisson sampler (it gives each rank its shard);
+    FSDP2 releases sharded parameters only, so the audit canaries' block is not released there."""
+    if parallel.kind == ONE_PROCESS:
+        return
+    lr = config.lr
+    unsupported = [name for name, refused in (
+        ("thresholds='adaptive'", parallel.kind not in config.thresholds.parallelisms),
+        (f"lr=AutoLR(mode={lr.mode!r})" if lr else "",
+         lr is not None and parallel.kind not in lr.parallelisms),
+        ("poisson_sampling=False", not config.poisson_sampling),
+        ("audit_canaries", config.audit_canaries is not None and parallel.kind == FSDP2)) if refused]
+    if unsupported:
+        kind = "FSDP2 (fully_shard)" if parallel.kind == FSDP2 else "DistributedDataParallel"
+        raise SettingsRefused(
+            f"{', '.join(unsupported)} is not supported with {kind} yet: use the optimizer's learning rate "
+            "(or, under DDP, lr='auto' or HyFreeDP: under FSDP2 they would read norms of sharded "
+            "parameters), tunefree's Poisson sampling and (under FSDP2) no audit canaries, or DDP, or "
+            "train in one process")

@@ -1,0 +1,47 @@
+"""The one public door for extending tunefree from your own code.
+
+- **A layer rule** (per-sample gradients of a module's own parameters, in one backward pass): one
+  function, registered for your module type::
+
+      @tunefree.extend.register_rule(Scale, reads_parameters=False)
+      def scale_grads(module, capture, grad_outputs):   # y = x ⊙ w + b on [batch, features]
+          x, g = capture.args[0], grad_outputs[0]       # the call's input, its output gradient
+          return {"weight": x * g, "bias": g}            # [batch, *parameter shape] each
+
+  or a :class:`LayerRule` subclass (``@register_rule`` on the class) for lazy forms with ghost norms
+  (:class:`PerSampleGrad`). The capability flags say what the rest of the library may rely on:
+  ``reads_parameters`` (False: the gradients come from the inputs and output gradients alone, so FSDP2
+  may hold the parameters sharded meanwhile) and ``takes_declared_dim`` (True: the layer's tensors carry
+  the examples wherever the user's ``batch_dim`` says, as ``nn.Linear``'s; False: in dimension 0). Every
+  registered rule must be exact: check it against a batch-size-1 autograd loop.
+- **A module that mixes examples** (its output for one example depends on others, like BatchNorm):
+  :func:`register_example_mixing` makes the engine refuse it, naming the replacement.
+- **A clip function**: a frozen dataclass subclass of :class:`ClipFunction` with ``weigh`` and its
+  ``normalising`` flag, registered by name (``@register_clip_function("name")``), usable as
+  ``clipping=YourFunction(...)`` or ``clipping="name"``.
+- **A grouping** of parameters into clip groups: ``@register_grouping("name")`` on ``layout(model)``.
+
+Step components and release mechanisms are not pluggable into ``make_private`` yet.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .clipping.functions import ClipFunction, register_clip_function
+from .clipping.groups import register_grouping
+from .persample.engine import SAMPLE_MIXING
+from .rules import register_rule
+from .rules.base import Capture, LayerRule, Materialized, PerSampleGrad
+
+__all__ = ["Capture", "ClipFunction", "LayerRule", "Materialized", "PerSampleGrad", "register_clip_function",
+           "register_example_mixing", "register_grouping", "register_rule"]
+
+
+def register_example_mixing(module_type: type[nn.Module], replacement: str) -> None:
+    """Refuse every ``module_type`` in a private model: its output for one example depends on the other
+    examples of the batch, so no per-example gradient bounds an example's influence. ``replacement``
+    is the fix the refusal suggests (e.g. ``"nn.GroupNorm"``)."""
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"register_example_mixing takes an nn.Module subclass, got {module_type!r}")
+    SAMPLE_MIXING[module_type] = replacement

@@ -1,0 +1,68 @@
+"""How one private run spans processes: the :class:`Parallelism` protocol, one axis of the run.
+
+A run is one process (:class:`Single`), data parallel (``ddp.py``: DDP) or sharded (``fsdp.py``: FSDP2).
+Each is one object that every part of the run asks the same questions: which examples of each Poisson
+sample this process trains on (``shard``), where the engine books its clipped sums (``sink``), how a
+release sums the processes' values and noises each coordinate once (``noisy_sum`` for the gradient,
+``noisy_values`` for the few numbers of the counts and losses: ``privacy.mechanisms.Reduction``), whether
+a flag holds on every process (``agree``), and which options it runs (``kind``: each option lists the
+kinds it runs under). No part of the run is written once per parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from ..clipping.groups import ClipGroup
+from ..persample.accumulator import LocalSums, Sink
+from ..privacy.mechanisms import OneProcess, Reduction
+
+ONE_PROCESS, DDP, FSDP2 = "one process", "DDP", "FSDP2"
+
+
+class Parallelism(Reduction, Protocol):
+    """The parallelism of a run (see the module docstring)."""
+
+    kind: str  # ONE_PROCESS, DDP or FSDP2: the options of a run name the kinds they run under
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """``(rank, world_size)``: which examples of each Poisson sample this process trains on."""
+
+    def sink(self, groups: Sequence[ClipGroup]) -> Sink:
+        """Where the engine books the clipped sums of ``groups``' parameters."""
+
+    def agree(self, flag: bool) -> bool:
+        """Whether ``flag`` is True on every process (a collective: every process must call it)."""
+
+    def from_first(self, value: int) -> int:
+        """Process 0's ``value``, on every process (a collective)."""
+
+    def take_over(self) -> None:
+        """Switch the wrapper's own gradient synchronisation off while tunefree owns the model."""
+
+    def release_model(self) -> None:
+        """Give the wrapper its gradient synchronisation back."""
+
+
+class Single(OneProcess):
+    """One process: every example of each sample is this process's, the sums stay here."""
+
+    kind = ONE_PROCESS
+    shard = (0, 1)
+
+    def sink(self, groups: Sequence[ClipGroup]) -> Sink:
+        return LocalSums()
+
+    def agree(self, flag: bool) -> bool:
+        return flag
+
+    def from_first(self, value: int) -> int:
+        return value
+
+    def take_over(self) -> None:
+        """Nothing to take over."""
+
+    def release_model(self) -> None:
+        """Nothing to give back."""

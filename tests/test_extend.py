@@ -1,0 +1,186 @@
+"""tunefree.extend, the one door for extensions: a layer rule registered from a user's own code (one
+function) is exact against the batch-size-1 loop, its capability flags are what FSDP2 reads, a module that
+mixes examples is refused once registered, and a clip function is one dataclass."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from brute_force import clipped_sum, per_example_grads
+from support import pop_step
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import tunefree
+from tunefree.clipping.functions import CLIP_FUNCTIONS
+from tunefree.clipping.groups import make_groups
+from tunefree.extend import ClipFunction, register_clip_function, register_example_mixing, register_rule
+from tunefree.parallel.fsdp import _check_layer_rules
+from tunefree.persample.engine import SAMPLE_MIXING, ClippingEngine
+from tunefree.rules import RULES, FunctionRule, rule_for
+
+
+class Scale(nn.Module):
+    """A layer no built-in rule knows: y = x ⊙ w + b over the last dimension."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, features))
+        self.bias = nn.Parameter(torch.linspace(-0.2, 0.2, features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight + self.bias
+
+
+calls = []
+
+
+def scale_grads(module, capture, grad_outputs):
+    """The user's rule: per-sample gradients of Scale from its input and output gradient."""
+    calls.append(type(module).__name__)
+    x, g = capture.args[0], grad_outputs[0]
+    batch, features = x.shape[0], x.shape[-1]  # every middle position a token of the same example
+    return {"weight": (x * g).reshape(batch, -1, features).sum(1),
+            "bias": g.reshape(batch, -1, features).sum(1)}
+
+
+@pytest.fixture
+def registered():
+    register_rule(Scale, reads_parameters=False)(scale_grads)
+    rule = rule_for(Scale(3), {"weight", "bias"})
+    yield rule
+    RULES.remove(rule)
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), Scale(6), nn.Tanh(), nn.Linear(6, 3))
+
+
+@pytest.mark.parametrize("grouping", ["all-layer", "per-layer"])
+@pytest.mark.parametrize("shape", [(7, 4), (5, 3, 4)])
+def test_a_rule_registered_from_user_code_is_exact_against_the_brute_force_loop(registered, grouping, shape):
+    assert isinstance(registered, FunctionRule) and registered.reads_parameters is False
+    net, x = model(), torch.randn(*shape)
+    y = torch.randint(0, 3, shape[:1])
+
+    def loss(out, target):
+        return F.cross_entropy(out.reshape(-1, 3) if out.dim() == 2 else out.mean(1), target, reduction="sum")
+
+    groups = make_groups(net, grouping, 1.0)
+    engine = ClippingEngine(net, groups, tunefree.Abadi(), loss_reduction="sum")
+    calls.clear()
+    loss(net(x), y).backward()
+    sums, examples, _ = pop_step(engine)
+    engine.detach()
+    assert calls == ["Scale"] and examples == shape[0]
+    expected, _ = clipped_sum(per_example_grads(net, loss, x, y), groups, tunefree.Abadi())
+    for p in net.parameters():
+        torch.testing.assert_close(sums[p], expected[p], rtol=1e-5, atol=1e-6)
+
+
+def test_the_rule_shown_in_the_docs_registers_from_user_code_and_is_exact():
+    page = (Path(__file__).parents[1] / "docs" / "extending.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+    namespace: dict = {}
+    exec(compile(code, "docs/extending.md", "exec"), namespace)
+    documented = namespace["Scale"]
+    rule = rule_for(documented(3), {"weight", "bias"})
+    try:
+        assert isinstance(rule, FunctionRule) and rule.function is namespace["scale_grads"]
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 5), documented(5), nn.Tanh(), nn.Linear(5, 2))
+        with torch.no_grad():
+            net[1].weight.uniform_(0.5, 1.5)
+            net[1].bias.uniform_(-0.5, 0.5)
+        x, y = torch.randn(6, 3, 4), torch.randint(0, 2, (6,))
+
+        def loss(out, target):
+            return F.cross_entropy(out.mean(1), target, reduction="sum")
+
+        groups = make_groups(net, "per-layer", 1.0)
+        engine = ClippingEngine(net, groups, tunefree.Abadi(), loss_reduction="sum")
+        loss(net(x), y).backward()
+        sums, _, _ = pop_step(engine)
+        engine.detach()
+        expected, _ = clipped_sum(per_example_grads(net, loss, x, y), groups, tunefree.Abadi())
+        for p in net.parameters():
+            torch.testing.assert_close(sums[p], expected[p], rtol=1e-5, atol=1e-6)
+    finally:
+        RULES.remove(rule)
+
+
+def test_the_rule_trains_privately_through_make_private(registered):
+    net = model()
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)))
+    engine = tunefree.make_private(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                   DataLoader(data, batch_size=16), target_delta=1e-3, noise_multiplier=1.0,
+                                   steps=2)
+    calls.clear()
+    x, y = next(iter(engine.data_loader))
+    F.cross_entropy(engine.model(x), y).backward()
+    engine.optimizer.step()
+    assert calls == ["Scale"] and engine.steps == 1
+
+
+def test_fsdp2_reads_the_rules_capability_flag_not_a_list(registered):
+    _check_layer_rules(model())  # every rule of the model reads no parameter
+    RULES.remove(registered)
+    register_rule(Scale)(scale_grads)  # the default: it may read its parameters
+    try:
+        with pytest.raises(ValueError, match="reads its parameters"):
+            _check_layer_rules(model())
+    finally:
+        RULES.remove(rule_for(Scale(3), {"weight"}))
+        RULES.insert(0, registered)
+
+
+def test_a_type_with_a_rule_is_not_registered_twice(registered):
+    with pytest.raises(ValueError, match="already have a layer rule"):
+        register_rule(Scale)(scale_grads)
+    with pytest.raises(ValueError, match="already have a layer rule"):
+        register_rule(nn.Linear)(scale_grads)
+    with pytest.raises(TypeError, match="nn.Module types"):
+        register_rule("Scale")
+
+
+def test_a_module_that_mixes_examples_is_refused_once_registered():
+    class BatchCentre(nn.Module):
+        def forward(self, x):
+            return x - x.mean(0)  # mixes the examples of a batch
+
+    net = nn.Sequential(nn.Linear(4, 3), BatchCentre())
+    register_example_mixing(BatchCentre, "a per-example normalisation such as nn.LayerNorm")
+    try:
+        with pytest.raises(tunefree.ModelRefused, match="nn.LayerNorm") as refused:
+            ClippingEngine(net, make_groups(net, "all-layer", 1.0), tunefree.AutoS())
+        assert isinstance(refused.value, ValueError) and isinstance(refused.value, tunefree.PrivacyError)
+    finally:
+        del SAMPLE_MIXING[BatchCentre]
+
+
+def test_a_clip_function_is_one_dataclass():
+    @register_clip_function("half-abadi")
+    @dataclass(frozen=True)
+    class HalfAbadi(ClipFunction):
+        """min(1, R/‖g‖)/2: clips and halves."""
+
+        normalising = False
+        half: float = 0.5
+
+        def weigh(self, norms, threshold):
+            return self.half * (threshold / norms.clamp_min(1e-30)).clamp_max(1.0)
+
+    try:
+        norms = torch.tensor([0.5, 4.0], dtype=torch.float64)
+        torch.testing.assert_close(HalfAbadi().weights(norms, 1.0),
+                                   torch.tensor([0.5, 0.125], dtype=torch.float64))
+        assert HalfAbadi().describe() == {"name": "half-abadi", "half": 0.5}
+        assert isinstance(CLIP_FUNCTIONS["half-abadi"](), HalfAbadi)
+    finally:
+        del CLIP_FUNCTIONS["half-abadi"]
