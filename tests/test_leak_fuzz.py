@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
 
-CI_SEEDS = range(500)  # 42 s of one core on main at 1d41616 (benchmarks/leak_fuzz_findings.md)
+CI_SEEDS = range(500)  # ~37 s of one core on main at 1557274 (benchmarks/leak_fuzz_findings.md)
 
 
 # -------------------------------------------------------------------------------- the CI budget
