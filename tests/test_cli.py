@@ -173,6 +173,15 @@ def test_the_default_learning_rate_is_automatic_and_the_averaged_model_is_kept(t
     assert accuracy(model, data.test) == result["test_accuracy"]
 
 
+def test_lr_auto_sets_the_step_of_any_optimizer_offered(tmp_path):
+    """--optimizer adamw without --lr: the automatic learning rate, translated to AdamW's (no ε)."""
+    assert main(["train", "--epochs", "1", "--optimizer", "adamw", "--quiet", "--seed", "0",
+                 "--json", str(tmp_path / "r.json")]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["config"]["lr"] == "auto" and result["learning_rate"].startswith("automatic (adamw")
+    assert 0.99 * 3.0 <= result["epsilon"] <= 3.0 and result["test_accuracy"] > 0.3
+
+
 def test_hyfreedp_learning_rate(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "--epochs", "2", "--optimizer", "adamw", "--lr", "hyfreedp", "--quiet", "--seed",

@@ -234,8 +234,6 @@ def test_each_knob_reaches_make_private_as_its_keyword(monkeypatch, flags, keywo
     (["--quantile-budget", "0.1"], "--quantile-budget only apply to thresholds='adaptive'"),
     (["--lr-update-interval", "3"], "--lr-update-interval only apply to --lr hyfreedp"),
     (["--loss-privacy", "laplace"], "--loss-privacy only apply to --lr hyfreedp"),
-    (["--optimizer", "adam"], "--lr auto .the default. sets the step size of plain SGD"),
-    (["--optimizer", "momentum", "--lr", "auto"], "with --optimizer momentum give a learning rate"),
     (["--quantile-budget", "1.5"], r"must be in \(0, 1\)"),
     (["--hidden", "256,0"], "every width must be at least 1"),
     (["--hidden", "wide"], "expected widths like 256,256"),

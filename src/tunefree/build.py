@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from .clipping.groups import ClipGroup, make_groups, sensitivity
 from .components.dog import DistanceOverGradients, DoG
+from .components.dog_optimizers import OptimizerDoG
 from .components.hyfreedp import AutoLearningRate, HyFreeDP
 from .components.thresholds import AdaptiveQuantile, QuantileEstimator
 from .config import RunConfig
@@ -182,24 +183,21 @@ def threshold_component(run: PlannedRun) -> QuantileEstimator | None:
 
 def _learning_rate(run: PlannedRun, optimizer: torch.optim.Optimizer,
                    release: GradientRelease) -> StepComponent | None:
-    """The component of ``lr``: HyFreeDP at the plan's loss noise, or DoG (plain SGD only)."""
+    """The component of ``lr``: HyFreeDP at the plan's loss noise, or DoG (its SGD step, translated to
+    the learning rate of another optimizer: ``components/dog_optimizers.py``)."""
     rule, plan = run.config.lr, run.plan
     if isinstance(rule, HyFreeDP):
         return AutoLearningRate(rule, plan.loss_noise, plan.expected_batch_size, run.randomness, run.parallel)
     if not isinstance(rule, DoG):
         return None
-    plain = all(not (g.get("momentum") or g.get("weight_decay") or g.get("nesterov"))
-                for g in optimizer.param_groups)
-    if type(optimizer) is not torch.optim.SGD or not plain:
-        raise ValueError(
-            "lr='auto' (AutoLR(mode='dog')) sets the step size of plain SGD: pass "
-            "torch.optim.SGD(model.parameters(), lr=1.0) without momentum or weight decay, or "
-            "lr=tunefree.AutoLR(mode='safeguarded') (HyFreeDP) for another optimizer; "
-            f"got {type(optimizer).__name__}")
     if plan.steps is None and rule.noise_budget is not None:
         raise ValueError("lr='auto' spends its noise budget over the planned run: give epochs or steps "
                          "(or lr=tunefree.AutoLR(noise_budget=None) for DoG without it)")
-    return DistanceOverGradients(release, plan.expected_batch_size, rule, planned_steps=plan.steps)
+    plain = all(not (g.get("momentum") or g.get("weight_decay") or g.get("nesterov"))
+                for g in optimizer.param_groups)
+    if type(optimizer) is torch.optim.SGD and plain:
+        return DistanceOverGradients(release, plan.expected_batch_size, rule, planned_steps=plan.steps)
+    return OptimizerDoG(optimizer, release, plan.expected_batch_size, rule, planned_steps=plan.steps)
 
 
 def _check_parallel_options(config: RunConfig, parallel: Parallelism) -> None:

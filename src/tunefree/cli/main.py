@@ -175,9 +175,9 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--optimizer", choices=list(OPTIMIZERS), default=None,
                        help=f"base optimizer (default: {defaults.optimizer}; adamw for text models)")
     train.add_argument("--lr", type=_learning_rate, default=None,
-                       help="'auto' (the default with --optimizer sgd): SGD's step size set from the "
-                            "released gradients, at no ε; 'hyfreedp': HyFreeDP's learning rate from "
-                            "privatised losses (any optimizer); or a number (needed with other optimizers)")
+                       help="'auto' (the default): the optimizer's step size set from the released "
+                            "gradients, at no ε; 'hyfreedp': HyFreeDP's learning rate from privatised "
+                            "losses; or a number")
     train.add_argument("--lr-update-interval", type=_positive_int, default=None,
                        help="with --lr hyfreedp only: K, steps between learning-rate updates (default: 5)")
     train.add_argument("--loss-privacy", choices=("gaussian", "laplace"), default=None,

@@ -30,10 +30,9 @@ from .split import held_out, split_key, table_rows
 from .tables import class_indices
 from .training import OPTIMIZERS, Progress, check_config, guarantee_text, loose_target_note
 
-# AdamW's learning rate when --lr is not given: 5e-4, the order that private fine-tuning of BERT/GPT-2
-# sized models with AUTO-S/normalised clipping uses at batch sizes in the hundreds to thousands (not swept
-# here). With normalised per-example gradients Adam's step does not depend on the gradients' scale.
-DEFAULT_TEXT_LR = 5e-4
+# The learning rate when --lr is not given: "auto", make_private's lr="auto" (DoG's step within its noise
+# budget, translated to the optimizer's learning rate; no ε), benchmarks/RESULTS.md §5f.
+DEFAULT_TEXT_LR = "auto"
 DEFAULT_TEXT_OPTIMIZER = "adamw"
 DEFAULT_TEXT_EPOCHS = 3
 LENGTH_EDGES = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # candidate token lengths (public)
@@ -63,29 +62,27 @@ class TextConfig:
     steps: int | None = None
     batch_size: int = 256
     optimizer: str = DEFAULT_TEXT_OPTIMIZER
-    lr: float | None = None
+    lr: float | str | None = None  # a number or "auto"; None: DEFAULT_TEXT_LR
     clipping: str = "auto-s"
     groups: str = "all-layer"
     accountant: str = "pld"
     seed: int | None = None
     quiet: bool = False
 
-    def resolved_lr(self) -> float:
-        return DEFAULT_TEXT_LR if self.lr is None else float(self.lr)
+    def resolved_lr(self) -> float | str:
+        """The learning rate asked for: a number or ``"auto"``."""
+        return DEFAULT_TEXT_LR if self.lr is None else self.lr if self.lr == "auto" else float(self.lr)
 
 
 def _check(config: TextConfig) -> None:
     """Refuse a bad configuration before any data is read."""
     from .training import TrainConfig
 
-    if config.lr in ("auto", "hyfreedp"):
-        raise ValueError(f"--lr {config.lr} is not available for text models yet: give a number (default "
-                         f"{DEFAULT_TEXT_LR} with AdamW)")
+    if config.lr == "hyfreedp":
+        raise ValueError("--lr hyfreedp is not available for text models yet: use --lr auto (the default) "
+                         "or give a number")
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {config.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
-    if config.optimizer != DEFAULT_TEXT_OPTIMIZER and config.lr is None:
-        raise ValueError(f"--optimizer {config.optimizer} on a text model needs --lr (a number): the default "
-                         f"{DEFAULT_TEXT_LR} is AdamW's")
     check_config(TrainConfig(epsilon=config.epsilon, delta=config.delta, epochs=config.epochs,
                              steps=config.steps, batch_size=config.batch_size, clipping=config.clipping,
                              groups=config.groups, lr=config.resolved_lr(), accountant=config.accountant,
@@ -205,14 +202,15 @@ def train_text(config: TextConfig) -> dict[str, Any]:
     train_set = text_data.TextExamples(tensors, train_rows)
     test_set = text_data.TextExamples(tensors, test_rows)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = OPTIMIZERS[config.optimizer](trainable, config.resolved_lr())
+    auto = config.resolved_lr() == "auto"
+    optimizer = OPTIMIZERS[config.optimizer](trainable, 1.0 if auto else config.resolved_lr())
     share = 1.0 - sum(r.share for r in releases)
     noise = ({"target_epsilon": share * config.epsilon} if math.isfinite(config.epsilon)
              else {"noise_multiplier": 0.0})
     engine = make_private(model, optimizer, DataLoader(train_set, batch_size=config.batch_size),
                           target_delta=share * delta, epochs=config.epochs, steps=config.steps,
                           clipping=config.clipping, groups=config.groups, accountant=config.accountant,
-                          seed=config.seed, **noise)
+                          seed=config.seed, lr="auto" if auto else None, **noise)
     for release in releases:  # before the first step: the ledger holds every release
         for event in release.events:
             engine.ledger.record(event)
@@ -220,6 +218,8 @@ def train_text(config: TextConfig) -> dict[str, Any]:
     epsilon = _train_loop(engine, task, config, delta, run)
     train_seconds = time.perf_counter() - started
     engine.detach()
+    if engine.dog_lr is not None:  # the model kept is the automatic learning rate's averaged one
+        engine.dog_lr.apply_average()
     text_models.save(model, tokenizer, run.path / "model")
     result = {
         **evaluate(model, test_set, task), "epsilon": epsilon, "delta": delta, "delta_choice": delta_text,

@@ -67,7 +67,7 @@ class TrainConfig:
     ``test_data`` are the data flags of ``preprocess.DataOptions``. ``hidden`` sizes the default MLP's
     hidden layers (``None``: one of 128). The papers'
     knobs (``KNOBS`` and ``noise_allocation``) are the ``make_private`` keywords of the same names.
-    ``lr`` is ``"auto"`` (plain SGD's step size from the released gradients: ``make_private``'s
+    ``lr`` is ``"auto"`` (the optimizer's step size from the released gradients: ``make_private``'s
     ``lr="auto"``; the model kept is its averaged one), ``"hyfreedp"`` (HyFreeDP's learning rate from
     privatised losses, any optimizer; ``lr_update_interval`` and ``loss_privacy`` are its knobs) or a
     number."""
@@ -176,10 +176,6 @@ def check_config(config: TrainConfig) -> None:
     if config.lr not in ("auto", "hyfreedp") and not (
             isinstance(config.lr, (int, float)) and config.lr > 0 and math.isfinite(config.lr)):
         raise ValueError(f"--lr must be a positive number, 'auto' or 'hyfreedp', got {config.lr}")
-    if config.lr == "auto" and config.optimizer != "sgd":
-        raise ValueError(f"--lr auto (the default) sets the step size of plain SGD: with --optimizer "
-                         f"{config.optimizer} give a learning rate, --lr 0.01 say, or --lr hyfreedp "
-                         "(HyFreeDP's learning rate from privatised losses)")
     given = [flag for name, flag in HYFREEDP_KNOBS.items() if getattr(config, name) is not None]
     if given and config.lr != "hyfreedp":
         raise ValueError(f"{', '.join(given)} only apply to --lr hyfreedp: drop them or add --lr hyfreedp")
@@ -397,8 +393,9 @@ def _learning_rate_text(config: TrainConfig, engine: DPEngine) -> str:
     last = engine.optimizer.param_groups[0]["lr"]
     if engine.dog_lr is not None:
         first = engine.dog_lr.history[0] if engine.dog_lr.history else last
-        return (f"automatic (SGD, --lr auto): η = {first:.3g} at the first step and {last:.3g} at the last, "
-                "set from the released gradients (no ε); the model kept is the average of its weights")
+        return (f"automatic ({config.optimizer}, --lr auto): {first:.3g} at the first step and {last:.3g} at "
+                "the last, set from the released gradients (no ε); the model kept is the average of its "
+                "weights")
     if config.lr == "hyfreedp":
         return (f"HyFreeDP ({config.optimizer}, --lr hyfreedp): from privatised losses, accounted in ε; "
                 f"η = {last:.3g} at the last step")
