@@ -77,3 +77,65 @@ def hook_mix() -> nn.Module:
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     model[1].register_full_backward_hook(lambda m, gin, gout: (gin[0] + 3 * gin[0].sum(0, keepdim=True),))
     return model
+
+
+# Mixing the check sees only at some steps or on some examples (issue 21): each must be refused over a run.
+class MiddleMix(nn.Module):
+    """Adds example n//2 − 1's activations into example n//2's: one pair, in the middle of the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.fc(x)
+        m = len(h) // 2
+        return self.out(torch.cat([h[:m], h[m:m + 1] + 3 * h[m - 1:m], h[m + 1:]]))
+
+
+class OddPairsMix(nn.Module):
+    """Averages the activations of examples i and i + 1 for every odd i (1 and 2, 3 and 4, …)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.fc(x)
+        pairs = torch.arange(1, len(h) - 1, 2)
+        mixed = h.clone()
+        mixed[pairs] = (h[pairs] + h[pairs + 1]) / 2
+        mixed[pairs + 1] = (h[pairs] + h[pairs + 1]) / 2
+        return self.out(mixed)
+
+
+class ValueMix(nn.Module):
+    """An example whose first feature exceeds 1.5 leaks its activations into the next example: the
+    mixing depends on a value in the data."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.fc(x)
+        leaking = (x[:, :1] > 1.5).to(h.dtype)
+        into_next = torch.cat([torch.zeros_like(h[:1]), (leaking * h)[:-1]])
+        return self.out(h + into_next)
+
+
+class LateMix(nn.Module):
+    """Subtracts the batch mean once ``mixing`` is set (from some step of the run on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.out = nn.Linear(4, 2)
+        self.mixing = False
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.out(h - h.mean(0) if self.mixing else h)

@@ -73,7 +73,7 @@ def test_noise_free_fit_is_the_exact_gen_learning_rate_and_converges_to_it():
 def test_probes_leave_weights_and_optimizer_state_bit_identical():
     model, engine, _ = quadratic_engine(optimizer=torch.optim.Adam)
     run(model, engine, 3)
-    x, y = engine.data_loader.dataset.tensors
+    x, y = next(iter(engine.data_loader))  # q = 1: the whole data set, as the loader hands it out
     engine.optimizer.zero_grad()
     squared_errors(model, x, y).mean().backward()
     sums, _, _ = pop_step(engine.clipping_engine)
@@ -158,7 +158,7 @@ def test_missing_closure_and_wrong_losses_are_errors():
 ])
 def test_losses_that_break_the_sensitivity_bound_are_refused(closure_losses, error, match):
     model, engine, _ = quadratic_engine()
-    x, y = engine.data_loader.dataset.tensors
+    x, y = next(iter(engine.data_loader))  # q = 1: the whole data set, as the loader hands it out
     engine.optimizer.zero_grad()
     squared_errors(model, x, y).mean().backward()
     with pytest.raises(error, match=match):

@@ -30,6 +30,7 @@ from .parallel.ddp import check_same_run, data_parallel, run_identity
 from .parallel.fsdp import check_sharded_options, sharded_data_parallel
 from .persample.accumulator import StepAccumulator
 from .persample.engine import ClippingEngine
+from .persample.independence import ProbeSchedule
 from .persample.state_guard import StateGuard
 from .privacy.canaries import CanaryRelease, GradientCanaries, canary_randomness
 from .privacy.ledger import Ledger
@@ -136,14 +137,15 @@ def assemble(run: PlannedRun, model: nn.Module, optimizer: torch.optim.Optimizer
     guard = StateGuard(run.module, accumulator, trainable, config.public_buffers)
     engine = ClippingEngine(run.module, run.groups, config.clipping, config.loss_reduction, accumulator,
                             config.batch_dim, batch_source=schedule, retain_inputs=True, path_chooser=chooser,
-                            forward_checks=(guard.before_forward,))
+                            forward_checks=(guard.before_forward,), check_inputs=config.poisson_sampling)
     try:
         ledger = Ledger(poisson_approximation=not config.poisson_sampling, seeded=not run.randomness.secret)
         private_optimizer = DPOptimizer(
             optimizer, engine, release, ledger, plan.sample_rate, plan.expected_batch_size, schedule,
             accumulator, components=components, planned_steps=plan.steps,
             verify_every=config.performance.verify_every,
-            every_rank=parallel.agree if parallel.kind == FSDP2 else None, state_guard=guard)
+            every_rank=parallel.agree if parallel.kind == FSDP2 else None,
+            probes=ProbeSchedule(run.randomness), state_guard=guard)
     except ValueError:
         engine.detach()
         raise

@@ -34,6 +34,7 @@ from .build import assemble, plan_run, threshold_component
 from .clipping.groups import ClipGroup
 from .components.thresholds import AdaptiveQuantile, QuantileEstimator
 from .config import RunConfig
+from .data.provenance import handed_on
 from .errors import PrivacyError
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease, group_noise_stds
@@ -266,7 +267,8 @@ class PrivatePipelineStage:
             output = self.module(inputs)
         else:
             received = _recv(layout.index - 1, group, self.device).requires_grad_()
-            output = self.module(received)
+            # the previous stage's activations of this batch, handed on for the loader
+            output = self.module(handed_on(received, self.engine.schedule.batch_serial))
         loss = None
         if layout.is_last:
             loss = self.loss_fn(output, target)

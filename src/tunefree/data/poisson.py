@@ -30,6 +30,7 @@ from torch.utils.data import (
 )
 
 from ..privacy.randomness import NoiseSource
+from .provenance import HandedOut, hand_out
 
 
 class StepSchedule:
@@ -38,10 +39,14 @@ class StepSchedule:
     ``consumed`` counts logical batches handed to the loop; ``ends_logical`` says whether the last
     physical batch handed out closed its logical batch (the optimizer steps only then). It is also the
     engine's provenance of the batch: ``batch_serial`` numbers the physical batches handed out (0: none
-    yet) and ``batch_examples`` is the number of examples in the last one.
+    yet) and ``batch_examples`` is the number of examples in the last one; ``handed_out`` records what
+    the loader handed out last (``data/provenance.py``). ``checking`` (set by the optimizer) says whether
+    the logical step handed out next is one the run checks.
     """
 
     def __init__(self) -> None:
+        self.checking = True
+        self.handed_out: HandedOut | None = None
         self.consumed = 0
         self.ends_logical = True
         self._open = False
@@ -165,6 +170,8 @@ class PoissonDataLoader(DataLoader):
         for batch in self._gathered() if self.gathers else super().__iter__():
             first, last, examples = boundaries.popleft()
             self.schedule.on_batch(first, last, examples)
+            batch, self.schedule.handed_out = hand_out(batch, self.schedule.batch_serial, examples,
+                                                       self.schedule.checking)
             yield batch
 
     def _gathered(self) -> Iterator[list[torch.Tensor]]:

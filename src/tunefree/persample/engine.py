@@ -43,6 +43,7 @@ from ..rules.layout import Axis, CallLayout, Dim
 from ..rules.paths import PathChooser
 from ..rules.summed import SummedUses
 from .accumulator import StepAccumulator
+from .inputs import InputProvenance
 from .layout import (
     BatchDim,
     DeclaredDims,
@@ -196,6 +197,7 @@ class _PassState:
     in_backward: bool = False
     in_hook: bool = False  # the engine's own forward hooks are running (not the model's code)
     loss_scale: float = 1.0  # the GradScaler factor of this backward pass's loss
+    input_refusal: str | None = None  # why the model call's inputs must not train (InputProvenance)
 
 
 class ClippingEngine:
@@ -229,6 +231,9 @@ class ClippingEngine:
             (the private optimizer's independence check reads them before its first release).
         forward_checks: run at the start of each captured forward pass, after the trainable-set check
             (a private run's state guard: the model changed only through the optimizer's update).
+        check_inputs: with the Poisson loader's ``batch_source``, refuse a training call of the model
+            given no tensor of the loader's last batch (the sample the guarantee accounts for) and, on
+            checked steps, inputs whose rows depend on other examples (``persample/inputs.py``).
 
     Each group's clip threshold starts at its configured ``threshold``; the private step hands the
     thresholds of each following step over with :meth:`begin_step`.
@@ -243,7 +248,7 @@ class ClippingEngine:
                  loss_reduction: str = "mean", accumulator: StepAccumulator | None = None,
                  batch_dim: BatchDim = 0, *, batch_source: BatchSource | None = None,
                  path_chooser: PathChooser | None = None, retain_inputs: bool = False,
-                 forward_checks: Sequence[Callable[[], None]] = ()):
+                 forward_checks: Sequence[Callable[[], None]] = (), check_inputs: bool = False):
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.model, self.groups, self.clip = model, groups, clip
@@ -257,6 +262,9 @@ class ClippingEngine:
         self._handles: list[Any] = []
         self.accumulator = StepAccumulator() if accumulator is None else accumulator
         self.batch_source = batch_source
+        # With the Poisson loader (``batch_source``): the model must train on the loader's last batch.
+        self.input_provenance = None if batch_source is None or not check_inputs else \
+            InputProvenance(batch_source, self.declared.root)
         self._pass = _PassState()
         self._recomputing = False
         self._suspended = 0
@@ -328,8 +336,12 @@ class ClippingEngine:
             raise ValueError(f"thresholds must name exactly the clip groups {sorted(self.thresholds)}")
         self.thresholds = {name: float(value) for name, value in thresholds.items()}
 
-    def _new_forward(self, args: tuple, kwargs: dict) -> None:
-        if self._capturing() and not self._pass.in_backward:
+    def _new_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        training = self._capturing() and not self._pass.in_backward
+        refusal = None
+        if self.input_provenance is not None:  # the model computes on the call's plain tensors
+            args, kwargs, refusal = self.input_provenance.model_call(args, kwargs, training)
+        if training:
             self._check_trainable_set()
             for check in self.forward_checks:
                 check()
@@ -339,6 +351,7 @@ class ClippingEngine:
                 use.superseded = not use.done
                 use.done = True
             self._reset_pass()
+            self._pass.input_refusal = refusal
             self._pass.call_examples = _root_examples(args, kwargs, self.declared.root) \
                 if self._serial() == 0 else None
             if retain:
@@ -349,6 +362,7 @@ class ClippingEngine:
                 self._pass.model_storages = _storages([*self.model.parameters(),
                                                        *self.model.buffers()])
         self._broadcast = self._broadcast_for(args, kwargs)
+        return None if self.input_provenance is None else (args, kwargs)
 
     def _broadcast_for(self, args: tuple, kwargs: dict) -> _Broadcast | None:
         """How to expand shared inputs in this model call: to the batch's examples by provenance, or,
@@ -588,6 +602,8 @@ class ClippingEngine:
 
     def _book_batch(self) -> None:
         """One backward pass per physical batch (without a loader: per logical step)."""
+        if self._pass.input_refusal is not None:
+            raise PrivacyError(self._pass.input_refusal)
         serial = self._serial()
         if not self.accumulator.book_batch(serial):
             what = "this batch" if serial else "this step (no private loader: one batch per step)"

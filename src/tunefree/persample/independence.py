@@ -5,9 +5,11 @@ a time-major layout, a custom ``autograd.Function`` or hook whose backward mixes
 nothing: it runs inside ``engine.no_capture()``, writes no ``.grad`` and restores the RNG state (CPU and
 CUDA).
 
-It runs on the first two and the last two examples of the batch and probes the first and the last, so
-mixing that flows only into one end of the batch is seen. Mixing confined to examples in the middle of
-the batch (by their position, not by a batch statistic) is not.
+It runs on the whole batch, with two kinds of probe. A forward probe changes some examples and requires
+every other example's activations at every trainable unit to stay as they were; a gradient probe gives
+some examples zero loss weight and requires their output gradients at every trainable unit to be zero.
+A private run checks at random steps (:class:`ProbeSchedule`), each check one probe of a random kind on a
+random half of the batch.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..errors import PrivacyError
+from ..privacy.randomness import NoiseSource
 from ..rules.layout import Axis, Dim, Structure
 from .layout import layout_hint
 
@@ -37,30 +40,24 @@ def _pattern(like: torch.Tensor) -> torch.Tensor:
     return torch.cos(index * 0.7 + 0.3).reshape(like.shape)
 
 
-def _rows(args: tuple, kwargs: dict, n: int, rows: list[int], dim: int = 0) -> tuple[tuple, dict]:
-    """The batch cut down to examples ``rows`` (every tensor input with ``n`` in dimension ``dim``, the
-    model inputs' example dimension)."""
-    index = torch.tensor(rows)
+def _perturbed(args: tuple, kwargs: dict, n: int, mask: torch.Tensor, dim: int = 0) -> tuple[tuple, dict]:
+    """Change the examples of ``mask`` in every batched tensor input (``n`` in dimension ``dim``): floats
+    get a pattern added, integers take the next example's values (the last one its predecessor's, unless
+    that one changes too). A batch whose rows are in order (sorted lengths) stays in order."""
+    index = torch.arange(n)
+    source = torch.where(mask, (index + 1).clamp(max=n - 1), index)
+    if mask[-1] and n > 1 and not mask[-2]:
+        source[-1] = n - 2
 
-    def cut(t: object) -> object:
-        if not isinstance(t, torch.Tensor) or t.dim() <= dim or t.shape[dim] != n:
-            return t
-        return t.index_select(dim, index.to(t.device))
-    return tuple(cut(a) for a in args), {key: cut(v) for key, v in kwargs.items()}
-
-
-def _perturbed(args: tuple, kwargs: dict, n: int, k: int, dim: int = 0) -> tuple[tuple, dict]:
-    """Change example ``k`` of every batched tensor input (``n`` in dimension ``dim``): floats get noise,
-    integers another example's values."""
     def change(t: object) -> object:
         if not isinstance(t, torch.Tensor) or t.dim() <= dim or t.shape[dim] != n:
             return t
+        if not t.is_floating_point():
+            return t.detach().index_select(dim, source.to(t.device))
         t = t.detach().clone()
         rows = t.movedim(dim, 0)  # a view: writing its rows writes t
-        if t.is_floating_point():
-            rows[k] += _pattern(rows[k]) + 1.0
-        else:  # a neighbouring example's values: keeps any order the batch's rows are in (sorted lengths)
-            rows[k] = rows[k + 1 if k + 1 < n else k - 1]
+        where = mask.to(t.device)
+        rows[where] += _pattern(rows[where]) + 1.0
         return t
     return tuple(change(a) for a in args), {key: change(v) for key, v in kwargs.items()}
 
@@ -124,12 +121,15 @@ def _refuse_structure_from_inputs(unit, seen: list[_Seen], model_inputs: set[int
                 "with padding_idx marking the padding)")
 
 
-def _forward(model: nn.Module, units: list, args: tuple, kwargs: dict, seed: int, visit: Visit) -> object:
+def _forward(model: nn.Module, units: list, args: tuple, kwargs: dict, seed: int, visit: Visit,
+             touch: Callable[[object], object] | None = None) -> object:
     """One forward under a fixed seed; ``visit(unit, seen)`` sees each call of a trainable unit (its float
-    inputs and outputs) as it happens. Returns the model output."""
+    inputs and outputs) as it happens, and ``touch`` (if given) maps its output to what the model goes on
+    with. Returns the model output."""
     def hook_for(unit):
         def hook(module, args, kwargs, output):
             visit(unit, _seen(unit, args, kwargs, output))
+            return None if touch is None else touch(output)
         return hook
 
     handles = [u.module.register_forward_hook(hook_for(u), with_kwargs=True) for u in units]
@@ -168,9 +168,9 @@ def _record_fingerprints(records: dict[str, list], n: int, model_inputs: set[int
     return visit
 
 
-def _compare(base: dict[str, list], n: int, k: int, label: int) -> Visit:
-    """A visit that checks each call against the same call of ``base`` as it happens: only example
-    ``k`` may differ."""
+def _compare(base: dict[str, list], n: int, mask: torch.Tensor) -> Visit:
+    """A visit that checks each call against the same call of ``base`` as it happens: only the examples
+    of ``mask`` may differ."""
     calls: dict[str, int] = {}
     regrouped = [False]  # whether a call's structure (hence the kernels' grouping of examples) changed
 
@@ -179,40 +179,52 @@ def _compare(base: dict[str, list], n: int, k: int, label: int) -> Visit:
         before = base.get(unit.name, [])
         structure, seen = _structure(seen), _values(seen)
         if index >= len(before) or len(seen) != len(before[index].fingerprints):
-            raise PrivacyError(f"module {unit.name!r} mixes examples in its forward: changing example "
-                               f"{label} changed which tensors it is called with. {_FIX}")
+            raise PrivacyError(f"module {unit.name!r} mixes examples in its forward: changing {_which(mask)} "
+                               f"changed which tensors it is called with. {_FIX}")
         call = before[index]
         regrouped[0] |= len(structure) != len(call.structure) or not all(
             torch.equal(x, y) for x, y in zip(structure, call.structure))
         for a, s in zip(call.fingerprints, seen):
-            b = _fingerprint(s.tensor, s.axis, n, magnitude=regrouped[0])
-            if not _unchanged_elsewhere(a, b, k, regrouped[0]):
-                raise PrivacyError(_forward_mixing(unit, s, a, b, k, label))
+            b = _fingerprint(s.tensor, s.axis, n, magnitude=a.magnitude is not None)
+            if not _unchanged_elsewhere(a, b, mask, regrouped[0]):
+                raise PrivacyError(_forward_mixing(unit, s, a, b, mask))
     return visit
 
 
-def _forward_mixing(unit, seen: _Seen, a: _Fingerprint, b: _Fingerprint, k: int, label: int) -> str:
+def _which(mask: torch.Tensor, noun: str = "example") -> str:
+    """``example 3`` for one example, ``examples 0, 2, 5`` for several (the first eight named)."""
+    rows = mask.nonzero().flatten().tolist()
+    if len(rows) == 1:
+        return f"{noun} {rows[0]}"
+    return f"{noun}s " + ", ".join(map(str, rows[:8])) + (", …" if len(rows) > 8 else "")
+
+
+def _forward_mixing(unit, seen: _Seen, a: _Fingerprint, b: _Fingerprint, mask: torch.Tensor) -> str:
     where = "as a whole (not per example)" if not a.batched else \
         f"with its examples in {seen.axis.describe()}"
     found = next((dim for dim in a.other_dims if _unchanged_elsewhere(a.other_dims[dim],
-                                                                      b.other_dims.get(dim), k)), None)
+                                                                      b.other_dims.get(dim), mask)), None)
     hint = _FIX if found is None or not isinstance(seen.axis, Dim) else \
-        f"Changing example {label} changed only row {label} of dimension {found} of this tensor: " + \
-        layout_hint(unit.name, unit.module, unit.rule, seen.axis.dim, found) + "."
-    return (f"module {unit.name!r} mixes examples in its forward: changing example {label} changed another "
+        f"Changing {_which(mask)} changed only {_which(mask, 'row')} of dimension {found} of this " + \
+        "tensor: " + layout_hint(unit.name, unit.module, unit.rule, seen.axis.dim, found) + "."
+    return (f"module {unit.name!r} mixes examples in its forward: changing {_which(mask)} changed another "
             f"example's activations in its {seen.what} (shape {tuple(seen.tensor.shape)}, read {where}). "
             f"{hint}")
 
 
-_CHUNK = 1 << 20  # elements multiplied at once by a fingerprint
+_CHUNK = 1 << 20  # elements converted or multiplied at once by a fingerprint
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer type of each float's size
 
 
 @dataclass(frozen=True)
 class _Fingerprint:
-    """What the forward checks keep of one tensor instead of the tensor: its shape and a projection of
-    each example's values (of the whole tensor if it has no example axis) on a fixed pattern,
-    accumulated in float64. A deterministic forward reproduces it bit for bit; a changed row changes its
-    projection (a change cancelling exactly against the pattern is a measure-zero coincidence).
+    """What the forward checks keep of one tensor instead of the tensor: its shape and, for each example
+    (for the whole tensor if it has no example axis), a projection of its values on a fixed pattern and
+    the wrapping integer sum of their bit patterns. A deterministic forward reproduces both bit for bit;
+    a changed value always changes the checksum (several changes could cancel modulo 2^32, 2^64 for
+    float64, and within the projection's rounding at once: a coincidence, not a pattern of code).
+    With ``magnitude`` (kept after a call with example structure, where rounding may be tolerated) the
+    projection is accumulated in float64, with each row's |values| on |pattern|, and no checksum.
     ``other_dims``: for a tensor with its examples along a dimension, the fingerprints along its other
     dimensions of the batch's size, which say where a change went when it is not where the layout says."""
 
@@ -222,6 +234,7 @@ class _Fingerprint:
     magnitude: torch.Tensor | None  # each row's |values| on |pattern|: the scale of its rounding (if kept)
     eps: float  # the tensor's machine epsilon
     other_dims: dict[int, _Fingerprint] = field(default_factory=dict)
+    checksums: torch.Tensor | None = None
 
 
 def _fingerprint(t: torch.Tensor, axis: Axis | None, n: int, others: bool = True,
@@ -237,8 +250,10 @@ def _fingerprint(t: torch.Tensor, axis: Axis | None, n: int, others: bool = True
     shape = (n,) if batched and not isinstance(axis, Dim) else tuple(t.shape)
     flat = rows.reshape(rows.shape[0], -1)
     eps = torch.finfo(t.dtype).eps if t.is_floating_point() else 0.0
-    scale = _projection(flat, absolute=True) if magnitude else None
-    return _Fingerprint(shape, batched, _projection(flat), scale, eps, other_dims)
+    if magnitude:
+        return _Fingerprint(shape, batched, _projection(flat), _projection(flat, absolute=True), eps,
+                            other_dims)
+    return _Fingerprint(shape, batched, _fast_projection(flat), None, eps, other_dims, _checksums(flat))
 
 
 def _projection(flat: torch.Tensor, absolute: bool = False) -> torch.Tensor:
@@ -249,25 +264,45 @@ def _projection(flat: torch.Tensor, absolute: bool = False) -> torch.Tensor:
                       .sum(1, dtype=torch.float64) for i in range(0, flat.shape[0], rows)])
 
 
+def _fast_projection(flat: torch.Tensor) -> torch.Tensor:
+    """Each row of ``flat`` projected on the pattern: one matrix-vector product, in float32 (float64 for
+    float64 tensors)."""
+    dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    pattern = _pattern(flat[0].to(dtype)) + 2.0
+    if flat.dtype == dtype:
+        return flat @ pattern
+    rows = max(1, _CHUNK // max(1, flat.shape[1]))  # a few rows converted at a time
+    return torch.cat([flat[i:i + rows].to(dtype) @ pattern for i in range(0, flat.shape[0], rows)])
+
+
+def _checksums(flat: torch.Tensor) -> torch.Tensor:
+    """Each row's wrapping sum of its values' bit patterns (integer addition: the same in any order)."""
+    bits = flat.contiguous().view(_BITS[flat.element_size()])
+    return bits.sum(1, dtype=torch.int64 if bits.dtype == torch.int64 else torch.int32)
+
+
 # When a call's structure changes (one example's length moves a PackedSequence's batch sizes), kernels
 # group the other examples differently and may round their values differently: only a change beyond this
 # many units of rounding (relative to each row's magnitude) counts then.
 _REGROUPED_ROUNDING = 256
 
 
-def _unchanged_elsewhere(a: _Fingerprint, b: _Fingerprint | None, k: int, regrouped: bool = False) -> bool:
-    """Whether changing example k left the other examples as they were: bit for bit, or, once the
-    examples' grouping changed (``regrouped``), within rounding. A tensor without the batch on its example
-    axis (a shared table, a mask) must not change at all."""
+def _unchanged_elsewhere(a: _Fingerprint, b: _Fingerprint | None, mask: torch.Tensor,
+                         regrouped: bool = False) -> bool:
+    """Whether changing the examples of ``mask`` left the other examples as they were: bit for bit, or,
+    once the examples' grouping changed (``regrouped``), within rounding. A tensor without the batch on
+    its example axis (a shared table, a mask) must not change at all."""
     if b is None or a.shape != b.shape or a.batched != b.batched:
         return False
-    keep = torch.ones(a.rows.numel(), dtype=torch.bool, device=a.rows.device)
-    if a.batched:
-        keep[k] = False
-    if not regrouped or a.magnitude is None or b.magnitude is None:
-        return torch.equal(a.rows[keep], b.rows[keep])
-    bound = _REGROUPED_ROUNDING * a.eps * torch.maximum(a.magnitude, b.magnitude)
-    return bool(((a.rows - b.rows).abs() <= bound)[keep].all())
+    keep = ~mask.to(a.rows.device) if a.batched else torch.ones(a.rows.numel(), dtype=torch.bool,
+                                                                 device=a.rows.device)
+    if regrouped and a.magnitude is not None and b.magnitude is not None:
+        bound = _REGROUPED_ROUNDING * a.eps * torch.maximum(a.magnitude, b.magnitude)
+        return bool(((a.rows - b.rows).abs() <= bound)[keep].all())
+    same = torch.equal(a.rows[keep], b.rows[keep])
+    if a.checksums is not None and b.checksums is not None:
+        same = same and torch.equal(a.checksums[keep], b.checksums[keep])
+    return same
 
 
 def _rng_devices() -> list[int]:
@@ -277,15 +312,91 @@ def _rng_devices() -> list[int]:
     return list(range(torch.cuda.device_count()))
 
 
+@dataclass(frozen=True)
+class Probes:
+    """The examples one check changes and silences. Each mask in ``perturbed`` costs one forward pass: its
+    examples are changed and every other example's activations must stay as they were. Each mask in
+    ``zeroed`` costs one backward pass: its examples get zero loss weight and must get zero output
+    gradients. A pair of examples (i, j) in which j's data reaches i is seen by a mask of the right kind
+    holding j but not i."""
+
+    perturbed: tuple[torch.Tensor, ...]
+    zeroed: tuple[torch.Tensor, ...]
+
+    @staticmethod
+    def ends(n: int) -> Probes:
+        """The first and the last example, each alone, for both kinds (deterministic: for direct calls and
+        tests). Mixing that neither reaches nor leaves these two is not seen."""
+        masks = tuple(_mask(n, [k]) for k in (0, n - 1))
+        return Probes(masks, masks)
+
+
+class ProbeSchedule:
+    """When a private run checks example independence, and how: drawn from the run's noise source
+    (secret by default; in a seeded run keyed by the step, so that the run replays), so that a model
+    cannot tell a checked step from another.
+
+    Each step is checked with probability ``1/every``, independently. A check is a forward probe or a
+    gradient probe (probability ½ each; the run's first check runs both) on a random half of the batch:
+    each example in it with probability ½, drawn again while it holds all examples or none, independently
+    for each probe. A pair of examples (i, j) in which j's data reaches i's activations (seen by forward
+    probes) or output gradients (seen by gradient probes, which also see forward mixing after a trainable
+    unit that gradients flow through) is caught by a probe of a kind that sees it when j is in its half
+    and i is not: with probability ≥ 1/4 · 1/2 = 1/8 per check (≥ 1/4 when both kinds see it; at the first
+    check ≥ 1/4, and 7/16 when both kinds see it), independently from check to check. Mixing present in T
+    steps is missed by all of them with probability at most (1 − 1/(8·every))^T.
+    """
+
+    _KEY = 1 << 62  # keys of the run's randomness far beyond any step number the sampling uses
+
+    def __init__(self, randomness: NoiseSource):
+        self.randomness = randomness
+
+    def due(self, step: int, every: int) -> bool:
+        """Whether logical step ``step`` is checked (each step with probability ``1/every``)."""
+        return every == 1 or bool(self._draw(step, 0, 1, 1 / every)[0])
+
+    def probes(self, step: int, n: int, both: bool = False) -> Probes:
+        """Step ``step``'s probe of a batch of ``n`` ≥ 2 examples: one random half, for one kind (for
+        both kinds, on independent halves, if ``both``)."""
+        if both:
+            return Probes((self._half(step, 2, n),), (self._half(step, 3, n),))
+        half = (self._half(step, 2, n),)
+        return Probes(half, ()) if self._draw(step, 1, 1, 0.5)[0] else Probes((), half)
+
+    def _half(self, step: int, purpose: int, n: int) -> torch.Tensor:
+        """A random subset of the n examples, neither empty nor all of them (drawn again up to 64 times,
+        then the first example alone: a fair source gets there with probability below 2^-64)."""
+        for attempt in range(64):
+            mask = self._draw(step, purpose, n, 0.5, attempt)
+            if 0 < int(mask.sum()) < n:
+                return mask
+        return _mask(n, [0])
+
+    def _draw(self, step: int, purpose: int, count: int, rate: float, attempt: int = 0) -> torch.Tensor:
+        """Each of ``count`` flags set with probability ``rate``; in a seeded run, keyed by (step, purpose,
+        attempt) on keys that no sampling step uses."""
+        return self.randomness.inclusion(self._KEY + ((4 * step + purpose) << 16) + attempt, count, rate)
+
+
+def _mask(n: int, rows: list[int]) -> torch.Tensor:
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[rows] = True
+    return mask
+
+
 def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: dict | None = None,
-                                seed: int = 0, examples: int | None = None) -> None:
+                                seed: int = 0, examples: int | None = None, probes: Probes | None = None
+                                ) -> None:
     """Raise PrivacyError unless example i's activations and output gradients at every trainable unit
     depend on example i alone. ``args``/``kwargs`` are one real batch's root-call inputs, examples in
     the dimension declared for the model's inputs (``engine.declared.root``, 0 by default; at least 2).
-    Each unit's tensors are read where its calls' layout puts their examples. Costs three forwards without
-    gradients, one with gradients and two backwards, all on four of the batch's examples (the first two
-    and the last two). ``examples``: the batch's count by provenance (the private loader's); without
-    it, that of the first input tensor."""
+    Each unit's tensors are read where its calls' layout puts their examples. ``examples``: the batch's
+    count by provenance (the private loader's); without it, that of the first input tensor. ``probes``:
+    the examples changed and silenced, by default the first and the last, each alone (a private run
+    draws one probe on a random half, see :class:`ProbeSchedule`). Costs, on the whole batch, one forward
+    without gradients per changed mask (and one more if there is any), and one forward with gradients
+    plus one backward per silenced mask."""
     kwargs = kwargs or {}
     root = engine.declared.root
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > root]
@@ -293,67 +404,71 @@ def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: d
     if n < 2:
         raise ValueError("verify_example_independence needs a batch of at least 2 examples in dimension "
                          f"{root} of the model's inputs")
+    probes = probes or Probes.ends(n)
     units = [u for u in engine.units if any(p.requires_grad for p in u.direct.values())]
-    # The probes run on the first two and the last two examples: mixing by a batch statistic, a layout
-    # that is not batch-first, a custom Function or a hook shows on any two, and a small batch costs
-    # little time and memory. An input with n rows that is not batched (a shared [T, T] mask when T == n)
-    # is cut too; if the model then fails, the probes run on the whole batch.
-    rows = sorted({0, 1, n - 2, n - 1})
     with torch.random.fork_rng(devices=_rng_devices()), engine.no_capture():
-        try:
-            _check(model, units, *_rows(args, kwargs, n, rows, root), rows, seed, root)
-        except PrivacyError:
-            raise
-        except Exception:  # noqa: BLE001 - any failure of the cut batch: probe the whole batch instead
-            _check(model, units, args, kwargs, list(range(n)), seed, root)
+        if probes.perturbed:
+            _check_forward(model, units, args, kwargs, n, seed, root, probes.perturbed)
+        if probes.zeroed:
+            _check_gradients(model, units, args, kwargs, n, seed, root, probes.zeroed)
 
 
-def _check(model: nn.Module, units: list, args: tuple, kwargs: dict, rows: list[int], seed: int,
-           root: int = 0) -> None:
-    """Both probes on a batch whose examples are ``rows`` of the whole batch (for the messages), in
-    dimension ``root`` of the model's inputs and outputs."""
-    _check_forward(model, units, args, kwargs, rows, seed, root)
-    _check_gradients(model, units, args, kwargs, rows, seed, root)
-
-
-def _check_forward(model: nn.Module, units: list, args: tuple, kwargs: dict, rows: list[int],
-                   seed: int, root: int = 0) -> None:
-    """Changing the first (then the last) example must leave every other example's activations at every
-    trainable unit unchanged."""
-    n = len(rows)
+def _check_forward(model: nn.Module, units: list, args: tuple, kwargs: dict, n: int, seed: int, root: int,
+                   masks: tuple[torch.Tensor, ...]) -> None:
+    """Changing the examples of each mask must leave every other example's activations at every
+    trainable unit unchanged. Forwards without gradients, each unit call compared as it happens."""
     with torch.no_grad():
         base: dict[str, list] = {}
         inputs = {_storage(t) for t in tree_flatten((args, kwargs))[0]
                   if isinstance(t, torch.Tensor) and t.dim() > root and t.shape[root] == n}
         _forward(model, units, args, kwargs, seed, _record_fingerprints(base, n, inputs))
-        for k in (0, n - 1):
-            _forward(model, units, *_perturbed(args, kwargs, n, k, root), seed,
-                     _compare(base, n, k, rows[k]))
+        for mask in masks:
+            _forward(model, units, *_perturbed(args, kwargs, n, mask, root), seed, _compare(base, n, mask))
 
 
-def _check_gradients(model: nn.Module, units: list, args: tuple, kwargs: dict, rows: list[int],
-                     seed: int, root: int = 0) -> None:
-    """With the loss weight of the first (then the last) example at zero, every output gradient of that
-    example at every trainable unit must be zero. ``rows`` are the examples' places in the whole batch
-    (for the message). Gradients are checked by hooks as the backward computes them and dropped; the
-    hooks hold no activation."""
-    n = len(rows)
-    probes = (0, n - 1)
-    probe = _Probe(rows=rows)
+def _check_gradients(model: nn.Module, units: list, args: tuple, kwargs: dict, n: int, seed: int, root: int,
+                     masks: tuple[torch.Tensor, ...]) -> None:
+    """For each mask, a backward of Σ w·output with the mask's examples weighted 0: every gradient of
+    those examples at every trainable unit's tensors must be zero. Each unit's output goes on as
+    ``output + 0·anchor`` (the same values) and the backward is taken with respect to ``anchor`` alone: it
+    runs through every unit's output and what follows, and forms no parameter gradient and no activation
+    gradient beyond those in flight (none is written to ``.grad``). Gradients are checked by hooks as the
+    backward computes them and dropped; the hooks hold no activation."""
+    probe = _Probe(n)
     handles: list = []
+    anchor = torch.zeros((), requires_grad=True)
+    seen_now: dict[int, tuple[str, _Seen]] = {}  # the unit call in progress: its tensors to hook
+
+    def visit(unit, seen: list[_Seen]) -> None:
+        seen_now.update({id(s.tensor): (unit.name, s) for s in seen if s.tensor.requires_grad
+                         and s.axis is not None and s.axis.examples(s.tensor) == n})
+
+    def touch(output: object) -> object:
+        def anchored(t: torch.Tensor) -> torch.Tensor:
+            if not t.requires_grad:
+                return t
+            out = t + 0 * anchor  # hooked here, its gradient is always computed (the path to anchor)
+            if id(t) in seen_now:
+                name, s = seen_now.pop(id(t))
+                handles.append(out.register_hook(_zero_at(probe, s, name)))
+            return out
+        touched = tree_map_only(torch.Tensor, anchored, output)
+        for name, s in seen_now.values():  # the call's inputs: downstream of earlier units' outputs
+            handles.append(s.tensor.register_hook(_zero_at(probe, s, name)))
+        seen_now.clear()
+        return touched
     try:
-        output = _forward(model, units, args, kwargs, seed, _hook_gradients(probe, handles))
+        output = _forward(model, units, args, kwargs, seed, visit, touch)
         batched, dim = _batched_outputs(output, n, root)
-        params = [p for u in units for p in u.direct.values() if p.requires_grad]
         if not handles or not batched:
             return
-        for k in probes:
-            weights = [_pattern(t) for t in batched]  # the loss Σ w·output, example k weighted 0
+        for i, mask in enumerate(masks):
+            probe.mask = mask
+            weights = [_pattern(t) for t in batched]  # the loss Σ w·output, the mask's examples weighted 0
             for w in weights:
-                w.movedim(dim, 0)[k] = 0
-            probe.example = k
-            torch.autograd.grad(batched, params, grad_outputs=weights, allow_unused=True,
-                                retain_graph=k != probes[-1])  # returned, dropped: never in .grad
+                w.movedim(dim, 0)[mask.to(w.device)] = 0
+            torch.autograd.grad(batched, [anchor], grad_outputs=weights,
+                                retain_graph=i < len(masks) - 1)  # a scalar, dropped
     finally:
         for handle in handles:
             handle.remove()
@@ -372,31 +487,23 @@ def _batched_outputs(output: object, n: int, root: int) -> tuple[list[torch.Tens
 
 @dataclass
 class _Probe:
-    """The example whose loss weight is zero in the current gradient probe, and the places in the whole
-    batch of the examples probed."""
+    """The batch's examples, and which of them have zero loss weight in the current gradient probe."""
 
-    rows: list[int]
-    example: int = 0
-
-
-def _hook_gradients(probe: _Probe, handles: list) -> Visit:
-    """A visit that hooks every per-example unit tensor on the gradient path with a check of its
-    gradient."""
-    def visit(unit, seen: list[_Seen]) -> None:
-        handles.extend(s.tensor.register_hook(_zero_at(probe, s, unit.name)) for s in seen
-                       if s.tensor.requires_grad and s.axis is not None
-                       and s.axis.examples(s.tensor) == len(probe.rows))
-    return visit
+    examples: int
+    mask: torch.Tensor | None = None
 
 
 def _zero_at(probe: _Probe, seen: _Seen, name: str) -> Callable[[torch.Tensor], None]:
-    """A gradient hook refusing any nonzero gradient at the probed example of unit ``name``'s tensor."""
+    """A gradient hook refusing any nonzero gradient at the silenced examples of unit ``name``'s tensor."""
     what, shape, axis = seen.what, tuple(seen.tensor.shape), seen.axis
 
     def check(grad: torch.Tensor) -> None:
-        k = probe.example
-        if axis.batch_first(grad)[k].abs().sum() != 0:
-            raise PrivacyError(f"module {name!r} mixes examples in its backward: example {probe.rows[k]} has "
-                               f"zero loss weight but nonzero gradients at its {what} (shape {shape}, read "
-                               f"with its examples in {axis.describe()}). {_FIX}")
+        rows = axis.batch_first(grad)
+        silenced = probe.mask.to(rows.device)
+        if rows[silenced].abs().sum() == 0:
+            return
+        k = int((rows.reshape(rows.shape[0], -1).abs().sum(1) != 0).logical_and(silenced).nonzero()[0])
+        raise PrivacyError(f"module {name!r} mixes examples in its backward: example {k} has "
+                           f"zero loss weight but nonzero gradients at its {what} (shape {shape}, read "
+                           f"with its examples in {axis.describe()}). {_FIX}")
     return check

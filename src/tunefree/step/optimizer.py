@@ -23,12 +23,16 @@ from ..data.poisson import StepSchedule
 from ..errors import PrivacyError
 from ..persample.accumulator import StepAccumulator
 from ..persample.engine import ClippingEngine
-from ..persample.independence import verify_example_independence
+from ..persample.independence import ProbeSchedule, verify_example_independence
 from ..persample.state_guard import StateGuard
 from ..privacy.ledger import Ledger
 from ..privacy.mechanisms import GradientRelease
+from ..privacy.randomness import SecretSource
 from ..rules import Capture
 from .component import StepComponent, StepContext, StepReport, UpdateControl
+
+# The expected number of steps between two independence checks when ``verify_every`` is not given.
+CHECK_INTERVAL = 24
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -49,10 +53,12 @@ class DPOptimizer(torch.optim.Optimizer):
             learning-rate rule), run in this order after the release.
         planned_steps: the length of training the noise was calibrated for (``None``: no plan); the
             first step beyond it warns that ε now grows past the target.
-        verify_every: re-check example independence every this many steps (``None``: only before the
-            first release).
+        verify_every: after the check before the first release, each step checks example independence
+            with probability 1/verify_every (``None``: 1/24; 1: every step).
         every_rank: under FSDP2, whose forward passes are collectives: whether a flag is True on every
             rank, so that every rank runs the independence check or none does (``None``: one process).
+        probes: which steps are checked and on which examples, drawn from the run's randomness (``None``:
+            fresh secret randomness).
         state_guard: the check that between steps the model changes only through the wrapped optimizer's
             update (``persample.state_guard``), run before the release and the update.
 
@@ -79,7 +85,7 @@ class DPOptimizer(torch.optim.Optimizer):
                  expected_batch_size: float, schedule: StepSchedule, accumulator: StepAccumulator, *,
                  components: Sequence[StepComponent] = (), planned_steps: int | None = None,
                  verify_every: int | None = None, every_rank: Callable[[bool], bool] | None = None,
-                 state_guard: StateGuard):
+                 probes: ProbeSchedule | None = None, state_guard: StateGuard):
         if isinstance(optimizer, DPOptimizer):
             raise ValueError("the optimizer is already private; pass the original optimizer")
         self.original = optimizer
@@ -100,6 +106,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._check_parameters()
         self._trainable = frozenset(p for g in engine.groups for p in g.params)
         self.verify_every, self.every_rank = verify_every, every_rank
+        self.probes = ProbeSchedule(SecretSource()) if probes is None else probes
         self.verified = False
         self.grad_scaler: torch.amp.GradScaler | None = None
         # The wrapped optimizer's updates before this run (0 again once a checkpoint's ledger is loaded).
@@ -212,8 +219,11 @@ class DPOptimizer(torch.optim.Optimizer):
 
     # -- the example-independence check
     def _verification_due(self, step: int) -> bool:
-        """Whether logical step ``step`` (1-based) checks example independence before its release."""
-        return not self.verified or (self.verify_every is not None and step % self.verify_every == 0)
+        """Whether logical step ``step`` (1-based) checks example independence before its release: until
+        a check has run, every step; then each step with probability ``1/verify_every``, drawn from the
+        run's randomness. Under FSDP2 the ranks agree (a step is checked if any rank drew it)."""
+        due = not self.verified or self.probes.due(step, self.verify_every or CHECK_INTERVAL)
+        return due if self.every_rank is None else not self.every_rank(not due)
 
     def _verify_independence(self) -> None:
         """Before a release that needs it, check on the step's first physical batch that no example's
@@ -228,15 +238,16 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.every_rank is not None and inputs is not None:  # a check is due: on every rank alike
             ready = self.every_rank(ready)
         if ready:
+            probes = self.probes.probes(self.ledger.steps + 1, examples, both=not self.verified)
             try:
                 verify_example_independence(self.engine.model, self.engine, inputs.args, inputs.kwargs,
-                                            examples=examples)
+                                            examples=examples, probes=probes)
                 self.state_guard.check("after the example-independence check", full=False)
             except PrivacyError:
                 self.accumulator.pop()
                 raise
             self.verified = True
-        self.engine.retain_inputs = self._verification_due(self.ledger.steps + 2)
+        self.engine.retain_inputs = self.schedule.checking = self._verification_due(self.ledger.steps + 2)
 
     # -- the private step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
