@@ -36,6 +36,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
+from tunefree.persample.independence import Probes
 
 R = 1.0
 TUNEFREE_SOURCE = str(Path(tunefree.__file__).parent)
@@ -97,7 +98,7 @@ class LoopSpec:
 class Draw:
     model: ModelSpec
     loop: LoopSpec
-    seed: int = 0  # weights and data
+    seed: int = 0  # weights, data, and the private run's seed (which steps it checks, on which examples)
 
     def __repr__(self) -> str:
         return f"Draw({self.model!r}, {self.loop!r}, seed={self.seed})"
@@ -153,7 +154,9 @@ def sample_loop(rng: random.Random, model: ModelSpec, outside: bool = False) -> 
     """A loop for ``model``. ``outside``: also draw the user errors no invariant can see, which
     docs/refusals.md lists under what tunefree cannot detect: a ``loss_reduction`` declared wrongly; a
     resume that forgets the engine's state (the optimizer's state, loaded before make_private, is taken
-    for training outside the guarantee, such as public pre-training)."""
+    for training outside the guarantee, such as public pre-training); mixing before the model with
+    ``poisson_sampling=False`` (the batches are the user's, whose inputs tunefree does not check: the
+    guarantee is labelled an approximation and the loop is the user's)."""
     steps = _weighted(rng, {1: 0.2, 2: 0.5, 3: 0.3})
     loader = _weighted(rng, {"poisson": 0.75, "own": 0.1, "poisson-off": 0.15})
     resume_at = rng.randint(1, steps - 1) if steps > 1 and rng.random() < 0.2 else None
@@ -167,6 +170,9 @@ def sample_loop(rng: random.Random, model: ModelSpec, outside: bool = False) -> 
         mix_before = {"tokens": "token_swap", "image": rng.choice(["mixup", "standardise", "cutmix"])}.get(
             model.inputs, rng.choice(["mixup", "standardise"]))
     mix_start = 1 if (mixes or mix_before) and steps > 1 and rng.random() < 0.3 else 0
+    if loader == "poisson-off" and not outside:
+        mix_before = None  # inputs not from tunefree's loader are not checked: outside the invariants
+        mix_start = mix_start if mixes else 0
     return LoopSpec(
         examples=rng.choice([3, 4, 5]), steps=steps, loader=loader,
         physical=2 if loader == "poisson" and rng.random() < 0.25 else None,
@@ -247,14 +253,32 @@ def mix_inputs(kind: str, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-class _Run:
-    """One private training run of a draw on a data set, recording every release into a ``RunTrace``."""
+class EveryPairChecked:
+    """The oracle's instrument in place of a run's ``ProbeSchedule``: every step checked (the independence
+    check and the input check), each example alone a probe of both kinds, so that every pair (i, j) is
+    seen. Mixing that the checks can see is then refused at the first step it happens; a run's random
+    steps and halves catch it only with the probability ``ProbeSchedule`` states."""
 
-    def __init__(self, draw: Draw, dataset: TensorDataset, trace: RunTrace, plain: bool = False):
+    def due(self, step: int, every: int) -> bool:
+        return True
+
+    def probes(self, step: int, n: int, both: bool = False) -> Probes:
+        alone = tuple(torch.arange(n) == k for k in range(n))
+        return Probes(alone, alone)
+
+
+class _Run:
+    """One private training run of a draw on a data set, recording every release into a ``RunTrace``
+    (``every_pair``: checked by ``EveryPairChecked`` instead of the run's random schedule)."""
+
+    def __init__(self, draw: Draw, dataset: TensorDataset, trace: RunTrace, plain: bool = False,
+                 every_pair: bool = False):
         self.draw, self.loop, self.dataset, self.trace, self.plain = draw, draw.loop, dataset, trace, plain
+        self.every_pair = every_pair
         self.dtype = dtype_of(self.loop)
         self.public = input_batch(draw.model, 3, draw.seed * 10 + 5, self.dtype)
         self.engine = self.scaler = None
+        self.checking = True  # whether the run checks the step under way (private runs)
         self._start(build_model(draw.model, draw.seed, self.dtype))
         self.own = (DataLoader(dataset, batch_size=len(dataset), shuffle=True)
                     if self.loop.loader == "own" or plain else None)
@@ -273,15 +297,24 @@ class _Run:
         self.engine = tunefree.make_private(
             model, self.optimizer, loader, target_delta=0.1 / len(self.dataset), noise_multiplier=0.0,
             steps=loop.steps, clipping=loop.clipping, max_grad_norm=R, groups=loop.groups,
-            loss_reduction=loop.declared or loop.reduction, seed=0,
+            loss_reduction=loop.declared or loop.reduction, seed=self.draw.seed,
             physical_batch_size=loop.physical if loop.loader == "poisson" else None,
             poisson_sampling=loop.loader != "poisson-off", verify_every=loop.verify_every)
         if self.scaler is not None:
             self.engine.optimizer.attach_grad_scaler(self.scaler)
+        if self.every_pair:
+            self.engine.optimizer.probes = EveryPairChecked()
+        self.engine.optimizer.register_step_pre_hook(self._note_check)
         self.engine.optimizer.register_step_post_hook(self._record)
+
+    def _note_check(self, optimizer, args, kwargs) -> None:
+        """Before a logical step: whether the run checks it (the independence check and the input check,
+        ``StepSchedule.checking``, set at the end of the step before)."""
+        self.checking = self.engine.schedule.checking
 
     def _record(self, optimizer, args, kwargs) -> None:
         names = {p: n for n, p in self.model.named_parameters()}
+        self.trace.checked.append(self.checking)
         self.trace.releases.append({
             names[p]: p.grad.detach().double() * optimizer.expected_batch_size
             for group in optimizer.param_groups for p in group["params"] if p.grad is not None})
@@ -397,15 +430,16 @@ def refused_by_tunefree(error: BaseException) -> bool:
 
 
 def run_draw(draw: Draw, x: torch.Tensor, y: torch.Tensor,
-             history: tuple[torch.Tensor, torch.Tensor] | None = None) -> RunTrace:
+             history: tuple[torch.Tensor, torch.Tensor] | None = None, every_pair: bool = False) -> RunTrace:
     """Train ``draw`` privately on D = (x, y) (with ``history``: on it for all steps but the last, which
-    sees D) and record every release; an exception ends the run and is kept in the trace."""
+    sees D) and record every release; an exception ends the run and is kept in the trace.
+    ``every_pair``: check every step on every pair of examples (``EveryPairChecked``)."""
     trace = RunTrace()
     dataset = TensorDataset(*(history if history is not None else (x, y)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            run = _Run(draw, dataset, trace)
+            run = _Run(draw, dataset, trace, every_pair=every_pair)
             run.train(history, (x, y))
             trace.state = model_state(run.model)
             trace.ledger_steps = run.engine.steps

@@ -18,6 +18,13 @@ Refused means a ``PrivacyError``, or a ValueError/TypeError/RuntimeError raised 
 in tunefree (a named refusal). A refusal after a leaky release does not excuse the release: released
 steps are compared whatever happened later.
 
+**Random check**: tunefree checks example independence and the inputs' provenance on random steps (each
+with probability 1/verify_every), the independence check on a random half of the batch, so mixing is
+caught with a stated probability, not with certainty (docs/refusals.md). A draw whose only violation is
+sensitivity from mixing, and whose rerun checked at every step on every pair of examples releases
+nothing beyond R, is counted as ``random-check``, apart from exact and from findings; a leak that such
+checking still lets through stays a finding.
+
     from leak_fuzz import check; check(sample_draw(7))   # one draw
     python benchmarks/leak_fuzz.py --seeds 0:2000         # the long run
 """
@@ -30,7 +37,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from fuzz_draw import Draw, LoopSpec, R, draw_data, refused_by_tunefree, run_draw, run_plain, sample_draw
 from fuzz_zoo import BLOCKS, MIXING_HOOKS, RECORDING_HOOKS, STATEFUL, STEM_LAYOUT, ModelSpec, build_model
-from neighbour import MultiStepReport, RunTrace, StepExcess, compare_runs
+from neighbour import MultiStepReport, RunTrace, StepExcess, compare_runs, release_distance
 
 # Rounding: a float32/float64 release of N clipped gradients is exact to ~N·R·1e-7. Under bf16/fp16
 # autocast the other examples' activations are computed by kernels that may block a batch of N and of
@@ -47,6 +54,7 @@ SAMPLING = "sampling not as the guarantee says"
 LEDGER = "ledger"
 UNNOISED = "unnoised outputs"
 OTHER = "anything else"
+RANDOM_CHECK = "random-check"  # the verdict of a leak the random checks missed by chance (see check)
 CLASSES = (WRITTEN, CARRIED, MIXING_INSIDE, MIXING_OUTSIDE, BATCH_SENSITIVITY, SAMPLING, LEDGER, UNNOISED,
            OTHER)
 
@@ -61,17 +69,21 @@ class Violation:
 @dataclass
 class Outcome:
     draw: Draw
-    verdict: str                # exact | refused | finding | invalid (plain PyTorch cannot run it)
+    verdict: str                # exact | refused | random-check | finding | invalid (plain PyTorch cannot
+    #                             run it); random-check: a leak from mixing that the run's random checks
+    #                             missed and checking every step catches (_missed_by_chance)
     violations: list[Violation] = field(default_factory=list)
     refusal: str | None = None  # the first refusal's type and first line
     invariant: str | None = None
     seconds: float = 0.0
     ratio: float = 0.0          # the largest neighbour distance over R (0: nothing compared)
     split_refusal: bool = False  # the run on D finished, yet a run on some D∖{j} was refused
+    missed: str | None = None   # random-check: "unchecked step" or "random half" (_missed_by_chance)
 
     def line(self) -> str:
         what = "; ".join(f"{v.check}: {v.detail}" for v in self.violations)
-        return f"[{self.invariant}] {what}\n    {self.draw!r}"
+        chance = f" (random check: {self.missed}; caught checking every step)" if self.missed else ""
+        return f"[{self.invariant}] {what}{chance}\n    {self.draw!r}"
 
 
 def _first_line(error: BaseException) -> str:
@@ -184,6 +196,63 @@ def classify(draw: Draw, violations: list[Violation], report: MultiStepReport | 
     return OTHER
 
 
+def _compare(draw: Draw, x, y, history, every_pair: bool = False
+             ) -> tuple[MultiStepReport, list[Violation]] | None:
+    """The neighbour comparison of ``draw`` and its violations (``None``: only the draw's own code
+    failed, on data where plain PyTorch fails too). ``every_pair``: see ``fuzz_draw.EveryPairChecked``."""
+    first = run_draw(draw, x, y, every_pair=every_pair)
+    if first.error is not None and not first.releases:
+        # refused (or crashed) before releasing anything: there is nothing to compare
+        report = MultiStepReport(worst=StepExcess(), state_diffs={}, carry_distance=None, full=first,
+                                 neighbours=[], carry=None)
+    else:
+        report = compare_runs(lambda a, b, h: run_draw(draw, a, b, h, every_pair), x, y, history,
+                              full=first)
+    violations = _violations(draw, report)
+    if any(v.check == "crash" for v in violations) and \
+            _plain_fails_where_private_crashed(draw, report, x, y, history):
+        violations = [v for v in violations if v.check != "crash"]  # the draw's own code failed there
+        if not violations:
+            return None
+    return report, violations
+
+
+def leaky_steps(draw: Draw, report: MultiStepReport) -> list[tuple[int, int, bool]]:
+    """Each (step, removed example, checked) whose neighbour distance exceeds R: ``checked`` when both
+    runs checked that step before releasing it."""
+    bound = R * (1 + TOLERANCE[draw.loop.precision])
+    found = []
+    for j, neighbour in enumerate(report.neighbours):
+        for t, (a, b) in enumerate(zip(report.full.releases, neighbour.releases)):
+            if release_distance(a, b) > bound:
+                found.append((t, j, report.full.checked[t] and neighbour.checked[t]))
+    return found
+
+
+def _missed_by_chance(draw: Draw, violations: list[Violation], report: MultiStepReport, x, y,
+                      history) -> str | None:
+    """How the run's random checks missed mixing that the checks see, or ``None``.
+
+    A run checks example independence and its inputs on random steps (each with probability
+    1/verify_every), the independence check on a random half of the batch (a mixing pair is caught with
+    probability ≥ 1/8 per check; ``ProbeSchedule``): a leak from mixing on a step they skip, or on a
+    checked step whose half missed it, is the detection probability the design states, not a hole. It is
+    that only when the only violation is sensitivity, the draw mixes (in the model or before it), and
+    the same draw checked at every step on every pair (``EveryPairChecked``) releases nothing beyond R
+    (exact, or refused first); a leak that such checking still lets through stays a finding. Returns
+    ``"unchecked step"`` (every leaky release was on a step the run did not check) or ``"random half"``
+    (some leaky release was on a checked step)."""
+    if any(v.check != "sensitivity" for v in violations):
+        return None
+    if draw.loop.mix_before is None and not _mixes_in_model(draw.model):
+        return None
+    again = _compare(draw, x, y, history, every_pair=True)
+    if again is None or again[1]:
+        return None
+    leaks = leaky_steps(draw, report)
+    return "random half" if any(checked for _, _, checked in leaks) else "unchecked step"
+
+
 def check(draw: Draw) -> Outcome:
     """Run the oracle on one draw."""
     start = time.perf_counter()
@@ -193,27 +262,21 @@ def check(draw: Draw) -> Outcome:
         return Outcome(draw, "invalid", seconds=time.perf_counter() - start)
     x, y = draw_data(draw)
     history = draw_data(draw, seed_offset=1) if draw.loop.steps > 1 else None
-    first = run_draw(draw, x, y)
-    if first.error is not None and not first.releases:
-        # refused (or crashed) before releasing anything: there is nothing to compare
-        report = MultiStepReport(worst=StepExcess(), state_diffs={}, carry_distance=None, full=first,
-                                 neighbours=[], carry=None)
-    else:
-        report = compare_runs(lambda a, b, h: run_draw(draw, a, b, h), x, y, history, full=first)
-    violations = _violations(draw, report)
-    if any(v.check == "crash" for v in violations) and \
-            _plain_fails_where_private_crashed(draw, report, x, y, history):
-        violations = [v for v in violations if v.check != "crash"]  # the draw's own code failed there
-        if not violations:
-            return Outcome(draw, "invalid", seconds=time.perf_counter() - start)
+    compared = _compare(draw, x, y, history)
+    if compared is None:
+        return Outcome(draw, "invalid", seconds=time.perf_counter() - start)
+    report, violations = compared
     errors = [t.error for t in [report.full, *report.neighbours, report.carry] if t is not None and t.error]
     refusal = next((_first_line(e) for e in errors if refused_by_tunefree(e)), None)
     verdict = "finding" if violations else "refused" if refusal else "exact"
     invariant = classify(draw, violations, report) if violations else None
-    split = first.error is None and any(t.error is not None and refused_by_tunefree(t.error)
-                                        for t in report.neighbours)
+    missed = _missed_by_chance(draw, violations, report, x, y, history) if violations else None
+    if missed is not None:
+        verdict = RANDOM_CHECK
+    split = report.full.error is None and any(t.error is not None and refused_by_tunefree(t.error)
+                                              for t in report.neighbours)
     return Outcome(draw, verdict, violations, refusal, invariant, time.perf_counter() - start,
-                   report.worst.distance / R, split)
+                   report.worst.distance / R, split, missed)
 
 
 def fuzz(seeds, on_outcome=None, outside: bool = False) -> list[Outcome]:
