@@ -13,7 +13,7 @@ import contextlib
 import random
 import traceback
 import warnings
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -92,6 +92,16 @@ class LoopSpec:
         parts = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
                  if getattr(self, f.name) != getattr(defaults, f.name)]
         return f"LoopSpec({', '.join(parts)})"
+
+
+@dataclass
+class DrawTrace(RunTrace):
+    """A ``RunTrace`` that also says, for each release, whether the run checked that step (the
+    independence and input checks) and whether the loop trained the model on data in it (a subset may
+    come out empty)."""
+
+    checked: list[bool] = field(default_factory=list)
+    fed: list[bool] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -271,7 +281,7 @@ class _Run:
     """One private training run of a draw on a data set, recording every release into a ``RunTrace``
     (``every_pair``: checked by ``EveryPairChecked`` instead of the run's random schedule)."""
 
-    def __init__(self, draw: Draw, dataset: TensorDataset, trace: RunTrace, plain: bool = False,
+    def __init__(self, draw: Draw, dataset: TensorDataset, trace: DrawTrace, plain: bool = False,
                  every_pair: bool = False):
         self.draw, self.loop, self.dataset, self.trace, self.plain = draw, draw.loop, dataset, trace, plain
         self.every_pair = every_pair
@@ -279,6 +289,7 @@ class _Run:
         self.public = input_batch(draw.model, 3, draw.seed * 10 + 5, self.dtype)
         self.engine = self.scaler = None
         self.checking = True  # whether the run checks the step under way (private runs)
+        self.fed = False      # whether the loop trained the model on data in the step under way
         self._start(build_model(draw.model, draw.seed, self.dtype))
         self.own = (DataLoader(dataset, batch_size=len(dataset), shuffle=True)
                     if self.loop.loader == "own" or plain else None)
@@ -315,6 +326,8 @@ class _Run:
     def _record(self, optimizer, args, kwargs) -> None:
         names = {p: n for n, p in self.model.named_parameters()}
         self.trace.checked.append(self.checking)
+        self.trace.fed.append(self.fed)
+        self.fed = False
         self.trace.releases.append({
             names[p]: p.grad.detach().double() * optimizer.expected_batch_size
             for group in optimizer.param_groups for p in group["params"] if p.grad is not None})
@@ -368,6 +381,7 @@ class _Run:
             if len(xb) == 0:  # none passed: nothing to train on (the private step still comes)
                 self._step()
                 return
+        self.fed = True
         if loop.split in (None, "subset") or half == 0:
             with _autocast(loop):
                 loss = _loss(loop, model(xb), yb)
@@ -430,11 +444,11 @@ def refused_by_tunefree(error: BaseException) -> bool:
 
 
 def run_draw(draw: Draw, x: torch.Tensor, y: torch.Tensor,
-             history: tuple[torch.Tensor, torch.Tensor] | None = None, every_pair: bool = False) -> RunTrace:
+             history: tuple[torch.Tensor, torch.Tensor] | None = None, every_pair: bool = False) -> DrawTrace:
     """Train ``draw`` privately on D = (x, y) (with ``history``: on it for all steps but the last, which
     sees D) and record every release; an exception ends the run and is kept in the trace.
     ``every_pair``: check every step on every pair of examples (``EveryPairChecked``)."""
-    trace = RunTrace()
+    trace = DrawTrace()
     dataset = TensorDataset(*(history if history is not None else (x, y)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -458,4 +472,4 @@ def run_plain(draw: Draw, data: tuple[torch.Tensor, torch.Tensor] | None = None,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dataset = TensorDataset(*(history if history is not None else (x, y)))
-        _Run(draw, dataset, RunTrace(), plain=True).train(history, (x, y))
+        _Run(draw, dataset, DrawTrace(), plain=True).train(history, (x, y))

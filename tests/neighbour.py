@@ -136,7 +136,6 @@ class RunTrace:
     error: BaseException | None = None
     ledger_steps: int | None = None               # steps the run's ledger holds at the end
     poisson_approximation: bool | None = None     # what the run's guarantee says of its sampling
-    checked: list[bool] = field(default_factory=list)  # per release: whether the run checked that step
 
 
 def release_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
