@@ -6,6 +6,7 @@ turns it into docs/support-matrix.md, and tests/test_conformance.py runs every c
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -303,6 +304,11 @@ def _rnn(kind, state=None, packed=None, **kwargs):
 
 
 def recurrent_cases() -> Iterator[Case]:
+    for case in _recurrent_cases():  # every weight is a factored form: both norm paths
+        yield replace(case, two_paths=True) if case.refused is None else case
+
+
+def _recurrent_cases() -> Iterator[Case]:
     x = randn(B, T, 3)
     for kind in RECURRENT:
         yield Case(

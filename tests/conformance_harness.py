@@ -71,18 +71,25 @@ def _loss(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (torch.tanh(out) * weights).sum()
 
 
-def _model_and_inputs(case: Case) -> tuple[nn.Module, tuple, torch.Tensor]:
+def _model_and_inputs(case: Case, dtype: torch.dtype = torch.float64
+                      ) -> tuple[nn.Module, tuple, torch.Tensor]:
     generator = torch.Generator().manual_seed(7)
     torch.manual_seed(11)
-    model = case.build().double().train()
+    model = case.build().to(dtype).train()
     inputs = tuple(
-        x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
         for x in case.inputs(generator)
     )
     with torch.no_grad():
         out = copy.deepcopy(model)(*inputs)
-    weights = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+    weights = torch.randn(out.shape, generator=generator, dtype=dtype)
     return model, inputs, weights
+
+
+def _forward(model: nn.Module, inputs: tuple, autocast: torch.dtype | None) -> torch.Tensor:
+    """The model's output, in the weights' precision, from a forward in ``autocast`` (CPU) if given."""
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        return model(*inputs)
 
 
 def _engine_run(
@@ -93,13 +100,14 @@ def _engine_run(
     grouping: str,
     path: str | None,
     check: bool,
+    autocast: torch.dtype | None = None,
 ):
     groups = make_groups(model, grouping, 1.0)
     engine = ClippingEngine(model, groups, CLIP, loss_reduction="sum", batch_dim=case.batch_dim,
                             batch_source=SimpleNamespace(batch_serial=1, batch_examples=EXAMPLES),
                             path_chooser=PathChooser(measure=False, fixed=path))
     try:
-        _loss(model(*inputs), weights).backward()
+        _loss(_forward(model, inputs, autocast).to(weights.dtype), weights).backward()
         sums, examples, norms = pop_step(engine)
         assert examples == EXAMPLES
         if check:
@@ -110,12 +118,13 @@ def _engine_run(
     return groups, sums, norms
 
 
-def _reference(case: Case, model: nn.Module, inputs: tuple, weights: torch.Tensor, grouping: str):
+def _reference(case: Case, model: nn.Module, inputs: tuple, weights: torch.Tensor, grouping: str,
+               autocast: torch.dtype | None = None):
     groups = make_groups(model, grouping, 1.0)
     params = [p for p in model.parameters() if p.requires_grad]
     per_example = []
     for b in range(EXAMPLES):
-        out = model(*_example_inputs(case, inputs, b))
+        out = _forward(model, _example_inputs(case, inputs, b), autocast).to(weights.dtype)
         loss = _loss(out, weights.narrow(case.root, b, 1))
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         per_example.append({p: torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)})
@@ -163,3 +172,29 @@ def _assert_same(case, groups, sums, norms, want_groups, want_sums, want_norms, 
                 atol=1e-12,
                 msg=lambda m, name=name: f"{where} {name}: {m}",
             )
+
+
+def run_in_autocast(case: Case, dtype: torch.dtype) -> None:
+    """An exact case's model in float32 trained under CPU autocast in ``dtype`` (per-layer groups, one
+    path): the engine's norms and clipped sums agree with the batch-size-1 loop in the same autocast as
+    closely as that loop's precision allows. Both round (the batch-1 kernels their activations, the rules
+    convert 16-bit tensors to float32 exactly and compute there, recurrent ones recomputing the layer), so
+    the tolerance is the larger of a few roundings (4 × 2⁻⁸ relative in bfloat16) and twice the distance
+    the 16-bit precision itself moves the loop (its result in ``dtype`` against float32): a recurrent
+    layer's fused 16-bit kernel rounds every time step, and the float32 recomputation is closer to the
+    float32 loop than the 16-bit loop is."""
+    eps = torch.finfo(dtype).eps / 2  # one rounding's relative error (2⁻⁸ in bfloat16)
+    model, inputs, weights = _model_and_inputs(case, torch.float32)
+    loop16, loop32 = copy.deepcopy(model), copy.deepcopy(model)
+    groups, sums, norms = _engine_run(case, model, inputs, weights, "per-layer", None, check=False,
+                                      autocast=dtype)
+    groups16, sums16, norms16 = _reference(case, loop16, inputs, weights, "per-layer", dtype)
+    groups32, sums32, norms32 = _reference(case, loop32, inputs, weights, "per-layer")
+    for g, g16, g32 in zip(groups, groups16, groups32):
+        got, want, other = norms[g.name].double(), norms16[g16.name].double(), norms32[g32.name].double()
+        tolerance = torch.maximum(4 * eps * want, 2 * (want - other).abs()) + 1e-6
+        assert ((got - want).abs() <= tolerance).all(), f"{case.id} norms of {g.name}: {got} vs {want}"
+        for p, p16, p32, name in zip(g.params, g16.params, g32.params, g.param_names):
+            got, want, other = sums[p].double(), sums16[p16].double(), sums32[p32].double()
+            tolerance = max(4 * eps * want.abs().max(), 2 * (want - other).abs().max()) + 1e-6
+            assert (got - want).abs().max() <= tolerance, f"{case.id} {name}"

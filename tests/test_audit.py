@@ -156,7 +156,8 @@ def test_an_extra_unrecorded_release_is_caught(monkeypatch):
     original = GradientRelease.release
 
     def released_twice(self, sums, thresholds):
-        first, event = original(self, sums, thresholds)
+        # a release takes its sums over (adds the noise into them): the second one gets its own copy
+        first, event = original(self, {p: s.clone() for p, s in sums.items()}, thresholds)
         second, _ = original(self, sums, thresholds)  # released into the update, never recorded
         return {p: (first[p] + second[p]) / 2 for p in first}, event
 

@@ -54,16 +54,33 @@ def test_parameter_used_outside_its_module_is_an_error():
         F.cross_entropy(out, torch.zeros(4, dtype=torch.long)).backward()
 
 
+@pytest.mark.parametrize("grouping", ["all-layer", "per-layer"])
 @pytest.mark.parametrize("value", [float("inf"), 1e32])
-def test_non_finite_or_overflowing_per_sample_norm_is_an_error(value):
+def test_non_finite_or_overflowing_per_sample_norm_is_an_error(value, grouping):
     model = MLP()
-    engine = engine_for(model)
+    engine = engine_for(model, grouping)
     x = torch.randn(4, 6)
     x[2, 0] = value
     with pytest.raises(PrivacyError, match="NaN, infinite or beyond"):
         F.cross_entropy(model(x), torch.zeros(4, dtype=torch.long)).backward()
     sums, examples, _ = pop_step(engine)
     assert sums == {} and examples == 0  # nothing of the tainted step is left to release
+
+
+def test_a_form_that_weighs_an_example_twice_is_an_internal_error(monkeypatch):
+    """The norms booked and checked are those whose clip weights were applied, each example's once: a
+    per-sample form that weighs examples twice (or skips some) cannot pass a step off as clipped."""
+    clipped_sum = FactoredGrad.clipped_sum
+
+    def twice(self, other_sq_norms, weights_of):
+        weights_of(self.sq_norms() + other_sq_norms)
+        return clipped_sum(self, other_sq_norms, weights_of)
+
+    monkeypatch.setattr(FactoredGrad, "clipped_sum", twice)
+    model = MLP()
+    engine_for(model, "per-layer")
+    with pytest.raises(RuntimeError, match="8 per-sample norms weighed for a pass of 4 examples"):
+        F.cross_entropy(model(torch.randn(4, 6)), torch.zeros(4, dtype=torch.long)).backward()
 
 
 def test_input_modified_in_place_after_use_is_an_error():

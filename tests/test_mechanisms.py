@@ -94,12 +94,14 @@ def test_gradient_noise_follows_the_thresholds_it_is_released_at_and_adds_std_ti
         assert release.noise_stds(thresholds) == group_noise_stds(list(thresholds.values()), sizes, 1.3,
                                                                   "equal-budget")
     sums = {p: torch.full(p.shape, 0.25) for p in model.parameters()}
+    given = {p: s.clone() for p, s in sums.items()}
     noisy, _ = release.release(sums, {"0": 0.5, "1": 2.0})
     replay = SeededSource(5)  # the same seeded stream: the noise the release drew, parameter by parameter
     stds = dict(release.param_stds({"0": 0.5, "1": 2.0}))
     for p in model.parameters():
-        expected = sums[p] + stds[p] * replay.normal(p.shape, torch.device("cpu"), torch.float32)
+        expected = given[p] + stds[p] * replay.normal(p.shape, torch.device("cpu"), torch.float32)
         assert torch.equal(noisy[p], expected)
+        assert noisy[p] is sums[p]  # the noise went into the sum in place: no copy of the sums
 
 
 def test_every_source_says_what_it_promises():

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from models import MLP, FallbackNet
 from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -96,6 +97,35 @@ class TinyTransformer(nn.Module):
         return self.head(self.ln_f(x)).mean(1)
 
 
+class Recurrent(nn.Module):
+    """Every recurrent configuration: a 2-layer bidirectional LSTM with a projection (batch-first), a GRU
+    on packed sequences of lengths 3-5 from an initial state (time-major), a tanh RNN, and a LSTM cell
+    stepped over time."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.embed = nn.Embedding(9, d)
+        self.lstm = nn.LSTM(d, 5, num_layers=2, bidirectional=True, proj_size=3, batch_first=True)
+        self.gru = nn.GRU(6, d)
+        self.state = nn.Linear(d, d)
+        self.rnn = nn.RNN(d, d, nonlinearity="relu")
+        self.cell = nn.LSTMCell(d, d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, ids):
+        batch, steps = ids.shape
+        h, _ = self.lstm(self.embed(ids))  # [B, T, 6]
+        lengths = torch.arange(batch) % 3 + 3  # 3 to 5 steps, the longest 5 at any batch size
+        packed = pack_padded_sequence(h.transpose(0, 1), lengths, enforce_sorted=False)
+        h0 = torch.tanh(self.state(self.embed(ids[:, 0])))[None]  # [1, B, d], from the batch
+        out, _ = self.gru(packed, h0)
+        out, _ = self.rnn(pad_packed_sequence(out)[0])  # [T, B, d]
+        state = (out[0], torch.zeros_like(out[0]))
+        for t in range(steps):
+            state = self.cell(out[t], state)
+        return self.head(state[0])
+
+
 def _case(name: str, batch: int):
     g = torch.Generator().manual_seed(0)
     y = torch.randint(0, 3, (batch,), generator=g)
@@ -107,6 +137,8 @@ def _case(name: str, batch: int):
         return TinyTransformer(), torch.randint(0, 11, (batch, 6), generator=g), y
     if name == "fallback":
         return FallbackNet(), torch.randn(batch, 5, 3, generator=g), y
+    if name == "recurrent":
+        return Recurrent(), torch.randint(0, 9, (batch, 5), generator=g), y
     raise KeyError(name)
 
 
@@ -151,7 +183,8 @@ def _differences(counts: tuple[Counter[str], Counter[str]]) -> dict[str, tuple[i
 
 
 CASES = [("conv", "ghost"), ("conv", "materialise"), ("conv-native", "ghost"), ("conv-native", "materialise"),
-         ("mlp", None), ("transformer", None), ("transformer", "materialise"), ("fallback", None)]
+         ("mlp", None), ("transformer", None), ("transformer", "materialise"), ("fallback", None),
+         ("recurrent", None), ("recurrent", "ghost"), ("recurrent", "materialise")]
 
 
 @pytest.mark.parametrize("groups", ["all-layer", "per-layer"])

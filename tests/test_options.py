@@ -90,6 +90,8 @@ def test_shortcut_equals_typed_form(legacy, typed):
     ({"steps": 2.5}, TypeError, "steps"),
     ({"epochs": -1}, ValueError, "epochs"),
     ({"seed": True}, TypeError, "seed"),
+    ({"max_grad_norm": -1.0}, ValueError, "max_grad_norm must be a positive"),
+    ({"max_grad_norm": {"head": math.nan}}, ValueError, r"max_grad_norm\['head'\] must be a positive"),
     ({"secure_rng": 1}, TypeError, "secure_rng"),
 ])
 def test_invalid_or_irrelevant_options_are_refused(kwargs, error, words):

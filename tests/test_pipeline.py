@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
 from tunefree.errors import PrivacyError
+from tunefree.privacy.mechanisms import OneProcess
 
 STAGES = 2
 N, BATCH, SEED, STEPS = 64, 16, 7, 3
@@ -146,16 +147,18 @@ def _training_scenario(rank: int) -> dict:
         wide = _stage(rank, SIGMA, module=nn.Linear(*WIDE[rank]), noise_allocation=allocation)
         draws = [wide.release.release({}, wide.engine.clip_thresholds)[0] for _ in range(NOISE_DRAWS)]
         out[f"noise {allocation}"] = torch.cat([t.reshape(-1) for d in draws for t in d.values()])
-    for name, sigma, clipping, r in (("adaptive abadi", 0.0, "abadi", R),
-                                     ("adaptive auto-s", 0.0, "auto-s", SPREAD),
-                                     ("adaptive noisy", SIGMA, "abadi", R)):
-        adaptive = _stage(rank, sigma, thresholds="adaptive", clipping=clipping, max_grad_norm=r[rank])
+    rescaled = tunefree.AdaptiveQuantile(rescale=True)
+    for name, sigma, clipping, r, rule in (("adaptive abadi", 0.0, "abadi", R, "adaptive"),
+                                           ("adaptive auto-s", 0.0, "auto-s", SPREAD, "adaptive"),
+                                           ("adaptive rescaled", 0.0, "abadi", SPREAD, rescaled),
+                                           ("adaptive noisy", SIGMA, "abadi", R, "adaptive")):
+        adaptive = _stage(rank, sigma, thresholds=rule, clipping=clipping, max_grad_norm=r[rank])
         out[name] = {"released": [], "thresholds": [], "stage thresholds": []}
         for _ in range(STEPS):
             adaptive.step()
             out[name]["released"].append([p.grad.clone() for p in adaptive.module.parameters()])
             out[name]["thresholds"].append(adaptive.engine.clip_thresholds)
-            out[name]["stage thresholds"].append(adaptive.release.stage_thresholds)
+            out[name]["stage thresholds"].append(adaptive.stage_thresholds())
         out[name]["ledger"] = adaptive.ledger.state_dict()
     try:
         _stage(rank, SIGMA if rank == 0 else 2 * SIGMA)
@@ -203,17 +206,19 @@ def test_the_release_is_one_event_of_sensitivity_sqrt_sum_of_squares_in_identica
     assert first["epsilon"] == second["epsilon"] == single.epsilon()
 
 
-@pytest.mark.parametrize("clipping", ["abadi", "auto-s"])
-def test_adaptive_thresholds_per_stage_equal_one_process_with_adaptive_group_thresholds(pipeline, clipping):
-    """Noise-free, each stage's count is exact: its thresholds (for AUTO-S normalised by every stage's
-    estimate) and releases follow the one-process run's groups step by step, and every stage knows
-    every stage's threshold for its noise."""
-    initial = R if clipping == "abadi" else SPREAD
-    _, reference, history = _one_process(0.0, initial, thresholds="adaptive", clipping=clipping)
+@pytest.mark.parametrize("name", ["abadi", "auto-s", "rescaled"])
+def test_adaptive_thresholds_per_stage_equal_one_process_with_adaptive_group_thresholds(pipeline, name):
+    """Noise-free, each stage's count is exact: its thresholds (for AUTO-S, and Abadi's rescaled ones,
+    at the common scale of every stage's estimate) and releases follow the one-process run's groups step
+    by step, and every stage knows every stage's threshold for its noise."""
+    initial = R if name == "abadi" else SPREAD
+    options = {"clipping": "abadi" if name != "auto-s" else "auto-s",
+               "thresholds": tunefree.AdaptiveQuantile(rescale=True) if name == "rescaled" else "adaptive"}
+    _, reference, history = _one_process(0.0, initial, **options)
     for step in range(STEPS):
         everyone = [history[step][f"stage{k}"] for k in range(STAGES)]
         for rank in range(STAGES):
-            ours = pipeline[rank][f"adaptive {clipping}"]
+            ours = pipeline[rank][f"adaptive {name}"]
             assert ours["thresholds"][step] == pytest.approx({f"stage{rank}": everyone[rank]}, rel=1e-9)
             assert list(ours["stage thresholds"][step]) == pytest.approx(everyone, rel=1e-9)
             for mine, theirs in zip(ours["released"][step], reference[step][rank]):
@@ -297,28 +302,41 @@ def test_a_pipeline_stage_needs_torch_distributed():
                                        target_delta=1e-3, noise_multiplier=1.0, steps=1)
 
 
-def test_an_adaptive_stage_checkpoint_restores_every_stage_threshold():
-    """The noise of a stage depends on all stages' thresholds: a resumed stage must not fall back to
-    the initial ones (too little noise where another stage's threshold grew)."""
+class _OtherStage(OneProcess):
+    """One process standing in for stage 0 of two: stage 1's group is elsewhere, at threshold (or
+    estimate) ``other``."""
+
+    def __init__(self, other: float):
+        self.other = other
+
+    def all_groups(self, own):
+        return {**own, "stage1": (self.other, 7)}
+
+
+def test_an_adaptive_stage_checkpoint_restores_every_stage_estimate():
+    """The common scale of a stage's threshold is over every stage's estimate: a resumed stage must not
+    fall back to the initial ones. Its release always noises for every stage's current threshold, asked
+    of the stages at the release."""
     from tunefree.clipping.groups import ClipGroup
-    from tunefree.components.thresholds import AdaptiveQuantile
-    from tunefree.pipeline import StageLayout, StageQuantileEstimator, StageRelease
+    from tunefree.components.thresholds import AdaptiveQuantile, QuantileEstimator
+    from tunefree.privacy.mechanisms import GradientRelease
     from tunefree.privacy.randomness import SecretSource
 
-    def stage_parts():
+    def stage_estimator(other: float) -> QuantileEstimator:
         module = nn.Linear(4, 2)
         group = ClipGroup("stage0", ["weight", "bias"], list(module.parameters()), R[0])
-        layout = StageLayout(0, STAGES, R, (10, 7))
-        release = StageRelease([group], SIGMA, SecretSource(), "global", layout)
-        return StageQuantileEstimator(group, AdaptiveQuantile(), 2.0, SecretSource(), 16.0, release, None)
+        return QuantileEstimator([group], AdaptiveQuantile(), 2.0, SecretSource(), 16.0, scale=1.0,
+                                 parallelism=_OtherStage(other))
 
-    saved = stage_parts()
-    saved.quantiles["stage0"], saved.estimates = 0.5, [0.5, 3.0]
-    saved.release.stage_thresholds = (0.5, 3.0)
-    resumed = stage_parts()
+    saved = stage_estimator(R[1])
+    assert saved.joint_counts == STAGES  # its count is one of the two stages' joint release
+    saved.quantiles["stage0"], saved.estimates = 0.5, {"stage0": 0.5, "stage1": 3.0}
+    resumed = stage_estimator(R[1])
     resumed.load_state_dict(saved.state_dict())
-    assert resumed.release.stage_thresholds == (0.5, 3.0)
-    assert resumed.thresholds() == {"stage0": 0.5}
-    assert resumed.release.noise_stds({"stage0": 0.5}) == [pytest.approx(SIGMA * math.hypot(0.5, 3.0))]
-    with pytest.raises(ValueError, match="estimates of the 2 stages"):
+    assert resumed.estimates == {"stage0": 0.5, "stage1": 3.0}
+    assert resumed.thresholds() == {"stage0": pytest.approx(0.5 / math.hypot(0.5, 3.0))}
+    with pytest.raises(ValueError, match="estimates of the run's 2 clip groups"):
         resumed.load_state_dict({"quantiles": {"stage0": 1.0}, "unclipped_fractions": None})
+    group = resumed.groups[0]
+    release = GradientRelease([group], SIGMA, SecretSource(), "global", _OtherStage(3.0))
+    assert release.noise_stds({"stage0": 0.5}) == [pytest.approx(SIGMA * math.hypot(0.5, 3.0))]

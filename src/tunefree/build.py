@@ -9,6 +9,7 @@ optimizer.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .clipping.groups import ClipGroup, make_groups, sensitivity
+from .clipping.groups import ClipGroup, make_groups
 from .components.dog import DistanceOverGradients, DoG
 from .components.dog_optimizers import OptimizerDoG
 from .components.hyfreedp import AutoLearningRate, HyFreeDP
@@ -70,7 +71,7 @@ def plan_run(config: RunConfig, model: nn.Module, data_loader: Any, parallel: Pa
     parallel = Single() if parallel is None else parallel
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
-    _check_parallel_options(config, parallel)
+    check_parallel_options(config, parallel)
     if parallel.kind == FSDP2:
         check_sharded_options(config.performance.physical_batch_size)
     randomness = run_randomness(config.seed, False)
@@ -97,37 +98,36 @@ def build_run(config: RunConfig, model: nn.Module, optimizer: torch.optim.Optimi
               parallel: Parallelism | None = None) -> DPEngine:
     """The private run of ``config`` over ``model`` (hooked in place), ``optimizer`` and ``data_loader``;
     ``parallel`` is how the run spans processes (:func:`detect_parallel`; one process by default)."""
-    run = plan_run(config, model, data_loader, parallel)
-    release = GradientRelease(run.groups, run.plan.gradient_noise, run.randomness, config.noise_allocation,
-                              run.parallel)
+    return assemble(plan_run(config, model, data_loader, parallel), model, optimizer, data_loader)
+
+
+def assemble(run: PlannedRun, model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: Any
+             ) -> DPEngine:
+    """The parts of a planned run, in order: the Poisson loader (its samples from the parallelism's
+    sampling), the gradient mechanism (decorated with the audit canaries if asked), the step components
+    (thresholds, then the learning-rate rule), the engine (hooks go on last, so that a refused argument
+    leaves the model as it was given) and the private optimizer."""
+    config, plan, schedule, parallel = run.config, run.plan, run.schedule, run.parallel
+    release: GradientRelease | CanaryRelease = GradientRelease(
+        run.groups, plan.gradient_noise, run.randomness, config.noise_allocation, parallel)
     canaries = None
     if config.audit_canaries is not None:
         seed = config.seed
-        if seed is None and run.parallel.kind != ONE_PROCESS:  # the ranks share the canaries' randomness
-            seed = run.parallel.from_first(secret_seed())
-        canaries = GradientCanaries(config.audit_canaries, run.groups, run.plan.sample_rate,
+        if seed is None and parallel.kind != ONE_PROCESS:  # the processes share the canaries' randomness
+            seed = parallel.from_first(secret_seed())
+        canaries = GradientCanaries(config.audit_canaries, run.groups, plan.sample_rate,
                                     canary_randomness(seed))
-        release = CanaryRelease(release, canaries, adds_contributions=run.parallel.shard[0] == 0)
-    return assemble(run, model, optimizer, data_loader, release, threshold_component(run), canaries=canaries)
-
-
-def assemble(run: PlannedRun, model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: Any,
-             release: GradientRelease, thresholds: StepComponent | None, *, sampling: Any = None,
-             canaries: GradientCanaries | None = None) -> DPEngine:
-    """The parts of a planned run, in order: the Poisson loader (drawing its samples from ``sampling``,
-    by default the run's randomness), the step components (``thresholds``, then the learning-rate rule),
-    the engine (hooks go on last, so that a refused argument leaves the model as it was given) and the
-    private optimizer releasing through ``release``."""
-    config, plan, schedule, parallel = run.config, run.plan, run.schedule, run.parallel
+        release = CanaryRelease(release, canaries, adds_contributions=parallel.shard[0] == 0)
     if config.poisson_sampling:
-        loader: Any = from_loader(data_loader, run.randomness if sampling is None else sampling, schedule,
+        loader: Any = from_loader(data_loader, parallel.sampling(run.randomness), schedule,
                                   config.performance.physical_batch_size, shard=parallel.shard)
     else:
         loader = data_loader
         warnings.warn(
             "poisson_sampling=False: the loader is not Poisson-sampled, so the reported ε is the "
             "Poisson approximation, not a proof of privacy", stacklevel=4)
-    components = [c for c in (thresholds, _learning_rate(run, optimizer, release)) if c is not None]
+    components = [c for c in (threshold_component(run), _learning_rate(run, optimizer, release))
+                  if c is not None]
     # The engine books into the accumulator, the optimizer releases from it; its sink is the parallelism's
     # (FSDP2 keeps only this rank's shards).
     accumulator = StepAccumulator(parallel.sink(run.groups))
@@ -167,18 +167,19 @@ def check_delta(delta: float, num_examples: int | None) -> None:
 
 def threshold_component(run: PlannedRun) -> QuantileEstimator | None:
     """The estimator of adaptive thresholds. Normalising clip functions keep the initial total
-    sensitivity; Abadi's clips at the estimates unless asked to rescale them (group-wise paper), which
-    needs more than one group."""
+    sensitivity (of every clip group of the run: pipeline stages hold one each); Abadi's clips at the
+    estimates unless asked to rescale them (group-wise paper), which needs more than one group."""
     rule, groups = run.config.thresholds, run.groups
     if not isinstance(rule, AdaptiveQuantile):
         return None
     normalising = run.config.clipping.normalising
-    if not normalising and rule.rescale and len(groups) < 2:
+    every_group = run.parallel.all_groups({g.name: (g.threshold, g.size) for g in groups})
+    if not normalising and rule.rescale and len(every_group) < 2:
         raise SettingsRefused(
             "AdaptiveQuantile(rescale=True) with Abadi clipping rescales the thresholds of several clip "
             "groups to a fixed total; with one group the threshold would never move: use "
             "groups='per-layer' (or similar) or rescale=False")
-    scale = sensitivity(groups) if normalising or rule.rescale else None
+    scale = math.sqrt(sum(t ** 2 for t, _ in every_group.values())) if normalising or rule.rescale else None
     return QuantileEstimator(groups, rule, run.plan.count_noise, run.randomness, run.plan.expected_batch_size,
                              scale, run.parallel)
 
@@ -202,7 +203,7 @@ def _learning_rate(run: PlannedRun, optimizer: torch.optim.Optimizer,
     return OptimizerDoG(optimizer, release, plan.expected_batch_size, rule, planned_steps=plan.steps)
 
 
-def _check_parallel_options(config: RunConfig, parallel: Parallelism) -> None:
+def check_parallel_options(config: RunConfig, parallel: Parallelism) -> None:
     """Refuse the options the run's parallelism does not run: each option lists the kinds it runs under
     (``parallelisms``). Several processes need tunefree's Poisson sampler (it gives each rank its shard);
     FSDP2 releases sharded parameters only, so the audit canaries' block is not released there."""

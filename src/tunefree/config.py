@@ -121,6 +121,7 @@ class RunConfig:
         if self.steps is not None:
             count("steps", self.steps)
         _typed("clipping", self.clipping, ClipFunction, "a name or AutoS/AutoV/PSAC/Abadi")
+        _check_max_grad_norm(self.max_grad_norm)
         if isinstance(self.groups, str):
             one_of("groups", self.groups, GROUPINGS)
         one_of("loss_reduction", self.loss_reduction, ("mean", "sum"))
@@ -266,6 +267,18 @@ def _named(option: str, name: str, shortcuts: Mapping[str, Any]) -> Any:
 def _typed(option: str, value: Any, kinds: type | tuple[type, ...], expected: str) -> None:
     if not isinstance(value, kinds):
         raise TypeError(f"{option} must be {expected}, got {value!r}")
+
+
+def _check_max_grad_norm(value: Any) -> None:
+    """The total sensitivity (a positive number), or a mapping from group names to positive thresholds
+    (the names are checked against the groups when they are made)."""
+    if not isinstance(value, Mapping):
+        positive("max_grad_norm", value)
+        return
+    for name, threshold in value.items():
+        if not isinstance(name, str):
+            raise TypeError(f"max_grad_norm's keys must be clip group names (str), got {name!r}")
+        positive(f"max_grad_norm[{name!r}]", threshold)
 
 
 def _check_batch_dim(value: Any) -> None:

@@ -186,7 +186,7 @@ class DPEngine:
         """Restore :meth:`state_dict`; a state of another plan (other noise, sampling, length, data
         set, groups, clipping, thresholds or learning-rate policy) is refused, naming what differs."""
         self._check_same_plan(state)
-        self.optimizer.load_component_states(state["components"])  # checked first: refused as a whole
+        self.optimizer.resume(state["components"])  # checked first: refused as a whole
         self.randomness.load_state_dict(state["randomness"])  # refuses a secret run resuming a seeded one
         # A 0.1 ledger names no caveat of its own: its run's randomness says whether it was seeded.
         self.ledger.load_state_dict({"seeded": not self.randomness.secret, **state["ledger"]})
@@ -220,5 +220,4 @@ class DPEngine:
                 f"out {consumed} batches: the ledger was edited, or the checkpoint was saved in the "
                 "middle of a step. Save engine.state_dict() right after optimizer.step(), and resume from "
                 "the ledger saved with it")
-        self.optimizer.updates_before_run = 0  # the checkpoint's ledger accounts for every update
         check_updates_recorded(self.optimizer.original, steps)

@@ -31,9 +31,10 @@ def register_grouping(name: str) -> Callable[[Layout], Layout]:
 GroupSpec = str | Sequence[Sequence[str]] | Mapping[str, Sequence[str]]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class ClipGroup:
-    """Parameters clipped together under one threshold (the group's share of the sensitivity)."""
+    """Parameters clipped together under one threshold (the group's share of the sensitivity), as set
+    up: a run's current thresholds are per-step state that its private step owns."""
 
     name: str
     param_names: list[str]
@@ -96,10 +97,11 @@ def make_groups(
 ) -> list[ClipGroup]:
     """Build the clip groups of ``model`` and check that every trainable parameter is in exactly one.
 
-    ``max_grad_norm`` is the total sensitivity ``R`` (split as ``R/√K``), or, for explicit groups, a
-    mapping from group name to that group's own threshold.
+    ``max_grad_norm`` (validated as a run setting: positive) is the total sensitivity ``R`` (split as
+    ``R/√K``), or, for explicit groups, a mapping from group name to that group's own threshold.
     """
     layout = _layout(model, spec)
+    thresholds = _thresholds(list(layout), max_grad_norm)
     all_names = dict(model.named_parameters(remove_duplicate=False))
     trainable = trainable_parameters(model)
     seen: dict[nn.Parameter, str] = {}
@@ -121,39 +123,28 @@ def make_groups(
                                  f"{group_name!r}; each parameter belongs to exactly one group")
             seen[p] = group_name
             params.append(p)
-        groups.append(ClipGroup(group_name, list(names), params, threshold=0.0))
+        groups.append(ClipGroup(group_name, list(names), params, thresholds[group_name]))
     missing = [name for name, p in trainable.items() if p not in seen]
     if missing:
         raise ValueError(
             f"trainable parameters {missing} are in no clip group; add them to a group or freeze "
             "them with requires_grad_(False)"
         )
-    _assign_thresholds(groups, max_grad_norm)
     return groups
 
 
-def _check_threshold(name: str, value: float) -> float:
-    value = float(value)
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"max_grad_norm for {name} must be a positive finite number, got {value}")
-    return value
-
-
-def _assign_thresholds(groups: list[ClipGroup], max_grad_norm: float | Mapping[str, float]) -> None:
+def _thresholds(names: list[str], max_grad_norm: float | Mapping[str, float]) -> dict[str, float]:
+    """Each group's threshold: its own from a mapping (which must name exactly the groups), else the
+    total ``R`` split as ``R/√K``."""
     if isinstance(max_grad_norm, Mapping):
-        unknown = set(max_grad_norm) - {g.name for g in groups}
-        missing = {g.name for g in groups} - set(max_grad_norm)
+        unknown, missing = set(max_grad_norm) - set(names), set(names) - set(max_grad_norm)
         if unknown or missing:
             raise ValueError(
-                f"max_grad_norm per group must name exactly the groups {[g.name for g in groups]}"
+                f"max_grad_norm per group must name exactly the groups {names}"
                 f" (unknown: {sorted(unknown)}, missing: {sorted(missing)})"
             )
-        for g in groups:
-            g.threshold = _check_threshold(f"group {g.name!r}", max_grad_norm[g.name])
-        return
-    total = _check_threshold("the model", max_grad_norm)
-    for g in groups:
-        g.threshold = total / math.sqrt(len(groups))
+        return {name: float(max_grad_norm[name]) for name in names}
+    return {name: float(max_grad_norm) / math.sqrt(len(names)) for name in names}
 
 
 def sensitivity(groups: Sequence[ClipGroup]) -> float:

@@ -256,9 +256,14 @@ def _squared_norms(*parts: list[torch.Tensor]) -> list[float]:
     """‖·‖² of each list of tensors (float64 sums of per-tensor norms), read off the device at once."""
     norms = [torch._foreach_norm(tensors) if tensors else [] for tensors in parts]
     flat = [n for part in norms for n in part]
-    if len({(n.dtype, n.device) for n in flat}) > 1:  # mixed precisions or devices: one common form
-        flat = [n.to(torch.float64).cpu() for n in flat]
-    squares = torch.stack(flat).to(torch.float64).square().tolist() if flat else []
+    by_device: dict[torch.device, list[int]] = {}
+    for i, n in enumerate(flat):
+        by_device.setdefault(n.device, []).append(i)
+    squares = [0.0] * len(flat)
+    for indices in by_device.values():  # one transfer per device, in float64 (mixed precisions)
+        values = torch.stack([flat[i].to(torch.float64) for i in indices]).square().tolist()
+        for i, value in zip(indices, values):
+            squares[i] = value
     totals, start = [], 0
     for part in norms:
         totals.append(math.fsum(squares[start:start + len(part)]))

@@ -26,7 +26,7 @@ import torch
 
 from .._validate import flag, fraction, positive
 from ..clipping.groups import ClipGroup
-from ..parallel.base import DDP, FSDP2, ONE_PROCESS
+from ..parallel.base import DDP, FSDP2, ONE_PROCESS, STAGES
 from ..privacy.mechanisms import SINGLE_PROCESS, Reduction, release_counts
 from ..privacy.plan import CountShare
 from ..privacy.randomness import NoiseSource
@@ -37,7 +37,7 @@ from ..step.component import StepComponent, StepContext, StepReport
 class Fixed:
     """Clip thresholds fixed at ``max_grad_norm`` throughout: nothing is released for them."""
 
-    parallelisms: ClassVar[tuple[str, ...]] = (ONE_PROCESS, DDP, FSDP2)  # the kinds it runs under
+    parallelisms: ClassVar[tuple[str, ...]] = (ONE_PROCESS, DDP, FSDP2, STAGES)  # the kinds it runs under
 
     def share(self, num_groups: int) -> None:
         """No share of the budget."""
@@ -54,8 +54,9 @@ class AdaptiveQuantile:
     thresholds, ``C̃ₖ = C·Qₖ/√(Σⱼ Qⱼ²)`` with C the initial total sensitivity (group-wise paper), so
     the total sensitivity, and the noise, stay fixed. The normalising clip functions always do this."""
 
-    # its counts are summed over the processes and noised once (Parallelism.noisy_values)
-    parallelisms: ClassVar[tuple[str, ...]] = (ONE_PROCESS, DDP, FSDP2)
+    # its counts are summed over the processes and noised once (Parallelism.noisy_values); under pipeline
+    # stages each stage's count is one of the joint release's (Parallelism.all_groups)
+    parallelisms: ClassVar[tuple[str, ...]] = (ONE_PROCESS, DDP, FSDP2, STAGES)
 
     target: float = 0.5
     lr: float = 0.3
@@ -96,37 +97,48 @@ class QuantileEstimator(StepComponent):
         expected_batch_size: q·N; the noisy count is divided by it, never by the private batch size.
         scale: ``None`` for ``Cₖ = Qₖ``; otherwise the constant total sensitivity ``√(Σₖ Cₖ²)``.
         parallelism: the run's; under several processes each count is the sum of every process's
-            (the norms never leave their process), noised once.
+            (the norms never leave their process), noised once. Where other processes hold other clip
+            groups of the run (pipeline stages), this estimator's counts are some of the run's joint
+            release of one count per group, and the common scale is over every group's estimate.
     """
 
     state_key = "QuantileEstimator"
 
-    joint_counts: int | None = None  # counts in the joint release (None: this estimator's groups)
-
     def __init__(self, groups: Sequence[ClipGroup], settings: AdaptiveQuantile, count_noise: float,
                  randomness: NoiseSource, expected_batch_size: float, scale: float | None = None,
                  parallelism: Reduction = SINGLE_PROCESS):
-        if not (count_noise >= 0 and math.isfinite(count_noise)):
-            raise ValueError(f"count_noise must be a finite number ≥ 0, got {count_noise}")
-        if scale is not None and not (scale > 0 and math.isfinite(scale)):
-            raise ValueError(f"scale must be a positive number or None, got {scale}")
+        assert count_noise >= 0 and (scale is None or scale > 0), (count_noise, scale)  # from the plan
         self.groups, self.settings, self.count_noise = list(groups), settings, count_noise
         self.randomness, self.expected_batch_size = randomness, expected_batch_size
         self.scale, self.parallelism = scale, parallelism
         self.quantiles = {g.name: g.threshold for g in self.groups}
+        self._sizes = {g.name: g.size for g in self.groups}
+        # Every clip group's estimate in the run: this estimator's and (pipeline stages) the other
+        # processes', exchanged at each update where the common scale needs them.
+        self.estimates = self._every_estimate()
         self.unclipped_fractions: dict[str, float] | None = None
+
+    @property
+    def joint_counts(self) -> int:
+        """K, the counts of the run's joint count release: one per clip group of the run."""
+        return len(self.estimates)
 
     @property
     def count_std(self) -> float:
         """σ_b, the noise standard deviation of each count: σ_c·√K/2 for K counts released jointly."""
-        return self.count_noise * math.sqrt(self.joint_counts or len(self.groups)) / 2
+        return self.count_noise * math.sqrt(self.joint_counts) / 2
 
     def thresholds(self) -> dict[str, float]:
         """The clip threshold of each group (by name) that follows from the current estimates."""
         if self.scale is None:
             return dict(self.quantiles)
-        norm = math.sqrt(sum(v ** 2 for v in self.quantiles.values()))
+        norm = math.sqrt(sum(v ** 2 for v in self.estimates.values()))
         return {name: self.scale * estimate / norm for name, estimate in self.quantiles.items()}
+
+    def _every_estimate(self) -> dict[str, float]:
+        """Every clip group's current estimate in the run (a collective under pipeline stages)."""
+        own = {name: (q, self._sizes[name]) for name, q in self.quantiles.items()}
+        return {name: value for name, (value, _) in self.parallelism.all_groups(own).items()}
 
     def centred_counts(self, report: StepReport) -> torch.Tensor:
         """``Σᵢ (1[‖gᵢₖ‖ ≤ Qₖ] − ½)`` of each group (a group without gradient this step has
@@ -158,13 +170,26 @@ class QuantileEstimator(StepComponent):
         for g, below in zip(self.groups, fractions, strict=True):
             self.quantiles[g.name] *= math.exp(-eta * (below - q))
         self.unclipped_fractions = {g.name: f for g, f in zip(self.groups, fractions, strict=True)}
+        if self.scale is not None:  # the common scale is over every group's estimate
+            self.estimates = self._every_estimate()
+        else:
+            self.estimates.update(self.quantiles)
         return [event]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"quantiles": dict(self.quantiles), "unclipped_fractions": self.unclipped_fractions}
+        state = {"quantiles": dict(self.quantiles), "unclipped_fractions": self.unclipped_fractions}
+        if len(self.estimates) > len(self.quantiles):  # with the other processes' groups' estimates
+            state["estimates"] = dict(self.estimates)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if set(state["quantiles"]) != set(self.quantiles):
             raise ValueError("the checkpoint's quantile estimates are for other clip groups")
+        elsewhere = len(self.estimates) > len(self.quantiles)
+        if elsewhere and set(state.get("estimates", ())) != set(self.estimates):
+            raise ValueError(f"this checkpoint holds no estimates of the run's {len(self.estimates)} clip "
+                             "groups: resume a pipeline stage from its own checkpoint")
         self.quantiles = {name: float(state["quantiles"][name]) for name in self.quantiles}
+        saved = state["estimates"] if elsewhere else self.quantiles
+        self.estimates = {name: float(saved[name]) for name in self.estimates}
         self.unclipped_fractions = state["unclipped_fractions"]

@@ -80,6 +80,14 @@ class DataParallel:
         """Each rank keeps its sums whole until the step, where they are all-reduced in buckets."""
         return LocalSums()
 
+    def sampling(self, randomness: NoiseSource) -> NoiseSource:
+        """Each rank samples its shard of every Poisson sample from the run's own randomness."""
+        return randomness
+
+    def all_groups(self, own: Mapping[str, tuple[float, int]]) -> dict[str, tuple[float, int]]:
+        """Every rank holds every clip group of the run."""
+        return dict(own)
+
     def noisy_sum(self, sums: Mapping[nn.Parameter, torch.Tensor], stds: Sequence[tuple[nn.Parameter, float]],
                   randomness: NoiseSource) -> dict[nn.Parameter, torch.Tensor]:
         """The noisy sum of every rank's clipped sums (identical on every rank), all-reduced in flat buckets

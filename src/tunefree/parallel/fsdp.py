@@ -113,6 +113,14 @@ class ShardedDataParallel:
         """Each clipped sum reduce-scattered into this rank's shard as it is booked."""
         return ShardSink(self, groups)
 
+    def sampling(self, randomness: NoiseSource) -> NoiseSource:
+        """Each rank samples its shard of every Poisson sample from the run's own randomness."""
+        return randomness
+
+    def all_groups(self, own: Mapping[str, tuple[float, int]]) -> dict[str, tuple[float, int]]:
+        """Every rank holds every clip group of the run."""
+        return dict(own)
+
     def noisy_sum(self, sums: Mapping[nn.Parameter, torch.Tensor], stds: Sequence[tuple[nn.Parameter, float]],
                   randomness: NoiseSource) -> dict[nn.Parameter, torch.Tensor]:
         """This rank's shard of the noisy sum of every rank's clipped sums; ``sums`` holds this rank's

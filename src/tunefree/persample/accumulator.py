@@ -93,6 +93,7 @@ class StepAccumulator:
     def pop(self) -> StepResult:
         """Hand over the step's bookings and start a new step."""
         result = StepResult(self.sink.collect(), self._examples,
-                            {name: torch.cat(values) for name, values in self._norms.items()})
+                            {name: values[0] if len(values) == 1 else torch.cat(values)
+                             for name, values in self._norms.items()})
         self._examples, self._norms, self._booked = 0, defaultdict(list), set()
         return result

@@ -238,7 +238,7 @@ class ClippingEngine:
     Each group's clip threshold starts at its configured ``threshold``; the private step hands the
     thresholds of each following step over with :meth:`begin_step`.
 
-    ``grad_scaler`` (set by ``DPOptimizer.attach_grad_scaler``): the ``torch.amp.GradScaler`` whose
+    ``grad_scaler`` (given by :meth:`attach_grad_scaler`): the ``torch.amp.GradScaler`` whose
     factor multiplies the loss. Each backward pass divides it out of the output gradients before any
     norm or clip weight, and an example whose output gradient or input overflows in a layer call adds
     nothing through that call (see :func:`_drop_overflowed_examples`).
@@ -328,6 +328,11 @@ class ClippingEngine:
             yield
         finally:
             self._suspended -= 1
+
+    def attach_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
+        """Divide ``scaler``'s loss scale out of every output gradient from the next backward pass on
+        (``DPOptimizer.attach_grad_scaler``)."""
+        self.grad_scaler = scaler
 
     def begin_step(self, thresholds: Mapping[str, float]) -> None:
         """The clip threshold of each group (by name) for the backward passes of the next step (the
@@ -580,7 +585,8 @@ class ClippingEngine:
             self._pass.in_backward = True
             self._pass.loss_scale = self._loss_scale()
             Variable._execution_engine.queue_callback(self._end_of_backward)
-        use.grads[slot] = self._unscaled(grad)
+        rule = use.unit.rule
+        use.grads[slot] = self._unscaled(grad, keep_dtype=rule is not None and rule.takes_16_bit_grads)
         use.received += 1
         if use.received == use.n_outputs:
             self._process(use)
@@ -590,12 +596,15 @@ class ClippingEngine:
         scaler = self.grad_scaler
         return scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
 
-    def _unscaled(self, grad: torch.Tensor) -> torch.Tensor:
+    def _unscaled(self, grad: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
         """A layer's output gradient as the unscaled loss gives it, in float32 for half-precision
         gradients (the dtype policy): per-sample norms, clip weights and clipped sums never see the loss
-        scale, and none of them is rounded to 16 bits."""
-        grad = grad.to(accumulation_dtype(grad.dtype))
-        return grad if self._pass.loss_scale == 1.0 else grad / self._pass.loss_scale
+        scale, and none of them is rounded to 16 bits. ``keep_dtype``: the layer's rule converts a
+        16-bit gradient itself where it computes (``LayerRule.takes_16_bit_grads``), so without a loss
+        scale to divide out it is kept as it arrived, in half the memory."""
+        if self._pass.loss_scale == 1.0:
+            return grad if keep_dtype else grad.to(accumulation_dtype(grad.dtype))
+        return grad.to(accumulation_dtype(grad.dtype)) / self._pass.loss_scale
 
     def _serial(self) -> int:
         return 0 if self.batch_source is None else self.batch_source.batch_serial
@@ -736,25 +745,24 @@ class ClippingEngine:
         (``PerSampleGrad.clipped_sum``); the group's other parameters get the same weights."""
         per_param, known = self._pass.per_param, self._pass.sq_norms
         scale = float(self._pass.batch) if self.loss_reduction == "mean" else 1.0
-        threshold = self.thresholds[group.name]
-
-        def weights_of(sq: torch.Tensor) -> torch.Tensor:
-            return self.clip.weights(sq.sqrt() * scale, threshold) * scale
-
+        weights_of = _Weigher(self.clip, self.thresholds[group.name], self._pass.batch, scale)
         pending = [p for p in present if p not in known]
         fused = max(pending, key=lambda p: p.numel()) if pending else None
-        sq = torch.zeros(self._pass.batch, dtype=norm_dtype(present[0].dtype), device=present[0].device)
+        sq = None
         for p in present:
             if p is not fused:
-                sq = sq + (known.pop(p) if p in known else per_param[p].sq_norms())
+                more = known.pop(p) if p in known else per_param[p].sq_norms()
+                sq = more if sq is None else sq + more
+        if sq is None:  # the fused parameter is the group's only one
+            sq = torch.zeros(self._pass.batch, dtype=norm_dtype(present[0].dtype), device=present[0].device)
         sums = {}
         if fused is None:
             weights = weights_of(sq)
         else:
             result = per_param.pop(fused).clipped_sum(sq, weights_of)
-            sums[fused], sq, weights = result.total, sq + result.sq_norms, result.weights
-        norms = sq.sqrt() * scale
-        self._pass.finite_checks.append((group.name, (norms < NORM_LIMIT).all()))
+            sums[fused], weights = result.total, result.weights
+        norms = weights_of.norms()
+        self._pass.finite_checks.append((group.name, norms))
         self.accumulator.add_norms(group.name, norms)
         return weights, sums
 
@@ -765,8 +773,9 @@ class ClippingEngine:
                     self._process(use)
             for group in self.groups:
                 self._clip_group(group)
-        if self._pass.finite_checks:
-            finite = torch.stack([ok for _, ok in self._pass.finite_checks]).cpu()
+        if self._pass.finite_checks:  # every group's norms in one check and one transfer to the host
+            norms = torch.stack([norms for _, norms in self._pass.finite_checks])
+            finite = (norms < NORM_LIMIT).all(1).cpu()
             bad = [name for (name, _), ok in zip(self._pass.finite_checks, finite.tolist()) if not ok]
             if bad:
                 self._reset_pass()
@@ -848,6 +857,31 @@ def _method_name(func: Any) -> str:
     """``torch.Tensor.shape.__get__`` → ``shape``; a function's own name otherwise."""
     name = resolve_name(func) or ""
     return name.removeprefix("torch.Tensor.").removesuffix(".__get__")
+
+
+class _Weigher:
+    """A clip group's ``weights_of``: clip weights from per-sample squared norms (of the pass's examples
+    in order, a slice of them per call), keeping the norms it weighed: the step books and checks exactly
+    the norms whose weights clipped the sums. Under a mean loss each example's gradient is the batch size
+    times its share of the loss's."""
+
+    def __init__(self, clip: ClipFunction, threshold: float, batch: int, scale: float):
+        self.clip, self.threshold, self.batch, self.scale = clip, threshold, batch, scale
+        self._norms: list[torch.Tensor] = []
+
+    def __call__(self, sq: torch.Tensor) -> torch.Tensor:
+        norms = sq.sqrt() if self.scale == 1.0 else sq.sqrt() * self.scale
+        self._norms.append(norms)
+        weights = self.clip.weights(norms, self.threshold)
+        return weights if self.scale == 1.0 else weights * self.scale
+
+    def norms(self) -> torch.Tensor:
+        """The norms of every example weighed, in order; each example of the pass weighed once."""
+        weighed = sum(n.shape[0] for n in self._norms)
+        if weighed != self.batch:  # a form that skipped or repeated examples: its sum is not clipped right
+            raise RuntimeError(f"internal error: {weighed} per-sample norms weighed for a pass of "
+                               f"{self.batch} examples")
+        return self._norms[0] if len(self._norms) == 1 else torch.cat(self._norms)
 
 
 class _no_autocast:

@@ -22,6 +22,8 @@ from ..dtypes import accumulation_dtype
 from .randomness import NoiseSource
 
 NOISE_ALLOCATIONS = ("global", "equal-budget", "weighted")
+# The most coordinates of noise a release holds at once (64 MiB in float32), unless one parameter has more.
+NOISE_PIECE = 2**24
 
 
 def allocation_weights(thresholds: Sequence[float], sizes: Sequence[int], allocation: str) -> list[float]:
@@ -61,6 +63,12 @@ class Reduction(Protocol):
         """``values`` (float64, CPU) summed over the processes, plus ``noise`` (drawn from ``randomness``
         by every process, scaled) counted once: each coordinate's from the process that owns it."""
 
+    def all_groups(self, own: Mapping[str, tuple[float, int]]) -> dict[str, tuple[float, int]]:
+        """Every clip group of the run, by name in the run's order, with its current value (a threshold,
+        or an estimate of one) and its size: ``own`` for this process's groups, and those of the groups
+        other processes hold. Where every process holds every group (one process, DDP, FSDP2) it is
+        ``own``; pipeline stages hold one group each (``parallel/stages.py``)."""
+
 
 class OneProcess:
     """The reduction of a run in one process: its values are the sums, noised here."""
@@ -68,25 +76,65 @@ class OneProcess:
     def noisy_sum(self, sums: Mapping[nn.Parameter, torch.Tensor],
                   stds: Sequence[tuple[nn.Parameter, float]],
                   randomness: NoiseSource) -> dict[nn.Parameter, torch.Tensor]:
+        """The sums are taken over: the noise is added into them in place, drawn in pieces of at most
+        ``NOISE_PIECE`` coordinates, each dropped once added, so that the release holds the sums and one
+        piece of noise. A seeded source draws each parameter's noise whole, shape by shape as one draw
+        of every parameter in order would (so the pieces do not change its numbers; a parameter larger
+        than a piece is a piece); a secret one may cut a parameter's (contiguous) sum into pieces."""
         noisy, to_noise = {}, {}
         for p, std in stds:
             noisy[p] = clipped_sum(p, sums.get(p))
             if std > 0:
-                to_noise.setdefault((noisy[p].device, noisy[p].dtype), []).append((p, std))
-        for (device, dtype), entries in to_noise.items():  # one draw per device and precision
-            draws = randomness.normals([p.shape for p, _ in entries], device, dtype)
-            # noisy = std·noise + sum, all parameters in two calls (the draws are fresh, used once)
-            torch._foreach_mul_(draws, [std for _, std in entries])
-            torch._foreach_add_(draws, [noisy[p] for p, _ in entries])
-            noisy.update((p, noise) for (p, _), noise in zip(entries, draws))
+                cut = not randomness.replayable and noisy[p].is_contiguous()
+                to_noise.setdefault((noisy[p].device, noisy[p].dtype), []).append((p, std, cut))
+        for (device, dtype), entries in to_noise.items():
+            for piece in _pieces(entries, NOISE_PIECE):
+                draws = randomness.normals([_span_shape(p, a, b) for p, _, a, b in piece], device, dtype)
+                # sum += std·noise, the piece's spans in two calls (the draws are fresh, used once)
+                torch._foreach_mul_(draws, [std for _, std, _, _ in piece])
+                torch._foreach_add_([_span(noisy[p], a, b) for p, _, a, b in piece], draws)
+                del draws
         return noisy
 
     def noisy_values(self, values: torch.Tensor, noise: torch.Tensor,
                      randomness: NoiseSource) -> torch.Tensor:
         return values + noise
 
+    def all_groups(self, own: Mapping[str, tuple[float, int]]) -> dict[str, tuple[float, int]]:
+        return dict(own)
+
 
 SINGLE_PROCESS = OneProcess()
+
+_Span = tuple[nn.Parameter, float, int, int]  # a parameter, its noise deviation, coordinates [a, b)
+
+
+def _pieces(entries: list[tuple[nn.Parameter, float, bool]], limit: int) -> list[list[_Span]]:
+    """``entries`` (parameter, deviation, whether it may be cut) in order, as runs of at most ``limit``
+    coordinates: a parameter that may be cut in spans of at most ``limit``, else whole (alone when
+    larger)."""
+    pieces: list[list[_Span]] = []
+    size = 0
+    for p, std, cut in entries:
+        n = p.numel()
+        spans = [(a, min(a + limit, n)) for a in range(0, n, limit)] if cut and n > limit else [(0, n)]
+        for a, b in spans:
+            if not pieces or size + b - a > limit:
+                pieces.append([])
+                size = 0
+            pieces[-1].append((p, std, a, b))
+            size += b - a
+    return pieces
+
+
+def _span_shape(p: nn.Parameter, a: int, b: int) -> torch.Size:
+    """The shape of the noise of coordinates ``[a, b)`` of ``p``: its own shape when whole."""
+    return p.shape if (a, b) == (0, p.numel()) else torch.Size([b - a])
+
+
+def _span(total: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Coordinates ``[a, b)`` of a sum, as a view (a cut sum is contiguous)."""
+    return total if (a, b) == (0, total.numel()) else total.view(-1)[a:b]
 
 
 def clipped_sum(p: nn.Parameter, total: torch.Tensor | None) -> torch.Tensor:
@@ -113,21 +161,25 @@ class GradientRelease:
     def __init__(self, groups: Sequence[ClipGroup], noise_multiplier: float,
                  randomness: NoiseSource, allocation: str = "global",
                  parallelism: Reduction = SINGLE_PROCESS):
-        if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
-            raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier}")
-        if allocation not in NOISE_ALLOCATIONS:
-            raise ValueError(f"unknown noise_allocation {allocation!r}: use one of {NOISE_ALLOCATIONS}")
+        # σ comes from a solved plan and the allocation from a validated RunConfig
+        assert noise_multiplier >= 0 and allocation in NOISE_ALLOCATIONS, (noise_multiplier, allocation)
         self.groups, self.noise_multiplier = list(groups), noise_multiplier
         self.randomness, self.allocation, self.parallelism = randomness, allocation, parallelism
+        self._sizes = [g.size for g in self.groups]
         self._stds_for: tuple[tuple, list[float]] | None = None  # (key, noise_stds)
 
     def noise_stds(self, thresholds: Mapping[str, float]) -> list[float]:
-        """Each group's noise standard deviation when its sum was clipped at ``thresholds[name]``
-        (computed again only when the thresholds, σ or the allocation change)."""
-        key = (tuple(thresholds[g.name] for g in self.groups), self.noise_multiplier, self.allocation)
+        """Each group's noise standard deviation when its sum was clipped at ``thresholds[name]``: its
+        share among every clip group of the run (pipeline stages: every stage's group, at its current
+        threshold), computed again only when a threshold, σ or the allocation changes."""
+        everyone = self.parallelism.all_groups(
+            {g.name: (thresholds[g.name], size) for g, size in zip(self.groups, self._sizes)})
+        key = (tuple(everyone.items()), self.noise_multiplier, self.allocation)
         if self._stds_for is None or self._stds_for[0] != key:
-            self._stds_for = (key, group_noise_stds(list(key[0]), [g.size for g in self.groups],
-                                                    self.noise_multiplier, self.allocation))
+            stds = dict(zip(everyone, group_noise_stds([t for t, _ in everyone.values()],
+                                                       [size for _, size in everyone.values()],
+                                                       self.noise_multiplier, self.allocation)))
+            self._stds_for = (key, [stds[g.name] for g in self.groups])
         return list(self._stds_for[1])
 
     def release(self, sums: dict[nn.Parameter, torch.Tensor], thresholds: Mapping[str, float]
@@ -136,7 +188,8 @@ class GradientRelease:
 
         ``thresholds`` are those the sums were clipped with (by group name): each group's sum has
         sensitivity ``thresholds[name]``, and the noise is calibrated to them. Under several processes
-        (the parallelism), the sums of every process are released, each coordinate noised once."""
+        (the parallelism), the sums of every process are released, each coordinate noised once. The
+        sums are taken over (in one process the noise is added into them in place)."""
         noisy = self.parallelism.noisy_sum(sums, self.param_stds(thresholds), self.randomness)
         return noisy, self.event()
 

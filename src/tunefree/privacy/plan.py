@@ -85,11 +85,8 @@ class CountShare:
     budget: float
     num_groups: int
 
-    def __post_init__(self) -> None:
-        if not 0 < self.budget < 1:
-            raise ValueError(f"the count budget r must be in (0, 1), got {self.budget}")
-        if self.num_groups < 1:
-            raise ValueError(f"adaptive thresholds need at least one clip group, got {self.num_groups}")
+    def __post_init__(self) -> None:  # made from a validated AdaptiveQuantile
+        assert 0 < self.budget < 1 and self.num_groups >= 1, self
 
     increase: ClassVar[float] = 1.0
     period: ClassVar[int] = 1
@@ -130,17 +127,8 @@ class LossShare:
     releases_per_update: int = LOSS_RELEASES_PER_UPDATE
     noise: float = 0.0
 
-    def __post_init__(self) -> None:
-        if isinstance(self.interval, bool) or int(self.interval) != self.interval or self.interval < 1:
-            raise ValueError(f"lr_update_interval must be a positive integer, got {self.interval}")
-        if self.privacy not in ("gaussian", "laplace"):
-            raise ValueError(f"loss_privacy must be 'gaussian' or 'laplace', got {self.privacy!r}")
-        if not (self.increase > 1 and math.isfinite(self.increase)):
-            raise ValueError(f"gradient_noise_increase must be a number above 1, got {self.increase}")
-        if (isinstance(self.releases_per_update, bool) or not isinstance(self.releases_per_update, int)
-                or self.releases_per_update < 1):
-            raise ValueError("releases per learning-rate update must be a positive int, got "
-                             f"{self.releases_per_update}")
+    def __post_init__(self) -> None:  # made from a validated HyFreeDP option
+        assert self.interval >= 1 and self.increase > 1 and self.releases_per_update >= 1, self
 
     @property
     def period(self) -> int:

@@ -128,6 +128,10 @@ class LayerRule(ABC):
     module_types: tuple[type[nn.Module], ...] = ()
     param_names: tuple[str, ...] = ("weight", "bias")
     takes_declared_dim: bool = False
+    # The rule takes 16-bit output gradients as they arrive and converts them to float32 itself wherever
+    # it computes (``dtypes.working_dtype``: the same values as converting them first), so that the engine
+    # keeps them in half the memory. Otherwise the engine converts them on arrival.
+    takes_16_bit_grads: bool = False
     reads_parameters: bool = True
 
     def example_dim(self, module: nn.Module, declared: int) -> int | None:
@@ -157,4 +161,4 @@ class LayerRule(ABC):
     ) -> dict[str, PerSampleGrad]:
         """Per-sample gradients of ``params`` (name → parameter, direct attributes of ``module``)
         given the captured inputs and the gradient of each tensor output (``None`` when unused),
-        output gradients batch-first."""
+        output gradients batch-first (in float32 or wider unless ``takes_16_bit_grads``)."""

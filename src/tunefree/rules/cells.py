@@ -5,7 +5,9 @@ function of ``(gᵢ, g_h, state)`` (torch's documented cell equations). The grad
 respect to ``gᵢ`` and ``g_h`` are found for the whole batch at once (the pointwise part keeps examples
 apart), so each weight's per-sample gradient is the factored form of a linear layer — ghost norm or
 materialised — and each bias's is that gradient itself. A cell called T times in a forward is T uses of
-its parameters, which the engine sums per example.
+its parameters, which the engine sums per example. The step is recomputed in the parameters' accumulation
+dtype (float32 for 16-bit ones; under autocast the 16-bit inputs, states and output gradients are converted
+to it), as ``nn.RNN``'s rule does.
 """
 
 from __future__ import annotations
@@ -13,18 +15,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..dtypes import accumulation_dtype
 from ..errors import PrivacyError
 from .base import Capture, LayerRule, Materialized, PerSampleGrad
 from .factored import FactoredGrad
 
 
-def _lstm_step(gi: torch.Tensor, gh: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]):
+def lstm_step(gi: torch.Tensor, gh: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]):
+    """One LSTM step from its gate inputs ``gi`` (input part) and ``gh`` (hidden part): ``[h, c]``."""
     i, f, g, o = (gi + gh).chunk(4, 1)
     c = torch.sigmoid(f) * state[1] + torch.sigmoid(i) * torch.tanh(g)
     return [torch.sigmoid(o) * torch.tanh(c), c]
 
 
-def _gru_step(gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor):
+def gru_step(gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor):
+    """One GRU step from its gate inputs ``gi`` and ``gh`` (torch's gate order r, z, n): ``[h]``."""
     i_r, i_z, i_n = gi.chunk(3, 1)
     h_r, h_z, h_n = gh.chunk(3, 1)
     reset, update = torch.sigmoid(i_r + h_r), torch.sigmoid(i_z + h_z)
@@ -32,7 +37,8 @@ def _gru_step(gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor):
     return [(1 - update) * new + update * h]
 
 
-def _rnn_step(module: nn.RNNCell):
+def rnn_step(module: nn.RNNCell | nn.RNN):
+    """One step of an Elman cell with the module's nonlinearity, from ``gi`` and ``gh``: ``[h]``."""
     act = torch.tanh if module.nonlinearity == "tanh" else torch.relu
     return lambda gi, gh, h: [act(gi + gh)]
 
@@ -40,20 +46,24 @@ def _rnn_step(module: nn.RNNCell):
 class CellRule(LayerRule):
     module_types = (nn.LSTMCell, nn.GRUCell, nn.RNNCell)
     param_names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+    takes_16_bit_grads = True  # converted to the recomputation's dtype
 
     def per_sample_grads(
         self, module: nn.Module, capture: Capture, grad_outputs: list[torch.Tensor | None],
         params: dict[str, nn.Parameter],
     ) -> dict[str, PerSampleGrad]:
         x, state = _inputs(module, capture)
-        h = state[0] if isinstance(module, nn.LSTMCell) else state
+        lstm = isinstance(module, nn.LSTMCell)
+        h = state[0] if lstm else state
+        dtype = accumulation_dtype(module.weight_ih.dtype)  # 16-bit inputs are converted, exactly
+        state = tuple(_as(s, dtype) for s in state) if lstm else _as(state, dtype)
         with torch.enable_grad():
-            gi = nn.functional.linear(x, module.weight_ih.detach(), _detached(module.bias_ih))
-            gh = nn.functional.linear(h, module.weight_hh.detach(), _detached(module.bias_hh))
+            gi = nn.functional.linear(_as(x, dtype), _as(module.weight_ih, dtype), _as(module.bias_ih, dtype))
+            gh = nn.functional.linear(_as(h, dtype), _as(module.weight_hh, dtype), _as(module.bias_hh, dtype))
             gi.requires_grad_(True)
             gh.requires_grad_(True)
-            step = _lstm_step if isinstance(module, nn.LSTMCell) else \
-                _gru_step if isinstance(module, nn.GRUCell) else _rnn_step(module)
+            step = lstm_step if lstm else \
+                gru_step if isinstance(module, nn.GRUCell) else rnn_step(module)
             outputs = step(gi, gh, state)
             used = [(o, g.to(o.dtype)) for o, g in zip(outputs, grad_outputs) if g is not None]
             d_gi, d_gh = torch.autograd.grad([o for o, _ in used], [gi, gh], [g for _, g in used],
@@ -71,8 +81,8 @@ class CellRule(LayerRule):
         return out
 
 
-def _detached(bias: torch.Tensor | None) -> torch.Tensor | None:
-    return None if bias is None else bias.detach()
+def _as(p: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if p is None else p.detach().to(dtype)
 
 
 def _inputs(module: nn.Module, capture: Capture):

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..dtypes import accumulated, accumulation_dtype
 from .base import Capture, ClippedSum, LayerRule, Materialized, PerSampleGrad, materialised_sq_norms
 from .factored import (
     chunked_clipped_sum,
@@ -124,6 +125,7 @@ class ConvWeightGrad(PerSampleGrad):
         self.x = x if padding is not None else pad_input(module, x)
         self.padding = padding if padding is not None else [0] * len(module.kernel_size)
         self.module, self.grad = module, grad
+        self.dtype = accumulation_dtype(grad.dtype)  # the working dtype: a 16-bit gradient is kept as is
         self._grads: torch.Tensor | None = None
 
     def _sizes(self) -> tuple[int, int, int, int]:
@@ -179,17 +181,18 @@ class ConvWeightGrad(PerSampleGrad):
     def _factors(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``a``: the patches ``[n, G, T, d_in]`` and ``b``: the output gradient ``[n, G, T, d_out]`` of
         examples ``start:stop``."""
-        module, grad = self.module, self.grad[start:stop]
+        module, grad = self.module, self.grad[start:stop].to(self.dtype)
         x = self.x[start:stop]
         if any(self.padding):
             x = pad_input(module, x)
-        a = patches(x, module.kernel_size, module.stride, module.dilation, module.groups, grad.dtype)
+        a = patches(x, module.kernel_size, module.stride, module.dilation, module.groups, self.dtype)
         b = grad.reshape(stop - start, module.groups, -1, a.shape[2]).transpose(-1, -2)
         return a, b
 
     def _per_sample(self, start: int, stop: int) -> torch.Tensor:
         if self._native():
-            return native_per_sample(self.module, self.x[start:stop], self.padding, self.grad[start:stop])
+            return native_per_sample(self.module, self.x[start:stop], self.padding,
+                                     self.grad[start:stop].to(self.dtype))
         return factored_per_sample(*self._factors(start, stop), self.module.weight.shape)
 
     def sq_norms_by(self, path: str) -> torch.Tensor:
@@ -232,10 +235,10 @@ class ConvWeightGrad(PerSampleGrad):
         """``Σᵢ wᵢ gᵢ`` as one native weight-gradient call on the re-weighted output gradient."""
         module = self.module
         dims = len(module.kernel_size)
-        scaled = self.grad * weights.to(self.grad.dtype).reshape(-1, *[1] * (dims + 1))
-        weight = module.weight.detach().to(self.grad.dtype)
+        scaled = self.grad * weights.to(self.dtype).reshape(-1, *[1] * (dims + 1))  # in the working dtype
+        weight = module.weight.detach().to(self.dtype)
         return torch.ops.aten.convolution_backward(
-            scaled, self.x.to(self.grad.dtype), weight, None, module.stride, self.padding,
+            scaled, self.x.to(self.dtype), weight, None, module.stride, self.padding,
             module.dilation, False, [0] * dims, module.groups, [False, True, False],
         )[1]
 
@@ -253,6 +256,7 @@ class ConvWeightGrad(PerSampleGrad):
 
 class ConvRule(LayerRule):
     module_types = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    takes_16_bit_grads = True
 
     def per_sample_grads(
         self, module: nn.Module, capture: Capture, grad_outputs: list[torch.Tensor | None],
@@ -269,5 +273,5 @@ class ConvRule(LayerRule):
         if "weight" in params:
             out["weight"] = ConvWeightGrad(module, x, grad)
         if "bias" in params:
-            out["bias"] = Materialized(grad.sum(tuple(range(2, dims + 2))))
+            out["bias"] = Materialized(accumulated(grad).sum(tuple(range(2, dims + 2))))
         return out

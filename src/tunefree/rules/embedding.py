@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..dtypes import as_norm_precision
+from ..dtypes import accumulated, accumulation_dtype, as_norm_precision
 from ..errors import ModelRefused
 from .base import Capture, LayerRule, PerSampleGrad
 
@@ -40,7 +40,8 @@ class EmbeddingGrad(PerSampleGrad):
         return out.index_add_(0, example, (rows * rows).sum(1))
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
-        scaled = self.grad * weights.to(self.grad.dtype)[:, None, None]
+        # a 16-bit output gradient is scaled in float32 (the product converts it exactly)
+        scaled = self.grad * weights.to(accumulation_dtype(self.grad.dtype))[:, None, None]
         padding = -1 if self.padding_idx is None else self.padding_idx
         return torch.ops.aten.embedding_dense_backward(
             scaled, self.ids, self.num_embeddings, padding, False
@@ -48,9 +49,10 @@ class EmbeddingGrad(PerSampleGrad):
 
     def materialize(self) -> torch.Tensor:
         batch, positions = self.ids.shape
-        out = self.grad.new_zeros(batch, self.num_embeddings, self.grad.shape[-1])
+        grad = accumulated(self.grad)
+        out = grad.new_zeros(batch, self.num_embeddings, grad.shape[-1])
         example = torch.arange(batch, device=self.ids.device)[:, None].expand(batch, positions)
-        return out.index_put_((example, self.ids), self.grad, accumulate=True)
+        return out.index_put_((example, self.ids), grad, accumulate=True)
 
 
 def refuse_renorm(module: nn.Module, name: str) -> None:
@@ -70,6 +72,7 @@ class EmbeddingRule(LayerRule):
     module_types = (nn.Embedding,)
     param_names = ("weight",)
     takes_declared_dim = True
+    takes_16_bit_grads = True
     reads_parameters = False
 
     def check(self, module: nn.Module, name: str) -> None:

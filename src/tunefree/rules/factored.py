@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..dtypes import as_norm_precision
+from ..dtypes import as_norm_precision, working_dtype
 from .base import ClippedSum, PerSampleGrad, materialised_sq_norms
 from .paths import GHOST, MATERIALISE, factored_estimates
 
@@ -85,14 +85,17 @@ def ghost_sq_norms(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def factored_per_sample(a: torch.Tensor, b: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """``gᵢ = Σₜ bᵢₜ aᵢₜᵀ`` per group, ``[B, *shape]``: one batched matrix product in ``b``'s dtype."""
-    grads = b.transpose(-1, -2) @ a.to(b.dtype)  # [B, G, d_out, d_in]
+    """``gᵢ = Σₜ bᵢₜ aᵢₜᵀ`` per group, ``[B, *shape]``: one batched matrix product in the factors'
+    working dtype (float32 for 16-bit factors)."""
+    dtype = working_dtype(a, b)
+    grads = b.to(dtype).transpose(-1, -2) @ a.to(dtype)  # [B, G, d_out, d_in]
     return grads.reshape(grads.shape[0], *shape)
 
 
 class FactoredGrad(PerSampleGrad):
     """``gᵢ`` per channel group from ``a: [B, G, T, d_in]`` and ``b: [B, G, T, d_out]``, reshaped
-    from ``[G·d_out, d_in]`` to the parameter's shape.
+    from ``[G·d_out, d_in]`` to the parameter's shape. The factors are kept as given (a 16-bit output
+    gradient in 16 bits); every product runs in their working dtype, float32 or wider.
 
     Norms by ghost norm or by materialising ``gᵢ``, whichever ``chooser`` measured faster (else the cost
     formula). The materialised path works slice by slice of examples (``examples_per_chunk``: no more
@@ -161,13 +164,14 @@ class FactoredGrad(PerSampleGrad):
         if self._grads is not None:
             grads = self._grads
             return (weights.to(grads.dtype) @ grads.reshape(grads.shape[0], -1)).reshape(self.shape)
-        a, b = self.a.to(self.b.dtype), self.b
+        a, b = self.a, self.b
+        dtype = working_dtype(a, b)
         groups, d_in, d_out = a.shape[1], a.shape[-1], b.shape[-1]
-        w = weights.to(b.dtype).view(-1, 1, 1, 1)
-        if d_in < d_out:  # scale the smaller factor by the clip weights
-            a = a * w
+        w = weights.to(dtype).view(-1, 1, 1, 1)
+        if d_in < d_out:  # scale the smaller factor by the clip weights (in the working dtype)
+            a, b = a * w, b.to(dtype)
         else:
-            b = b * w
+            a, b = a.to(dtype), b * w
         # [G, d_out, B·T] @ [G, B·T, d_in]: one (batched) matrix product, as autograd's weight gradient
         total = (b.permute(1, 3, 0, 2).reshape(groups, d_out, -1)
                  @ a.permute(1, 0, 2, 3).reshape(groups, -1, d_in))

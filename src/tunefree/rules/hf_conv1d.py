@@ -15,6 +15,7 @@ import sys
 import torch
 from torch import nn
 
+from ..dtypes import accumulated
 from .base import Capture, LayerRule, Materialized, PerSampleGrad
 from .factored import FactoredGrad
 
@@ -26,6 +27,7 @@ def _conv1d_class() -> type[nn.Module] | None:
 
 class HFConv1DRule(LayerRule):
     takes_declared_dim = True
+    takes_16_bit_grads = True
     reads_parameters = False
 
     @property
@@ -50,5 +52,5 @@ class HFConv1DRule(LayerRule):
         if "weight" in params:  # Σₜ aₜ bₜᵀ: FactoredGrad's Σₜ bₜ aₜᵀ with the factors swapped
             out["weight"] = FactoredGrad(b, a, module.weight.shape)
         if "bias" in params:
-            out["bias"] = Materialized(b.sum((1, 2)))
+            out["bias"] = Materialized(accumulated(b).sum((1, 2)))
         return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..dtypes import accumulated
 from .base import Capture, LayerRule, Materialized, PerSampleGrad
 from .factored import FactoredGrad
 
@@ -14,6 +15,7 @@ class LinearRule(LayerRule):
     module_types = (nn.Linear,)
     reads_parameters = False
     takes_declared_dim = True
+    takes_16_bit_grads = True
 
     def per_sample_grads(
         self, module: nn.Module, capture: Capture, grad_outputs: list[torch.Tensor | None],
@@ -32,5 +34,5 @@ class LinearRule(LayerRule):
         if "weight" in params:
             out["weight"] = FactoredGrad(a, b, module.weight.shape)
         if "bias" in params:
-            out["bias"] = Materialized(b.sum((1, 2)))
+            out["bias"] = Materialized(accumulated(b).sum((1, 2)))
         return out

@@ -31,7 +31,13 @@ def _affine_grads(
     return out
 
 
-class LayerNormRule(LayerRule):
+class NormRule(LayerRule):
+    """Norm layers convert their output gradient to float32 first (``_affine_grads``)."""
+
+    takes_16_bit_grads = True
+
+
+class LayerNormRule(NormRule):
     module_types = (nn.LayerNorm,)
     reads_parameters = False
     takes_declared_dim = True
@@ -43,7 +49,7 @@ class LayerNormRule(LayerRule):
         return _affine_grads(normalized, grad_outputs[0], reduce_dims, params)
 
 
-class RMSNormRule(LayerRule):
+class RMSNormRule(NormRule):
     module_types = (nn.RMSNorm,)
     reads_parameters = False
     takes_declared_dim = True
@@ -56,7 +62,7 @@ class RMSNormRule(LayerRule):
         return _affine_grads(normalized, grad_outputs[0], reduce_dims, params)
 
 
-class GroupNormRule(LayerRule):
+class GroupNormRule(NormRule):
     module_types = (nn.GroupNorm,)
     reads_parameters = False
 
@@ -66,7 +72,7 @@ class GroupNormRule(LayerRule):
         return _affine_grads(normalized, grad_outputs[0], tuple(range(2, x.dim())), params)
 
 
-class InstanceNormRule(LayerRule):
+class InstanceNormRule(NormRule):
     module_types = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
     reads_parameters = False
 

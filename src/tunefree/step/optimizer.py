@@ -127,7 +127,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.engine.loss_reduction == "mean":
             raise PrivacyError(_MEAN_LOSS_UNDER_SCALING)
         self.grad_scaler = scaler
-        self.engine.grad_scaler = scaler
+        self.engine.attach_grad_scaler(scaler)
 
     def _check_parameters(self) -> None:
         optimized = {p for group in self.param_groups for p in group["params"]}
@@ -283,11 +283,12 @@ class DPOptimizer(torch.optim.Optimizer):
         self._verify_independence()
         booked = self.accumulator.pop()
         thresholds = self.thresholds  # those the step's backward passes clipped with
-        noisy, event = self.release.release(booked.sums, thresholds)
+        sums, booked.sums = booked.sums, {}  # the release takes them over
+        noisy, event = self.release.release(sums, thresholds)
+        del sums
         events = [event]
         self.ledger.record_step(self.sample_rate, events)
-        for p, grad in zip(noisy, torch._foreach_div(list(noisy.values()), self.expected_batch_size)):
-            p.grad = grad.to(p.dtype)
+        self._write_grads(noisy)
         report = StepReport(step=self.ledger.steps, examples=booked.examples,
                             group_norms=booked.group_norms, thresholds=thresholds)
         if self._release_overflows():
@@ -306,6 +307,16 @@ class DPOptimizer(torch.optim.Optimizer):
         self._hand_over_thresholds()
         self.last_step = report
 
+    def _write_grads(self, noisy: dict[torch.Tensor, torch.Tensor]) -> None:
+        """``.grad`` = noisy sum / ``q·N``, divided in place and written in the parameter's dtype: the
+        noisy sum itself where the dtypes agree, else a copy, each noisy sum dropped once written (one
+        parameter's sum alive beside the written gradients)."""
+        torch._foreach_div_(list(noisy.values()), self.expected_batch_size)
+        while noisy:
+            p, grad = noisy.popitem()
+            p.grad = grad.to(p.dtype)
+            del grad
+
     def _hand_over_thresholds(self) -> None:
         """The thresholds the next step clips with: those a component sets (adaptive thresholds), else
         the groups' own; the engine receives them here, and only here."""
@@ -318,9 +329,10 @@ class DPOptimizer(torch.optim.Optimizer):
         """Each component's checkpoint state, by its ``state_key``."""
         return {c.state_key: c.state_dict() for c in self.components}
 
-    def load_component_states(self, states: dict[str, Any]) -> None:
-        """Restore :meth:`component_states` (the same components, or refused), and the thresholds that
-        follow from them."""
+    def resume(self, states: dict[str, Any]) -> None:
+        """Continue a checkpoint's run: restore :meth:`component_states` (the same components, or
+        refused) and the thresholds that follow from them; from now on the checkpoint's ledger accounts
+        for every update of the wrapped optimizer (none counts as before the run)."""
         if set(states) != {c.state_key for c in self.components}:
             raise ValueError(
                 f"this checkpoint holds the state of the step components {sorted(states)}, this run has "
@@ -328,6 +340,7 @@ class DPOptimizer(torch.optim.Optimizer):
         for component in self.components:
             component.load_state_dict(states[component.state_key])
         self._hand_over_thresholds()
+        self.updates_before_run = 0
 
     def _check_scaler_call(self, logical: bool) -> None:
         """``scaler.step(optimizer)`` (which sets ``grad_scale``) needs the scaler attached, so that the
