@@ -132,7 +132,6 @@ def test_a_table_with_categories_trains_and_every_release_is_in_the_ledger(tmp_p
     assert selection["release"] == "category and label sets" and selection["columns"] == ["label", "colour"]
     assert selection["selected"] == {"label": ["0", "1"], "colour": ["blue", "green", "red"]}
     assert standardisation["columns"] == ["age", "income"] and standardisation["share"] == scaling.SHARE
-    assert result["training_share"] == pytest.approx(1 - selection["share"] - standardisation["share"])
     assert result["dataset"]["classes"] == ["0", "1", "(other)"]
     # The reported ε is the ledger's: the 3 training steps composed with every preprocessing release.
     delta, q = result["delta"], result["sample_rate"]
@@ -142,7 +141,19 @@ def test_a_table_with_categories_trains_and_every_release_is_in_the_ledger(tmp_p
     expected = epsilon_of(dpa.ComposedDpEvent([training, *releases]), delta, "rdp")
     assert result["epsilon"] == pytest.approx(expected, rel=1e-9)
     assert result["epsilon"] > epsilon_of(training, delta, "rdp")
-    assert result["epsilon"] <= 3.0
+    # the training noise is calibrated on that composition: the whole run spends the target, not less
+    assert 0.99 * 3.0 <= result["epsilon"] <= 3.0
+    assert 0 < result["preprocessing_epsilon"] == pytest.approx(
+        epsilon_of(dpa.ComposedDpEvent(releases), delta, "rdp"), rel=1e-9)
+
+
+def test_the_run_spends_the_target_with_components_that_split_the_budget_too(tmp_path):
+    """HyFreeDP's loss releases and adaptive thresholds' counts are solved on the same ledger as the
+    preprocessing releases: the whole run still spends the target ε."""
+    code, result = _run(tmp_path, "--dataset", str(_table(tmp_path / "t.csv")), "--lr", "hyfreedp",
+                        "--thresholds", "adaptive", "--epsilon", "4")
+    assert code == 0 and len(result["preprocessing"]) == 2
+    assert 0.99 * 4.0 <= result["epsilon"] <= 4.0
 
 
 def test_a_public_schema_spends_nothing_on_the_encoding(tmp_path, capsys):
@@ -152,7 +163,7 @@ def test_a_public_schema_spends_nothing_on_the_encoding(tmp_path, capsys):
     code, result = _run(tmp_path, "--dataset", str(_table(tmp_path / "t.csv")),
                         "--schema", str(tmp_path / "schema.json"), "--labels", "0,1")
     assert code == 0 and result["preprocessing"] == [] and result["data_notes"] == []
-    assert result["training_share"] == 1.0 and result["dataset"]["classes"] == ["0", "1"]
+    assert result["preprocessing_epsilon"] == 0.0 and result["dataset"]["classes"] == ["0", "1"]
     assert "note:" not in capsys.readouterr().out
     # the whole budget goes to training: ε is that of the training steps alone
     training = planned_event(result["noise_multiplier"], result["sample_rate"], 3)

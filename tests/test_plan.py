@@ -14,6 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from tunefree import AdaptiveQuantile, AutoLR, make_private
+from tunefree.errors import SettingsRefused
+from tunefree.privacy.accounting import epsilon_of
 from tunefree.privacy.ledger import to_dict
 from tunefree.privacy.plan import CountShare, LossShare, Plan, data_digest
 
@@ -192,3 +194,49 @@ def test_data_digest_reads_the_examples():
     last = TensorDataset(data.tensors[0].clone(), data.tensors[1].clone())
     last.tensors[0][-1, 0] += 1.0
     assert data_digest(last, len(data)) != data_digest(data, len(data))
+
+
+# ---------------------------------------------------------------------------- releases made before training
+PRIOR = (dpa.GaussianDpEvent(4.0),  # e.g. a private scaling, and a partition selection with its (0, p) part
+         dpa.ComposedDpEvent([dpa.GaussianDpEvent(6.0),
+                              dpa.PoissonSampledDpEvent(1e-7, dpa.NonPrivateDpEvent())]))
+
+
+PRIOR_COMPONENTS = {name: COMPONENTS[name] for name in ("fixed thresholds, fixed lr",
+                                                          "adaptive thresholds, HyFreeDP")}
+
+
+@pytest.mark.parametrize("components", PRIOR_COMPONENTS.values(), ids=PRIOR_COMPONENTS.keys())
+def test_prior_releases_are_in_the_calibration_so_the_whole_run_spends_the_target(components):
+    without = Plan(sample_rate=0.05, steps=30, num_examples=1000, delta=1e-5, **components).solve(2.0)
+    plan = replace(without, prior=PRIOR).solve(2.0)
+    assert 0.99 * 2.0 <= plan.epsilon() <= 2.0
+    assert plan.noise_multiplier > without.noise_multiplier  # training pays for what came before
+    assert plan.event().events[:2] == list(PRIOR)
+    assert plan.describe()["prior"] == [to_dict(event) for event in PRIOR]
+    assert "prior" not in without.describe()  # the fingerprints of runs without them are unchanged
+
+
+def test_make_private_records_prior_releases_first_and_spends_the_target_in_all():
+    engine = engine_for(dataset(), noise_multiplier=None, target_epsilon=2.0, prior_releases=list(PRIOR))
+    assert engine.ledger.epsilon(1e-4, "rdp") == pytest.approx(
+        epsilon_of(dpa.ComposedDpEvent(list(PRIOR)), 1e-4, "rdp"))  # before the first step
+    train(engine, 7)
+    assert engine.steps == 7  # the releases before training are no steps
+    assert 0.99 * 2.0 <= engine.epsilon() <= 2.0
+    # a checkpoint of a run with other releases before training is another run's
+    other = engine_for(dataset(), noise_multiplier=None, target_epsilon=2.0, prior_releases=list(PRIOR[:1]))
+    with pytest.raises(ValueError, match=r"other privacy settings(.|\n)*prior: \[\{.gaussian.: 4.0\}, "):
+        other.load_state_dict(engine.state_dict())
+
+
+def test_prior_releases_that_spend_the_target_alone_are_refused():
+    with pytest.raises(SettingsRefused, match=r"already spend ε = .* at least the target ε = 0.5: nothing "
+                                              r"is left for training"):
+        engine_for(dataset(), noise_multiplier=None, target_epsilon=0.5,
+                   prior_releases=[dpa.GaussianDpEvent(1.0)])
+    with pytest.raises(ValueError, match="would count as a training step: give it as "
+                                         r"dpa.ComposedDpEvent\(\[event\]\)"):
+        engine_for(dataset(), prior_releases=[dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(1.0))])
+    with pytest.raises(TypeError, match="prior_releases must hold dp_accounting DpEvents, got 0.5"):
+        engine_for(dataset(), prior_releases=[0.5])

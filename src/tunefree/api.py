@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
+import dp_accounting as dpa
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -48,6 +49,7 @@ def make_private(
     batch_dim: int | Mapping[str, int] = 0,
     public_buffers: list[str] | tuple[str, ...] = (),
     norm_path: str = "auto",
+    prior_releases: Sequence[dpa.DpEvent] = (),
 ) -> DPEngine:
     """Make ``model`` train with an (ε, δ)-DP guarantee, accounted exactly from every release.
 
@@ -130,6 +132,11 @@ def make_private(
         norm_path: ``"auto"`` (default), ``"formula"``, ``"ghost"`` or ``"materialise"``: how layers
             with two exact per-sample norm paths pick one (timed per layer shape; a seeded run follows
             the cost formula). Speed only: both paths give the exact norms.
+        prior_releases: releases of the same private data made before training, as ``dp_accounting``
+            DpEvents at their own fixed noise (e.g. a private category set or scaling the model's inputs
+            depend on). The ledger holds them before the first step, and ``target_epsilon`` is the ε of
+            the whole ledger: σ is calibrated on their composition with the planned steps (refused when
+            they alone spend the target).
         secure_rng, max_physical_batch_size, clip_gamma, psac_r, target_quantile, quantile_lr,
             quantile_budget: deprecated forms (``tunefree.config.LEGACY_KEYWORDS``) of the secret default,
             ``physical_batch_size``, ``AutoS(gamma)``, ``PSAC(r)`` and ``AdaptiveQuantile(target, lr,
@@ -157,5 +164,5 @@ def make_private(
         noise_allocation=noise_allocation, thresholds=thresholds, target_quantile=target_quantile,
         quantile_lr=quantile_lr, quantile_budget=quantile_budget, lr=lr, verify_every=verify_every,
         norm_path=norm_path, audit_canaries=audit_canaries, batch_dim=batch_dim,
-        public_buffers=public_buffers)
+        public_buffers=public_buffers, prior_releases=prior_releases)
     return build_run(config, model, optimizer, data_loader, parallel)

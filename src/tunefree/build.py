@@ -85,7 +85,7 @@ def plan_run(config: RunConfig, model: nn.Module, data_loader: Any, parallel: Pa
         sample_rate=sample_rate, steps=planned_steps(config.epochs, config.steps, sample_rate),
         num_examples=num_examples, delta=config.target_delta, accountant=config.accountant,
         noise_multiplier=0.0 if config.noise_multiplier is None else config.noise_multiplier,
-        shares=tuple(share for share in shares if share is not None),
+        prior=config.prior_releases, shares=tuple(share for share in shares if share is not None),
         settings={**config.identity(), "groups": {g.name: [list(g.param_names), g.threshold] for g in groups},
                   "data": data_digest(data_loader.dataset, num_examples)},
     ).solve(config.target_epsilon)
@@ -140,6 +140,8 @@ def assemble(run: PlannedRun, model: nn.Module, optimizer: torch.optim.Optimizer
                             forward_checks=(guard.before_forward,), check_inputs=config.poisson_sampling)
     try:
         ledger = Ledger(poisson_approximation=not config.poisson_sampling, seeded=not run.randomness.secret)
+        for event in plan.prior:  # the releases made before training come first in the run's ledger
+            ledger.record(event)
         private_optimizer = DPOptimizer(
             optimizer, engine, release, ledger, plan.sample_rate, plan.expected_batch_size, schedule,
             accumulator, components=components, planned_steps=plan.steps,

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import dp_accounting as dpa
+
 from ._validate import count, flag, fraction, non_negative, one_of, positive
 from .clipping.functions import PSAC, Abadi, AutoS, AutoV, ClipFunction, clip_function
 from .clipping.groups import GROUPINGS, GroupSpec
@@ -24,6 +26,7 @@ from .components.hyfreedp import HyFreeDP
 from .components.thresholds import AdaptiveQuantile, Fixed
 from .errors import SettingsRefused
 from .privacy.accounting import ACCOUNTANTS
+from .privacy.ledger import to_dict
 from .privacy.mechanisms import NOISE_ALLOCATIONS
 from .privacy.plan import Plan
 from .rules.paths import NORM_PATHS
@@ -107,6 +110,7 @@ class RunConfig:
     audit_canaries: int | None = None
     batch_dim: int | Mapping[str, int] = 0
     public_buffers: tuple[str, ...] = ()
+    prior_releases: tuple[dpa.DpEvent, ...] = ()
     performance: Performance = field(default_factory=Performance)
 
     def __post_init__(self) -> None:
@@ -140,6 +144,7 @@ class RunConfig:
         _check_batch_dim(self.batch_dim)
         if isinstance(self.public_buffers, list):  # validated against the model by the state guard
             object.__setattr__(self, "public_buffers", tuple(self.public_buffers))
+        _check_prior_releases(self)
         _typed("performance", self.performance, Performance, "Performance(...)")
         # what the fields must agree on
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
@@ -267,6 +272,21 @@ def _named(option: str, name: str, shortcuts: Mapping[str, Any]) -> Any:
 def _typed(option: str, value: Any, kinds: type | tuple[type, ...], expected: str) -> None:
     if not isinstance(value, kinds):
         raise TypeError(f"{option} must be {expected}, got {value!r}")
+
+
+def _check_prior_releases(config: RunConfig) -> None:
+    """A tuple of DpEvents the ledger can store (a list is taken as a tuple)."""
+    releases = config.prior_releases
+    if isinstance(releases, dpa.DpEvent) or not isinstance(releases, (list, tuple)):
+        raise TypeError(f"prior_releases must be a list of dp_accounting DpEvents, got {releases!r}")
+    for event in releases:
+        if not isinstance(event, dpa.DpEvent):
+            raise TypeError(f"prior_releases must hold dp_accounting DpEvents, got {event!r}")
+        to_dict(event)  # refuses an event the ledger cannot store
+        if isinstance(event, dpa.PoissonSampledDpEvent):  # the ledger counts those as training steps
+            raise ValueError(f"prior_releases holds a Poisson-sampled event {event!r}, which the ledger "
+                             "would count as a training step: give it as dpa.ComposedDpEvent([event])")
+    object.__setattr__(config, "prior_releases", tuple(releases))
 
 
 def _check_max_grad_norm(value: Any) -> None:

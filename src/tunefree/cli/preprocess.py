@@ -10,7 +10,8 @@ declared public or released privately (``releases.py``).
 4. **Standardise** numeric columns with no public range by the private estimate of ``scaling.py``.
 
 Every refusal that needs no release comes before the first release. The releases are returned with the
-data (``LoadedData.releases``); the run records their events in its ledger before the first step.
+data (``LoadedData.releases``); their events are the run's ``prior_releases`` (``make_private``): in its
+ledger before the first step, and in the calibration of its training noise.
 """
 
 from __future__ import annotations

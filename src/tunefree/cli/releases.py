@@ -3,9 +3,11 @@
 Preprocessing reads the training rows in a few places — the category sets of text columns, the set of
 class labels, the scaling of numeric columns, the length of texts. Each such value is either declared
 public by the user (``--schema``, ``--labels``, ``--max-length``) or released by a mechanism of
-``privacy/mechanisms.py`` with a fixed share of the budget: σ is calibrated so that the release spends
-``share``·ε at ``share``·δ, training is calibrated on what is left, and every release's events go into the
-run's ledger before the first step. The reported ε is the ledger's, so it covers them all.
+``privacy/mechanisms.py`` whose noise is set by a fixed share of the budget: σ is that of a release
+spending ``share``·ε at ``share``·δ alone. The releases' events are ``make_private``'s ``prior_releases``:
+the run's ledger holds them before the first step, and the training noise is calibrated on their exact
+composition with the planned steps, so the reported ε — the ledger's — is the target (within the
+calibration's 1%), not the sum of the shares' ε.
 
 With ``--epsilon inf`` (a non-private reference run) every release is exact (σ = 0) and the ledger says
 ε = ∞.
@@ -22,6 +24,7 @@ from typing import Any
 import dp_accounting as dpa
 import torch
 
+from ..privacy.accounting import epsilon_of
 from ..privacy.calculator import noise_multiplier as calibrated_noise
 from ..privacy.mechanisms import release_quantile, select_partitions
 from ..privacy.randomness import side_randomness
@@ -83,6 +86,18 @@ class Release:
         """The release as ``report.json`` lists it."""
         return {"release": self.name, "share": self.share, "noise_multiplier": self.noise_multiplier,
                 **self.released}
+
+
+def prior_releases(releases: Iterable[Release]) -> list[dpa.DpEvent]:
+    """Every event of the preprocessing releases, in order: ``make_private``'s ``prior_releases``."""
+    return [event for release in releases for event in release.events]
+
+
+def preprocessing_epsilon(releases: Sequence[Release], delta: float, accountant: str) -> float:
+    """ε at ``delta`` of the preprocessing releases alone, from the accountant (0 without any); the
+    run's ε composes them with training."""
+    events = prior_releases(releases)
+    return epsilon_of(dpa.ComposedDpEvent(events), delta, accountant) if events else 0.0
 
 
 def natural_order(values: Iterable[Any]) -> list[Any]:

@@ -42,8 +42,12 @@ def write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(jsonable(value), indent=2) + "\n")
 
 
-def where_results_went(out: Path | None, json_path: Path | None) -> str:
-    """The last line of a run: where its model and results are, or that they were kept nowhere."""
+def where_results_went(out: Path | None, json_path: Path | None, text_model: bool = False) -> str:
+    """The last line of a run: where its model and results are, or that they were kept nowhere.
+    ``text_model``: a text run, whose model is the directory ``model/`` (``tunefree predict`` is for tables
+    and images)."""
+    if out and text_model:
+        return f"run directory: {out} (model/, report.json, metrics.jsonl, plots)"
     if out:
         return (f"run directory: {out} (model.pt and model.json — `tunefree predict --run {out}` applies "
                 "them to new rows —, report.json, metrics.jsonl, plots)")

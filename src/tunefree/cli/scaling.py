@@ -13,9 +13,9 @@ estimated with the Gaussian mechanism, in two releases over the d columns to sta
    a noisy number near zero (which blew such columns up to hundreds: RESULTS §5e).
 
 Each release is a Gaussian mechanism of noise multiplier σ: two ``GaussianDpEvent(σ)`` go into the ledger
-before the first training step. σ is calibrated so that the two spend ``SHARE`` of ε at ``SHARE`` of δ,
-and training is calibrated on what the preprocessing releases leave (``releases.py``). By composition the
-whole run is (ε, δ)-DP, and the ledger (which composes the events exactly) reports what it spent. The
+before the first training step. σ is that of two releases spending ``SHARE`` of ε at ``SHARE`` of δ alone,
+and the training noise is calibrated on the exact composition of every preprocessing release with the
+planned steps (``releases.py``): the whole run is (ε, δ)-DP, and the ledger reports what it spent. The
 number of training rows N is public, as it is for the sampling rate. σ = 0 (``--epsilon inf``) is the
 exact scaling.
 """

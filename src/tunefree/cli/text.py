@@ -1,13 +1,15 @@
 """Private fine-tuning of a local Hugging Face model on a text table: what ``tunefree train --model PATH``
-does (classification or causal LM, full fine-tuning or LoRA).
+does (classification or causal LM; every weight, LoRA, or a head on the frozen model's mean-pooled states).
 
 ``train_text(config)`` reads the table, splits it by a keyed hash of each row (``split.py``), selects the
-classes privately unless ``--labels`` declares them, loads the model, sets the token length from
-``--max-length`` or a private quantile of the training texts' lengths, tokenises, calls
-:func:`tunefree.make_private` on what those releases leave of the budget (their events go into the ledger
-first), trains with the chosen optimizer (AdamW by default), evaluates on the held-out rows (outside the
-guarantee, and labelled so) and saves the fine-tuned model (the adapter alone, for LoRA) with
-``save_pretrained`` in ``<out>/model``; ``report.json`` beside it holds ε from the run's ledger.
+classes privately unless ``--labels`` declares them, loads the model, chooses what to train and for how
+long from N and ε (``text_defaults.py``) unless the flags say, sets the token length from ``--max-length``
+or a private quantile of the training texts' lengths, tokenises, calls :func:`tunefree.make_private` with
+those releases as its prior releases (the ledger holds them first, and the training noise is calibrated
+so that the whole ledger spends ε), trains with the chosen optimizer (AdamW by default), evaluates on the
+held-out rows (outside the guarantee, and labelled so) and saves the model in ``<out>/model``
+(``save_pretrained``; the adapter alone for LoRA; the encoder and ``tunefree_head.*`` for a head, read back
+by ``text_models.load_mean_pooled_classifier``); ``report.json`` beside it holds ε from the run's ledger.
 """
 
 from __future__ import annotations
@@ -19,12 +21,23 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader
 
 from ..api import make_private
 from ..run import DPEngine
-from . import text_data, text_models
-from .releases import OTHER, Budget, Release, delta_choice, private_length, select_sets
+from . import text_data, text_defaults, text_models
+from .releases import (
+    OTHER,
+    Budget,
+    Release,
+    delta_choice,
+    preprocessing_epsilon,
+    prior_releases,
+    private_length,
+    select_sets,
+)
 from .report import OUTSIDE_THE_GUARANTEE, RunDirectory, where_results_went, write_json
 from .split import held_out, split_key, table_rows
 from .tables import class_indices
@@ -34,7 +47,7 @@ from .training import OPTIMIZERS, Progress, check_config, guarantee_text, loose_
 # budget, translated to the optimizer's learning rate; no ε), benchmarks/RESULTS.md §5f.
 DEFAULT_TEXT_LR = "auto"
 DEFAULT_TEXT_OPTIMIZER = "adamw"
-DEFAULT_TEXT_EPOCHS = 3
+DEFAULT_TEXT_EPOCHS = text_defaults.ALL_EPOCHS  # every weight trained, no length given
 LENGTH_EDGES = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # candidate token lengths (public)
 
 
@@ -44,7 +57,11 @@ class TextConfig:
     .parquet table. ``task`` None infers it (a label column → classification, else causal LM).
     ``lora_rank`` None fine-tunes every parameter. ``labels``: the classes, declared public (None:
     selected privately); ``max_length``: the token length, declared (None: a private quantile).
-    ``epsilon`` ∞ is a non-private reference run. The other privacy fields are ``TrainConfig``'s."""
+    ``epsilon`` ∞ is a non-private reference run. ``train_weights``: ``"all"`` (every parameter, or the
+    LoRA adapters), ``"head"`` (a linear head on the frozen model's mean-pooled token states,
+    classification only) or ``"auto"`` (chosen from N and ε: ``text_defaults.choose_weights``);
+    ``batch_size`` and the length (``epochs``/``steps``) None: ``text_defaults.schedule``'s. The other
+    privacy fields are ``TrainConfig``'s."""
 
     model: str
     data: str
@@ -58,9 +75,10 @@ class TextConfig:
     lora_targets: tuple[str, ...] | None = None
     epsilon: float = 3.0
     delta: float | None = None
-    epochs: float | None = DEFAULT_TEXT_EPOCHS
+    epochs: float | None = None
     steps: int | None = None
-    batch_size: int = 256
+    batch_size: int | None = None
+    train_weights: str = "auto"
     optimizer: str = DEFAULT_TEXT_OPTIMIZER
     lr: float | str | None = None  # a number or "auto"; None: DEFAULT_TEXT_LR
     clipping: str = "auto-s"
@@ -83,8 +101,15 @@ def _check(config: TextConfig) -> None:
                          "or give a number")
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {config.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
-    check_config(TrainConfig(epsilon=config.epsilon, delta=config.delta, epochs=config.epochs,
-                             steps=config.steps, batch_size=config.batch_size, clipping=config.clipping,
+    if config.train_weights not in text_defaults.TRAIN_WEIGHTS:
+        raise ValueError(f"--train-weights must be one of {', '.join(text_defaults.TRAIN_WEIGHTS)}, got "
+                         f"{config.train_weights!r}")
+    if config.train_weights == "head" and (config.lora_rank is not None or config.task == "causal-lm"):
+        raise ValueError("--train-weights head trains a classification head on the frozen model: drop it "
+                         "with --lora-rank or --task causal-lm")
+    length = (config.epochs, config.steps) if config.epochs or config.steps else (DEFAULT_TEXT_EPOCHS, None)
+    check_config(TrainConfig(epsilon=config.epsilon, delta=config.delta, epochs=length[0],
+                             steps=length[1], batch_size=config.batch_size or 1, clipping=config.clipping,
                              groups=config.groups, lr=config.resolved_lr(), accountant=config.accountant,
                              optimizer=config.optimizer))
     if config.task is not None and config.task not in text_data.TASKS:
@@ -102,15 +127,24 @@ def _check(config: TextConfig) -> None:
                          "is saved")
 
 
-def _batch_size(batch: dict[str, torch.Tensor]) -> int:
-    return batch["input_ids"].shape[0]
+def _losses(model: nn.Module, batch: dict[str, torch.Tensor], task: str) -> torch.Tensor:
+    """Per-example losses: of the head on pooled states (a batch of ``features``), or of the model."""
+    if "features" in batch:
+        return F.cross_entropy(model(batch["features"]), batch["labels"], reduction="none")
+    return text_models.per_example_losses(model, batch, task)
+
+
+def _logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    if "features" in batch:
+        return model(batch["features"])
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
 
 def _step(engine: DPEngine, batch: dict[str, torch.Tensor], task: str) -> None:
     """One private step (nothing computed from the batch is returned: it would be unnoised)."""
     engine.optimizer.zero_grad()
-    if _batch_size(batch) > 0:  # an empty Poisson batch: the model cannot run it, but the step happens
-        text_models.per_example_losses(engine.model, batch, task).mean().backward()  # loss_reduction="mean"
+    if len(batch["labels"]) > 0:  # an empty Poisson batch: the model cannot run it, but the step happens
+        _losses(engine.model, batch, task).mean().backward()  # loss_reduction="mean"
     engine.optimizer.step()
 
 
@@ -121,10 +155,9 @@ def evaluate(model: torch.nn.Module, examples: text_data.TextExamples, task: str
     model.eval()
     correct, loss_sum = 0, 0.0
     for batch in DataLoader(examples, batch_size=batch_size):
-        loss_sum += float(text_models.per_example_losses(model, batch, task).sum())
+        loss_sum += float(_losses(model, batch, task).sum())
         if task == "classification":
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            correct += int((logits.argmax(-1) == batch["labels"]).sum())
+            correct += int((_logits(model, batch).argmax(-1) == batch["labels"]).sum())
     model.train()
     loss = loss_sum / len(examples)
     if task == "classification":
@@ -174,7 +207,7 @@ def train_text(config: TextConfig) -> dict[str, Any]:
                          "column: drop --labels or pass --label-column")
     train_rows, test_rows = _split_rows(table, label_column, config.seed)
     delta, delta_text = delta_choice(config.delta, len(train_rows))
-    if len(train_rows) < config.batch_size:
+    if config.batch_size is not None and len(train_rows) < config.batch_size:
         raise ValueError(f"--batch-size {config.batch_size} is larger than the {len(train_rows)} training "
                          f"examples: use --batch-size {len(train_rows)} or less")
     budget = Budget(config.epsilon, delta, config.accountant)
@@ -194,33 +227,45 @@ def train_text(config: TextConfig) -> dict[str, Any]:
             raise ValueError(f"--model {config.model} is already a LoRA adapter, trained as it is: drop "
                              "--lora-rank")
         model = text_models.add_lora(model, task, config.lora_rank, config.lora_targets)
+    weights, weights_text = _weights(config, model, task, len(train_rows), delta)
+    run_plan = text_defaults.schedule(weights, len(train_rows), config.batch_size, config.epochs,
+                                      config.steps)
     length, release = _token_length(config, model, tokenizer, table.texts, train_rows, budget)
     releases += [release] if release else []
     tensors.update(text_data.tokenize(tokenizer, table.texts, length, task))
     text_models.share_padding(model, tokenizer)
     notes += _notes(classes, other, releases, length, config)
+    notes.append(f"trained: {weights_text}; batch size {run_plan.batch_size}, "
+                 f"{run_plan.planned_steps(len(train_rows))} steps")
+    encoder = None
+    if weights == "head":  # the frozen encoder's states, once: each a function of its own text alone
+        encoder = text_models.encoder_of(model)
+        features = text_models.mean_pooled(encoder, tensors["input_ids"], tensors["attention_mask"])
+        tensors = {"features": features, "labels": tensors["labels"]}
+        model = nn.Linear(features.shape[1], len(names))
     train_set = text_data.TextExamples(tensors, train_rows)
     test_set = text_data.TextExamples(tensors, test_rows)
     trainable = [p for p in model.parameters() if p.requires_grad]
     auto = config.resolved_lr() == "auto"
     optimizer = OPTIMIZERS[config.optimizer](trainable, 1.0 if auto else config.resolved_lr())
-    share = 1.0 - sum(r.share for r in releases)
-    noise = ({"target_epsilon": share * config.epsilon} if math.isfinite(config.epsilon)
+    noise = ({"target_epsilon": config.epsilon} if math.isfinite(config.epsilon)
              else {"noise_multiplier": 0.0})
-    engine = make_private(model, optimizer, DataLoader(train_set, batch_size=config.batch_size),
-                          target_delta=share * delta, epochs=config.epochs, steps=config.steps,
+    # the ledger holds the preprocessing releases before the first step; the whole ledger spends ε
+    engine = make_private(model, optimizer, DataLoader(train_set, batch_size=run_plan.batch_size),
+                          target_delta=delta, epochs=run_plan.epochs, steps=run_plan.steps,
                           clipping=config.clipping, groups=config.groups, accountant=config.accountant,
-                          seed=config.seed, lr="auto" if auto else None, **noise)
-    for release in releases:  # before the first step: the ledger holds every release
-        for event in release.events:
-            engine.ledger.record(event)
+                          seed=config.seed, lr="auto" if auto else None,
+                          prior_releases=prior_releases(releases), **noise)
     run, started = RunDirectory(config.out), time.perf_counter()
     epsilon = _train_loop(engine, task, config, delta, run)
     train_seconds = time.perf_counter() - started
     engine.detach()
     if engine.dog_lr is not None:  # the model kept is the automatic learning rate's averaged one
         engine.dog_lr.apply_average()
-    text_models.save(model, tokenizer, run.path / "model")
+    if encoder is not None:
+        text_models.save_head(encoder, model, names, tokenizer, run.path / "model")
+    else:
+        text_models.save(model, tokenizer, run.path / "model")
     result = {
         **evaluate(model, test_set, task), "epsilon": epsilon, "delta": delta, "delta_choice": delta_text,
         "noise_multiplier": engine.noise_multiplier, "steps": engine.steps,
@@ -230,8 +275,10 @@ def train_text(config: TextConfig) -> dict[str, Any]:
         "note": loose_target_note(config.epsilon, engine.noise_multiplier, epsilon),
         "data_notes": notes, "task": task, "label_column": label_column,
         "model_directory": str(run.path / "model"), "lora": hasattr(model, "peft_config"),
+        "trained": weights, "trained_why": weights_text, "batch_size": run_plan.batch_size,
         "trainable_parameters": sum(p.numel() for p in trainable),
-        "preprocessing": [r.report() for r in releases], "training_share": share,
+        "preprocessing": [r.report() for r in releases],
+        "preprocessing_epsilon": preprocessing_epsilon(releases, delta, config.accountant),
         "dataset": {"name": table.name, "train_examples": len(train_rows), "test_examples": len(test_rows),
                     "sequence_length": length, "classes": names},
         "config": {**asdict(config), "delta": delta, "lr": config.resolved_lr()},
@@ -245,6 +292,22 @@ def train_text(config: TextConfig) -> dict[str, Any]:
     }
     run.finish(result)
     return result
+
+
+def _weights(config: TextConfig, model: nn.Module, task: str, num_train: int, delta: float
+             ) -> tuple[str, str]:
+    """What the run trains (``"head"`` or ``"all"``) and why: a LoRA run, a causal LM and a LoRA adapter
+    given as the model train what they hold; a classifier, what ``--train-weights`` says or the rule."""
+    lora = hasattr(model, "peft_config")
+    if task != "classification" or lora:
+        kind = "LoRA" if lora else "causal-LM"
+        if config.train_weights == "head":
+            raise ValueError(f"--train-weights head trains a classification head on the frozen model; this "
+                             f"is a {kind} run: drop --train-weights head")
+        return "all", f"{'the LoRA adapters' if lora else 'every weight'} (a {kind} run)"
+    count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return text_defaults.choose_weights(config.train_weights, count, num_train, config.epsilon, delta,
+                                        config.batch_size, config.epochs, config.steps, config.accountant)
 
 
 def _token_length(config: TextConfig, model, tokenizer, texts: list[str], train_rows, budget: Budget
@@ -320,6 +383,13 @@ def add_arguments(train: argparse.ArgumentParser, positive_int) -> None:
                        help="tokens per example, declared public; longer texts are truncated, shorter ones "
                             "padded (default: the smallest of 8, 16, 32, … up to the model's positions that "
                             "holds 95%% of the training texts, by a private quantile: 5%% of ε and δ)")
+    group.add_argument("--train-weights", choices=text_defaults.TRAIN_WEIGHTS, default=None,
+                       help="what a classification run trains: 'head' (a linear head on the frozen model's "
+                            "mean-pooled token states), 'all' (every weight, or the LoRA adapters) or 'auto' "
+                            "(the default: every weight only where the noise on a step's mean gradient, "
+                            "σ√d/B, is at most 1, the largest signal under AUTO-S; else the head). Without "
+                            "--batch-size and --epochs/--steps, a head trains 100 steps of batch N/8 (64 to "
+                            "1024), every weight 3 epochs of batch 256")
     group.add_argument("--lora-rank", type=positive_int, default=None,
                        help="fine-tune LoRA adapters of this rank instead of every parameter")
     group.add_argument("--lora-targets", type=_targets, default=None,
@@ -327,7 +397,7 @@ def add_arguments(train: argparse.ArgumentParser, positive_int) -> None:
                             "projections for the architecture, e.g. query,value for BERT, c_attn for GPT-2)")
 
 
-TEXT_FLAGS = ("text_column", "task", "max_length", "lora_rank", "lora_targets")
+TEXT_FLAGS = ("text_column", "task", "max_length", "lora_rank", "lora_targets", "train_weights")
 
 
 def check_no_text_flags(args: argparse.Namespace) -> None:
@@ -359,8 +429,8 @@ def command(args: argparse.Namespace) -> int:
         text_column=args.text_column or "text", label_column=args.label_column, task=args.task,
         labels=args.labels, max_length=args.max_length, lora_rank=args.lora_rank,
         lora_targets=args.lora_targets, epsilon=args.epsilon, delta=args.delta,
-        epochs=DEFAULT_TEXT_EPOCHS if args.epochs is None and args.steps is None else args.epochs,
-        steps=args.steps, batch_size=args.batch_size, optimizer=args.optimizer or DEFAULT_TEXT_OPTIMIZER,
+        epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
+        train_weights=args.train_weights or "auto", optimizer=args.optimizer or DEFAULT_TEXT_OPTIMIZER,
         lr=args.lr, clipping=args.clipping, groups=args.groups, accountant=args.accountant, seed=args.seed,
         quiet=args.quiet)
     result = train_text(config)
@@ -375,5 +445,6 @@ def command(args: argparse.Namespace) -> int:
     for note in [*result["data_notes"], *([result["note"]] if result["note"] else [])]:
         print(f"note: {note}")
     adapter = " (the LoRA adapter only)" if result["lora"] else ""
-    print(f"model saved in {result['model_directory']}{adapter}; {where_results_went(args.out, args.json)}")
+    where = where_results_went(args.out, args.json, text_model=True)
+    print(f"model saved in {result['model_directory']}{adapter}; {where}")
     return 0

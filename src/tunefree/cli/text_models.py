@@ -153,3 +153,69 @@ def save(model: nn.Module, tokenizer, directory: Path) -> None:
     plain transformers/peft load it back."""
     model.save_pretrained(str(directory))
     tokenizer.save_pretrained(str(directory))
+
+
+# ---------------------------------------------------------------------------- a head on mean-pooled states
+HEAD_CONFIG, HEAD_WEIGHTS = "tunefree_head.json", "tunefree_head.pt"
+
+
+def encoder_of(model: nn.Module) -> nn.Module:
+    """The transformer under a Hugging Face classifier (its ``base_model``: BERT's ``bert``, GPT-2's
+    ``transformer``), without the classifier's own pooler and head."""
+    base = getattr(model, "base_model", None)
+    if not isinstance(base, nn.Module) or base is model:
+        raise ValueError(f"{type(model).__name__} has no base transformer to read states from: use "
+                         "--train-weights all")
+    return base
+
+
+@torch.no_grad()
+def mean_pooled(encoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                batch_size: int = 64) -> torch.Tensor:
+    """Each text's mean token state under the frozen ``encoder`` (padding excluded by the attention
+    mask), shape [n, hidden]: a function of that text alone and of public weights."""
+    was_training = encoder.training
+    encoder.eval()
+    pooled = []
+    for start in range(0, len(input_ids), batch_size):
+        ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+        states = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        weights = mask.unsqueeze(-1).to(states.dtype)
+        pooled.append((states * weights).sum(1) / weights.sum(1).clamp(min=1))
+    encoder.train(was_training)
+    return torch.cat(pooled)
+
+
+class MeanPooledClassifier(nn.Module):
+    """A frozen encoder and a linear head on the mean of its token states: what ``--train-weights head``
+    trains (the head) and saves; ``model(input_ids=..., attention_mask=...)`` gives the logits."""
+
+    def __init__(self, encoder: nn.Module, head: nn.Linear, classes: list[str]):
+        super().__init__()
+        self.encoder, self.head, self.classes = encoder, head, list(classes)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.head(mean_pooled(self.encoder, input_ids, attention_mask))
+
+
+def save_head(encoder: nn.Module, head: nn.Linear, classes: list[str], tokenizer, directory: Path) -> None:
+    """The encoder (``save_pretrained``, unchanged), the tokenizer and the trained head beside them."""
+    encoder.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    (directory / HEAD_CONFIG).write_text(json.dumps(
+        {"pooling": "mean", "in_features": head.in_features, "classes": list(classes)}, indent=1))
+    torch.save(head.state_dict(), directory / HEAD_WEIGHTS)
+
+
+def load_mean_pooled_classifier(directory: str | Path) -> tuple[MeanPooledClassifier, object]:
+    """The classifier ``--train-weights head`` saved in ``directory`` (``<out>/model``), in eval mode, and
+    its tokenizer."""
+    import transformers
+
+    directory = Path(directory)
+    config = json.loads((directory / HEAD_CONFIG).read_text())
+    encoder = transformers.AutoModel.from_pretrained(str(directory), dtype=torch.float32)
+    head = nn.Linear(config["in_features"], len(config["classes"]))
+    head.load_state_dict(torch.load(directory / HEAD_WEIGHTS, weights_only=True))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+    return MeanPooledClassifier(encoder, head, config["classes"]).eval(), tokenizer

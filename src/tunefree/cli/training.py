@@ -1,8 +1,9 @@
 """A complete private training run from a configuration: what ``tunefree train`` does.
 
 ``train(config)`` reads and prepares the data (``preprocess.py``: every value learnt from the training rows
-declared public or released privately), builds the default model, calls :func:`tunefree.make_private` on
-what the preprocessing releases leave of the budget, records those releases in the run's ledger, trains,
+declared public or released privately), builds the default model, calls :func:`tunefree.make_private` with
+those releases as its ``prior_releases`` (the ledger holds them before the first step, and the training
+noise is calibrated so that the whole ledger spends the target ε), trains,
 evaluates on the held-out rows and returns the result; the command line is a thin layer over it, and
 experiments reuse it.
 
@@ -34,7 +35,12 @@ from ..config import AutoLR, resolve_options
 from ..privacy.calibrate import MIN_NOISE_MULTIPLIER
 from ..run import DPEngine
 from . import datasets, launch, models, preprocess, tables
-from .releases import default_delta, delta_choice  # noqa: F401  (the run's δ; experiments import them here)
+from .releases import (  # noqa: F401  (default_delta: experiments import the run's δ from here)
+    default_delta,
+    delta_choice,
+    preprocessing_epsilon,
+    prior_releases,
+)
 from .report import OUTSIDE_THE_GUARANTEE, RunDirectory
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -268,28 +274,20 @@ def _prepared(config: TrainConfig) -> datasets.LoadedData:
     return preprocess.prepare(raw, options, config.epsilon, config.delta, config.accountant, config.seed)
 
 
-def training_share(data: datasets.LoadedData) -> float:
-    """What the preprocessing releases leave of ε and δ for training."""
-    return 1.0 - sum(release.share for release in data.releases)
-
-
 def _make_private(config: TrainConfig, model: nn.Module, data: datasets.LoadedData, delta: float
                   ) -> DPEngine:
+    """The private run: its noise calibrated so that the whole ledger — the preprocessing releases
+    (recorded before the first step) and the planned steps — spends ``config.epsilon`` at δ."""
     optimizer = OPTIMIZERS[config.optimizer](model.parameters(), config.resolved_lr())
-    share = training_share(data)
-    budget = ({"target_epsilon": share * config.epsilon} if math.isfinite(config.epsilon)
+    budget = ({"target_epsilon": config.epsilon} if math.isfinite(config.epsilon)
               else {"noise_multiplier": 0.0})  # --epsilon inf: the reference run without noise
-    engine = make_private(
+    return make_private(
         launch.data_parallel(model), optimizer, DataLoader(data.train, batch_size=config.batch_size),
-        target_delta=share * delta, epochs=config.epochs, steps=config.steps,
+        target_delta=delta, epochs=config.epochs, steps=config.steps,
         clipping=config.clipping, groups=config.groups, max_grad_norm=config.max_grad_norm,
-        thresholds=config.thresholds, lr=config.auto_lr(),
+        thresholds=config.thresholds, lr=config.auto_lr(), prior_releases=prior_releases(data.releases),
         accountant=config.accountant, seed=config.seed, audit_canaries=config.audit_canaries,
         **budget, **{"noise_allocation": config.noise_allocation, **_knobs(config), **config.extra})
-    for release in data.releases:  # before the first step: the ledger holds every release
-        for event in release.events:
-            engine.ledger.record(event)
-    return engine
 
 
 def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[str, Any]:
@@ -345,7 +343,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
         "note": loose_target_note(config.epsilon, engine.noise_multiplier, epsilon),
         "data_notes": list(data.notes),
         "preprocessing": [release.report() for release in data.releases],
-        "training_share": training_share(data),
+        "preprocessing_epsilon": preprocessing_epsilon(data.releases, delta, config.accountant),
         "dataset": {"name": data.name, "train_examples": data.num_train,
                     "test_examples": len(data.test), "classes": list(data.classes)},
         "config": {**asdict(config), "delta": delta, "lr": config.lr},

@@ -32,8 +32,10 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils.data import TensorDataset
 
+from ..errors import SettingsRefused
 from .accounting import epsilon_of
 from .calibrate import calibrate
+from .ledger import to_dict
 
 LOSS_RELEASES_PER_UPDATE = 3  # privatised losses at w − Δ, w, w + Δ
 EVERY_EXAMPLE = "every-example:"  # the prefix of a data digest that covers every example
@@ -176,6 +178,9 @@ class Plan:
         settings: the rest of what identifies the run (clip function, groups and their initial
             thresholds, threshold and learning-rate rules, a digest of the data); it is part of the
             fingerprint and changes no noise.
+        prior: releases of the same private data made before the first step at their own, fixed noise
+            (e.g. a command line's preprocessing: category sets, scaling, text lengths). They are part of
+            the planned ledger, so σ is calibrated for the ε of the whole run, them included.
     """
 
     sample_rate: float
@@ -186,6 +191,7 @@ class Plan:
     noise_multiplier: float = 0.0
     shares: tuple[Share, ...] = ()
     settings: Mapping[str, Any] = field(default_factory=dict)
+    prior: tuple[dpa.DpEvent, ...] = ()
 
     # ------------------------------------------------------------------ the noise of each release
     @property
@@ -244,8 +250,8 @@ class Plan:
 
     # ------------------------------------------------------------------ the planned ledger
     def event(self, steps: int | None = None) -> dpa.DpEvent:
-        """The ledger of the first ``steps`` steps (the planned T by default), as one event: each kind of
-        step (steps repeat with the shares' periods) once, with its count."""
+        """The ledger of the prior releases and the first ``steps`` steps (the planned T by default), as
+        one event: each kind of step (steps repeat with the shares' periods) once, with its count."""
         steps = self.steps if steps is None else steps
         if steps is None:
             raise ValueError("the plan has no planned length: give epochs or steps")
@@ -264,7 +270,7 @@ class Plan:
             inner = releases[0] if len(releases) == 1 else dpa.ComposedDpEvent(releases)
             sampled = dpa.PoissonSampledDpEvent(self.sample_rate, inner)
             parts.append(dpa.SelfComposedDpEvent(sampled, count))
-        return dpa.ComposedDpEvent(parts)
+        return dpa.ComposedDpEvent([*self.prior, *parts])
 
     def epsilon(self, steps: int | None = None) -> float:
         """ε at δ that the planned run (or its first ``steps`` steps) spends."""
@@ -283,6 +289,7 @@ class Plan:
         if target_epsilon is not None:
             if self.steps is None:
                 raise ValueError("target_epsilon needs the planned length of training: give epochs or steps")
+            self._check_prior_leaves_room(target_epsilon)
             without = tuple(s for s in plan.shares if s.noise is None)
             sigma = calibrate(lambda s: replace(plan, noise_multiplier=s, shares=without).event(),
                               target_epsilon, self.delta, self.accountant)
@@ -295,6 +302,18 @@ class Plan:
         for index in own:
             plan = plan._solve_share(index, target_epsilon)
         return plan
+
+    def _check_prior_leaves_room(self, target_epsilon: float) -> None:
+        """The releases made before training must leave some of ``target_epsilon`` for it."""
+        if not self.prior:
+            return
+        spent = epsilon_of(dpa.ComposedDpEvent(list(self.prior)), self.delta, self.accountant)
+        if spent >= target_epsilon:
+            raise SettingsRefused(
+                f"the {len(self.prior)} release(s) made before training (prior_releases) already spend "
+                f"ε = {spent:.4g} at δ = {self.delta:.3g}, at least the target ε = {target_epsilon:g}: "
+                "nothing is left for training. Give them more noise (a smaller share of the budget) or a "
+                "larger target_epsilon")
 
     def _with_share_noise(self, index: int, noise: float) -> Plan:
         shares = list(self.shares)
@@ -312,8 +331,10 @@ class Plan:
 
     # ------------------------------------------------------------------ identity, for checkpoints
     def describe(self) -> dict[str, Any]:
-        """Everything that identifies the run, as plain JSON values (description format 2)."""
-        return json.loads(json.dumps({
+        """Everything that identifies the run, as plain JSON values (description format 2; ``prior`` only
+        when releases were made before training, so that the descriptions of other runs are unchanged)."""
+        prior = {"prior": [to_dict(event) for event in self.prior]} if self.prior else {}
+        return json.loads(json.dumps({**prior,
             "format": DESCRIPTION_FORMAT, "sample_rate": self.sample_rate, "steps": self.steps,
             "num_examples": self.num_examples, "delta": self.delta, "accountant": self.accountant,
             "noise_multiplier": self.noise_multiplier, "gradient_noise": self.gradient_noise,
