@@ -278,7 +278,7 @@ class EveryPairChecked:
 
 
 class _Run:
-    """One private training run of a draw on a data set, recording every release into a ``RunTrace``
+    """One private training run of a draw on a data set, recording every release into a ``DrawTrace``
     (``every_pair``: checked by ``EveryPairChecked`` instead of the run's random schedule)."""
 
     def __init__(self, draw: Draw, dataset: TensorDataset, trace: DrawTrace, plain: bool = False,

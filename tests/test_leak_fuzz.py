@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
 
-CI_SEEDS = range(500)  # ~50 s of one core on main at 82e7f3b (benchmarks/leak_fuzz_findings.md)
+CI_SEEDS = range(500)  # 36 s wall, one thread, main at eb96fc0 (benchmarks/leak_fuzz_findings.md)
 
 
 # -------------------------------------------------------------------------------- the CI budget
