@@ -158,7 +158,10 @@ def child(model_name: str, config: str, steps: int, warmup: int, threads: int, d
     from models import benchmark
 
     torch.set_num_threads(threads)
-    # Libraries are imported before the baseline so that their pages do not count as training memory.
+    # Libraries are imported before the baseline so that their pages do not count as training memory; so is
+    # torch._dynamo, which torch.optim imports when the first optimizer is built (with torch.distributed's
+    # tensor package and sympy, ~150 MB of RSS), inside the measured span otherwise.
+    import torch._dynamo  # noqa: F401
     if config.startswith("tunefree"):
         import tunefree  # noqa: F401
     elif config.startswith("opacus"):

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
+import subprocess
+import sys
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "tunefree"
 
@@ -101,3 +104,30 @@ def test_the_library_never_imports_the_command_line():
     offenders = [m for m, targets in _graph().items() if not m.startswith("cli")
                  and any(t.split(".")[0] == "cli" for t in targets)]
     assert offenders == []
+
+
+DOC = SRC.parents[1] / "docs" / "architecture.md"
+
+
+def test_the_architecture_page_names_every_module_and_only_files_that_exist():
+    """docs/architecture.md draws the code as built: every library module (outside cli/ and audit/, which
+    have their own pages) is named there, and every module path it names exists (``foo.py`` stands for a
+    file to add)."""
+    page = DOC.read_text()
+    unnamed = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+               if p.relative_to(SRC).parts[0] not in ("cli", "audit") and p.name != "__init__.py"
+               and p.name not in page]
+    assert unnamed == []
+    named = set(re.findall(r"[\w./]*\w/[\w/]*\.py", page))
+    stale = [p for p in sorted(named) if not p.endswith("/foo.py")
+             and not (SRC / p).exists() and not (SRC.parents[1] / p).exists()]
+    assert stale == []
+
+
+def test_import_tunefree_leaves_the_heavy_optional_modules_unimported():
+    """``import tunefree`` imports neither transformers (the HF rules match it through ``sys.modules``) nor
+    torch.distributed.tensor (which brings sympy: a second and ~50 MB; FSDP2 models import it themselves)."""
+    code = ("import sys, tunefree; print(sorted(m for m in ('transformers', 'torch.distributed.tensor', "
+            "'sympy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -184,3 +184,73 @@ def test_a_clip_function_is_one_dataclass():
         assert isinstance(CLIP_FUNCTIONS["half-abadi"](), HalfAbadi)
     finally:
         del CLIP_FUNCTIONS["half-abadi"]
+
+
+class Gate(nn.Module):
+    """Another layer of the user's own: y = x ⊙ w + b on [batch, features]."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 2.0, features))
+        self.bias = nn.Parameter(torch.linspace(-0.3, 0.3, features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight + self.bias
+
+
+def test_a_rule_and_a_clip_function_from_user_code_train_one_private_step_exactly():
+    """What adding a layer and a clip function touches: the user's own file, through tunefree.extend only.
+    One private step of make_private (σ = 0) moves the weights by exactly −lr·Σᵢ wᵢgᵢ/(qN), the clipped sum
+    of the batch-size-1 loop under the user's clip function, with the user's rule serving the layer."""
+    import copy
+
+    import tunefree.extend
+
+    served = []
+
+    @tunefree.extend.register_rule(Gate, reads_parameters=False)
+    def gate_grads(module, capture, grad_outputs):
+        served.append(len(capture.args[0]))
+        return {"weight": capture.args[0] * grad_outputs[0], "bias": grad_outputs[0]}
+
+    @tunefree.extend.register_clip_function("user-half-abadi")
+    @dataclass(frozen=True)
+    class HalfAbadi(tunefree.extend.ClipFunction):
+        normalising = False
+        half: float = 0.5
+
+        def weigh(self, norms, threshold):
+            return self.half * (threshold / norms.clamp_min(1e-30)).clamp_max(1.0)
+
+    try:
+        torch.manual_seed(3)
+        net = nn.Sequential(nn.Linear(4, 6), Gate(6), nn.Tanh(), nn.Linear(6, 3))
+        reference = copy.deepcopy(net)  # the brute force runs on an unhooked copy of the same weights
+        data = TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)))
+        lr, clip = 0.5, HalfAbadi(half=0.4)
+        engine = tunefree.make_private(net, torch.optim.SGD(net.parameters(), lr=lr),
+                                       DataLoader(data, batch_size=16), target_delta=1e-3,
+                                       noise_multiplier=0.0, steps=1, clipping=clip, groups="per-layer",
+                                       max_grad_norm=3.0, loss_reduction="sum")
+        before = [p.detach().clone() for p in net.parameters()]
+        x, y = next(iter(engine.data_loader))
+        served.clear()
+        F.cross_entropy(engine.model(x), y, reduction="sum").backward()
+        engine.optimizer.step()
+        assert served == [len(y)] and engine.steps == 1  # the user's rule served the training pass
+
+        x, y = x.as_subclass(torch.Tensor), y.as_subclass(torch.Tensor)
+        per_example = per_example_grads(reference, lambda out, t: F.cross_entropy(out, t, reduction="sum"),
+                                        x, y)
+        groups = make_groups(reference, "per-layer", 3.0)
+        expected, norms = clipped_sum(per_example, groups, clip)
+        thresholds = {g.name: g.threshold for g in groups}
+        clipped = [bool((n > thresholds[name]).any()) for name, n in norms.items()]
+        unclipped = [bool((n < thresholds[name]).any()) for name, n in norms.items()]
+        assert any(clipped) and any(unclipped)  # both branches of the user's function are in the step
+        ref_params = list(reference.parameters())
+        for p, old, q in zip(net.parameters(), before, ref_params):
+            torch.testing.assert_close(p.detach(), old - lr * expected[q] / 16, rtol=1e-5, atol=1e-6)
+    finally:
+        RULES.remove(rule_for(Gate(2), {"weight", "bias"}))
+        del CLIP_FUNCTIONS["user-half-abadi"]

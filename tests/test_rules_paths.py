@@ -194,8 +194,8 @@ def test_the_formula_picks_the_measured_faster_conv_path(conv, size, ghost):
     the crossover the copy decides (one thread, RESULTS §8.5: mnist-cnn's second layer at B 256, ghost
     7.3 ms against 13–15 ms materialised); far from it the multiply-adds do."""
     x = torch.randn(2, *size)
-    grad = ConvWeightGrad(conv, x, torch.ones_like(conv(x)))
-    assert grad._ghost_is_cheaper() is ghost
+    grad = ConvWeightGrad(conv, x, torch.ones_like(conv(x)))  # no chooser: the path the formula picks
+    assert grad.chooser is None and (grad._path(fused=False) == GHOST) is ghost
 
 
 def _weights_of(calls):

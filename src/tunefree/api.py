@@ -67,13 +67,13 @@ def make_private(
         noise_multiplier: σ, instead of ``target_epsilon`` (0 disables privacy, for debugging: ε = ∞).
         epochs, steps: the planned length of training (one of them with ``target_epsilon``).
         clipping: ``"auto-s"`` (default), ``"auto-v"``, ``"psac"``, ``"abadi"`` (or a name added with
-            ``tunefree.clipping.register_clip_function``), or typed: ``AutoS(gamma=0.01)``, ``AutoV()``,
+            ``tunefree.extend.register_clip_function``), or typed: ``AutoS(gamma=0.01)``, ``AutoV()``,
             ``PSAC(r=0.1)``, ``Abadi()``.
         max_grad_norm: the sensitivity R of one example's clipped gradient (split as R/√K over K
             groups), or for explicit groups a mapping group name → threshold. With AUTO-S/V, R only
             rescales the update, which a learning rate absorbs.
         groups: ``"all-layer"``, ``"per-layer"``, ``"per-param"`` (or a name added with
-            ``tunefree.grouping.register_grouping``), or explicit groups of parameter
+            ``tunefree.extend.register_grouping``), or explicit groups of parameter
             names (a list of lists, or a dict name → list).
         loss_reduction: ``"mean"`` or ``"sum"`` of the per-example losses over the batch.
         accountant: ``"pld"`` (tight, default) or ``"rdp"``.
@@ -108,8 +108,9 @@ def make_private(
             gradient noise grows by ``gradient_noise_increase`` and the loss noise is solved so that the
             whole run, every release included, spends what plain DP-SGD at σ would.
         verify_every: besides the check before the first release, each step checks example
-            independence (``tunefree.independence``) with probability 1/verify_every, at steps drawn
-            from the run's secret randomness (``None``: 24, about 4% of a run's time; 1: every step).
+            independence (``tunefree.verify_example_independence``) with probability 1/verify_every, at
+            steps drawn from the run's secret randomness (``None``: 24, about 4% of a run's time; 1: every
+            step).
         audit_canaries: m, audit this run (``tunefree.audit.audit_training(engine)`` after training):
             m gradient canaries, each a member with probability ½, released with the gradient on a
             block of coordinates outside the model (``tunefree.privacy.canaries``). They touch no

@@ -1,10 +1,11 @@
 """Complete objects from a :class:`RunConfig`: the model, optimizer and loader of a private run, each
 part constructed with everything it needs (nothing is set on an object after it is built).
 
-:func:`build_run` solves the plan once (every noise is read off it), then makes, in order: the Poisson
-loader, the clip groups, the step components of the options, the gradient mechanism, the ledger, the
-engine (hooks go on last, so that a refused argument leaves the model as it was given) and the private
-optimizer.
+:func:`build_run` is :func:`plan_run` (the clip groups, and the plan solved once: every noise is read off
+it), then :func:`assemble`, which makes in order the gradient mechanism (with the audit canaries if asked),
+the Poisson loader, the step components of the options, the accumulator, the state guard, the engine, the
+ledger and the private optimizer (the engine's hooks are removed again if the optimizer refuses its
+arguments, so that a refused argument leaves the model as it was given).
 """
 
 from __future__ import annotations

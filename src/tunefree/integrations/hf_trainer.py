@@ -251,8 +251,9 @@ class PrivateTrainer(transformers.Trainer):
         if privacy.get("lr") is not None:
             raise ValueError("privacy={'lr': ...} is not supported: HyFreeDP needs per-example losses "
                              "from an optimizer closure, which the Trainer does not pass, and lr='auto' "
-                             "(DoG) sets plain SGD's step, not the Trainer's AdamW; use the Trainer's "
-                             "learning rate and scheduler")
+                             "(DoG) would set the learning rate over the Trainer's scheduler (whose rate "
+                             "the Trainer logs) while the Trainer evaluates and saves the last weights, "
+                             "not DoG's averaged ones; use the Trainer's learning rate and scheduler")
         self.accumulation_steps = args.gradient_accumulation_steps
         # The Trainer's loop sees one item per private step; the accumulation happens inside it.
         args = dataclasses.replace(args, gradient_accumulation_steps=1)

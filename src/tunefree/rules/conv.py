@@ -141,10 +141,6 @@ class ConvWeightGrad(PerSampleGrad):
                                                         d_out)[MATERIALISE]
         return estimates
 
-    def _ghost_is_cheaper(self) -> bool:
-        estimates = self._estimates()
-        return estimates[GHOST] <= estimates[MATERIALISE]
-
     def _path(self, fused: bool) -> str:
         estimates = self._estimates()
         if self.chooser is None:

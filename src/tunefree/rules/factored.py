@@ -3,7 +3,7 @@
 Linear layers (positions = tokens) and convolutions (positions = output pixels, ``a`` the unfolded input
 patches) both have this form, per channel group. The squared norm is computed either by the ghost norm
 ``‖gᵢ‖² = ⟨aᵢaᵢᵀ, bᵢbᵢᵀ⟩`` (cost ~T²·(d_in+d_out)) or by materialising ``gᵢ`` (cost ~T·d_in·d_out),
-whichever is faster for this layer and input (measured once per shape by ``calibration.PathChooser``,
+whichever is faster for this layer and input (measured once per shape by ``paths.PathChooser``,
 else by the formula).
 """
 

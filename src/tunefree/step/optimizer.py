@@ -227,9 +227,9 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _verify_independence(self) -> None:
         """Before a release that needs it, check on the step's first physical batch that no example's
-        activations or output gradients depend on another example (``tunefree.independence``). A batch
-        of fewer than two examples cannot mix, and waits for the next one. On failure the step's sums
-        are dropped: nothing of them is ever released."""
+        activations or output gradients depend on another example
+        (``tunefree.verify_example_independence``). A batch of fewer than two examples cannot mix, and
+        waits for the next one. On failure the step's sums are dropped: nothing of them is ever released."""
         inputs, examples = self.engine.retained_inputs, self.engine.retained_examples
         self.engine.retained_inputs = None
         if inputs is not None and examples is None:
