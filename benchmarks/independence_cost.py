@@ -1,18 +1,23 @@
 """Cost of the example-independence check: one check against one private step, and over a whole run.
 
-A private run checks example independence on its first step and then on each step with probability
-1/``verify_every`` (16 by default), at steps drawn from the run's randomness; each check perturbs a random
-half of the batch in one forward pass and silences another half in one backward pass, on the whole batch.
-On a checked step the Poisson loader also hands out its float tensors as copies of leaves that require
-gradients and the model's inputs are checked against them (``tunefree.data.provenance``).
+A private run checks example independence on its first two steps (a gradient probe, then a forward probe)
+and then on each step with probability 1/``verify_every`` (24 by default), at steps drawn from the run's
+randomness, with a probe of a random kind: a forward probe perturbs a random half of the batch in a
+forward pass without gradients (against one more such pass of the batch as it is), a gradient probe
+silences a random half in one forward and one backward pass, on the whole batch. On a checked step the
+Poisson loader also hands out its float tensors as copies of leaves that require gradients and the
+model's inputs are checked against them (``tunefree.data.provenance``).
 
-Default: median (and range) time of one check of each kind (a forward probe, a gradient probe, and the
-first check, which runs both), each on a random half as a run draws it, against one private step
-(forward, backward, clipping, noise, ledger) of the same model, interleaved, one thread. Times are the
-process's CPU time (one thread), which other processes on a shared machine disturb far less than the
-wall clock.
+Default: median (and range) time of one probe of each kind, on a random half as a run draws it, against
+one private step (forward, backward, clipping, noise, ledger) of the same model, interleaved, one thread
+(the run's first check is a gradient probe, its second a forward probe). Times are the process's CPU time
+(one thread), which other processes on a shared machine disturb far less than the wall clock.
 ``--run``: the time of a whole run of ``--steps`` steps through the Poisson loader (q = ¼), with the
-checks at their default rate, against the same run with every check switched off, interleaved.
+checks at their default rate, against the same run with every check switched off, interleaved; and, in
+the checked runs, the CPU time spent inside the independence checks (their share of the run), what the
+checked steps cost beyond as many unchecked steps of the same run (the probes, the input check and
+anything else: less noisy than the A/B of whole runs on a shared machine), and the first check, at step 1
+of each run, against the median step of the unchecked runs.
 ``--provenance``: the CPU time per step of what the loader's provenance adds to an unchecked step.
 ``--memory``: the peak memory of three private steps with the check (the first step runs it) and
 without it, each in a fresh process (glibc told to map every block over 128 KiB on its own, so that the
@@ -30,6 +35,7 @@ import subprocess
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,8 +45,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import tunefree
 from tunefree.data.poisson import StepSchedule
 from tunefree.data.provenance import hand_out
-from tunefree.persample.independence import Probes
+from tunefree.persample.independence import FORWARD, GRADIENT
 from tunefree.persample.inputs import InputProvenance
+from tunefree.step import optimizer as private_step
 
 sys.path.insert(0, str(Path(__file__).parent))
 from models import BENCHMARKS, benchmark  # noqa: E402
@@ -57,12 +64,12 @@ def _summary(times: list[float]) -> str:
     return f"{statistics.median(times) * 1e3:8.1f}ms [{min(times) * 1e3:.1f}–{max(times) * 1e3:.1f}]"
 
 
-KINDS = ("forward probe", "gradient probe", "first check")
+KINDS = ("forward probe", "gradient probe")
 
 
 def measure_check(name: str, repeats: int) -> dict[str, list[float]]:
-    """Times of one check of each kind (a forward probe, a gradient probe, the first check's both, each on
-    a random half as a run draws it) and of one private step of ``name``, interleaved."""
+    """Times of one probe of each kind (each on a random half as a run draws it) and of one private step
+    of ``name``, interleaved."""
     torch.manual_seed(0)
     model, x, y, loss_fn = benchmark(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -79,9 +86,9 @@ def measure_check(name: str, repeats: int) -> dict[str, list[float]]:
     step()  # warm-up; its release ran the first check once
     times: dict[str, list[float]] = {kind: [] for kind in (*KINDS, "step")}
     for k in range(repeats):
-        both = engine.optimizer.probes.probes(k + 2, len(x), both=True)
-        kinds = {"forward probe": Probes(both.perturbed, ()), "gradient probe": Probes((), both.zeroed),
-                 "first check": both}
+        schedule = engine.optimizer.probes
+        kinds = {"forward probe": schedule.probes(k + 2, len(x), FORWARD),
+                 "gradient probe": schedule.probes(k + 2, len(x), GRADIENT)}
         for kind, probes in kinds.items():
             times[kind].append(_seconds(lambda probes=probes: tunefree.verify_example_independence(
                 model, engine.clipping_engine, (x,), probes=probes)))
@@ -89,10 +96,31 @@ def measure_check(name: str, repeats: int) -> dict[str, list[float]]:
     return times
 
 
-def _run(name: str, steps: int, mode: str) -> tuple[float, int]:
-    """Seconds of a run of ``steps`` private steps of ``name`` through the Poisson loader (q = ¼):
-    ``"checked"`` as a run is (the independence and input checks at their default rate), ``"unchecked"``
-    with no check at all (for this measurement only). Returns the CPU seconds and the checked steps."""
+@dataclass
+class Run:
+    """One run: its CPU seconds, each step's (and whether it was checked), and the CPU seconds inside
+    the independence checks (by step)."""
+
+    seconds: float
+    steps: list[float]
+    checked_steps: list[bool]
+    checks: dict[int, float]
+
+    @property
+    def checked(self) -> int:
+        return sum(self.checked_steps)
+
+    def excess(self) -> float:
+        """What the checked steps cost beyond as many unchecked steps of this run (their median): the
+        probes, the input check and all else a checked step does, as a share of the run."""
+        unchecked = statistics.median([t for t, c in zip(self.steps, self.checked_steps) if not c])
+        return sum(t - unchecked for t, c in zip(self.steps, self.checked_steps) if c) / self.seconds
+
+
+def _run(name: str, steps: int, mode: str) -> Run:
+    """A run of ``steps`` private steps of ``name`` through the Poisson loader (q = ¼): ``"checked"`` as
+    a run is (the independence and input checks at their default rate), ``"unchecked"`` with no check at
+    all (for this measurement only)."""
     torch.manual_seed(0)
     model, x, y, loss_fn = benchmark(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -100,18 +128,32 @@ def _run(name: str, steps: int, mode: str) -> tuple[float, int]:
     engine = tunefree.make_private(model, optimizer, DataLoader(data, batch_size=len(x)),
                                    noise_multiplier=1.0, target_delta=1e-4, steps=steps, seed=0)
     if mode != "checked":
-        engine.optimizer.verified, engine.optimizer.verify_every = True, 10**9
+        engine.optimizer.first_kinds, engine.optimizer.verify_every = (), 10**9
         engine.clipping_engine.retain_inputs = engine.schedule.checking = False
-    start, checked = time.process_time(), 0
-    while engine.steps < steps:
-        for xb, yb in engine.data_loader:
-            checked += engine.schedule.handed_out.checking
-            engine.optimizer.zero_grad()
-            loss_fn(model(xb), yb).backward()
-            engine.optimizer.step()
-            if engine.steps == steps:
-                break
-    return time.process_time() - start, checked
+    checks: dict[int, float] = {}
+    check = private_step.verify_example_independence
+
+    def timed_check(*args, **kwargs) -> None:
+        start = time.process_time()
+        check(*args, **kwargs)
+        checks[engine.steps + 1] = time.process_time() - start
+
+    private_step.verify_example_independence = timed_check
+    start, flags, per_step = time.process_time(), [], []
+    try:
+        while engine.steps < steps:
+            for xb, yb in engine.data_loader:
+                begin = time.process_time()
+                flags.append(engine.schedule.handed_out.checking)
+                engine.optimizer.zero_grad()
+                loss_fn(model(xb), yb).backward()
+                engine.optimizer.step()
+                per_step.append(time.process_time() - begin)
+                if engine.steps == steps:
+                    break
+    finally:
+        private_step.verify_example_independence = check
+    return Run(time.process_time() - start, per_step, flags, checks)
 
 
 MODES = ("checked", "unchecked")
@@ -139,16 +181,14 @@ def provenance_per_step(repeats: int = 2000) -> tuple[float, float]:
     return per_call(tagged), per_call(untagged)
 
 
-def measure_run(name: str, steps: int, repeats: int) -> tuple[dict[str, list[float]], int]:
-    """Run times of each mode, interleaved, and the checked steps of the (seeded) checked run."""
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
-    checked = 0
+def measure_run(name: str, steps: int, repeats: int) -> dict[str, list[Run]]:
+    """Runs of each mode, interleaved."""
+    runs: dict[str, list[Run]] = {mode: [] for mode in MODES}
+    _run(name, 2, "unchecked")  # warm-up: the process's and the model's first steps are slower
     for _ in range(repeats):
         for mode in MODES:
-            seconds, count = _run(name, steps, mode)
-            times[mode].append(seconds)
-            checked = max(checked, count)
-    return times, checked
+            runs[mode].append(_run(name, steps, mode))
+    return runs
 
 
 def _rss_mb(field: str) -> float:
@@ -166,8 +206,8 @@ def peak_memory_child(name: str, check: bool) -> None:
     loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
     engine = tunefree.make_private(model, optimizer, loader, noise_multiplier=1.0, target_delta=1e-3,
                                    groups="per-layer", poisson_sampling=False)
-    if not check:  # for this measurement only: mark the check as done
-        engine.optimizer.verified, engine.optimizer.verify_every = True, 10**9
+    if not check:  # for this measurement only: no check
+        engine.optimizer.first_kinds, engine.optimizer.verify_every = (), 10**9
     Path("/proc/self/clear_refs").write_text("5")  # reset the RSS high-water mark
     start = _rss_mb("VmRSS")
     for _ in range(3):
@@ -210,13 +250,22 @@ def main() -> None:
         print(f"tagged batch, model call and loss: {tagged:.0f} µs; the loss alone: {untagged:.0f} µs")
         return
     if args.run:
-        print(f"{'model':<10} {'checked (as a run is)':>28} {'no check':>28} {'checks':>7} "
-              f"{'checked steps':>13}")
+        print(f"{'model':<10} {'checked (as a run is)':>24} {'no check':>24} {'A/B':>7} {'in checks':>16} "
+              f"{'checked steps excess':>20} {'1st check/step':>17} {'checked':>8}")
         for name in args.models:
-            times, checked = measure_run(name, args.steps, args.repeats)
+            runs = measure_run(name, args.steps, args.repeats)
+            times = {mode: [r.seconds for r in runs[mode]] for mode in MODES}
             median = {mode: statistics.median(t) for mode, t in times.items()}
-            print(f"{name:<10} " + " ".join(f"{_summary(times[mode]):>28}" for mode in MODES)
-                  + f" {median['checked'] / median['unchecked'] - 1:7.1%} {checked:>6}/{args.steps}")
+            share = [sum(r.checks.values()) / r.seconds for r in runs["checked"]]
+            step = statistics.median([s for r in runs["unchecked"] for s in r.steps])
+            first = [r.checks.get(1, 0.0) / step for r in runs["checked"]]
+            excess = [r.excess() for r in runs["checked"]]
+            print(f"{name:<10} " + " ".join(f"{_summary(times[mode]):>24}" for mode in MODES)
+                  + f" {median['checked'] / median['unchecked'] - 1:7.1%} "
+                  + f"{statistics.median(share):5.1%} [{min(share):.1%}–{max(share):.1%}] "
+                  + f"{statistics.median(excess):5.1%} [{min(excess):.1%}–{max(excess):.1%}] "
+                  + f"{statistics.median(first):5.2f} [{min(first):.2f}–{max(first):.2f}] "
+                  + f"{runs['checked'][0].checked:>6}/{args.steps}")
         return
     print(f"{'model':<10} {'private step':>28} " + " ".join(f"{kind + ' / step':>26}" for kind in KINDS))
     for name in args.models:

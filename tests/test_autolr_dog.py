@@ -16,11 +16,13 @@ from torch.utils.data import DataLoader, TensorDataset
 import tunefree
 from tunefree.components.dog import (
     AVERAGING,
+    INPUT_RMS_REFERENCE,
     NOISE_BUDGET,
     SIGNIFICANCE,
     WALK_MARGIN,
     DistanceOverGradients,
     DoG,
+    input_scale_factor,
 )
 from tunefree.privacy.ledger import to_dict
 from tunefree.step.component import StepContext, StepReport, UpdateControl
@@ -37,12 +39,12 @@ class KnownNoise:
 
 
 def run_rule(gradients, std=0.0, batch=4.0, initial_distance=1e-2, noise_aware=True,
-             report=None, closure=None, planned_steps=None, noise_budget=NOISE_BUDGET):
+             report=None, closure=None, planned_steps=None, noise_budget=NOISE_BUDGET, input_rms=None):
     """SGD on one 3-vector with the given released gradients; returns the rule, the learning rates
     and the weights before each step."""
     weight = nn.Parameter(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64))
     optimizer = torch.optim.SGD([weight], lr=1.0)
-    settings = DoG(initial_distance, noise_budget, noise_aware)
+    settings = DoG(initial_distance, noise_budget, noise_aware, input_rms)
     rule = DistanceOverGradients(KnownNoise([weight], std), batch, settings, planned_steps=planned_steps)
     lrs, weights = [], []
     for t, g in enumerate(gradients):
@@ -153,6 +155,40 @@ def test_noise_budget_falls_with_the_length_and_the_noise_of_the_run():
         return lrs[0]
     assert first_lr(40, 8.0) == pytest.approx(first_lr(10, 8.0) / 2, rel=1e-12)
     assert first_lr(10, 16.0) == pytest.approx(first_lr(10, 8.0) / 2, rel=1e-12)
+
+
+def test_a_public_input_scale_above_the_reference_shrinks_the_budget_in_proportion():
+    """The walk budget is (κ(1 + ‖x₀‖)·min(1, ρ_ref/ρ))² for inputs of public root mean square ρ: at 4ρ_ref
+    the binding step is a quarter; at or below ρ_ref, or unknown, the rule is the same bit for bit."""
+    std, batch, steps, kappa = 8.0, 1.0, 10, 0.5
+    gradients = noisy_gradients(steps, std, batch)
+
+    def run(input_rms):
+        return run_rule(gradients, std=std, batch=batch, planned_steps=steps, noise_budget=kappa,
+                        initial_distance=10.0, input_rms=input_rms)
+    plain, lrs, weights, _ = run(None)
+    for rms in (INPUT_RMS_REFERENCE, INPUT_RMS_REFERENCE / 3):
+        assert run(rms)[1] == lrs
+    scaled, quarter, _, _ = run(4 * INPUT_RMS_REFERENCE)
+    assert quarter == [pytest.approx(lr / 4, rel=1e-12) for lr in lrs]
+    assert scaled.walk_budget == pytest.approx((kappa * (1 + weights[0].norm().item()) / 4) ** 2, rel=1e-12)
+    assert plain.walk_budget == pytest.approx((kappa * (1 + weights[0].norm().item())) ** 2, rel=1e-12)
+    assert [input_scale_factor(r) for r in (None, 0.1, INPUT_RMS_REFERENCE, 1.0, 2.0)] == [
+        1.0, 1.0, 1.0, INPUT_RMS_REFERENCE, INPUT_RMS_REFERENCE / 2]
+
+
+def test_a_public_input_scale_releases_nothing_and_is_part_of_the_plan():
+    """input_rms is a public statement: the run's noise, ledger and ε are the fixed-lr run's, and a
+    checkpoint of another input scale is refused (another budget)."""
+    _, plain = private_run(None)
+    _, scaled = private_run(tunefree.AutoLR(mode="dog", input_rms=4.0))
+    assert to_dict(scaled.ledger.event()) == to_dict(plain.ledger.event())
+    assert scaled.epsilon() == plain.epsilon()
+    _, other = private_run(tunefree.AutoLR(mode="dog"))
+    factor = (INPUT_RMS_REFERENCE / 4) ** 2
+    assert scaled.dog_lr.walk_budget == pytest.approx(other.dog_lr.walk_budget * factor, rel=1e-12)
+    with pytest.raises(ValueError, match="input_rms"):
+        other.load_state_dict(scaled.state_dict())
 
 
 def test_noise_budget_left_unspent_by_dog_is_spent_later():
@@ -312,6 +348,9 @@ def test_dog_options():
             tunefree.AutoLR(mode="dog", noise_budget=bad)
     with pytest.raises(ValueError, match="initial_distance"):
         tunefree.AutoLR(mode="dog", initial_distance=0.0)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="input_rms"):
+            tunefree.AutoLR(mode="dog", input_rms=bad)
 
 
 def test_component_state_round_trip_continues_the_same_learning_rates():

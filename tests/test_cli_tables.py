@@ -19,6 +19,7 @@ from tunefree.cli import main, models, report, scaling
 from tunefree.cli import training as training_module
 from tunefree.cli.releases import Budget
 from tunefree.cli.training import Progress
+from tunefree.components.dog import INPUT_RMS_REFERENCE
 from tunefree.privacy.accounting import epsilon_of, planned_event
 from tunefree.privacy.mechanisms import threshold_event
 
@@ -133,6 +134,9 @@ def test_a_table_with_categories_trains_and_every_release_is_in_the_ledger(tmp_p
     assert selection["selected"] == {"label": ["0", "1"], "colour": ["blue", "green", "red"]}
     assert standardisation["columns"] == ["age", "income"] and standardisation["share"] == scaling.SHARE
     assert result["dataset"]["classes"] == ["0", "1", "(other)"]
+    # the automatic rate's budget saw the features' public scale: 3 columns over 2 + 3 + 1 ("other") features
+    rms = math.sqrt(3 / (2 + len(selection["selected"]["colour"]) + 1))
+    assert f"noise budget × {INPUT_RMS_REFERENCE / rms:.3g} for the features'" in result["learning_rate"]
     # The reported ε is the ledger's: the 3 training steps composed with every preprocessing release.
     delta, q = result["delta"], result["sample_rate"]
     training = planned_event(result["noise_multiplier"], q, 3)
@@ -220,6 +224,41 @@ KNOB_RUNS = [
      {"lr": AutoLR(mode="safeguarded", interval=3, loss_privacy="laplace")}),
     (["--optimizer", "adam", "--lr", "0.01"], {"lr": None}),
 ]
+
+
+def _auto_lr_given(monkeypatch, *args):
+    """The ``lr`` keyword the command line hands to make_private for ``train *args``."""
+    seen = {}
+
+    def capture(*_, **kwargs):
+        seen.update(kwargs)
+        raise _Captured
+
+    monkeypatch.setattr(training_module, "make_private", capture)
+    with pytest.raises(_Captured):
+        main(["train", "--steps", "1", "--quiet", "--seed", "0", "--accountant", "rdp", *args])
+    return seen["lr"]
+
+
+def test_the_noise_budget_sees_the_input_scale_that_the_encoding_makes_public(tmp_path, monkeypatch):
+    """Standardised numeric columns (unit variance by design) and one-hot blocks (one 1 per row) fix the
+    features' root mean square, √(columns / features), whatever the rows: removing one changes nothing.
+    A column mapped from a declared range or fed raw has its data's scale: the budget is left as it was."""
+    colours = ["red", "green", "blue", "violet"]
+    (tmp_path / "schema.json").write_text(json.dumps({"categorical": {"colour": colours}}))
+    table = _table(tmp_path / "t.csv")
+    schema = ["--schema", str(tmp_path / "schema.json"), "--labels", "0,1"]
+    public = AutoLR(input_rms=math.sqrt(3 / 6))  # age, income (standardised), colour (4 indicators)
+    assert _auto_lr_given(monkeypatch, "--dataset", str(table), *schema) == public
+    neighbour = pd.read_csv(table).iloc[1:]
+    neighbour.to_csv(tmp_path / "n.csv", index=False)
+    assert _auto_lr_given(monkeypatch, "--dataset", str(tmp_path / "n.csv"), *schema) == public
+    raw = _auto_lr_given(monkeypatch, "--dataset", str(table), *schema, "--numeric-scaling", "none")
+    assert raw == AutoLR()
+    (tmp_path / "ranges.json").write_text(json.dumps({"numeric": {"age": [0, 120]}}))
+    assert _auto_lr_given(monkeypatch, "--dataset", str(table), "--schema", str(tmp_path / "ranges.json")
+                          ) == AutoLR()
+    assert _auto_lr_given(monkeypatch, "--dataset", "digits") == AutoLR()  # images: the budget as it was
 
 
 @pytest.mark.parametrize("flags, keywords", KNOB_RUNS)

@@ -1,9 +1,11 @@
 """The independence check covers the whole batch at random steps of the whole run (issue 21, item 2).
 
-Each step is checked with probability 1/verify_every, at steps drawn from the run's randomness; a check is
-a forward or a gradient probe (both at the first check) on a random half of the batch. A directed pair of
-examples that mixes is caught by one check with probability ≥ 1/8 (≥ 1/4 when both kinds of probe see
-it), independently from check to check (tunefree.persample.independence.ProbeSchedule). The run-level
+The first two steps are checked, the first with a gradient probe, the second with a forward probe; then
+each step is checked with probability 1/verify_every, at steps drawn from the run's randomness, with a
+probe of a random kind; each probe on a random half of the batch. A directed pair of examples that mixes
+is caught by a probe of a kind that sees it with probability ≥ 1/4, so by one later check with
+probability ≥ 1/8 (≥ 1/4 when both kinds of probe see it), independently from check to check
+(tunefree.persample.independence.ProbeSchedule). The run-level
 tests below are seeded, so they are deterministic; each states the probability that a run of its length
 would miss the mixing.
 """
@@ -21,7 +23,12 @@ import tunefree
 from tunefree.clipping.functions import Abadi
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
-from tunefree.persample.independence import ProbeSchedule, verify_example_independence
+from tunefree.persample.independence import (
+    FORWARD,
+    GRADIENT,
+    ProbeSchedule,
+    verify_example_independence,
+)
 from tunefree.privacy.randomness import NoiseSource, SecretSource, SeededSource
 
 N = 8  # examples, all in every batch (q = 1)
@@ -147,7 +154,7 @@ def test_the_checked_steps_are_random_at_the_stated_rate_and_replay_with_the_see
     assert all(every_step.due(step, 1) for step in range(1, 50))
 
 
-def test_each_probe_is_one_kind_on_a_proper_random_half_and_the_first_check_runs_both():
+def test_each_probe_is_one_kind_on_a_proper_random_half_of_a_random_or_the_asked_kind():
     schedule = ProbeSchedule(SeededSource(5))
     kinds = []
     for step in range(1, 501):
@@ -157,8 +164,81 @@ def test_each_probe_is_one_kind_on_a_proper_random_half_and_the_first_check_runs
         mask = (probes.perturbed or probes.zeroed)[0]
         assert 0 < int(mask.sum()) < 3  # never all examples nor none
     assert abs(sum(kinds) - 250) <= 3 * (500 / 4) ** 0.5
-    first = schedule.probes(1, 6, both=True)
-    assert len(first.perturbed) == len(first.zeroed) == 1
+    forward, gradient = schedule.probes(1, 6, FORWARD), schedule.probes(1, 6, GRADIENT)
+    assert (len(forward.perturbed), len(forward.zeroed)) == (1, 0)
+    assert (len(gradient.perturbed), len(gradient.zeroed)) == (0, 1)
+    assert torch.equal(forward.perturbed[0], gradient.zeroed[0])  # the step's half, whatever the kind
+
+
+@pytest.mark.parametrize(("model", "seeing"), [(MiddleMix, 2), (BackwardPair, 1)],
+                         ids=["forward-pair (both probes)", "backward-pair (gradient probes)"])
+def test_the_first_two_checks_catch_one_mixing_pair_with_the_stated_probability(model, seeing):
+    """The first two checks as runs draw them (a gradient probe, then a forward probe), 240 seeded runs:
+    one pair is caught by the two with probability 1 − (3/4)² = 7/16 when both kinds see it and 1/4 when
+    only one does (each probe's half never trivial: 1/4 becomes p = 1/4 / (1 − 2^-7)); the observed
+    fraction lies within 2.5 binomial standard deviations."""
+    p = 1 / 4 / (1 - 2 ** -7)
+    expected = 1 - (1 - p) ** seeing
+    torch.manual_seed(0)
+    net = model()
+    engine = ClippingEngine(net, make_groups(net, "all-layer", 1.0), Abadi(), "sum")
+    x = torch.randn(N, 3)
+    caught = 0
+    for seed in range(240):
+        schedule = ProbeSchedule(SeededSource(seed))
+        try:
+            for step, kind in enumerate((GRADIENT, FORWARD), start=1):
+                verify_example_independence(net, engine, (x,), probes=schedule.probes(step, N, kind))
+        except tunefree.PrivacyError:
+            caught += 1
+    spread = 2.5 * (expected * (1 - expected) / 240) ** 0.5
+    assert abs(caught / 240 - expected) <= spread, caught
+
+
+class MixBeforeAnyUnit(nn.Module):
+    """Adds the previous example's input to each example's, before the first trainable unit: every
+    pair (i - 1, i) mixes, which forward probes see with certainty and gradient probes never see."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.fc(x + x.roll(1, 0))
+
+
+class MixEveryGradient(torch.autograd.Function):
+    """Identity forward; the backward adds each example's output gradient to the next one's: every
+    pair mixes, which gradient probes see with certainty and forward probes never see."""
+
+    @staticmethod
+    def forward(ctx, h):
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g + g.roll(1, 0)
+
+
+class BackwardOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(MixEveryGradient.apply(self.fc(x)))
+
+
+def test_the_first_release_is_checked_by_a_gradient_probe_and_the_second_by_a_forward_probe():
+    """Both first steps are checked before their releases (verify_every so large that no later step
+    is): mixing only a gradient probe sees is refused at step 1, with nothing released; mixing only a
+    forward probe sees is released at step 1 and refused at step 2, before its release (the cost of
+    checking the first two steps one probe each, ProbeSchedule's docstring)."""
+    assert _train(BackwardOnly(), steps=4, verify_every=10**9) == 1
+    assert _train(MixBeforeAnyUnit(), steps=4, verify_every=10**9) == 2
+    assert _train(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), steps=4,
+                  verify_every=10**9) is None
 
 
 def test_the_checks_change_no_batch_of_a_seeded_run():

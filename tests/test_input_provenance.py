@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
 from tunefree.data.provenance import BatchTensor
+from tunefree.persample import inputs
 from tunefree.persample.inputs import _row_codes
 
 N = 8
@@ -268,7 +269,7 @@ def test_a_checked_step_leaves_no_gradient_where_the_user_looks():
         engine.optimizer.step()
         break
     unchecked = private(Net(), x, y, verify_every=10**9)
-    unchecked.optimizer.verified = True
+    unchecked.optimizer.first_kinds = ()
     unchecked.clipping_engine.retain_inputs = unchecked.schedule.checking = False
     xb, yb = next(iter(unchecked.data_loader))
     assert not xb.requires_grad and isinstance(xb, BatchTensor)
@@ -309,6 +310,23 @@ def test_the_model_computes_on_plain_tensors():
 
     one_step(lambda x, y: (x.double().float(), y), model=Spy())
     assert seen and set(seen) == {torch.Tensor}  # the training forward and the check's
+
+
+def test_the_loaders_tensor_as_handed_out_takes_no_vector_jacobian_product(monkeypatch):
+    """The loader's float tensor itself, never written, has each row its own example's: the check takes
+    no product for it; a tensor computed from it, or the tensor after a write, gets them."""
+    products = []
+    take = inputs._mixed_row
+    monkeypatch.setattr(inputs, "_mixed_row", lambda x, leaves: products.append(x.shape) or take(x, leaves))
+    assert one_step(lambda x, y: (x, y)).steps == 1 and not products
+    assert one_step(lambda x, y: (x * 1.0, y)).steps == 1 and products
+
+    def written(x, y):
+        with torch.no_grad():
+            x[0] = x[0]  # a write: the tensor is no longer taken as the loader handed it out
+        return x, y
+    products.clear()
+    assert one_step(written).steps == 1 and products
 
 
 def test_an_input_computed_without_gradients_is_refused_unless_it_is_the_loaders():

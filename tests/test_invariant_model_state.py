@@ -348,8 +348,9 @@ def test_evaluation_forwards_and_a_weight_swap_undone_need_no_declaration():
 
 
 def test_a_write_in_a_step_components_probe_forward_is_refused_before_the_update():
-    """HyFreeDP's probe forwards (no grad, after the release) write a buffer, from the second step on,
-    of a module that writes in no-grad forwards only: refused before the wrapped optimizer's update."""
+    """HyFreeDP's probe forwards (no grad, after the release) write a buffer, from the third step on (an
+    unchecked one: a forward probe's no-grad forwards would see the write first), of a module that writes
+    in no-grad forwards only: refused before the wrapped optimizer's update."""
 
     class NoGradWrites(Trunk):
         def __init__(self):
@@ -365,19 +366,19 @@ def test_a_write_in_a_step_components_probe_forward_is_refused_before_the_update
     x, y = features()
     model = NoGradWrites()
     engine = private(model, x, y, lr=tunefree.AutoLR(mode="safeguarded", interval=1), noise_multiplier=None,
-                     target_epsilon=4.0)
-    for step in range(2):
+                     target_epsilon=4.0, verify_every=10**9)  # steps 1 and 2 checked, step 3 not
+    for step in range(3):
         xb, yb = next(iter(engine.data_loader))
         engine.optimizer.zero_grad()
         F.cross_entropy(model(xb), yb).backward()
-        if step == 0:
+        if step < 2:
             engine.optimizer.step(lambda xb=xb, yb=yb: F.cross_entropy(model(xb), yb, reduction="none"))
     model.armed = True
     weights = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(PrivacyError, match=r"before the optimizer's update(.|\n)*'seen' was written(.|\n)*"
                                            r"already released and recorded, is not applied"):
         engine.optimizer.step(lambda: F.cross_entropy(model(xb), yb, reduction="none"))
-    assert engine.steps == 2  # the release is in the ledger
+    assert engine.steps == 3  # the release is in the ledger
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))  # no update
 
 

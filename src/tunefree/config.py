@@ -67,9 +67,9 @@ class Performance:
     Args:
         physical_batch_size: cut logical batches into micro-batches of at most this many examples; the
             optimizer steps (and the ledger records) once per logical batch.
-        verify_every: besides the check before the first release, each step checks example
+        verify_every: besides the checks of the first two steps, each step checks example
             independence with probability 1/verify_every, at steps drawn from the run's randomness
-            (``None``: 24, about 4% of a run's time; 1: every step).
+            (``None``: 24, about 3% of a long run's time; 1: every step).
         norm_path: how layers with two exact per-sample norm paths pick one: ``"auto"`` (timed once per
             layer shape; a seeded run follows the cost formula, so that it replays bit for bit),
             ``"formula"``, ``"ghost"`` or ``"materialise"``.
@@ -335,7 +335,7 @@ def read_description(description: Mapping[str, Any]) -> dict[str, Any]:
     lr = read.pop("settings.auto_lr", None)
     if lr is not None and lr["mode"] == "dog":
         lr = {"kind": "DoG", "initial_distance": lr["initial_distance"], "noise_budget": lr["noise_budget"],
-              "noise_aware": True}
+              "noise_aware": True, "input_rms": None}
     elif lr is not None:
         losses = description["losses"]
         lr = {"kind": "HyFreeDP", "interval": losses["interval"], "loss_privacy": losses["privacy"],

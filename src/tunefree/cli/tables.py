@@ -252,6 +252,19 @@ class TableEncoder:
             position += len(column.feature_names)
         return indices
 
+    def public_input_rms(self) -> float | None:
+        """The root mean square of the features where the encoding fixes it, whatever the rows: a
+        categorical column's one-hot block holds exactly one 1 per row, a standardised numeric column has
+        unit variance by the standardisation's design; ``None`` when a numeric column is mapped from a
+        declared range or fed raw (its scale is the data's). Public: it reads the columns' kinds only."""
+        standardised = set(self.standardisation["columns"]) if self.standardisation else set()
+        position = 0
+        for column in self.columns:
+            if column.kind == "numeric" and position not in standardised:
+                return None
+            position += len(column.feature_names)
+        return math.sqrt(len(self.columns) / position) if position else None
+
     def features(self, frame, source: str) -> np.ndarray:
         """The encoded features of ``frame``'s rows (before any standardisation)."""
         absent = [c.name for c in self.columns if c.name not in frame.columns]

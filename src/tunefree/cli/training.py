@@ -118,10 +118,12 @@ class TrainConfig:
         """The learning rate the optimizer is built with (an automatic learning rate sets its own)."""
         return 1.0 if self.lr in ("auto", "hyfreedp") else float(self.lr)
 
-    def auto_lr(self) -> AutoLR | None:
-        """``make_private``'s ``lr``: the automatic learning rate asked for, or ``None`` for a number."""
+    def auto_lr(self, input_rms: float | None = None) -> AutoLR | None:
+        """``make_private``'s ``lr``: the automatic learning rate asked for, or ``None`` for a number.
+        ``input_rms``: the features' root mean square where the encoding makes it public (it scales the
+        automatic rate's noise budget)."""
         if self.lr == "auto":
-            return AutoLR()
+            return AutoLR(input_rms=input_rms)
         if self.lr == "hyfreedp":
             fields = {name: value for name, value in (("interval", self.lr_update_interval),
                                                       ("loss_privacy", self.loss_privacy))
@@ -285,9 +287,16 @@ def _make_private(config: TrainConfig, model: nn.Module, data: datasets.LoadedDa
         launch.data_parallel(model), optimizer, DataLoader(data.train, batch_size=config.batch_size),
         target_delta=delta, epochs=config.epochs, steps=config.steps,
         clipping=config.clipping, groups=config.groups, max_grad_norm=config.max_grad_norm,
-        thresholds=config.thresholds, lr=config.auto_lr(), prior_releases=prior_releases(data.releases),
+        thresholds=config.thresholds, lr=config.auto_lr(public_input_rms(data)),
+        prior_releases=prior_releases(data.releases),
         accountant=config.accountant, seed=config.seed, audit_canaries=config.audit_canaries,
         **budget, **{"noise_allocation": config.noise_allocation, **_knobs(config), **config.extra})
+
+
+def public_input_rms(data: datasets.LoadedData) -> float | None:
+    """The root mean square of a table's features where its encoding fixes it (standardised and one-hot
+    columns, :meth:`TableEncoder.public_input_rms`); ``None`` for images and other tables."""
+    return None if data.encoder is None else data.encoder.public_input_rms()
 
 
 def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[str, Any]:
@@ -391,9 +400,11 @@ def _learning_rate_text(config: TrainConfig, engine: DPEngine) -> str:
     last = engine.optimizer.param_groups[0]["lr"]
     if engine.dog_lr is not None:
         first = engine.dog_lr.history[0] if engine.dog_lr.history else last
+        scaled = ("" if engine.dog_lr.input_scale == 1 else
+                  f"; its noise budget × {engine.dog_lr.input_scale:.3g} for the features' public scale")
         return (f"automatic ({config.optimizer}, --lr auto): {first:.3g} at the first step and {last:.3g} at "
                 "the last, set from the released gradients (no ε); the model kept is the average of its "
-                "weights")
+                f"weights{scaled}")
     if config.lr == "hyfreedp":
         return (f"HyFreeDP ({config.optimizer}, --lr hyfreedp): from privatised losses, accounted in ε; "
                 f"η = {last:.3g} at the last step")

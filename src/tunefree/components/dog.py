@@ -27,6 +27,15 @@ With constant noise this is the constant ``η = κ(1 + ‖x_0‖)/√(T·E‖n�
 grows longer or noisier. Both factors are public (the planned length, σ, the thresholds, q·N, the
 initial weights), so the budget is post-processing too.
 
+The walk a model tolerates also depends on its inputs: noise in the first layer's weights moves that
+layer's outputs by ‖n‖ times the input's size, so inputs twice as large tolerate half the walk. κ was
+chosen on inputs whose coordinates have a root mean square of about ``INPUT_RMS_REFERENCE`` (the digits'
+pixels in [0, 1]: 0.48); where the inputs' root mean square ρ is **public** (``input_rms``: e.g. the
+command line's standardised and one-hot table features: unit variance, and one 1 per row in each one-hot
+block, by construction), a larger ρ shrinks the budget to ``κ(1 + ‖x_0‖)·ρ_ref/ρ`` (benchmarks/RESULTS.md
+§5h). Not given (the default), the budget is as above: a scale read off the private inputs would be a
+release.
+
 As the DoG paper recommends, the component also keeps the polynomially averaged weights
 ``x̄_t = (1 − (γ+1)/(t+γ))·x̄_{t−1} + (γ+1)/(t+γ)·x_t`` (γ = 8), which average the noise out of the last
 steps; :meth:`DistanceOverGradients.apply_average` writes them into the model (post-processing too).
@@ -55,6 +64,7 @@ AVERAGING = 8.0  # γ of the polynomial iterate average
 SIGNIFICANCE = 2.0  # the gradient energy counts once it exceeds this many deviations of the noise energy
 WALK_MARGIN = 1.0  # the distance counts once it exceeds the noise walk by this many of its deviations
 NOISE_BUDGET = 4.0  # κ: the planned run's noise walk may reach κ·(1 + ‖x_0‖) (RESULTS §5e)
+INPUT_RMS_REFERENCE = 0.5  # ρ_ref: inputs with a public rms ρ above it get the budget × ρ_ref/ρ (§5h)
 
 
 @dataclass(frozen=True)
@@ -63,7 +73,9 @@ class DoG:
     bounded by a noise budget that keeps the planned run's noise walk within κ·(1 + ‖x₀‖)
     (``noise_budget`` κ; ``None`` turns it off). It releases nothing: no ε, no extra forward, no
     closure. ``initial_distance`` is DoG's first move relative to 1 + ‖x₀‖. Both constants were chosen
-    on validation splits (benchmarks/RESULTS.md §5c, §5e)."""
+    on validation splits (benchmarks/RESULTS.md §5c, §5e). ``input_rms`` (§5h): the root mean square of the
+    model's input coordinates where it is public (never measured on private data: that would be a
+    release); above ``INPUT_RMS_REFERENCE`` it shrinks the budget in proportion. ``None``: unknown."""
 
     mode: ClassVar[str] = "dog"
     # it reads only the released gradient and the weights, the same on every DDP rank; under FSDP2 both are
@@ -74,11 +86,14 @@ class DoG:
     initial_distance: float = INITIAL_DISTANCE
     noise_budget: float | None = NOISE_BUDGET
     noise_aware: bool = True  # False: DoG on the noisy gradient as it is (a baseline, benchmarks/utility.py)
+    input_rms: float | None = None
 
     def __post_init__(self) -> None:
         positive("AutoLR.initial_distance", self.initial_distance)
         if self.noise_budget is not None:
             positive("AutoLR.noise_budget", self.noise_budget)
+        if self.input_rms is not None:
+            positive("AutoLR.input_rms", self.input_rms)
         flag("AutoLR.noise_aware", self.noise_aware)
 
     def share(self) -> None:
@@ -93,8 +108,9 @@ class DistanceOverGradients(StepComponent):
         release: the gradient mechanism, read for its per-group noise standard deviations (public).
         expected_batch_size: q·N, by which the released sums are divided.
         settings: DoG's initial distance r_ε (relative to 1 + ‖x_0‖), its noise budget κ (the noise
-            walk the planned run may reach relative to 1 + ‖x_0‖; ``None``: no budget) and whether it is
-            noise-aware (subtracts the known noise energy from the gradient energy and the distance).
+            walk the planned run may reach relative to 1 + ‖x_0‖; ``None``: no budget), whether it is
+            noise-aware (subtracts the known noise energy from the gradient energy and the distance) and
+            the inputs' public root mean square (scales the budget; ``None``: unknown).
         planned_steps: the planned length T of the run, over which the noise budget is spent (``None``:
             no budget).
     """
@@ -110,6 +126,7 @@ class DistanceOverGradients(StepComponent):
         self.noise_aware, self.initial_distance = settings.noise_aware, initial_distance
         self.planned_steps = planned_steps
         self.noise_budget = None if planned_steps is None else noise_budget
+        self.input_scale = input_scale_factor(settings.input_rms)
         self.walk_budget = math.inf  # (κ·(1 + ‖x_0‖))², set at the first step
         self.budget_lr = math.inf  # the noise budget's step bound, kept past the planned steps
         self.origin: list[torch.Tensor] | None = None
@@ -165,10 +182,11 @@ class DistanceOverGradients(StepComponent):
         return []
 
     def _origin_scale(self) -> float:
-        """1 + ‖x₀‖, the scale of DoG's first move and of the noise budget; sets the walk budget."""
+        """1 + ‖x₀‖, the scale of DoG's first move and of the noise budget; sets the walk budget
+        (κ(1 + ‖x₀‖) × the inputs' factor, :func:`input_scale_factor`)."""
         scale = 1 + math.sqrt(_squared_norms(self.origin)[0])
         if self.noise_budget is not None:
-            self.walk_budget = (self.noise_budget * scale) ** 2
+            self.walk_budget = (self.noise_budget * scale * self.input_scale) ** 2
         return scale
 
     def _budget_lr(self, walk: float, noise_energy: float) -> float:
@@ -250,6 +268,15 @@ class DistanceOverGradients(StepComponent):
         self.average = None if state["average"] is None else [t.clone() for t in state["average"]]
         if self.origin is not None:
             self._origin_scale()  # the walk budget, derived from the origin
+
+
+def input_scale_factor(input_rms: float | None) -> float:
+    """The noise budget's factor for inputs of public root mean square ``input_rms``: ρ_ref/ρ where ρ is
+    above ρ_ref = ``INPUT_RMS_REFERENCE`` (the first layer's outputs move ρ/ρ_ref times as far for the same
+    walk), else 1 (``None``, unknown, is 1 too)."""
+    if input_rms is None:
+        return 1.0
+    return min(1.0, INPUT_RMS_REFERENCE / input_rms)
 
 
 def _squared_norms(*parts: list[torch.Tensor]) -> list[float]:

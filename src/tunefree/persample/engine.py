@@ -227,8 +227,9 @@ class ClippingEngine:
             gradients) pick one: timed once per layer shape by default; ``PathChooser(measure=False)``
             follows the cost formula (deterministic), ``PathChooser(fixed="ghost")`` forces a path.
             Privacy does not depend on it.
-        retain_inputs: keep the inputs of the first model call from now on in ``retained_inputs``
-            (the private optimizer's independence check reads them before its first release).
+        retain_inputs: keep the inputs of every training call from now on in ``retained`` (the private
+            optimizer's independence check reads them, every physical batch of a checked step, before
+            the step's release, and sets the flag for the next step).
         forward_checks: run at the start of each captured forward pass, after the trainable-set check
             (a private run's state guard: the model changed only through the optimizer's update).
         check_inputs: with the Poisson loader's ``batch_source``, refuse a training call of the model
@@ -270,8 +271,9 @@ class ClippingEngine:
         self._suspended = 0
         self._broadcast: _Broadcast | None = None
         self.retain_inputs = retain_inputs  # keep the next root call's inputs (the independence check)
-        self.retained_inputs: Capture | None = None
-        self.retained_examples: int | None = None  # their examples, by provenance
+        # While ``retain_inputs``: every training call's inputs and its examples (by provenance), so that
+        # a checked step checks each of its physical batches.
+        self.retained: list[tuple[Capture, int | None]] = []
         self.grad_scaler: torch.amp.GradScaler | None = None
         self.thresholds: dict[str, float] = {g.name: g.threshold for g in groups}
         self.path_chooser = PathChooser() if path_chooser is None else path_chooser
@@ -350,7 +352,7 @@ class ClippingEngine:
             self._check_trainable_set()
             for check in self.forward_checks:
                 check()
-            retain = self.retain_inputs and self.retained_inputs is None
+            retain = self.retain_inputs
             # Calls of a forward pass that never had a backward pass released nothing: forget them.
             for use in self._pass.uses:
                 use.superseded = not use.done
@@ -360,8 +362,7 @@ class ClippingEngine:
             self._pass.call_examples = _root_examples(args, kwargs, self.declared.root) \
                 if self._serial() == 0 else None
             if retain:
-                self.retained_inputs = _capture(args, kwargs)[0]
-                self.retained_examples = self._expected_examples()
+                self.retained.append((_capture(args, kwargs)[0], self._expected_examples()))
             if self._has_fallback:  # only the fallback needs to tell batch data from the model's own
                 self._pass.batch_storages = _storages(_flatten_call(args, kwargs)[0])
                 self._pass.model_storages = _storages([*self.model.parameters(),

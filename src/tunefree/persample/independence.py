@@ -14,6 +14,7 @@ random half of the batch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,10 +35,29 @@ def _floats(value: object) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def _pattern(like: torch.Tensor) -> torch.Tensor:
-    """A fixed, non-uniform tensor shaped like ``like``: the check's probe values (not noise)."""
-    index = torch.arange(like.numel(), device=like.device, dtype=like.dtype)
-    return torch.cos(index * 0.7 + 0.3).reshape(like.shape)
+def _pattern(like: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
+    """A fixed, non-uniform tensor shaped like ``like``, cos(0.7·k + 0.3) + ``offset`` at flat index k: the
+    check's probe values (not noise)."""
+    return _pattern_values(like.numel(), like.dtype, like.device, offset).reshape(like.shape)
+
+
+def _row_pattern(row: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
+    """``_pattern(row, offset)`` for one example's row of a model's tensor, read only: kept for the next
+    checks (a model's rows keep their sizes) up to ``_KEPT_PATTERN`` elements."""
+    if row.numel() > _KEPT_PATTERN:
+        return _pattern(row, offset)
+    return _kept_pattern(row.numel(), row.dtype, row.device, offset).reshape(row.shape)
+
+
+_KEPT_PATTERN = 1 << 20  # elements of the largest pattern kept (16 kept: at most 16 Mi elements)
+
+
+def _pattern_values(numel: int, dtype: torch.dtype, device: torch.device, offset: float) -> torch.Tensor:
+    index = torch.arange(numel, device=device, dtype=dtype)
+    return torch.cos(index * 0.7 + 0.3) + offset
+
+
+_kept_pattern = functools.lru_cache(maxsize=16)(_pattern_values)
 
 
 def _perturbed(args: tuple, kwargs: dict, n: int, mask: torch.Tensor, dim: int = 0) -> tuple[tuple, dict]:
@@ -57,7 +77,7 @@ def _perturbed(args: tuple, kwargs: dict, n: int, mask: torch.Tensor, dim: int =
         t = t.detach().clone()
         rows = t.movedim(dim, 0)  # a view: writing its rows writes t
         where = mask.to(t.device)
-        rows[where] += _pattern(rows[where]) + 1.0
+        rows[where] += _pattern(rows[where], 1.0)
         return t
     return tuple(change(a) for a in args), {key: change(v) for key, v in kwargs.items()}
 
@@ -258,7 +278,7 @@ def _fingerprint(t: torch.Tensor, axis: Axis | None, n: int, others: bool = True
 
 def _projection(flat: torch.Tensor, absolute: bool = False) -> torch.Tensor:
     """Each row of ``flat`` projected on a fixed pattern (``absolute``: |row| on |pattern|), in float64."""
-    pattern = _pattern(flat[0]) + 2.0  # nowhere near zero, and positive
+    pattern = _row_pattern(flat[0], 2.0)  # nowhere near zero, and positive
     rows = max(1, _CHUNK // max(1, flat.shape[1]))  # a few rows at a time: no copy of the whole tensor
     return torch.cat([((flat[i:i + rows].abs() if absolute else flat[i:i + rows]) * pattern)
                       .sum(1, dtype=torch.float64) for i in range(0, flat.shape[0], rows)])
@@ -268,7 +288,7 @@ def _fast_projection(flat: torch.Tensor) -> torch.Tensor:
     """Each row of ``flat`` projected on the pattern: one matrix-vector product, in float32 (float64 for
     float64 tensors)."""
     dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
-    pattern = _pattern(flat[0].to(dtype)) + 2.0
+    pattern = _row_pattern(flat[0].to(dtype), 2.0)
     if flat.dtype == dtype:
         return flat @ pattern
     rows = max(1, _CHUNK // max(1, flat.shape[1]))  # a few rows converted at a time
@@ -331,20 +351,33 @@ class Probes:
         return Probes(masks, masks)
 
 
+FORWARD, GRADIENT = "forward", "gradient"  # the two kinds of probe
+
+
+# The kinds of probe of the run's first checks, in order, each on its own step: the first release is
+# checked by a gradient probe (which sees backward mixing and most forward mixing), the second by a
+# forward probe (which sees forward mixing before the first trainable unit or without gradients).
+FIRST_KINDS = (GRADIENT, FORWARD)
+
+
 class ProbeSchedule:
     """When a private run checks example independence, and how: drawn from the run's noise source
     (secret by default; in a seeded run keyed by the step, so that the run replays), so that a model
     cannot tell a checked step from another.
 
-    Each step is checked with probability ``1/every``, independently. A check is a forward probe or a
-    gradient probe (probability ½ each; the run's first check runs both) on a random half of the batch:
-    each example in it with probability ½, drawn again while it holds all examples or none, independently
-    for each probe. A pair of examples (i, j) in which j's data reaches i's activations (seen by forward
-    probes) or output gradients (seen by gradient probes, which also see forward mixing after a trainable
-    unit that gradients flow through) is caught by a probe of a kind that sees it when j is in its half
-    and i is not: with probability ≥ 1/4 · 1/2 = 1/8 per check (≥ 1/4 when both kinds see it; at the first
-    check ≥ 1/4, and 7/16 when both kinds see it), independently from check to check. Mixing present in T
-    steps is missed by all of them with probability at most (1 − 1/(8·every))^T.
+    A check is one probe, a forward probe or a gradient probe, on a random half of the batch: each
+    example in it with probability ½, drawn again while it holds all examples or none. A pair of examples
+    (i, j) in which j's data reaches i's activations (seen by forward probes) or output gradients (seen by
+    gradient probes, which also see forward mixing after a trainable unit that gradients flow through) is
+    caught by a probe of a kind that sees it when j is in its half and i is not: with probability ≥ 1/4.
+
+    The run's first two steps are both checked, each before its release: the first with a gradient probe,
+    the second with a forward probe (:data:`FIRST_KINDS`). Later, each step is checked with probability
+    ``1/every``, independently, with a probe of a random kind (probability ½ each). So a pair is caught
+    before the first release with probability ≥ 1/4 if gradient probes see it (else 0), before the second
+    release with probability ≥ 1/4 (7/16 when both kinds see it), and at each later check with
+    probability ≥ 1/4 · 1/2 = 1/8 (1/4 when both kinds see it), independently from check to check. Mixing
+    present in T steps is missed by all of them with probability at most (1 − 1/(8·every))^T.
     """
 
     _KEY = 1 << 62  # keys of the run's randomness far beyond any step number the sampling uses
@@ -356,13 +389,13 @@ class ProbeSchedule:
         """Whether logical step ``step`` is checked (each step with probability ``1/every``)."""
         return every == 1 or bool(self._draw(step, 0, 1, 1 / every)[0])
 
-    def probes(self, step: int, n: int, both: bool = False) -> Probes:
-        """Step ``step``'s probe of a batch of ``n`` ≥ 2 examples: one random half, for one kind (for
-        both kinds, on independent halves, if ``both``)."""
-        if both:
-            return Probes((self._half(step, 2, n),), (self._half(step, 3, n),))
+    def probes(self, step: int, n: int, kind: str | None = None) -> Probes:
+        """Step ``step``'s probe of a batch of ``n`` ≥ 2 examples: one random half, for ``kind``
+        (:data:`FORWARD` or :data:`GRADIENT`; ``None``: a random one)."""
+        if kind is None:
+            kind = FORWARD if self._draw(step, 1, 1, 0.5)[0] else GRADIENT
         half = (self._half(step, 2, n),)
-        return Probes(half, ()) if self._draw(step, 1, 1, 0.5)[0] else Probes((), half)
+        return Probes(half, ()) if kind == FORWARD else Probes((), half)
 
     def _half(self, step: int, purpose: int, n: int) -> torch.Tensor:
         """A random subset of the n examples, neither empty nor all of them (drawn again up to 64 times,
@@ -464,14 +497,22 @@ def _check_gradients(model: nn.Module, units: list, args: tuple, kwargs: dict, n
             return
         for i, mask in enumerate(masks):
             probe.mask = mask
-            weights = [_pattern(t) for t in batched]  # the loss Σ w·output, the mask's examples weighted 0
-            for w in weights:
-                w.movedim(dim, 0)[mask.to(w.device)] = 0
+            weights = [_loss_weights(t, dim, mask) for t in batched]  # the loss Σ w·output
             torch.autograd.grad(batched, [anchor], grad_outputs=weights,
                                 retain_graph=i < len(masks) - 1)  # a scalar, dropped
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _loss_weights(t: torch.Tensor, dim: int, mask: torch.Tensor) -> torch.Tensor:
+    """The gradient probe's loss weights on model output ``t`` (examples in dimension ``dim``): each
+    example's values weighted by a fixed pattern times a factor of the example's own (so that one
+    example's gradient, reaching two others, cancels between them only by coincidence), those of
+    ``mask`` by 0."""
+    rows = t.detach().movedim(dim, 0)
+    factors = _pattern(rows.new_empty(rows.shape[0]), 2.0).masked_fill(mask.to(t.device), 0.0)
+    return (factors.reshape(-1, *[1] * (rows.dim() - 1)) * _row_pattern(rows[0])).movedim(0, dim)
 
 
 def _batched_outputs(output: object, n: int, root: int) -> tuple[list[torch.Tensor], int]:
@@ -500,7 +541,7 @@ def _zero_at(probe: _Probe, seen: _Seen, name: str) -> Callable[[torch.Tensor], 
     def check(grad: torch.Tensor) -> None:
         rows = axis.batch_first(grad)
         silenced = probe.mask.to(rows.device)
-        if rows[silenced].abs().sum() == 0:
+        if torch.count_nonzero(rows[silenced]) == 0:
             return
         k = int((rows.reshape(rows.shape[0], -1).abs().sum(1) != 0).logical_and(silenced).nonzero()[0])
         raise PrivacyError(f"module {name!r} mixes examples in its backward: example {k} has "

@@ -14,7 +14,7 @@ engine sees the model's root call, and the loader's tensors say where they came 
   that gives every row a distinct set of ⌊m/2⌋ of m bits (m the least with C(m, ⌊m/2⌋) ≥ n: 5 products
   for 8 rows, 11 for 256), with cotangents on the rows holding the bit. Any row i whose input depends
   (with a nonzero derivative) on another example's row j is caught with certainty: some bit is i's and
-  not j's. A float
+  not j's. The loader's float tensor itself, never written, needs no product. A float
   input computed without gradients must equal the loader's values. Integer inputs are compared by
   value with the loader's integer tensors: a row that holds another example's values at at least half
   of the positions where the two examples differ is refused.
@@ -122,8 +122,10 @@ def _row_refusal(name: str, x: Any, sources: frozenset, record: HandedOut, root:
                 f"row per example (the batch holds {n}): it carries several examples' data into each one (a "
                 "statistic over the batch, a flattened batch). Give the model one row per example, computed "
                 "from that example alone")
-    x = x.movedim(root, 0)
     floats = [record.leaves[i] for i in sorted(indices) if i in record.leaves]
+    if _as_handed_out(x, floats):
+        return None  # the loader's own rows, as it handed them out
+    x = x.movedim(root, 0)
     leaves = [(leaf, dim) for leaf in floats if (dim := _example_dim(leaf, n, root)) is not None]
     if x.is_floating_point() and leaves:
         refusal = _float_refusal(name, x, leaves)
@@ -163,6 +165,19 @@ def _float_refusal(name: str, x: torch.Tensor, leaves: list[tuple[torch.Tensor, 
                 "transform each example in the Dataset or the collate_fn; an adversarial input made "
                 "without gradients keeps the link as x_adv = x + (x_adv - x).detach()")
     return None
+
+
+def _as_handed_out(x: torch.Tensor, leaves: list[torch.Tensor]) -> bool:
+    """Whether ``x`` is one of the loader's float tensors as the loader handed it out: its copy of the
+    leaf (seen through aliases: provenance tags and untags it) and never written since, so each row is
+    its own example's and there is nothing to differentiate."""
+    node = x.grad_fn
+    while node is not None and type(node).__name__ == "AliasBackward0":
+        node = node.next_functions[0][0]
+    if node is None or type(node).__name__ != "CloneBackward0" or x._version != 0:
+        return False
+    copied = node.next_functions[0][0]  # the AccumulateGrad node of the leaf copied
+    return any(getattr(copied, "variable", None) is leaf and leaf.shape == x.shape for leaf in leaves)
 
 
 def _mixed_row(x: torch.Tensor, leaves: list[tuple[torch.Tensor, int]]) -> int | None:

@@ -23,7 +23,7 @@ from ..data.poisson import StepSchedule
 from ..errors import PrivacyError
 from ..persample.accumulator import StepAccumulator
 from ..persample.engine import ClippingEngine
-from ..persample.independence import ProbeSchedule, verify_example_independence
+from ..persample.independence import FIRST_KINDS, ProbeSchedule, verify_example_independence
 from ..persample.state_guard import StateGuard
 from ..privacy.ledger import Ledger
 from ..privacy.mechanisms import GradientRelease
@@ -53,8 +53,8 @@ class DPOptimizer(torch.optim.Optimizer):
             learning-rate rule), run in this order after the release.
         planned_steps: the length of training the noise was calibrated for (``None``: no plan); the
             first step beyond it warns that ε now grows past the target.
-        verify_every: after the check before the first release, each step checks example independence
-            with probability 1/verify_every (``None``: 1/24; 1: every step).
+        verify_every: after the checks of the first two steps (one probe of each kind), each step checks
+            example independence with probability 1/verify_every (``None``: 1/24; 1: every step).
         every_rank: under FSDP2, whose forward passes are collectives: whether a flag is True on every
             rank, so that every rank runs the independence check or none does (``None``: one process).
         probes: which steps are checked and on which examples, drawn from the run's randomness (``None``:
@@ -107,7 +107,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self._trainable = frozenset(p for g in engine.groups for p in g.params)
         self.verify_every, self.every_rank = verify_every, every_rank
         self.probes = ProbeSchedule(SecretSource()) if probes is None else probes
-        self.verified = False
+        self.verified = False  # whether a check has run and passed
+        self.first_kinds = FIRST_KINDS  # the probes the next checks must run, each due on its own step
         self.grad_scaler: torch.amp.GradScaler | None = None
         # The wrapped optimizer's updates before this run (0 again once a checkpoint's ledger is loaded).
         self.updates_before_run = updates_applied(optimizer)
@@ -220,33 +221,41 @@ class DPOptimizer(torch.optim.Optimizer):
     # -- the example-independence check
     def _verification_due(self, step: int) -> bool:
         """Whether logical step ``step`` (1-based) checks example independence before its release: until
-        a check has run, every step; then each step with probability ``1/verify_every``, drawn from the
-        run's randomness. Under FSDP2 the ranks agree (a step is checked if any rank drew it)."""
-        due = not self.verified or self.probes.due(step, self.verify_every or CHECK_INTERVAL)
+        the first checks have run (:data:`FIRST_KINDS`), every step; then each step with probability
+        ``1/verify_every``, drawn from the run's randomness. Under FSDP2 the ranks agree (a step is
+        checked if any rank drew it)."""
+        due = bool(self.first_kinds) or self.probes.due(step, self.verify_every or CHECK_INTERVAL)
         return due if self.every_rank is None else not self.every_rank(not due)
 
     def _verify_independence(self) -> None:
-        """Before a release that needs it, check on the step's first physical batch that no example's
+        """Before a release that needs it, check on each physical batch of the step that no example's
         activations or output gradients depend on another example
-        (``tunefree.verify_example_independence``). A batch of fewer than two examples cannot mix, and
-        waits for the next one. On failure the step's sums are dropped: nothing of them is ever released."""
-        inputs, examples = self.engine.retained_inputs, self.engine.retained_examples
-        self.engine.retained_inputs = None
-        if inputs is not None and examples is None:
-            examples = _examples_in(inputs, self.engine.declared.root)
-        ready = inputs is not None and examples >= 2
-        if self.every_rank is not None and inputs is not None:  # a check is due: on every rank alike
-            ready = self.every_rank(ready)
-        if ready:
-            probes = self.probes.probes(self.ledger.steps + 1, examples, both=not self.verified)
+        (``tunefree.verify_example_independence``): mixing that some data trigger in one micro-batch
+        only is checked too. A batch of fewer than two examples cannot mix; a check due on a step
+        without a larger one waits for the next step. Under FSDP2, whose forwards are collectives and
+        whose ranks hold different numbers of micro-batches, the ranks check their first physical batch
+        together. On failure the step's sums are dropped: nothing of them is ever released."""
+        retained, self.engine.retained = self.engine.retained, []
+        batches = [(inputs, _examples_in(inputs, self.engine.declared.root) if examples is None else examples)
+                   for inputs, examples in retained]
+        if self.every_rank is not None:  # a check is due: on every rank alike, one batch each
+            batches = batches[:1]
+            if batches:
+                ready = self.every_rank(batches[0][1] >= 2)
+                batches = batches if ready else []
+        batches = [(inputs, examples) for inputs, examples in batches if examples >= 2]
+        if batches:
+            kind = self.first_kinds[0] if self.first_kinds else None
             try:
-                verify_example_independence(self.engine.model, self.engine, inputs.args, inputs.kwargs,
-                                            examples=examples, probes=probes)
+                for inputs, examples in batches:
+                    probes = self.probes.probes(self.ledger.steps + 1, examples, kind)
+                    verify_example_independence(self.engine.model, self.engine, inputs.args, inputs.kwargs,
+                                                examples=examples, probes=probes)
                 self.state_guard.check("after the example-independence check", full=False)
             except PrivacyError:
                 self.accumulator.pop()
                 raise
-            self.verified = True
+            self.verified, self.first_kinds = True, self.first_kinds[1:]
         self.engine.retain_inputs = self.schedule.checking = self._verification_due(self.ledger.steps + 2)
 
     # -- the private step
