@@ -141,19 +141,21 @@ def test_a_wrongly_declared_loss_reduction_is_a_finding():
     assert outcome.ratio > 1.2  # measured 1.23·R
 
 
-_MEAN_FROM_STEP_1 = Draw(ModelSpec("dense", blocks=(B("mix", kind="mean"),)),
-                         LoopSpec(examples=3, mix_start=1), seed=1)  # h − h.mean(0) from step 1
+_MEAN_FROM_STEP_2 = Draw(ModelSpec("dense", blocks=(B("mix", kind="mean"),)),
+                         LoopSpec(examples=3, steps=3, mix_start=2), seed=1)  # h − h.mean(0) from step 2
 
 
 def test_mixing_on_a_step_the_run_does_not_check_is_a_random_check():
-    """Mixing from step 1 on: the run (seed 1) checks its first step only, so the second is released
-    unchecked — a random-check leak, counted apart; the same draw checked at every step is refused at
-    the second step before its release. Mixing in the model and mixing before it alike."""
-    mean = _MEAN_FROM_STEP_1
-    before = Draw(ModelSpec("dense"), LoopSpec(examples=4, mix_start=1, mix_before="standardise"), seed=1)
+    """Mixing from step 2 on: the run (seed 1) checks its first two steps only (the first checks, one
+    probe kind each), so the third is released unchecked — a random-check leak, counted apart; the same
+    draw checked at every step is refused at the third step before its release. Mixing in the model and
+    mixing before it alike."""
+    mean = _MEAN_FROM_STEP_2
+    before = Draw(ModelSpec("dense"), LoopSpec(examples=4, steps=3, mix_start=2, mix_before="standardise"),
+                  seed=1)
     for draw, cls in ((mean, MIXING_INSIDE), (before, MIXING_OUTSIDE)):
         x, y = draw_data(draw)
-        assert run_draw(draw, x, y).checked == [True, False]
+        assert run_draw(draw, x, y).checked == [True, True, False]
         outcome = check(draw)
         assert outcome.verdict == RANDOM_CHECK and outcome.missed == "unchecked step", outcome.line()
         assert outcome.invariant == cls and outcome.ratio > 1.1, outcome.line()
@@ -165,7 +167,7 @@ def test_mixing_on_a_step_the_run_does_not_check_is_a_random_check():
 def test_a_leak_that_checking_every_pair_lets_through_stays_a_finding(monkeypatch):
     """The random-check verdict needs the rerun checked at every step on every pair to release nothing
     beyond R: if it still leaks, the draw is a finding (here the rerun is made to leak)."""
-    draw = _MEAN_FROM_STEP_1
+    draw = _MEAN_FROM_STEP_2
     compare = leak_fuzz._compare
 
     def rerun_leaks(d, x, y, history, every_pair=False):
@@ -182,7 +184,7 @@ def test_a_leak_that_checking_every_pair_lets_through_stays_a_finding(monkeypatc
 def test_every_pair_checking_checks_every_step():
     draw = Draw(ModelSpec("dense"), LoopSpec(examples=3, steps=3), seed=1)
     x, y = draw_data(draw)
-    assert run_draw(draw, x, y).checked == [True, False, False]
+    assert run_draw(draw, x, y).checked == [True, True, False]
     assert run_draw(draw, x, y, every_pair=True).checked == [True, True, True]
 
 
