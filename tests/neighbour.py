@@ -1,14 +1,22 @@
-"""Neighbour sensitivity of one private step through the public API: max_j ‖release(D) − release(D∖{j})‖.
+"""Neighbour sensitivity of private steps through the public API: max_j ‖release(D) − release(D∖{j})‖.
 
 A step runs with noise 0, Abadi clipping at R over one all-layer group, SGD(lr=1) and sampling rate 1, so
 the update times the expected batch size is exactly the released clipped sum. A correct private step keeps
 the neighbour distance ≤ R for every j. Everything is seeded: the same call gives the same release.
+
+Multi-step runs (``compare_runs``): state may carry from one batch into the next, so step t's release
+must be a function of the public weights and step t's batch alone. A run records every release (and the
+model's state at the end) as a ``RunTrace``; the weights stay public by construction (the caller's
+learning rate is 0, so they never move). Then (1) every step of the run on D∖{j} stays within R of the
+same step on D; (2) the model's state after the run (parameters, buffers, tensor and number attributes)
+is the same bit for bit on D and D∖{j} — it is released with the model, unnoised; (3) a run whose earlier
+steps saw other data releases, at its last step on D, exactly what the run on D releases there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from brute_force import per_example_grads
@@ -114,3 +122,101 @@ def relative_error(release: dict[str, torch.Tensor], expected: dict[str, torch.T
     got = torch.cat([release[n].flatten() for n in expected])
     want = flat(expected)
     return ((got - want).norm() / want.norm()).item()
+
+
+# ------------------------------------------------------------------------------------ multi-step runs
+@dataclass
+class RunTrace:
+    """What one private run gave out: each logical step's released sum (noise 0) by parameter name, and
+    the model's state after the last step (``None`` if the run stopped early). ``error`` is the exception
+    that stopped it (a refusal, or a crash)."""
+
+    releases: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    state: dict[str, object] | None = None
+    error: BaseException | None = None
+    ledger_steps: int | None = None               # steps the run's ledger holds at the end
+    poisson_approximation: bool | None = None     # what the run's guarantee says of its sampling
+
+
+def release_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """‖a − b‖ over the parameters of both (a parameter missing from one side counts as zero there)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for name in a.keys() | b.keys():
+        x = a[name].double() if name in a else torch.zeros_like(b[name], dtype=torch.float64)
+        y = b[name].double() if name in b else torch.zeros_like(x)
+        total += ((x - y) ** 2).sum()
+    return total.sqrt().item()
+
+
+def same_value(a: object, b: object) -> bool:
+    """Bit-identical tensors (NaN where the other has NaN) or equal numbers."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.is_floating_point():
+            return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
+        return bool(torch.equal(a, b))
+    return a == b
+
+
+def state_differences(a: dict[str, object], b: dict[str, object]) -> list[str]:
+    """The entries of two model states that differ (or exist on one side only)."""
+    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not same_value(a[k], b[k]))
+
+
+@dataclass
+class StepExcess:
+    """The largest neighbour distance of a multi-step comparison, where it happened."""
+
+    distance: float = 0.0
+    step: int = -1
+    removed: int = -1
+
+
+@dataclass
+class MultiStepReport:
+    """``compare_runs``' measurements; a correct run has ``worst.distance ≤ R``, no ``state_diffs`` and
+    ``carry_distance == 0``. ``carry_distance`` is ``None`` when the carry run was not compared (it or
+    the run on D stopped before the last step, or there is a single step)."""
+
+    worst: StepExcess
+    state_diffs: dict[int, list[str]]
+    carry_distance: float | None
+    full: RunTrace
+    neighbours: list[RunTrace]
+    carry: RunTrace | None
+
+
+RunFn = Callable[[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None], RunTrace]
+
+
+def compare_runs(run: RunFn, x: torch.Tensor, y: torch.Tensor,
+                 history: tuple[torch.Tensor, torch.Tensor] | None,
+                 full: RunTrace | None = None) -> MultiStepReport:
+    """Run on D = (x, y), on every D∖{j}, and (if ``history`` is given) on ``history`` for all steps but the
+    last, which sees D; compare what they released. ``run(x, y, history)`` returns a ``RunTrace``;
+    ``full``: the run on D, if already made."""
+    full = full if full is not None else run(x, y, None)
+    worst, state_diffs, neighbours = StepExcess(), {}, []
+    keep = torch.ones(len(x), dtype=torch.bool)
+    for j in range(len(x)):
+        keep[j] = False
+        neighbour = run(x[keep], y[keep], None)
+        keep[j] = True
+        neighbours.append(neighbour)
+        for t, (a, b) in enumerate(zip(full.releases, neighbour.releases)):
+            distance = release_distance(a, b)
+            if distance > worst.distance:
+                worst = StepExcess(distance, t, j)
+        if full.state is not None and neighbour.state is not None:
+            diffs = state_differences(full.state, neighbour.state)
+            if diffs:
+                state_diffs[j] = diffs
+    carry, carry_distance = None, None
+    if history is not None:
+        carry = run(x, y, history)
+        last = len(full.releases) - 1
+        if full.state is not None and carry.state is not None and last >= 0:
+            # exact in float64 for float32 and float64 releases: 0 only when they are identical
+            carry_distance = release_distance(full.releases[last], carry.releases[last])
+    return MultiStepReport(worst, state_diffs, carry_distance, full, neighbours, carry)
