@@ -186,3 +186,20 @@ def test_gradient_probes_fall_back_to_the_whole_batch_when_a_cut_input_breaks_th
     verify_example_independence(model, engine, (torch.randn(8, 6), torch.ones(6, 6)), {})
     n_equals_t = (torch.randn(6, 6), torch.tril(torch.ones(6, 6)))  # the cut mask is [4, 6]: matmul fails
     verify_example_independence(model, engine, n_equals_t, {})
+
+
+def test_probe_pattern_is_built_in_one_buffer():
+    # A pattern may be as large as a batch's inputs (the forward probe's change); out of place it held
+    # three buffers of its size at once (when the gradient probe weighted GPT's whole output by one, +60 MB
+    # on the benchmark's first, checked, step; RESULTS §8.5).
+    from torch.profiler import ProfilerActivity, profile
+
+    from tunefree.persample.independence import _pattern
+
+    like = torch.empty(64, 1000)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        pattern = _pattern(like)
+    allocated = sum(e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0)
+    assert allocated < 1.5 * like.numel() * like.element_size()
+    index = torch.arange(like.numel(), dtype=like.dtype)
+    assert torch.equal(pattern, torch.cos(index * 0.7 + 0.3).reshape(like.shape))

@@ -53,8 +53,10 @@ _KEPT_PATTERN = 1 << 20  # elements of the largest pattern kept (16 kept: at mos
 
 
 def _pattern_values(numel: int, dtype: torch.dtype, device: torch.device, offset: float) -> torch.Tensor:
+    """Computed in place in one buffer (a batch's inputs can be large: out of place, three such buffers at
+    once)."""
     index = torch.arange(numel, device=device, dtype=dtype)
-    return torch.cos(index * 0.7 + 0.3) + offset
+    return index.mul_(0.7).add_(0.3).cos_().add_(offset)
 
 
 _kept_pattern = functools.lru_cache(maxsize=16)(_pattern_values)
