@@ -7,13 +7,17 @@ import torch
 from torch import nn
 
 
-class CenterMix(nn.Module):
-    """Subtracts the batch mean in the forward."""
+class TwoLayer(nn.Module):
+    """``fc`` (3 → 4) then ``out`` (4 → 2): the trunk of the mixing models, whose forwards differ."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(3, 4)
         self.out = nn.Linear(4, 2)
+
+
+class CenterMix(TwoLayer):
+    """Subtracts the batch mean in the forward."""
 
     def forward(self, x):
         h = self.fc(x)
@@ -43,13 +47,8 @@ class MixBackward(torch.autograd.Function):
         return g + 3 * g.sum(0, keepdim=True)
 
 
-class FunctionMix(nn.Module):
+class FunctionMix(TwoLayer):
     """Mixes only in the backward, through a custom autograd.Function."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, 4)
-        self.out = nn.Linear(4, 2)
 
     def forward(self, x):
         return self.out(MixBackward.apply(self.fc(x)))
@@ -80,13 +79,8 @@ def hook_mix() -> nn.Module:
 
 
 # Mixing the check sees only at some steps or on some examples (issue 21): each must be refused over a run.
-class MiddleMix(nn.Module):
+class MiddleMix(TwoLayer):
     """Adds example n//2 − 1's activations into example n//2's: one pair, in the middle of the batch."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, 4)
-        self.out = nn.Linear(4, 2)
 
     def forward(self, x):
         h = self.fc(x)
@@ -94,13 +88,8 @@ class MiddleMix(nn.Module):
         return self.out(torch.cat([h[:m], h[m:m + 1] + 3 * h[m - 1:m], h[m + 1:]]))
 
 
-class OddPairsMix(nn.Module):
+class OddPairsMix(TwoLayer):
     """Averages the activations of examples i and i + 1 for every odd i (1 and 2, 3 and 4, …)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, 4)
-        self.out = nn.Linear(4, 2)
 
     def forward(self, x):
         h = self.fc(x)
@@ -111,14 +100,9 @@ class OddPairsMix(nn.Module):
         return self.out(mixed)
 
 
-class ValueMix(nn.Module):
+class ValueMix(TwoLayer):
     """An example whose first feature exceeds 1.5 leaks its activations into the next example: the
     mixing depends on a value in the data."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, 4)
-        self.out = nn.Linear(4, 2)
 
     def forward(self, x):
         h = self.fc(x)
@@ -127,13 +111,11 @@ class ValueMix(nn.Module):
         return self.out(h + into_next)
 
 
-class LateMix(nn.Module):
+class LateMix(TwoLayer):
     """Subtracts the batch mean once ``mixing`` is set (from some step of the run on)."""
 
     def __init__(self):
         super().__init__()
-        self.fc = nn.Linear(3, 4)
-        self.out = nn.Linear(4, 2)
         self.mixing = False
 
     def forward(self, x):
