@@ -203,3 +203,16 @@ def test_probe_pattern_is_built_in_one_buffer():
     assert allocated < 1.5 * like.numel() * like.element_size()
     index = torch.arange(like.numel(), dtype=like.dtype)
     assert torch.equal(pattern, torch.cos(index * 0.7 + 0.3).reshape(like.shape))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_probe_pattern_of_a_large_16_bit_tensor_is_finite_and_not_periodic(dtype):
+    # float16 cannot hold an index past 65,504 (the pattern was NaN there); bfloat16 rounds indices
+    # past 256 (the pattern repeated values): both are computed in float32 and rounded once.
+    from tunefree.persample.independence import _pattern
+
+    like = torch.empty(70_000, dtype=dtype)
+    pattern = _pattern(like)
+    assert pattern.dtype == dtype and torch.isfinite(pattern).all()
+    index = torch.arange(like.numel(), dtype=torch.float32)
+    assert torch.equal(pattern, torch.cos(index * 0.7 + 0.3).to(dtype))

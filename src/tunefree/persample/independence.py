@@ -54,9 +54,11 @@ _KEPT_PATTERN = 1 << 20  # elements of the largest pattern kept (16 kept: at mos
 
 def _pattern_values(numel: int, dtype: torch.dtype, device: torch.device, offset: float) -> torch.Tensor:
     """Computed in place in one buffer (a batch's inputs can be large: out of place, three such buffers at
-    once)."""
-    index = torch.arange(numel, device=device, dtype=dtype)
-    return index.mul_(0.7).add_(0.3).cos_().add_(offset)
+    once); for 16-bit tensors in float32, then rounded once (float16 cannot hold an index past 65,504:
+    the pattern would be NaN)."""
+    wide = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+    index = torch.arange(numel, device=device, dtype=wide)
+    return index.mul_(0.7).add_(0.3).cos_().add_(offset).to(dtype)
 
 
 _kept_pattern = functools.lru_cache(maxsize=16)(_pattern_values)
