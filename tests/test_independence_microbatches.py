@@ -52,3 +52,32 @@ def test_mixing_in_any_micro_batch_is_refused_before_the_release(trigger_at):
 
 def test_a_step_without_mixing_is_released_once():
     assert _train_one_step(None).ledger.steps == 1
+
+
+class MixesInPairs(nn.Module):
+    """Mixes only when called on exactly two examples: a code path chosen by the micro-batch's shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h + h.flip(0) if len(x) == 2 else h)
+
+
+def test_mixing_chosen_by_a_later_micro_batchs_size_is_refused_before_the_release():
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    model = MixesInPairs()
+    engine = tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   DataLoader(TensorDataset(x, y), batch_size=5), target_delta=1e-2,
+                                   noise_multiplier=1.0, steps=1, seed=0, physical_batch_size=3,
+                                   loss_reduction="sum", verify_every=1)
+    sizes = []
+    with pytest.raises(tunefree.PrivacyError, match="mixes examples"):
+        for xb, yb in engine.data_loader:
+            sizes.append(len(xb))
+            nn.functional.cross_entropy(model(xb), yb, reduction="sum").backward()
+            engine.optimizer.step()
+    assert sizes == [3, 2] and engine.ledger.steps == 0  # the mixing micro-batch came second; no release
