@@ -20,11 +20,11 @@ from brute_force import clipped_sum
 from support import pop_step
 from torch import nn
 
+from tunefree import verify_example_independence
 from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
 from tunefree.persample.engine import ClippingEngine
-from tunefree.persample.independence import verify_example_independence
 from tunefree.rules.paths import PathChooser
 
 GROUPINGS = ("all-layer", "per-layer")

@@ -36,7 +36,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.persample.independence import Probes
+from tunefree.guards.independence import Independence, code_masks
 
 R = 1.0
 TUNEFREE_SOURCE = str(Path(tunefree.__file__).parent)
@@ -265,16 +265,15 @@ def mix_inputs(kind: str, x: torch.Tensor) -> torch.Tensor:
 
 class EveryPairChecked:
     """The oracle's instrument in place of a run's ``ProbeSchedule``: every step checked (the independence
-    check and the input check), each example alone a probe of both kinds, so that every pair (i, j) is
-    seen. Mixing that the checks can see is then refused at the first step it happens; a run's random
-    steps and halves catch it only with the probability ``ProbeSchedule`` states."""
+    check and the input check), each with the masks of the first check, which see every pair (i, j).
+    Mixing that the checks can see is then refused at the first step it happens; a run's random steps and
+    halves catch it only with the probability ``ProbeSchedule`` states."""
 
     def due(self, step: int, every: int) -> bool:
         return True
 
-    def probes(self, step: int, n: int, both: bool = False) -> Probes:
-        alone = tuple(torch.arange(n) == k for k in range(n))
-        return Probes(alone, alone)
+    def masks(self, step: int, n: int, first: bool, bits: int | None = None) -> tuple[torch.Tensor, ...]:
+        return code_masks(n, bits)
 
 
 class _Run:
@@ -314,7 +313,7 @@ class _Run:
         if self.scaler is not None:
             self.engine.optimizer.attach_grad_scaler(self.scaler)
         if self.every_pair:
-            self.engine.optimizer.probes = EveryPairChecked()
+            self.engine.guards.of(Independence).probes = EveryPairChecked()
         self.engine.optimizer.register_step_pre_hook(self._note_check)
         self.engine.optimizer.register_step_post_hook(self._record)
 

@@ -11,10 +11,10 @@ from brute_force import clipped_sum
 from support import pop_step
 from torch import nn
 
+from tunefree import verify_example_independence
 from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
-from tunefree.persample.independence import verify_example_independence
 
 # loss_fn(model, batch) -> one loss per example, shape [n]
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]

@@ -19,12 +19,13 @@ LAYERS: dict[str, int] = {
     "errors": 0, "dtypes": 0, "_validate": 0,
     "clipping": 1, "rules": 1, "data": 1, "privacy": 1,
     "persample": 2, "parallel": 2,
-    "step": 3,
-    "components": 4,
-    "config": 5,
-    "api": 6, "run": 6, "build": 6, "pipeline": 6,
-    "__init__": 7, "extend": 7, "audit": 7, "integrations": 7,
-    "cli": 8,
+    "guards": 3,
+    "step": 4,
+    "components": 5,
+    "config": 6,
+    "api": 7, "run": 7, "build": 7, "pipeline": 7,
+    "__init__": 8, "extend": 8, "audit": 8, "integrations": 8,
+    "cli": 9,
 }
 
 

@@ -1,4 +1,5 @@
-"""The trainable parameter set is fixed when the engine is built (at make_private)."""
+"""The trainable parameter set is fixed at make_private (guards/trainable.py): any change is refused at the
+next training forward."""
 
 from __future__ import annotations
 
@@ -6,21 +7,25 @@ import pytest
 import torch
 from models import MLP
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from tunefree.clipping.functions import clip_function
-from tunefree.clipping.groups import make_groups
+import tunefree
 from tunefree.errors import PrivacyError
-from tunefree.persample.engine import ClippingEngine
 
 
 def engine_for(model):
-    return ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"))
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    data = TensorDataset(torch.randn(8, 6), torch.zeros(8))
+    return tunefree.make_private(model, optimizer, DataLoader(data, batch_size=4), noise_multiplier=1.0,
+                                 target_delta=1e-3, steps=4)
 
 
 def test_freezing_a_parameter_after_the_engine_is_refused_at_the_next_forward():
     model = MLP()
-    engine_for(model)
-    model(torch.randn(3, 6)).sum().backward()  # trains normally first
+    engine = engine_for(model)
+    x, _ = next(iter(engine.data_loader))
+    model(x).sum().backward()  # trains normally first
+    engine.optimizer.step()
     next(model.parameters()).requires_grad_(False)
     with pytest.raises(PrivacyError, match="but no longer requires grad.*make_private again"):
         model(torch.randn(3, 6))

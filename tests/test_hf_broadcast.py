@@ -11,12 +11,12 @@ from hf_exact import assert_exact
 from support import pop_step
 from torch import nn
 
+from tunefree import verify_example_independence
 from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.data.poisson import StepSchedule
 from tunefree.errors import PrivacyError
 from tunefree.persample.engine import ClippingEngine
-from tunefree.persample.independence import verify_example_independence
 
 
 class Positions(nn.Module):

@@ -10,10 +10,10 @@ from hf_exact import assert_exact
 from support import pop_step
 from test_hf_models import ENCODER, V, causal_lm_loss, classification_loss, text_batch, with_labels
 
+from tunefree import verify_example_independence
 from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
-from tunefree.persample.independence import verify_example_independence
 from tunefree.rules.linear import LinearRule
 
 

@@ -17,6 +17,7 @@ from test_hf_models import ENCODER, V
 import tunefree
 from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
+from tunefree.guards.independence import Independence
 from tunefree.integrations.hf_trainer import PrivateTrainer, default_example_loss
 
 L = 6
@@ -92,7 +93,7 @@ def test_epsilon_is_logged_from_the_ledger_and_the_trainer_takes_the_planned_ste
     assert output.global_step == 6 and "train_runtime" in output.metrics
     # physical batches of at most per_device_train_batch_size rows; the last step's rows are its examples
     assert all(len(b["labels"]) <= 4 for b in recorder.batches)
-    assert engine.optimizer.verified and engine.last_step.examples > 0
+    assert engine.guards.of(Independence).first_done and engine.last_step.examples > 0
 
 
 def test_one_step_at_sigma_zero_is_the_brute_force_clipped_sum_over_the_expected_batch(tmp_path):

@@ -3,11 +3,11 @@ import torch
 from mixing_models import CenterMix, FunctionMix, TimeMajorLinear, fallback_mix, hook_mix
 from torch import nn
 
+from tunefree import verify_example_independence
 from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
 from tunefree.persample.engine import ClippingEngine
-from tunefree.persample.independence import verify_example_independence
 
 
 def engine_for(model):
@@ -56,7 +56,8 @@ class IntoFirst(nn.Module):
 
 def test_forward_mixing_into_the_first_example_only_is_refused():
     model = IntoFirst()
-    with pytest.raises(PrivacyError, match="mixes examples in its forward: changing example 3"):
+    changing_3 = r"mixes examples in its forward: changing examples? [0-9, …]*\b3\b"
+    with pytest.raises(PrivacyError, match=changing_3):
         verify_example_independence(model, engine_for(model), (torch.randn(4, 3),), {})
 
 
@@ -73,7 +74,7 @@ class MixIntoLast(torch.autograd.Function):
 def test_backward_mixing_into_the_last_example_only_is_refused():
     model = FunctionMix()
     model.forward = lambda x: model.out(MixIntoLast.apply(model.fc(x)))
-    with pytest.raises(PrivacyError, match="mixes examples in its backward: example 3"):
+    with pytest.raises(PrivacyError, match="mixes examples in its backward: .* the gradient of example 3 at"):
         verify_example_independence(model, engine_for(model), (torch.randn(4, 3),), {})
 
 
@@ -165,7 +166,7 @@ def test_weak_mixing_is_still_refused():
 def test_backward_mixing_names_the_example_of_the_whole_batch():
     model = FunctionMix()
     model.forward = lambda x: model.out(MixIntoLast.apply(model.fc(x)))
-    with pytest.raises(PrivacyError, match="mixes examples in its backward: example 9 has"):
+    with pytest.raises(PrivacyError, match="mixes examples in its backward: .* the gradient of example 9 at"):
         verify_example_independence(model, engine_for(model), (torch.randn(10, 3),), {})
 
 
@@ -194,7 +195,7 @@ def test_probe_pattern_is_built_in_one_buffer():
     # on the benchmark's first, checked, step; RESULTS §8.5).
     from torch.profiler import ProfilerActivity, profile
 
-    from tunefree.persample.independence import _pattern
+    from tunefree.guards.probe import pattern as _pattern
 
     like = torch.empty(64, 1000)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -209,7 +210,7 @@ def test_probe_pattern_is_built_in_one_buffer():
 def test_probe_pattern_of_a_large_16_bit_tensor_is_finite_and_not_periodic(dtype):
     # float16 cannot hold an index past 65,504 (the pattern was NaN there); bfloat16 rounds indices
     # past 256 (the pattern repeated values): both are computed in float32 and rounded once.
-    from tunefree.persample.independence import _pattern
+    from tunefree.guards.probe import pattern as _pattern
 
     like = torch.empty(70_000, dtype=dtype)
     pattern = _pattern(like)

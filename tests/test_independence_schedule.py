@@ -1,13 +1,12 @@
-"""The independence check covers the whole batch at random steps of the whole run (issue 21, item 2).
+"""The independence check covers the whole batch at random steps of the whole run (issues 21 and 29).
 
-The first two steps are checked, the first with a gradient probe, the second with a forward probe; then
-each step is checked with probability 1/verify_every, at steps drawn from the run's randomness, with a
-probe of a random kind; each probe on a random half of the batch. A directed pair of examples that mixes
-is caught by a probe of a kind that sees it with probability ≥ 1/4, so by one later check with
-probability ≥ 1/8 (≥ 1/4 when both kinds of probe see it), independently from check to check
-(tunefree.persample.independence.ProbeSchedule). The run-level
-tests below are seeded, so they are deterministic; each states the probability that a run of its length
-would miss the mixing.
+The first step is checked with certainty for every pair; then each step is checked with probability
+1/verify_every, at steps drawn from the run's randomness. Every check sees, for every pair, mixing that
+gradients carry (the backward check's power-of-two weights); mixing only a forward pass shows (a path
+without gradients) is seen by the first check for every pair, and by a later check's random half for a
+directed pair with probability ≥ 1/4 (tunefree.guards.independence.ProbeSchedule). The run-level tests
+below are seeded, so they are deterministic; each states the probability that a run of its length would
+miss the mixing.
 """
 
 from __future__ import annotations
@@ -22,13 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import tunefree
 from tunefree.clipping.functions import Abadi
 from tunefree.clipping.groups import make_groups
+from tunefree.guards.independence import ProbeSchedule, verify_example_independence
 from tunefree.persample.engine import ClippingEngine
-from tunefree.persample.independence import (
-    FORWARD,
-    GRADIENT,
-    ProbeSchedule,
-    verify_example_independence,
-)
 from tunefree.privacy.randomness import NoiseSource, SecretSource, SeededSource
 
 N = 8  # examples, all in every batch (q = 1)
@@ -66,10 +60,9 @@ def _train(model: nn.Module, steps: int, verify_every: int, mixing_from: int | N
     return None
 
 
-def test_mixing_of_one_pair_in_the_middle_of_the_batch_is_refused_over_a_run():
-    # forward and gradient probes both see it: each step is caught with probability ≥ ½ · ¼ = 1/8,
-    # so 60 steps miss it with probability ≤ (7/8)^60 < 4e-4
-    assert _train(MiddleMix(), steps=60, verify_every=2) is not None
+def test_mixing_of_one_pair_in_the_middle_of_the_batch_is_refused_at_the_first_step():
+    # gradients carry it: every check sees it, the first one included
+    assert _train(MiddleMix(), steps=6, verify_every=10**9) == 1
 
 
 def test_mixing_that_starts_at_step_7_is_refused_at_a_later_check():
@@ -79,15 +72,13 @@ def test_mixing_that_starts_at_step_7_is_refused_at_a_later_check():
     assert refused is not None and refused >= 7
 
 
-def test_mixing_of_pairs_i_and_i_plus_1_for_odd_i_is_refused_over_a_run():
-    # three mixing pairs: a probe misses all of them with probability 1/8, so a step is caught with
-    # probability ≥ ½ · 7/8; 40 steps miss it with probability ≤ (9/16)^40 < 1e-9
-    assert _train(OddPairsMix(), steps=40, verify_every=2) is not None
+def test_mixing_of_pairs_i_and_i_plus_1_for_odd_i_is_refused_at_the_first_step():
+    assert _train(OddPairsMix(), steps=6, verify_every=10**9) == 1
 
 
-def test_mixing_that_depends_on_a_value_in_the_data_is_refused_over_a_run():
-    # only example 2 (first feature 2.0 > 1.5) leaks, into example 3: one pair, as in the middle case
-    assert _train(ValueMix(), steps=60, verify_every=2) is not None
+def test_mixing_that_depends_on_a_value_in_the_data_is_refused_at_the_first_step():
+    # only example 2 (first feature 2.0 > 1.5) leaks, into example 3: one pair, through gradients
+    assert _train(ValueMix(), steps=6, verify_every=10**9) == 1
 
 
 def test_a_clean_model_is_never_refused_at_any_check():
@@ -97,7 +88,7 @@ def test_a_clean_model_is_never_refused_at_any_check():
 
 class MixBackwardIntoOne(torch.autograd.Function):
     """Identity forward; the backward adds example 5's output gradient to example 4's: one pair that
-    only a gradient probe sees."""
+    only the backward check sees."""
 
     @staticmethod
     def forward(ctx, h):
@@ -118,26 +109,105 @@ class BackwardPair(nn.Module):
         return self.out(MixBackwardIntoOne.apply(self.fc(x)))
 
 
-@pytest.mark.parametrize(("model", "expected"), [(MiddleMix, 1 / 4), (BackwardPair, 1 / 8)],
-                         ids=["forward-pair (both probes)", "backward-pair (gradient probes)"])
-def test_one_check_catches_one_mixing_pair_with_the_stated_probability(model, expected):
-    """400 checks as a run draws them (seeded): one pair is caught with probability 1/4 when both kinds
-    of probe see it and 1/8 when only one does (× 1/(1 − 2^-7) for halves that are never trivial); the
-    observed fraction lies within 2.5 binomial standard deviations."""
+class DetachedPair(nn.Module):
+    """Example 4's activations get example 3's through a path without gradients: one pair that only a
+    forward check sees (the gradients of example 4 still depend on example 3's data)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.fc(x)
+        carried = torch.zeros_like(h)
+        if len(h) > 4:  # batches are Poisson-sampled: any size
+            carried[4] = h[3].detach()
+        return self.out(torch.tanh(h + carried))
+
+
+class BatchScaledGradient(nn.Module):
+    """A full backward hook that scales the gradient flowing into the trunk by the batch's gradient norm:
+    one scalar over the batch, no example's gradient ever zeroed (issue 29, item 2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.act = nn.Tanh()
+        self.out = nn.Linear(4, 2)
+        self.act.register_full_backward_hook(
+            lambda m, gi, go: (gi[0] / torch.clamp(gi[0].norm() / 0.01, min=1.0),))
+
+    def forward(self, x):
+        return self.out(self.act(self.fc(x)))
+
+
+class ClampedGradient(nn.Module):
+    """A hook that clamps each gradient element: not linear, but per example — not mixing."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.requires_grad:
+            h.register_hook(lambda g: g.clamp(-0.05, 0.05))
+        return self.out(torch.tanh(h))
+
+
+def _engine(net: nn.Module) -> ClippingEngine:
+    return ClippingEngine(net, make_groups(net, "all-layer", 1.0), Abadi(), "sum")
+
+
+@pytest.mark.parametrize("model", [MiddleMix, BackwardPair, BatchScaledGradient],
+                         ids=["forward-pair", "backward-pair", "batch-scaled-gradient"])
+def test_every_check_catches_mixing_that_gradients_carry(model):
+    """Whatever half a later check draws, the backward check sees every pair gradients carry."""
     torch.manual_seed(0)
     net = model()
-    engine = ClippingEngine(net, make_groups(net, "all-layer", 1.0), Abadi(), "sum")
+    engine = _engine(net)
+    x = torch.randn(N, 3)
+    schedule = ProbeSchedule(SeededSource(11))
+    for step in range(2, 42):
+        with pytest.raises(tunefree.PrivacyError, match="mixes examples"):
+            verify_example_independence(net, engine, (x,), masks=schedule.masks(step, N, first=False))
+
+
+def test_a_gradient_hook_that_is_per_example_but_not_linear_passes():
+    net = ClampedGradient()
+    verify_example_independence(net, _engine(net), (torch.randn(N, 3) * 3,))
+
+
+def test_a_later_check_catches_a_forward_only_pair_with_the_stated_probability():
+    """400 later checks as a run draws them (seeded): a directed pair only a forward pass shows is caught
+    when its source is in the half and its target is not, probability 1/4 (× 1/(1 − 2^-7) for halves
+    that are never trivial); the observed fraction lies within 2.5 binomial standard deviations."""
+    torch.manual_seed(0)
+    net = DetachedPair()
+    engine = _engine(net)
     x = torch.randn(N, 3)
     schedule = ProbeSchedule(SeededSource(11))
     caught = 0
-    for step in range(1, 401):
+    for step in range(2, 402):
         try:
-            verify_example_independence(net, engine, (x,), probes=schedule.probes(step, N))
+            verify_example_independence(net, engine, (x,), masks=schedule.masks(step, N, first=False))
         except tunefree.PrivacyError:
             caught += 1
-    p = expected / (1 - 2 ** -7)
+    p = 1 / 4 / (1 - 2 ** -7)
     spread = 2.5 * (p * (1 - p) / 400) ** 0.5
     assert abs(caught / 400 - p) <= spread, caught
+
+
+def test_the_first_check_catches_a_forward_only_pair_with_certainty():
+    torch.manual_seed(0)
+    net = DetachedPair()
+    schedule = ProbeSchedule(SeededSource(11))
+    for n in (5, 8, 33):
+        x = torch.randn(n, 3)
+        with pytest.raises(tunefree.PrivacyError, match="mixes examples in its forward"):
+            verify_example_independence(net, _engine(net), (x,), masks=schedule.masks(1, n, first=True))
 
 
 def test_the_checked_steps_are_random_at_the_stated_rate_and_replay_with_the_seed():
@@ -154,50 +224,23 @@ def test_the_checked_steps_are_random_at_the_stated_rate_and_replay_with_the_see
     assert all(every_step.due(step, 1) for step in range(1, 50))
 
 
-def test_each_probe_is_one_kind_on_a_proper_random_half_of_a_random_or_the_asked_kind():
+def test_a_later_check_changes_a_proper_random_half_and_the_first_check_every_pair():
     schedule = ProbeSchedule(SeededSource(5))
-    kinds = []
-    for step in range(1, 501):
-        probes = schedule.probes(step, 3)
-        assert (len(probes.perturbed), len(probes.zeroed)) in ((1, 0), (0, 1))
-        kinds.append(bool(probes.perturbed))
-        mask = (probes.perturbed or probes.zeroed)[0]
+    sizes = []
+    for step in range(2, 502):
+        (mask,) = schedule.masks(step, 3, first=False)
         assert 0 < int(mask.sum()) < 3  # never all examples nor none
-    assert abs(sum(kinds) - 250) <= 3 * (500 / 4) ** 0.5
-    forward, gradient = schedule.probes(1, 6, FORWARD), schedule.probes(1, 6, GRADIENT)
-    assert (len(forward.perturbed), len(forward.zeroed)) == (1, 0)
-    assert (len(gradient.perturbed), len(gradient.zeroed)) == (0, 1)
-    assert torch.equal(forward.perturbed[0], gradient.zeroed[0])  # the step's half, whatever the kind
-
-
-@pytest.mark.parametrize(("model", "seeing"), [(MiddleMix, 2), (BackwardPair, 1)],
-                         ids=["forward-pair (both probes)", "backward-pair (gradient probes)"])
-def test_the_first_two_checks_catch_one_mixing_pair_with_the_stated_probability(model, seeing):
-    """The first two checks as runs draw them (a gradient probe, then a forward probe), 240 seeded runs:
-    one pair is caught by the two with probability 1 − (3/4)² = 7/16 when both kinds see it and 1/4 when
-    only one does (each probe's half never trivial: 1/4 becomes p = 1/4 / (1 − 2^-7)); the observed
-    fraction lies within 2.5 binomial standard deviations."""
-    p = 1 / 4 / (1 - 2 ** -7)
-    expected = 1 - (1 - p) ** seeing
-    torch.manual_seed(0)
-    net = model()
-    engine = ClippingEngine(net, make_groups(net, "all-layer", 1.0), Abadi(), "sum")
-    x = torch.randn(N, 3)
-    caught = 0
-    for seed in range(240):
-        schedule = ProbeSchedule(SeededSource(seed))
-        try:
-            for step, kind in enumerate((GRADIENT, FORWARD), start=1):
-                verify_example_independence(net, engine, (x,), probes=schedule.probes(step, N, kind))
-        except tunefree.PrivacyError:
-            caught += 1
-    spread = 2.5 * (expected * (1 - expected) / 240) ** 0.5
-    assert abs(caught / 240 - expected) <= spread, caught
+        sizes.append(int(mask.sum()))
+    assert abs(sum(sizes) / len(sizes) - 1.5) < 0.15
+    for n in (2, 7, 64, 300):
+        masks = torch.stack(schedule.masks(1, n, first=True))  # [m, n]
+        separated = (masks[:, :, None] & ~masks[:, None, :]).any(0)  # [j, i]: some mask holds j, not i
+        assert bool((separated | torch.eye(n, dtype=torch.bool)).all())
 
 
 class MixBeforeAnyUnit(nn.Module):
     """Adds the previous example's input to each example's, before the first trainable unit: every
-    pair (i - 1, i) mixes, which forward probes see with certainty and gradient probes never see."""
+    pair (i - 1, i) mixes, which only a forward check sees."""
 
     def __init__(self):
         super().__init__()
@@ -209,7 +252,7 @@ class MixBeforeAnyUnit(nn.Module):
 
 class MixEveryGradient(torch.autograd.Function):
     """Identity forward; the backward adds each example's output gradient to the next one's: every
-    pair mixes, which gradient probes see with certainty and forward probes never see."""
+    pair mixes, which only the backward check sees."""
 
     @staticmethod
     def forward(ctx, h):
@@ -230,13 +273,13 @@ class BackwardOnly(nn.Module):
         return self.out(MixEveryGradient.apply(self.fc(x)))
 
 
-def test_the_first_release_is_checked_by_a_gradient_probe_and_the_second_by_a_forward_probe():
-    """Both first steps are checked before their releases (verify_every so large that no later step
-    is): mixing only a gradient probe sees is refused at step 1, with nothing released; mixing only a
-    forward probe sees is released at step 1 and refused at step 2, before its release (the cost of
-    checking the first two steps one probe each, ProbeSchedule's docstring)."""
+def test_a_model_that_always_mixes_is_refused_before_the_first_release():
+    """The first step is checked before its release, certainly for every pair (verify_every so large
+    that no later step is): mixing only a backward check sees and mixing only a forward check sees are
+    both refused at step 1, with nothing released."""
     assert _train(BackwardOnly(), steps=4, verify_every=10**9) == 1
-    assert _train(MixBeforeAnyUnit(), steps=4, verify_every=10**9) == 2
+    assert _train(MixBeforeAnyUnit(), steps=4, verify_every=10**9) == 1
+    assert _train(DetachedPair(), steps=4, verify_every=10**9) == 1
     assert _train(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), steps=4,
                   verify_every=10**9) is None
 

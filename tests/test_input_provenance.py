@@ -17,8 +17,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
 from tunefree.data.provenance import BatchTensor
-from tunefree.persample import inputs
-from tunefree.persample.inputs import _row_codes
+from tunefree.guards import inputs
+from tunefree.guards.independence import Independence
+from tunefree.guards.probe import row_codes
 
 N = 8
 
@@ -269,8 +270,8 @@ def test_a_checked_step_leaves_no_gradient_where_the_user_looks():
         engine.optimizer.step()
         break
     unchecked = private(Net(), x, y, verify_every=10**9)
-    unchecked.optimizer.first_kinds = ()
-    unchecked.clipping_engine.retain_inputs = unchecked.schedule.checking = False
+    unchecked.guards.of(Independence).first_done = True
+    unchecked.schedule.checking = False
     xb, yb = next(iter(unchecked.data_loader))
     assert not xb.requires_grad and isinstance(xb, BatchTensor)
 
@@ -359,8 +360,8 @@ def test_adversarial_examples_made_without_gradients_keep_the_link_as_the_messag
 
 def test_row_codes_separate_every_ordered_pair_of_rows():
     for n in (2, 3, 7, 8, 70, 256):
-        codes = _row_codes(n)
+        codes = row_codes(n)
         assert codes.shape[0] == n and codes.sum(1).unique().numel() == 1
         holds = codes[:, None, :] & ~codes[None, :, :]  # bits row i has and row j has not
         assert (holds.any(-1) | torch.eye(n, dtype=torch.bool)).all()
-    assert _row_codes(256).shape[1] == 11
+    assert row_codes(256).shape[1] == 11

@@ -16,10 +16,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
+from tunefree import verify_example_independence
 from tunefree.clipping.functions import clip_function
 from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
-from tunefree.persample.independence import verify_example_independence
 
 R = 0.5
 

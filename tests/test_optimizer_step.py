@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
 from tunefree import PrivacyError
-from tunefree.step import optimizer as optim_module
+from tunefree.guards import independence
 
 HYFREEDP_EVERY_STEP = tunefree.AutoLR(mode="safeguarded", interval=1)
 
@@ -64,7 +64,7 @@ def _component(engine, kind):
 
 INJECTION_POINTS = {  # where step() calls out, and whether that point comes before the release
     "check_no_leak": (lambda e: (e.clipping_engine, "check_no_leak"), True),
-    "independence check": (lambda e: (optim_module, "verify_example_independence"), True),
+    "independence check": (lambda e: (independence, "check"), True),
     "accumulator pop": (lambda e: (e.optimizer.accumulator, "pop"), True),
     "gradient release": (lambda e: (e.optimizer.release, "release"), True),
     "thresholds before_update": (lambda e: (_component(e, "QuantileEstimator"), "before_update"), False),
@@ -220,6 +220,7 @@ def test_hooks_are_restored_when_a_probe_fails():
     with pytest.raises(ValueError, match="one loss per example"):
         engine.optimizer.step(lambda: torch.zeros(len(y) + 1))
     assert "step" not in vars(optimizer)
+    engine.detach()  # the user's optimizer steps on its own again
     optimizer.step()
     assert fired == [1]
 

@@ -6,7 +6,7 @@ from .clipping.functions import CLIP_FUNCTIONS
 from .clipping.groups import GROUPINGS
 from .config import PSAC, Abadi, AdaptiveQuantile, AutoLR, AutoS, AutoV, Fixed
 from .errors import ModelRefused, PrivacyError, SettingsRefused
-from .persample.independence import verify_example_independence
+from .guards.independence import verify_example_independence
 from .pipeline import PrivatePipelineStage, make_private_pipeline
 from .privacy.calculator import epsilon, noise_multiplier
 from .run import DPEngine, Guarantee

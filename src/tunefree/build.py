@@ -27,13 +27,17 @@ from .components.thresholds import AdaptiveQuantile, QuantileEstimator
 from .config import RunConfig
 from .data.poisson import StepSchedule, from_loader, planned_steps, sample_rate_of
 from .errors import SettingsRefused
+from .guards.base import Guards
+from .guards.independence import Independence, ProbeSchedule
+from .guards.inputs import InputProvenance
+from .guards.purity import Purity
+from .guards.state import StateGuard
+from .guards.trainable import TrainableSet
 from .parallel.base import FSDP2, ONE_PROCESS, Parallelism, Single
 from .parallel.ddp import check_same_run, data_parallel, run_identity
 from .parallel.fsdp import check_sharded_options, sharded_data_parallel
 from .persample.accumulator import StepAccumulator
 from .persample.engine import ClippingEngine
-from .persample.independence import ProbeSchedule
-from .persample.state_guard import StateGuard
 from .privacy.canaries import CanaryRelease, GradientCanaries, canary_randomness
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
@@ -43,6 +47,7 @@ from .rules.paths import path_chooser
 from .run import DPEngine
 from .step.component import StepComponent
 from .step.optimizer import DPOptimizer
+from .step.private_step import PrivateStep
 
 
 def detect_parallel(model: nn.Module) -> Parallelism:
@@ -134,28 +139,43 @@ def assemble(run: PlannedRun, model: nn.Module, optimizer: torch.optim.Optimizer
     accumulator = StepAccumulator(parallel.sink(run.groups))
     chooser = path_chooser(config.performance.norm_path, replayable=run.randomness.replayable)
     trainable = [p for g in run.groups for p in g.params]
-    # Between steps the model changes only through the wrapped optimizer's update.
-    guard = StateGuard(run.module, accumulator, trainable, config.public_buffers)
+    inputs = InputProvenance(schedule) if config.poisson_sampling else None
     engine = ClippingEngine(run.module, run.groups, config.clipping, config.loss_reduction, accumulator,
-                            config.batch_dim, batch_source=schedule, retain_inputs=True, path_chooser=chooser,
-                            forward_checks=(guard.before_forward,), check_inputs=config.poisson_sampling)
+                            config.batch_dim, batch_source=schedule, path_chooser=chooser, inputs=inputs)
     try:
+        guards = run_guards(run, engine, trainable, optimizer, accumulator)
+        engine.guards = guards  # the guards read the engine's units: they are told of forwards from now on
         ledger = Ledger(poisson_approximation=not config.poisson_sampling, seeded=not run.randomness.secret)
         for event in plan.prior:  # the releases made before training come first in the run's ledger
             ledger.record(event)
-        private_optimizer = DPOptimizer(
-            optimizer, engine, release, ledger, plan.sample_rate, plan.expected_batch_size, schedule,
-            accumulator, components=components, planned_steps=plan.steps,
-            verify_every=config.performance.verify_every,
-            every_rank=parallel.agree if parallel.kind == FSDP2 else None,
-            probes=ProbeSchedule(run.randomness), state_guard=guard)
+        private_step = PrivateStep(optimizer, engine, release, ledger, accumulator, guards, plan.sample_rate,
+                                   plan.expected_batch_size, components, planned_steps=plan.steps)
+        private_optimizer = DPOptimizer(optimizer, engine, schedule, private_step)
     except ValueError:
         engine.detach()
         raise
     parallel.take_over()
     return DPEngine(model=model, optimizer=private_optimizer, data_loader=loader, clipper=engine,
                     ledger=private_optimizer.ledger, randomness=run.randomness, schedule=schedule,
-                    groups=run.groups, plan=plan, parallel=parallel, canaries=canaries)
+                    groups=run.groups, plan=plan, parallel=parallel, guards=guards, canaries=canaries)
+
+
+def run_guards(run: PlannedRun, engine: ClippingEngine, trainable: list[nn.Parameter],
+               optimizer: torch.optim.Optimizer, accumulator: StepAccumulator) -> Guards:
+    """The run's guards, in the order each point of the step runs them: the trainable set (and no
+    ordinary gradient), the model's state (tensors and numbers where they live), its function (the
+    state by behaviour, on checked steps), example independence (on checked steps). A refusal drops
+    the step's booked sums."""
+    config = run.config
+    state = StateGuard(run.module, trainable, config.public_buffers)
+    every_rank = run.parallel.agree if run.parallel.kind == FSDP2 else None
+    return Guards([
+        TrainableSet(run.module, trainable, optimizer, leaks=lambda: engine.check_no_leak()),
+        state,
+        Purity(run.module, engine, run.schedule, after_probes=state.after_probes),
+        Independence(run.module, engine, run.schedule, ProbeSchedule(run.randomness),
+                     config.performance.verify_every, every_rank, after_probes=state.after_probes),
+    ], drop=accumulator.pop)
 
 
 def check_delta(delta: float, num_examples: int | None) -> None:

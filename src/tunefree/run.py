@@ -17,6 +17,8 @@ from .components.thresholds import QuantileEstimator
 from .config import read_description
 from .data.poisson import PoissonDataLoader, StepSchedule
 from .errors import PrivacyError
+from .guards.base import Guards
+from .guards.state import StateGuard
 from .parallel.base import Parallelism
 from .persample.engine import ClippingEngine
 from .privacy.canaries import GradientCanaries
@@ -24,7 +26,8 @@ from .privacy.ledger import Ledger
 from .privacy.plan import Plan, is_digest_of_0_1
 from .privacy.randomness import NoiseSource
 from .step.component import StepReport
-from .step.optimizer import DPOptimizer, check_updates_recorded
+from .step.optimizer import DPOptimizer
+from .step.private_step import check_updates_recorded
 
 
 @dataclass(frozen=True)
@@ -59,8 +62,9 @@ class DPEngine:
     def __init__(self, *, model: nn.Module, optimizer: DPOptimizer, data_loader: Any,
                  clipper: ClippingEngine, ledger: Ledger, randomness: NoiseSource,
                  schedule: StepSchedule, groups: list[ClipGroup], plan: Plan,
-                 parallel: Parallelism, canaries: GradientCanaries | None = None):
+                 parallel: Parallelism, guards: Guards, canaries: GradientCanaries | None = None):
         self.model, self.optimizer, self.data_loader = model, optimizer, data_loader
+        self.guards = guards  # the invariants each step is checked against (guards/)
         self.clipper, self.ledger, self.randomness = clipper, ledger, randomness
         self.schedule, self.groups, self.plan = schedule, groups, plan
         self.parallel = parallel  # how the run spans processes (its kind, rank and world size)
@@ -160,14 +164,15 @@ class DPEngine:
         """A block of writes to the model between private steps that depend on public values only (the
         released weights, public data, the step count), e.g. a weight projection after ``step()``:
         ``with engine.public_writes(): project(model)``. Any other change of the model outside the
-        private step is refused (``persample.state_guard``); the block itself is refused if the model
-        changed before it."""
-        return self.optimizer.state_guard.public_writes()
+        private step is refused (``guards/state.py``); the block itself is refused if the model changed
+        before it."""
+        return self.guards.of(StateGuard).public_writes()
 
     def detach(self) -> nn.Module:
         """Remove every hook; the model is a plain module (or DDP model) again and the private optimizer
         is done."""
         self.clipper.detach()
+        self.optimizer.private_step.detach()
         self.parallel.release_model()
         return self.model
 
@@ -193,7 +198,7 @@ class DPEngine:
         self.schedule.load_state_dict(state["schedule"])
         self._check_resumed_steps()
         # The resumed model (loaded with the checkpoint's weights) is the state the guard compares with.
-        self.optimizer.state_guard.snapshot()
+        self.guards.of(StateGuard).snapshot()
 
     def _check_same_plan(self, state: Mapping[str, Any]) -> None:
         """The checkpoint's plan is this run's. A checkpoint of 0.1 (plan description format 1, a data

@@ -22,7 +22,7 @@ nothing). The trainable set is fixed when the engine is built.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -43,7 +43,6 @@ from ..rules.layout import Axis, CallLayout, Dim
 from ..rules.paths import PathChooser
 from ..rules.summed import SummedUses
 from .accumulator import StepAccumulator
-from .inputs import InputProvenance
 from .layout import (
     BatchDim,
     DeclaredDims,
@@ -83,6 +82,34 @@ class BatchSource(Protocol):
 
     batch_serial: int
     batch_examples: int | None
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """A training call of the model, as the root hook sees it: its plain inputs (provenance taken off), the
+    examples of the batch by provenance (``None``: not known), and, for each input leaf in
+    ``tree_flatten((args, kwargs))`` order, whether it was computed from the Poisson loader's batch
+    (``None``: no provenance, the loop's own loader)."""
+
+    args: tuple
+    kwargs: dict
+    examples: int | None
+    from_loader: tuple[bool, ...] | None
+
+
+class InputCheck(Protocol):
+    """What the model trains on (``guards/inputs.py``): takes the provenance off a model call's inputs and
+    says why a training call must not be booked (``None``: it may), and which leaves come from the
+    loader's batch."""
+
+    def model_call(self, args: tuple, kwargs: dict, training: bool, root: int
+                   ) -> tuple[tuple, dict, str | None, tuple[bool, ...]]: ...
+
+
+class ForwardGuard(Protocol):
+    """A private run's guards (``guards/base.py``), at the start of every training call of the model."""
+
+    def before_forward(self, call: ModelCall) -> None: ...
 
 
 class _EnableGrad(torch.autograd.Function):
@@ -227,14 +254,12 @@ class ClippingEngine:
             gradients) pick one: timed once per layer shape by default; ``PathChooser(measure=False)``
             follows the cost formula (deterministic), ``PathChooser(fixed="ghost")`` forces a path.
             Privacy does not depend on it.
-        retain_inputs: keep the inputs of every training call from now on in ``retained`` (the private
-            optimizer's independence check reads them, every physical batch of a checked step, before
-            the step's release, and sets the flag for the next step).
-        forward_checks: run at the start of each captured forward pass, after the trainable-set check
-            (a private run's state guard: the model changed only through the optimizer's update).
-        check_inputs: with the Poisson loader's ``batch_source``, refuse a training call of the model
+        guards: a private run's guards (``guards/``), told of every training call of the model before it
+            runs (``before_forward``: the trainable set, the model's state, the inputs a checked step
+            keeps for its checks).
+        inputs: with the Poisson loader's ``batch_source``, refuse a training call of the model
             given no tensor of the loader's last batch (the sample the guarantee accounts for) and, on
-            checked steps, inputs whose rows depend on other examples (``persample/inputs.py``).
+            checked steps, inputs whose rows depend on other examples (``guards/inputs.py``).
 
     Each group's clip threshold starts at its configured ``threshold``; the private step hands the
     thresholds of each following step over with :meth:`begin_step`.
@@ -248,8 +273,8 @@ class ClippingEngine:
     def __init__(self, model: nn.Module, groups: list[ClipGroup], clip: ClipFunction,
                  loss_reduction: str = "mean", accumulator: StepAccumulator | None = None,
                  batch_dim: BatchDim = 0, *, batch_source: BatchSource | None = None,
-                 path_chooser: PathChooser | None = None, retain_inputs: bool = False,
-                 forward_checks: Sequence[Callable[[], None]] = (), check_inputs: bool = False):
+                 path_chooser: PathChooser | None = None, guards: ForwardGuard | None = None,
+                 inputs: InputCheck | None = None):
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.model, self.groups, self.clip = model, groups, clip
@@ -264,22 +289,16 @@ class ClippingEngine:
         self.accumulator = StepAccumulator() if accumulator is None else accumulator
         self.batch_source = batch_source
         # With the Poisson loader (``batch_source``): the model must train on the loader's last batch.
-        self.input_provenance = None if batch_source is None or not check_inputs else \
-            InputProvenance(batch_source, self.declared.root)
+        self.input_provenance = inputs if batch_source is not None else None
         self._pass = _PassState()
         self._recomputing = False
         self._suspended = 0
         self._broadcast: _Broadcast | None = None
-        self.retain_inputs = retain_inputs  # keep the next root call's inputs (the independence check)
-        # While ``retain_inputs``: every training call's inputs and its examples (by provenance), so that
-        # a checked step checks each of its physical batches.
-        self.retained: list[tuple[Capture, int | None]] = []
         self.grad_scaler: torch.amp.GradScaler | None = None
         self.thresholds: dict[str, float] = {g.name: g.threshold for g in groups}
         self.path_chooser = PathChooser() if path_chooser is None else path_chooser
         self._leaked: set[str] = set()
-        # Run at the start of each captured forward pass, after the trainable-set check (the state guard).
-        self.forward_checks = tuple(forward_checks)
+        self.guards = guards
         self._attach()
 
     # ------------------------------------------------------------------ set-up
@@ -345,14 +364,13 @@ class ClippingEngine:
 
     def _new_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         training = self._capturing() and not self._pass.in_backward
-        refusal = None
+        refusal, from_loader = None, None
         if self.input_provenance is not None:  # the model computes on the call's plain tensors
-            args, kwargs, refusal = self.input_provenance.model_call(args, kwargs, training)
+            args, kwargs, refusal, from_loader = self.input_provenance.model_call(args, kwargs, training,
+                                                                                  self.declared.root)
         if training:
-            self._check_trainable_set()
-            for check in self.forward_checks:
-                check()
-            retain = self.retain_inputs
+            if self.guards is not None:
+                self.guards.before_forward(ModelCall(args, kwargs, self._expected_examples(), from_loader))
             # Calls of a forward pass that never had a backward pass released nothing: forget them.
             for use in self._pass.uses:
                 use.superseded = not use.done
@@ -361,8 +379,6 @@ class ClippingEngine:
             self._pass.input_refusal = refusal
             self._pass.call_examples = _root_examples(args, kwargs, self.declared.root) \
                 if self._serial() == 0 else None
-            if retain:
-                self.retained.append((_capture(args, kwargs)[0], self._expected_examples()))
             if self._has_fallback:  # only the fallback needs to tell batch data from the model's own
                 self._pass.batch_storages = _storages(_flatten_call(args, kwargs)[0])
                 self._pass.model_storages = _storages([*self.model.parameters(),
@@ -411,23 +427,6 @@ class ClippingEngine:
                     and (x.dim() <= dim or x.shape[dim] != broadcast.examples))):
                 return None
         return broadcast.examples
-
-    def _check_trainable_set(self) -> None:
-        """The parameters that require grad must be exactly those clipped and noised since
-        make_private: a frozen one would still be noised and updated, a new one never clipped."""
-        if all(p.requires_grad == (p in self._group_of) for p in self.model.parameters()):
-            return
-        for name, p in self.model.named_parameters():
-            if p.requires_grad != (p in self._group_of):
-                change = ("was trainable at make_private but no longer requires grad" if p in self._group_of
-                          else "requires grad but was not trainable at make_private")
-                raise PrivacyError(
-                    f"parameter {name!r} {change}: the trainable set is fixed "
-                    "when make_private plans the run (its clip groups and noise); to change it, call "
-                    "make_private again on the model with the parameters frozen or unfrozen as wanted, "
-                    "and carry the budget spent so far over with "
-                    "new_engine.ledger.load_state_dict(engine.ledger.state_dict())"
-                )
 
     # The forward hooks mark the engine's own work (``in_hook``), which reads parameters for no model output.
     def _pre_forward(self, unit: Unit) -> None:

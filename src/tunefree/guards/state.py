@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from ..errors import PrivacyError
-from .accumulator import StepAccumulator
+from .base import Guard, ModelCall
 
 POSITIONS = 4  # secret positions per tensor in its fingerprint
 _CONTAINER_LIMIT = 64  # lists, tuples and dicts up to this size are compared item by item
@@ -99,38 +99,51 @@ class _Value:
     length: int | None = None
 
 
-class StateGuard:
+class StateGuard(Guard):
     """Refuses any change of the model's state between private steps other than the optimizer's update.
 
     Args:
         model: the module the engine hooks (inside a DDP wrapper, the wrapped module).
-        accumulator: the step's clipped sums, dropped on refusal: nothing of the step is released.
         trainable: the parameters the wrapped optimizer updates (and nothing else may change).
         public_buffers: names of buffers or attributes (``"module.path.name"``, as ``named_buffers``
             spells them) that are written from public information only; they are not compared.
     """
 
-    def __init__(self, model: nn.Module, accumulator: StepAccumulator, trainable: Iterable[nn.Parameter],
+    def __init__(self, model: nn.Module, trainable: Iterable[nn.Parameter],
                  public_buffers: Iterable[str] = ()):
-        self.model, self.accumulator = model, accumulator
+        self.model = model
         self.trainable = list(trainable)
         self.public = _checked_public_names(model, public_buffers)
         self._generator = torch.Generator().manual_seed(secrets.randbits(63))
         self._seen: dict[str, tuple[str, _Tensor | _Value]] = {}
         self.snapshot()
 
-    # -- the checks and the renewals
-    def before_forward(self) -> None:
+    # -- the guard's points of the step
+    def before_forward(self, call: ModelCall) -> None:
         """The quick check, at the start of each captured (training) forward pass."""
         self.check("at the start of a training forward pass", full=False)
 
+    def before_release(self, step: int) -> None:
+        self.check("before the release of a step")
+
+    def before_update(self, step: int) -> None:
+        """Quick: the step components may have run the model (HyFreeDP's probes)."""
+        self.check("before the optimizer's update", full=False, released=True)
+
+    def after_update(self, step: int) -> None:
+        self.updated()
+
+    def after_probes(self, when: str) -> None:
+        """Quick, after a check's own forward passes (``when``: which check's)."""
+        self.check(when, full=False)
+
+    # -- the checks and the renewals
     def check(self, when: str, *, full: bool = True, released: bool = False) -> None:
-        """Raise (dropping the step's sums) if anything changed since the state was taken; ``full``
-        compares every fingerprint (sees writes through ``.data``), else identities and versions first.
-        ``released``: the step's release was already made (and recorded); its update is not applied."""
+        """Raise if anything changed since the state was taken; ``full`` compares every fingerprint (sees
+        writes through ``.data``), else identities and versions first. ``released``: the step's release
+        was already made (and recorded); its update is not applied."""
         changes = self._changes(full)
         if changes:
-            self.accumulator.pop()
             raise PrivacyError(_refusal(changes, when, released))
 
     def updated(self) -> None:

@@ -27,9 +27,6 @@ read alone; a collate_fn sees the whole batch and is trusted).
 
 from __future__ import annotations
 
-import functools
-import itertools
-import math
 from typing import Any
 
 import torch
@@ -37,32 +34,36 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from ..data.poisson import StepSchedule
 from ..data.provenance import HANDED_ON, WANTS_GRADIENT, HandedOut, plain, sources_of
+from .probe import row_codes
 
 _ROW_FIX = ("transform each example on its own: random crops and flips, casts, normalisation by constants "
             "and padding, per example, are fine (docs/refusals.md shows them)")
 
 
 class InputProvenance:
-    """Checks each training call of the model against what ``schedule``'s Poisson loader handed out.
-    ``root``: the dimension of the model's inputs that carries the examples (``batch_dim``); the loader's
-    tensors carry them in that dimension or in dimension 0."""
+    """Checks each training call of the model against what ``schedule``'s Poisson loader handed out."""
 
-    def __init__(self, schedule: StepSchedule, root: int = 0):
-        self.schedule, self.root = schedule, root
+    def __init__(self, schedule: StepSchedule):
+        self.schedule = schedule
 
-    def model_call(self, args: tuple, kwargs: dict, training: bool) -> tuple[tuple, dict, str | None]:
-        """The call's inputs without their provenance, and, for a training call, why its backward must
-        not book it (``None``: it may)."""
+    def model_call(self, args: tuple, kwargs: dict, training: bool, root: int = 0
+                   ) -> tuple[tuple, dict, str | None, tuple[bool, ...]]:
+        """The call's inputs without their provenance; for a training call, why its backward must not book
+        it (``None``: it may); and for each input leaf, whether it was computed from the loader's batch.
+        ``root``: the dimension of the model's inputs that carries the examples (``batch_dim``); the
+        loader's tensors carry them in that dimension or in dimension 0."""
         with_paths, spec = tree_flatten_with_path((args, kwargs))
         leaves = [leaf for _, leaf in with_paths]
         inputs = [plain(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        sources = [sources_of(leaf) if isinstance(leaf, torch.Tensor) else frozenset() for leaf in leaves]
         refusal = None
         if training:
-            named = [(_input_name(path), x, sources_of(leaf)) for (path, leaf), x in zip(with_paths, inputs)]
-            refusal = self._refusal([n for n in named if n[2]])
-            inputs = [self._unlinked(x, sources_of(leaf)) for x, leaf in zip(inputs, leaves)]
+            named = [(_input_name(path), x, found)
+                     for (path, _), x, found in zip(with_paths, inputs, sources)]
+            refusal = self._refusal([n for n in named if n[2]], root)
+            inputs = [self._unlinked(x, found) for x, found in zip(inputs, sources)]
         args, kwargs = tree_unflatten(inputs, spec)
-        return args, kwargs, refusal
+        return args, kwargs, refusal, tuple(bool(found) for found in sources)
 
     def _unlinked(self, x: Any, sources: frozenset) -> Any:
         """``x`` without the gradient link to the loader's rows that a checked step's check needed, so
@@ -77,7 +78,7 @@ class InputProvenance:
         reached = _leaves_reached(x)
         return x.detach() if reached is not None and reached <= loader else x
 
-    def _refusal(self, derived: list[tuple[str, torch.Tensor, frozenset]]) -> str | None:
+    def _refusal(self, derived: list[tuple[str, torch.Tensor, frozenset]], root: int) -> str | None:
         record = self.schedule.handed_out
         serials = {serial for _, _, sources in derived for serial, _ in sources}
         if record is None or not derived:
@@ -89,7 +90,7 @@ class InputProvenance:
                     "from the batch of the current iteration (keep no tensor of an earlier batch)")
         if not record.checking or record.examples < 2:
             return None
-        return next(filter(None, (_row_refusal(name, x, sources, record, self.root)
+        return next(filter(None, (_row_refusal(name, x, sources, record, root)
                                    for name, x, sources in derived)), None)
 
 
@@ -184,7 +185,7 @@ def _mixed_row(x: torch.Tensor, leaves: list[tuple[torch.Tensor, int]]) -> int |
     """A loader row that reaches another row of ``x`` (examples first) through gradients (-1: none does;
     ``None``: no gradient links ``x`` to the loader's rows). One vector–Jacobian product per code bit."""
     n = x.shape[0]
-    codes = _row_codes(n).to(x.device)
+    codes = row_codes(n).to(x.device)
     pattern = torch.cos(torch.arange(x[0].numel(), device=x.device, dtype=x.dtype) * 0.7 + 0.3) + 2.0
     linked = False
     for bit in range(codes.shape[1]):
@@ -217,17 +218,6 @@ def _leaves_reached(x: torch.Tensor, limit: int = 10_000) -> set[int] | None:
             leaves.add(id(variable))
         stack.extend(next_node for next_node, _ in node.next_functions)
     return leaves
-
-
-@functools.lru_cache(maxsize=64)
-def _row_codes(n: int) -> torch.Tensor:
-    """[n, m] flags: row i's code, a distinct set of ⌊m/2⌋ of m bits, m the least with C(m, ⌊m/2⌋) ≥ n.
-    Two distinct codes of one size are never nested, so for any rows i ≠ j some bit is i's and not j's."""
-    m = next(m for m in itertools.count(2) if math.comb(m, m // 2) >= n)
-    codes = torch.zeros(n, m, dtype=torch.bool)
-    for row, bits in enumerate(itertools.islice(itertools.combinations(range(m), m // 2), n)):
-        codes[row, list(bits)] = True
-    return codes
 
 
 def _same_values(x: torch.Tensor, leaf: torch.Tensor) -> bool:

@@ -1,0 +1,371 @@
+"""The example-independence check: each example's activations and output gradients at every trainable
+unit depend on that example alone.
+
+Per-sample clipping bounds one example's contribution only if nothing mixes examples: a batch statistic,
+a time-major layout, a custom ``autograd.Function`` or hook that combines examples or scales their
+gradients by a value computed over the batch. The check watches what the model does, on the whole batch
+(``guards/probe.py``: probe passes that release nothing, restore the RNG state and write no ``.grad``):
+
+- **Backward, certain for every pair.** One forward, then backward passes from a fixed loss whose weight
+  on example i is multiplied by a power of two r_i that differs between any two examples in at least one
+  pass (⌈log₈ n⌉ passes besides the first). Where nothing mixes, example i's gradient at every unit tensor
+  is its own loss weight times its own Jacobian, so it scales by exactly r_i, bit for bit (a power of two
+  changes no rounding). Any dependence of one example's gradient on another's loss weight or activations
+  — a backward that mixes, a forward that mixes along a path with gradients, a scale computed over the
+  batch (a gradient divided by the batch's norm) — breaks the proportion. A backward that is not linear
+  in the loss but mixes nothing (a hook that clamps each gradient) breaks it too: then the check confirms
+  with one backward per mask of a code (:func:`probe.row_codes`) that silences the mask's examples, and
+  refuses only if some other example's gradient changed.
+- **Forward.** Passes that change the examples of a mask (floats get a pattern added, integers take the
+  next example's values): every other example's activations at every unit must stay as they were, bit
+  for bit. This sees mixing along paths without gradients too (``x + x[perm].detach()``, gates decided by
+  a comparison). With the code's masks (the run's first check) every ordered pair is seen; a later check
+  changes one random half, and sees a pair (j reaching i) when j is in it and i is not: probability ≥ ¼.
+
+A private run checks the first step's every physical batch with the code's masks, then each step with
+probability 1/``verify_every`` with one random half (:class:`ProbeSchedule`), each check before the
+step's release.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..errors import PrivacyError
+from ..persample.layout import layout_hint
+from ..privacy.randomness import NoiseSource
+from ..rules.layout import Dim
+from . import probe
+from .base import Guard, ModelCall
+from .probe import Call, Fingerprint, Flags, Slot, Tape
+
+_FIX = ("Keep the example dimension first (batch_first=True), use no batch statistics (e.g. h - h.mean(0), "
+        "BatchNorm), and no custom autograd.Function or hook that mixes examples or scales their gradients "
+        "by a value computed over the batch (e.g. the batch's gradient norm).")
+
+_RATIO_BASE = 8  # the powers of two 1, 2, …, 2⁷ scale the examples' loss weights in a backward
+
+
+def ratio_digits(n: int) -> int:
+    """The backward passes after the first that tell ``n`` examples apart: ⌈log₈ n⌉, at least 1."""
+    return max(1, math.ceil(math.log(max(n, 2), _RATIO_BASE) - 1e-9))
+
+
+def ratio_exponents(n: int, digits: int | None = None) -> torch.Tensor:
+    """[d, n]: example i's exponent in each backward after the first, the base-8 digits of i, so that any
+    two examples differ in some backward (d = ``digits``, at least :func:`ratio_digits`)."""
+    d = ratio_digits(n) if digits is None else digits
+    index = torch.arange(n)
+    return torch.stack([(index // _RATIO_BASE ** k) % _RATIO_BASE for k in range(d)])
+
+
+def perturbed(args: tuple, kwargs: dict, n: int, mask: torch.Tensor, dim: int = 0) -> tuple[tuple, dict]:
+    """Change the examples of ``mask`` in every batched tensor input (``n`` in dimension ``dim``): floats
+    get a pattern added, integers take the next example's values (the last one its predecessor's, unless
+    that one changes too). A batch whose rows are in order (sorted lengths) stays in order."""
+    index = torch.arange(n)
+    source = torch.where(mask, (index + 1).clamp(max=n - 1), index)
+    if mask[-1] and n > 1 and not mask[-2]:
+        source[-1] = n - 2
+
+    def change(t: object) -> object:
+        if not isinstance(t, torch.Tensor) or t.dim() <= dim or t.shape[dim] != n:
+            return t
+        if not t.is_floating_point():
+            return t.detach().index_select(dim, source.to(t.device))
+        t = t.detach().clone()
+        rows = t.movedim(dim, 0)  # a view: writing its rows writes t
+        where = mask.to(t.device)
+        rows[where] += probe.pattern(rows[where], 1.0)
+        return t
+    return tuple(change(a) for a in args), {key: change(v) for key, v in kwargs.items()}
+
+
+def code_masks(n: int, bits: int | None = None) -> tuple[torch.Tensor, ...]:
+    """The masks of the code of ``n`` examples (of ``bits`` masks, at least as many as it needs): for every
+    ordered pair (j, i), one holds j and not i."""
+    codes = probe.row_codes(n, bits)
+    return tuple(codes[:, bit].clone() for bit in range(codes.shape[1]))
+
+
+def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: dict | None = None,
+                                seed: int = 0, examples: int | None = None,
+                                masks: Sequence[torch.Tensor] | None = None) -> None:
+    """Raise PrivacyError unless example i's activations and output gradients at every trainable unit
+    depend on example i alone. ``args``/``kwargs`` are one real batch's root-call inputs, examples in
+    the dimension declared for the model's inputs (``engine.declared.root``, 0 by default; at least 2).
+    Each unit's tensors are read where its calls' layout puts their examples. ``examples``: the batch's
+    count by provenance (the private loader's); without it, that of the first input tensor. ``masks``:
+    the examples the forward check changes, one pass each (default: the code's, which see every pair; a
+    private run's later checks draw one random half). Costs, on the whole batch, one forward with
+    gradients and 1 + ⌈log₈ n⌉ backward passes to the units' tensors (no parameter gradient), plus one
+    forward per mask."""
+    kwargs = kwargs or {}
+    root = engine.declared.root
+    n = examples if examples is not None else examples_in(args, kwargs, root)
+    if n < 2:
+        raise ValueError("verify_example_independence needs a batch of at least 2 examples in dimension "
+                         f"{root} of the model's inputs")
+    check(model, engine, args, kwargs, n, code_masks(n) if masks is None else tuple(masks), seed=seed)
+
+
+def examples_in(args: tuple, kwargs: dict, root: int = 0) -> int:
+    """Examples in a model call's inputs: dimension ``root`` of its first tensor with that dimension."""
+    leaves = tree_flatten((args, kwargs))[0]
+    return next((t.shape[root] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > root), 0)
+
+
+def check(model: nn.Module, engine, args: tuple, kwargs: dict, n: int, masks: Sequence[torch.Tensor],
+          seed: int = 0, agree: Callable[[bool], bool] | None = None) -> None:
+    """:func:`verify_example_independence` on a batch of ``n`` ≥ 2 examples with the forward check's
+    ``masks``. ``agree`` (processes whose passes are collectives, FSDP2): whether a flag holds on every
+    process; the processes run as many passes as the one that needs most, and the confirmation if any
+    needs it."""
+    root = engine.declared.root
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > root]
+    units = [u for u in engine.units if any(p.requires_grad for p in u.direct.values())]
+    inputs = {probe.storage(t) for t in tensors if t.shape[root] == n}
+    exponents = ratio_exponents(n, agreed(ratio_digits(n), agree))
+    base_factors = probe.example_factors(n)
+    factors = [base_factors] + [base_factors * 2.0 ** e.double() for e in exponents]
+    with probe.preserved_randomness(), engine.no_capture():
+        base = probe.record(model, units, args, kwargs, examples=n, root=root, seed=seed, factors=factors,
+                            model_inputs=inputs)
+        for mask in masks:
+            changed = probe.record(model, units, *perturbed(args, kwargs, n, mask, root), examples=n,
+                                   root=root, seed=seed, like=base)
+            _raise_forward_mixing(base, changed, mask)
+        confirm = _disproportion(base, exponents) is not None
+        if agree is not None:
+            confirm = not agree(not confirm)
+        if confirm:
+            _confirm_backward_mixing(model, units, args, kwargs, n, root, seed, base_factors,
+                                     agreed(probe.code_bits(n), agree))
+
+
+def agreed(local: int, agree: Callable[[bool], bool] | None) -> int:
+    """The largest of the processes' ``local`` counts (one process: its own), by a few collectives."""
+    if agree is None:
+        return local
+    return next(k for k in itertools.count(1) if agree(local <= k))
+
+
+# ------------------------------------------------------------------------------------------ forward
+def _raise_forward_mixing(base: Tape, changed: Tape, mask: torch.Tensor) -> None:
+    """Every unit call of ``changed`` must match ``base`` outside ``mask`` (one host read)."""
+    flags = Flags()
+    regrouped = False  # whether a call's structure (hence the kernels' grouping of examples) changed
+    for name, calls in changed.calls.items():
+        before = base.calls.get(name, [])
+        for index, call in enumerate(calls):
+            if index >= len(before) or len(call.values) != len(before[index].values):
+                flags.certain = flags.certain or (call, None, None, None)
+                continue
+            old = before[index]
+            regrouped |= len(call.structure) != len(old.structure) or not all(
+                torch.equal(x, y) for x, y in zip(call.structure, old.structure))
+            for slot, a, b in zip(call.slots, old.values, call.values):
+                rows = probe.changed_rows(a, b, regrouped)
+                if rows is None:
+                    flags.certain = flags.certain or (call, slot, a, b)
+                else:
+                    flags.add(probe.outside(rows, a, mask), (call, slot, a, b))
+    if len(changed.calls) != len(base.calls) and flags.certain is None:
+        missing = next(calls[0] for name, calls in base.calls.items() if name not in changed.calls)
+        flags.certain = (missing, None, None, None)
+    failure = flags.first()
+    if failure is not None:
+        raise PrivacyError(_forward_mixing(*failure, mask))
+
+
+def _forward_mixing(call: Call, slot: Slot | None, a: Fingerprint | None, b: Fingerprint | None,
+                    mask: torch.Tensor) -> str:
+    unit = call.unit
+    if slot is None:
+        return (f"module {unit.name!r} mixes examples in its forward: changing {_which(mask)} changed which "
+                f"tensors it is called with. {_FIX}")
+    where = "as a whole (not per example)" if not a.batched else \
+        f"with its examples in {slot.axis.describe()}"
+    found = next((dim for dim in a.other_dims
+                  if probe.unchanged_elsewhere(a.other_dims[dim], b.other_dims.get(dim), mask)), None)
+    hint = _FIX if found is None or not isinstance(slot.axis, Dim) else \
+        f"Changing {_which(mask)} changed only {_which(mask, 'row')} of dimension {found} of this " + \
+        "tensor: " + layout_hint(unit.name, unit.module, unit.rule, slot.axis.dim, found) + "."
+    return (f"module {unit.name!r} mixes examples in its forward: changing {_which(mask)} changed another "
+            f"example's activations in its {slot.what} (shape {slot.shape}, read {where}). {hint}")
+
+
+def _which(mask: torch.Tensor, noun: str = "example") -> str:
+    """``example 3`` for one example, ``examples 0, 2, 5`` for several (the first eight named)."""
+    rows = mask.nonzero().flatten().tolist()
+    if len(rows) == 1:
+        return f"{noun} {rows[0]}"
+    return f"{noun}s " + ", ".join(map(str, rows[:8])) + (", …" if len(rows) > 8 else "")
+
+
+# ----------------------------------------------------------------------------------------- backward
+def _disproportion(base: Tape, exponents: torch.Tensor) -> tuple[Call, int] | None:
+    """A unit tensor whose gradients do not scale with each example's loss weight, exactly (one host
+    read), or ``None``."""
+    flags = Flags()
+    for _, _, call in base.all_calls():
+        for index, grads in call.grads.items():
+            if len(grads) != base.backwards:
+                flags.certain = flags.certain or (call, index)
+                continue
+            first = grads[0]
+            for exponent, grad in zip(exponents, grads[1:]):
+                scale = (2.0 ** exponent.double()).to(first.rows.device, first.rows.dtype)
+                flags.add(grad.rows != first.rows * scale, (call, index))
+    return flags.first()
+
+
+def _confirm_backward_mixing(model: nn.Module, units: list, args: tuple, kwargs: dict, n: int, root: int,
+                             seed: int, factors: torch.Tensor, bits: int) -> None:
+    """Some gradients did not scale with the loss weights: a backward that mixes examples, or one that is
+    not linear but per example. Silence the examples of each mask of a code (of ``bits`` masks) in turn:
+    if any other example's gradient changes, refuse."""
+    masks = code_masks(n, bits)
+    silenced = [factors] + [factors.masked_fill(mask, 0.0) for mask in masks]
+    tape = probe.record(model, units, args, kwargs, examples=n, root=root, seed=seed, factors=silenced)
+    flags = Flags()
+    for _, _, call in tape.all_calls():
+        for index, grads in call.grads.items():
+            for mask, grad in zip(masks, grads[1:]):
+                rows = probe.changed_rows(grads[0], grad)
+                flags.add(probe.outside(rows, grads[0], mask), (call, index, mask, grads[0], grad))
+    failure = flags.first()
+    if failure is not None:
+        raise PrivacyError(_backward_mixing(*failure))
+
+
+def _backward_mixing(call: Call, index: int, mask: torch.Tensor, a: Fingerprint, b: Fingerprint) -> str:
+    slot = call.slots[index]
+    rows = probe.outside(probe.changed_rows(a, b), a, mask)
+    others = (~mask).nonzero().flatten()
+    k = int(others[rows.nonzero()[0]]) if rows.any() else int(others[0])
+    return (f"module {call.unit.name!r} mixes examples in its backward: giving {_which(mask)} zero loss "
+            f"weight changed the gradient of example {k} at its {slot.what} (shape {slot.shape}, read with "
+            f"its examples in {slot.axis.describe()}): one example's gradient depends on the others "
+            f"(examples combined, or a scale computed over the batch). {_FIX}")
+
+
+# ------------------------------------------------------------------------------------- the schedule
+class ProbeSchedule:
+    """When a private run checks example independence, and which examples its forward check changes:
+    drawn from the run's noise source (secret by default; in a seeded run keyed by the step, so that the
+    run replays), so that a model cannot tell a checked step from another.
+
+    The run's first step is checked on every physical batch with the code's masks (every pair seen, in
+    both checks). Later, each step is checked with probability ``1/every``, independently, the forward
+    check on one random half of the batch (each example in it with probability ½, drawn again while it
+    holds all examples or none). A pair (i, j) in which j's data reaches i is caught at a later check
+    with certainty where gradients carry it (the backward check), else with probability ≥ ¼. Mixing
+    present in T later steps is missed by all of them with probability at most (1 − 1/(4·every))^T.
+    """
+
+    _KEY = 1 << 62  # keys of the run's randomness far beyond any step number the sampling uses
+
+    def __init__(self, randomness: NoiseSource):
+        self.randomness = randomness
+
+    def due(self, step: int, every: int) -> bool:
+        """Whether logical step ``step`` (after the first) is checked (with probability ``1/every``)."""
+        return every == 1 or bool(self._draw(step, 0, 1, 1 / every)[0])
+
+    def masks(self, step: int, n: int, first: bool, bits: int | None = None) -> tuple[torch.Tensor, ...]:
+        """The forward check's masks on a batch of ``n`` ≥ 2 examples: the code's (of ``bits`` masks, at
+        least as many as it needs) for the ``first`` check, else one random half."""
+        return code_masks(n, bits) if first else (self._half(step, 2, n),)
+
+    def _half(self, step: int, purpose: int, n: int) -> torch.Tensor:
+        """A random subset of the n examples, neither empty nor all of them (drawn again up to 64 times,
+        then the first example alone: a fair source gets there with probability below 2^-64)."""
+        for attempt in range(64):
+            mask = self._draw(step, purpose, n, 0.5, attempt)
+            if 0 < int(mask.sum()) < n:
+                return mask
+        return torch.arange(n) == 0
+
+    def _draw(self, step: int, purpose: int, count: int, rate: float, attempt: int = 0) -> torch.Tensor:
+        """Each of ``count`` flags set with probability ``rate``; in a seeded run, keyed by (step, purpose,
+        attempt) on keys that no sampling step uses."""
+        return self.randomness.inclusion(self._KEY + ((4 * step + purpose) << 16) + attempt, count, rate)
+
+
+# ---------------------------------------------------------------------------------------- the guard
+CHECK_INTERVAL = 24  # the expected number of steps between two later checks when verify_every is not given
+
+
+class Independence(Guard):
+    """Checks example independence before the releases of the steps the schedule draws.
+
+    Args:
+        model: the module the engine hooks.
+        engine: the per-sample engine (its trainable units, declared example dimension, ``no_capture()``).
+        schedule: the step schedule; its ``checking`` flag, set here before each step, tells the loader and
+            the input check (``guards/inputs.py``) and :mod:`.purity` whether the step is checked.
+        probes: which later steps are checked and on which examples, from the run's randomness.
+        verify_every: a later step is checked with probability 1/verify_every (``None``: 1/24; 1: every
+            step); the first step is always checked.
+        every_rank: under FSDP2, whose forward passes are collectives: whether a flag is True on every
+            rank, so that every rank runs the check or none does (``None``: one process).
+        after_probes: called after each check's passes, with where it is (the state guard's quick check).
+
+    Every physical batch of a checked step is checked (mixing that some data trigger in one micro-batch
+    only, too). A batch of fewer than two examples cannot mix; a first check due on a step without a
+    larger one waits for the next step. Under FSDP2, whose ranks hold different numbers of micro-batches,
+    the ranks check their first physical batch together, when every rank holds two examples or more.
+    """
+
+    def __init__(self, model: nn.Module, engine, schedule, probes: ProbeSchedule,
+                 verify_every: int | None = None, every_rank: Callable[[bool], bool] | None = None,
+                 after_probes: Callable[[str], None] | None = None):
+        self.model, self.engine, self.schedule, self.probes = model, engine, schedule, probes
+        self.verify_every, self.every_rank, self.after_probes = verify_every, every_rank, after_probes
+        self.first_done = False  # whether the first (certain) check has run and passed
+        self.retained: list[tuple[tuple, dict, int | None]] = []
+        self.schedule.checking = True
+
+    def before_forward(self, call: ModelCall) -> None:
+        if self.schedule.checking:
+            self.retained.append(_detached(call))
+
+    def before_release(self, step: int) -> None:
+        retained, self.retained = self.retained, []
+        root = self.engine.declared.root
+        batches = [(args, kwargs, examples_in(args, kwargs, root) if n is None else n)
+                   for args, kwargs, n in retained]
+        if self.every_rank is not None:  # a check is due: on every rank alike, one batch each
+            batches = batches[:1]
+            if batches and not self.every_rank(batches[0][2] >= 2):
+                batches = []
+        batches = [batch for batch in batches if batch[2] >= 2]
+        if batches:
+            for args, kwargs, n in batches:
+                bits = agreed(probe.code_bits(n), self.every_rank) if not self.first_done else None
+                masks = self.probes.masks(step, n, first=not self.first_done, bits=bits)
+                check(self.model, self.engine, args, kwargs, n, masks, agree=self.every_rank)
+            if self.after_probes is not None:
+                self.after_probes("after the example-independence check")
+            self.first_done = True
+        self.schedule.checking = self._due(step + 1)
+
+    def _due(self, step: int) -> bool:
+        """Whether logical step ``step`` is checked: until the first check has run, every step; then each
+        with probability ``1/verify_every``, drawn from the run's randomness. Under FSDP2 the ranks agree
+        (a step is checked if any rank drew it)."""
+        due = not self.first_done or self.probes.due(step, self.verify_every or CHECK_INTERVAL)
+        return due if self.every_rank is None else not self.every_rank(not due)
+
+
+def _detached(call: ModelCall) -> tuple[tuple, dict, int | None]:
+    leaves, spec = tree_flatten((call.args, call.kwargs))
+    args, kwargs = tree_unflatten([x.detach() if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+    return args, kwargs, call.examples
