@@ -1,23 +1,24 @@
-"""Cost of the example-independence check: one check against one private step, and over a whole run.
+"""Cost of the checks that watch the model (example independence, the model's function): one check against
+one private step, and over a whole run.
 
-A private run checks example independence on its first two steps (a gradient probe, then a forward probe)
-and then on each step with probability 1/``verify_every`` (24 by default), at steps drawn from the run's
-randomness, with a probe of a random kind: a forward probe perturbs a random half of the batch in a
-forward pass without gradients (against one more such pass of the batch as it is), a gradient probe
-silences a random half in one forward and one backward pass, on the whole batch. On a checked step the
-Poisson loader also hands out its float tensors as copies of leaves that require gradients and the
-model's inputs are checked against them (``tunefree.data.provenance``).
+A private run checks its first step with certainty for every pair (one forward with gradients, 1 +
+⌈log₈ n⌉ backward passes to the units' tensors, and one forward per mask of a code of ⌈~log₂ n⌉ masks),
+then each step with probability 1/``verify_every`` (24 by default) at steps drawn from the run's
+randomness, the forward check on one random half (two forwards with gradients, the backward passes as
+in the first check). On a checked step the model's function is also probed on two rows before the step's
+first forward and before its release (``guards/purity.py``), the Poisson loader hands out its float
+tensors as copies of leaves that require gradients and the model's inputs are checked against them.
 
-Default: median (and range) time of one probe of each kind, on a random half as a run draws it, against
-one private step (forward, backward, clipping, noise, ledger) of the same model, interleaved, one thread
-(the run's first check is a gradient probe, its second a forward probe). Times are the process's CPU time
-(one thread), which other processes on a shared machine disturb far less than the wall clock.
+Default: median (and range) time of the first check and of a later check against one private step
+(forward, backward, clipping, noise, ledger) of the same model, interleaved, one thread. Times are the
+process's CPU time (one thread), which other processes on a shared machine disturb far less than the wall
+clock.
 ``--run``: the time of a whole run of ``--steps`` steps through the Poisson loader (q = ¼), with the
 checks at their default rate, against the same run with every check switched off, interleaved; and, in
-the checked runs, the CPU time spent inside the independence checks (their share of the run), what the
-checked steps cost beyond as many unchecked steps of the same run (the probes, the input check and
-anything else: less noisy than the A/B of whole runs on a shared machine), and the first check, at step 1
-of each run, against the median step of the unchecked runs.
+the checked runs, the CPU time spent inside the checks (independence and the function probes: their
+share of the run), what the checked steps cost beyond as many unchecked steps of the same run (the
+probes, the input check and anything else: less noisy than the A/B of whole runs on a shared machine),
+and the first check, at step 1 of each run, against the median step of the unchecked runs.
 ``--provenance``: the CPU time per step of what the loader's provenance adds to an unchecked step.
 ``--memory``: the peak memory of three private steps with the check (the first step runs it) and
 without it, each in a fresh process (glibc told to map every block over 128 KiB on its own, so that the
@@ -45,9 +46,10 @@ from torch.utils.data import DataLoader, TensorDataset
 import tunefree
 from tunefree.data.poisson import StepSchedule
 from tunefree.data.provenance import hand_out
-from tunefree.persample.independence import FORWARD, GRADIENT
-from tunefree.persample.inputs import InputProvenance
-from tunefree.step import optimizer as private_step
+from tunefree.guards import independence
+from tunefree.guards.independence import Independence, verify_example_independence
+from tunefree.guards.inputs import InputProvenance
+from tunefree.guards.purity import Purity
 
 sys.path.insert(0, str(Path(__file__).parent))
 from models import BENCHMARKS, benchmark  # noqa: E402
@@ -64,19 +66,25 @@ def _summary(times: list[float]) -> str:
     return f"{statistics.median(times) * 1e3:8.1f}ms [{min(times) * 1e3:.1f}–{max(times) * 1e3:.1f}]"
 
 
-KINDS = ("forward probe", "gradient probe")
+KINDS = ("first check (every pair)", "later check (random half)")
+
+
+def _without_checks(engine: tunefree.DPEngine) -> None:
+    """For a measurement only: no step of ``engine`` is checked from now on."""
+    guard = engine.guards.of(Independence)
+    guard.first_done, guard.verify_every = True, 10**9
+    engine.schedule.checking = False
 
 
 def measure_check(name: str, repeats: int) -> dict[str, list[float]]:
-    """Times of one probe of each kind (each on a random half as a run draws it) and of one private step
-    of ``name``, interleaved."""
+    """Times of the first check (the code's masks: every pair), of a later check (one random half as a
+    run draws it) and of one private step of ``name``, interleaved."""
     torch.manual_seed(0)
     model, x, y, loss_fn = benchmark(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
     engine = tunefree.make_private(model, optimizer, loader, noise_multiplier=1.0, target_delta=1e-3,
                                    poisson_sampling=False, seed=0)
-    engine.optimizer.verify_every = 10**9  # the step measured below runs no check
 
     def step():
         engine.optimizer.zero_grad()
@@ -84,14 +92,15 @@ def measure_check(name: str, repeats: int) -> dict[str, list[float]]:
         engine.optimizer.step()
 
     step()  # warm-up; its release ran the first check once
+    _without_checks(engine)  # the step measured below runs no check
+    schedule = engine.guards.of(Independence).probes
     times: dict[str, list[float]] = {kind: [] for kind in (*KINDS, "step")}
     for k in range(repeats):
-        schedule = engine.optimizer.probes
-        kinds = {"forward probe": schedule.probes(k + 2, len(x), FORWARD),
-                 "gradient probe": schedule.probes(k + 2, len(x), GRADIENT)}
-        for kind, probes in kinds.items():
-            times[kind].append(_seconds(lambda probes=probes: tunefree.verify_example_independence(
-                model, engine.clipping_engine, (x,), probes=probes)))
+        kinds = dict(zip(KINDS, (schedule.masks(1, len(x), first=True),
+                                 schedule.masks(k + 2, len(x), first=False))))
+        for kind, masks in kinds.items():
+            times[kind].append(_seconds(lambda masks=masks: verify_example_independence(
+                model, engine.clipper, (x,), masks=masks)))
         times["step"].append(_seconds(step))
     return times
 
@@ -128,17 +137,21 @@ def _run(name: str, steps: int, mode: str) -> Run:
     engine = tunefree.make_private(model, optimizer, DataLoader(data, batch_size=len(x)),
                                    noise_multiplier=1.0, target_delta=1e-4, steps=steps, seed=0)
     if mode != "checked":
-        engine.optimizer.first_kinds, engine.optimizer.verify_every = (), 10**9
-        engine.clipping_engine.retain_inputs = engine.schedule.checking = False
+        _without_checks(engine)
     checks: dict[int, float] = {}
-    check = private_step.verify_example_independence
+    check, probe_pass = independence.check, Purity._pass
 
-    def timed_check(*args, **kwargs) -> None:
-        start = time.process_time()
-        check(*args, **kwargs)
-        checks[engine.steps + 1] = time.process_time() - start
+    def timed(function):
+        def run(*args, **kwargs):
+            start = time.process_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                step = engine.steps + 1
+                checks[step] = checks.get(step, 0.0) + time.process_time() - start
+        return run
 
-    private_step.verify_example_independence = timed_check
+    independence.check, Purity._pass = timed(check), timed(probe_pass)
     start, flags, per_step = time.process_time(), [], []
     try:
         while engine.steps < steps:
@@ -152,7 +165,7 @@ def _run(name: str, steps: int, mode: str) -> Run:
                 if engine.steps == steps:
                     break
     finally:
-        private_step.verify_example_independence = check
+        independence.check, Purity._pass = check, probe_pass
     return Run(time.process_time() - start, per_step, flags, checks)
 
 
@@ -207,7 +220,7 @@ def peak_memory_child(name: str, check: bool) -> None:
     engine = tunefree.make_private(model, optimizer, loader, noise_multiplier=1.0, target_delta=1e-3,
                                    groups="per-layer", poisson_sampling=False)
     if not check:  # for this measurement only: no check
-        engine.optimizer.first_kinds, engine.optimizer.verify_every = (), 10**9
+        _without_checks(engine)
     Path("/proc/self/clear_refs").write_text("5")  # reset the RSS high-water mark
     start = _rss_mb("VmRSS")
     for _ in range(3):

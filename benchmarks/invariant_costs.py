@@ -23,7 +23,7 @@ from models import BENCHMARKS, HF_BENCHMARKS, SMALL_BENCHMARKS, benchmark
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import tunefree
-from tunefree.persample.state_guard import StateGuard
+from tunefree.guards.state import StateGuard
 from tunefree.privacy.plan import data_digest
 
 GUARDED = ("check", "updated", "snapshot")
@@ -83,7 +83,7 @@ def guard_cost(name: str, steps: int, clock: GuardClock) -> dict[str, float]:
         inside.append(clock.seconds - before)
         with clock.disabled():
             unguarded.append(private_step(engine, loss_fn))
-        clock.renew(engine.optimizer.state_guard)  # untimed: the next guarded step starts from this state
+        clock.renew(engine.guards.of(StateGuard))  # untimed: the next guarded step starts from this state
     params = sum(p.numel() for p in model.parameters())
     tensors = len(list(model.parameters())) + len(list(model.buffers()))
     return {"params": params, "tensors": tensors, "step_ms": 1e3 * statistics.median(guarded),

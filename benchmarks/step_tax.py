@@ -27,11 +27,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
+from tunefree.guards.base import Guards
 from tunefree.persample.engine import ClippingEngine
 from tunefree.privacy.ledger import Ledger
 from tunefree.privacy.mechanisms import GradientRelease
 from tunefree.rules.base import PerSampleGrad
 from tunefree.step.optimizer import DPOptimizer
+from tunefree.step.private_step import PrivateStep
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
@@ -44,12 +46,12 @@ PARTS: dict[str, list[tuple[type, str]]] = {
                                  (ClippingEngine, "_add_use")],
     "clip weights": [(ClippingEngine, "_clip_group")],
     "end of backward (finite check)": [(ClippingEngine, "_end_of_backward")],
-    "privacy checks (leak, trainable set, independence)": [
-        (ClippingEngine, "check_no_leak"), (ClippingEngine, "_check_trainable_set"),
-        (DPOptimizer, "_check_trainable_set"), (DPOptimizer, "_verify_independence")],
+    "privacy checks (guards: trainable set, state, function, independence)": [
+        (Guards, "before_forward"), (Guards, "before_release"), (Guards, "before_update"),
+        (Guards, "after_update")],
     "release (noise)": [(GradientRelease, "release")],
     "ledger": [(Ledger, "record_step")],
-    "zero_grad + optimizer bookkeeping": [(DPOptimizer, "step"), (DPOptimizer, "_private_step"),
+    "zero_grad + optimizer bookkeeping": [(DPOptimizer, "step"), (PrivateStep, "run"),
                               (DPOptimizer, "zero_grad")],
 }
 

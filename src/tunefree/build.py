@@ -169,10 +169,14 @@ def run_guards(run: PlannedRun, engine: ClippingEngine, trainable: list[nn.Param
     config = run.config
     state = StateGuard(run.module, trainable, config.public_buffers)
     every_rank = run.parallel.agree if run.parallel.kind == FSDP2 else None
+    # Under FSDP2 every forward is a collective, and a rank whose batch is empty has nothing to probe: the
+    # model's function is not probed there (its state is still compared where it lives).
+    purity = [] if every_rank is not None else [
+        Purity(run.module, engine, run.schedule, after_probes=state.after_probes)]
     return Guards([
         TrainableSet(run.module, trainable, optimizer, leaks=lambda: engine.check_no_leak()),
         state,
-        Purity(run.module, engine, run.schedule, after_probes=state.after_probes),
+        *purity,
         Independence(run.module, engine, run.schedule, ProbeSchedule(run.randomness),
                      config.performance.verify_every, every_rank, after_probes=state.after_probes),
     ], drop=accumulator.pop)

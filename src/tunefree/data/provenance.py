@@ -5,7 +5,7 @@ computed from one (``x.to(device)``, ``x.float() / 255``, a crop, ``x[perm]``): 
 number of its physical batch and which of the batch's tensors it was computed from. Functions whose
 result does not depend on the values (``zeros_like``, ``randn_like``, ``new_ones``…) drop them. The model
 call takes them off (the model computes on plain tensors) and learns from them whether it was given the
-batch the loader handed out last (``persample/inputs.py``).
+batch the loader handed out last (``guards/inputs.py``).
 
 On the steps the run checks (``StepSchedule.checking``), each float tensor is handed out as a copy of a
 leaf that requires gradients, so that the model call can differentiate its inputs with respect to the

@@ -15,6 +15,7 @@ flag; only a failure is then located and described.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -188,6 +189,25 @@ def row_codes(n: int, bits: int | None = None) -> torch.Tensor:
     for row, bits in enumerate(itertools.islice(itertools.combinations(range(m), m // 2), n)):
         codes[row, list(bits)] = True
     return codes
+
+
+def autocast_regions() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocast regions active now (device type, dtype): a pass run later replays them."""
+    return tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                 if torch.is_autocast_enabled(device))
+
+
+@contextmanager
+def in_regions(regions: Sequence[tuple[str, torch.dtype]]) -> Iterator[None]:
+    """Exactly ``regions`` active (and no other autocast) inside the block."""
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda"):
+            dtype = dict(regions).get(device)
+            if dtype is not None:
+                stack.enter_context(torch.autocast(device_type=device, dtype=dtype))
+            elif torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device_type=device, enabled=False))
+        yield
 
 
 # ------------------------------------------------------------------------------------------ the tape

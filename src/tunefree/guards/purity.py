@@ -52,6 +52,7 @@ class Purity(Guard):
         self._step: int | None = None  # the logical step whose first forward was probed
         self._inputs: tuple[tuple, dict, int] | None = None
         self._before: Tape | None = None
+        self._regions: tuple = ()
 
     def before_forward(self, call: ModelCall) -> None:
         step = self.schedule.consumed
@@ -61,6 +62,7 @@ class Purity(Guard):
         if inputs[2] == 0:
             return  # an empty batch: nothing to run (a later forward of the step may have examples)
         self._step, self._inputs = step, inputs
+        self._regions = probe.autocast_regions()  # the forward's precision, replayed after the backward
         self._before = self._pass(after_probe=False)  # its writes are the step's: seen before the release
 
     def before_release(self, step: int) -> None:
@@ -88,7 +90,7 @@ class Purity(Guard):
         args, kwargs, n = self._inputs
         engine = self.engine
         units = [u for u in engine.units if any(p.requires_grad for p in u.direct.values())]
-        with probe.preserved_randomness(), engine.no_capture():
+        with probe.preserved_randomness(), probe.in_regions(self._regions), engine.no_capture():
             tape = probe.record(self.model, units, args, kwargs, examples=n, root=engine.declared.root,
                                 seed=_SEED, factors=[probe.example_factors(n)], like=like)
         if after_probe and self.after_probes is not None:
