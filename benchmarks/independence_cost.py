@@ -91,7 +91,7 @@ def measure_check(name: str, repeats: int) -> dict[str, list[float]]:
                  "gradient probe": schedule.probes(k + 2, len(x), GRADIENT)}
         for kind, probes in kinds.items():
             times[kind].append(_seconds(lambda probes=probes: tunefree.verify_example_independence(
-                model, engine.clipping_engine, (x,), probes=probes)))
+                model, engine.clipper, (x,), probes=probes)))
         times["step"].append(_seconds(step))
     return times
 
@@ -129,7 +129,7 @@ def _run(name: str, steps: int, mode: str) -> Run:
                                    noise_multiplier=1.0, target_delta=1e-4, steps=steps, seed=0)
     if mode != "checked":
         engine.optimizer.first_kinds, engine.optimizer.verify_every = (), 10**9
-        engine.clipping_engine.retain_inputs = engine.schedule.checking = False
+        engine.clipper.retain_inputs = engine.schedule.checking = False
     checks: dict[int, float] = {}
     check = private_step.verify_example_independence
 

@@ -270,7 +270,7 @@ def test_a_checked_step_leaves_no_gradient_where_the_user_looks():
         break
     unchecked = private(Net(), x, y, verify_every=10**9)
     unchecked.optimizer.first_kinds = ()
-    unchecked.clipping_engine.retain_inputs = unchecked.schedule.checking = False
+    unchecked.clipper.retain_inputs = unchecked.schedule.checking = False
     xb, yb = next(iter(unchecked.data_loader))
     assert not xb.requires_grad and isinstance(xb, BatchTensor)
 

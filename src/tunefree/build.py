@@ -34,6 +34,7 @@ from .persample.accumulator import StepAccumulator
 from .persample.engine import ClippingEngine
 from .persample.independence import ProbeSchedule
 from .persample.state_guard import StateGuard
+from .privacy.accounting import check_delta
 from .privacy.canaries import CanaryRelease, GradientCanaries, canary_randomness
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
@@ -75,9 +76,9 @@ def plan_run(config: RunConfig, model: nn.Module, data_loader: Any, parallel: Pa
     check_parallel_options(config, parallel)
     if parallel.kind == FSDP2:
         check_sharded_options(config.performance.physical_batch_size)
-    randomness = run_randomness(config.seed, False)
+    randomness = run_randomness(config.seed)
     num_examples, sample_rate = sample_rate_of(data_loader)
-    check_delta(config.target_delta, num_examples)
+    check_delta(config.target_delta, num_examples, option="target_delta")
     module = getattr(parallel, "module", model)
     groups = make_groups(module, config.groups, config.max_grad_norm)
     # each component's option declares its share of the budget (in the order of its component's releases)
@@ -156,16 +157,6 @@ def assemble(run: PlannedRun, model: nn.Module, optimizer: torch.optim.Optimizer
     return DPEngine(model=model, optimizer=private_optimizer, data_loader=loader, clipper=engine,
                     ledger=private_optimizer.ledger, randomness=run.randomness, schedule=schedule,
                     groups=run.groups, plan=plan, parallel=parallel, canaries=canaries)
-
-
-def check_delta(delta: float, num_examples: int | None) -> None:
-    """δ must be far below 1/N: a δ of 1/N allows leaking whole examples."""
-    if num_examples is not None and delta >= 1 / num_examples:
-        raise SettingsRefused(
-            f"target_delta={delta:.3g} is not below 1/N = {1 / num_examples:.3g} for N = "
-            f"{num_examples} examples: such a δ allows leaking whole examples; use δ ≪ 1/N, "
-            f"e.g. {1 / num_examples ** 1.1:.2g}"
-        )
 
 
 def threshold_component(run: PlannedRun) -> QuantileEstimator | None:
