@@ -243,7 +243,7 @@ def test_conv_clipped_sum_matches_a_per_example_loop(path, kwargs, sliced, nativ
     if not native:
         monkeypatch.setattr(conv_rule, "NATIVE_PER_SAMPLE", frozenset())
     if sliced:
-        monkeypatch.setattr(conv_rule, "examples_per_chunk", lambda per_example, layer_elements: 2)
+        monkeypatch.setattr(factored, "examples_per_chunk", lambda per_example, layer_elements: 2)
     g = torch.Generator().manual_seed(1)
     conv = nn.Conv2d(4, 6, 3, **kwargs).double()
     x = torch.randn(5, 4, 6, 7, generator=g, dtype=torch.float64)

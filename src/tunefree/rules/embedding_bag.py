@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from ..dtypes import as_norm_precision
-from ..errors import ModelRefused, PrivacyError
-from .base import Capture, LayerRule, PerSampleGrad
-from .embedding import refuse_renorm
+from ..errors import PrivacyError
+from .base import Capture, PerSampleGrad
+from .embedding import TableRule
 from .layout import CallLayout, Dim, Segments, Structure
 
 _MODES = {"sum": 0, "mean": 1, "max": 2}
@@ -71,9 +71,8 @@ def _bags(module: nn.EmbeddingBag, ids: torch.Tensor, offsets: torch.Tensor | No
     return ids, offsets, torch.cat([offsets[1:], offsets.new_tensor([ids.numel()])])
 
 
-class EmbeddingBagRule(LayerRule):
+class EmbeddingBagRule(TableRule):
     module_types = (nn.EmbeddingBag,)
-    param_names = ("weight",)
 
     def example_dim(self, module: nn.Module, declared: int) -> int | None:
         return None
@@ -91,16 +90,6 @@ class EmbeddingBagRule(LayerRule):
         values = [*zip(names, args), *kwargs.items()]
         return CallLayout(tuple(axis_of[n] if isinstance(v, torch.Tensor) else None for n, v in values),
                           (Dim(0),) * num_outputs)
-
-    def check(self, module: nn.Module, name: str) -> None:
-        if module.scale_grad_by_freq:
-            raise ModelRefused(f"embedding bag '{name}' has scale_grad_by_freq=True, which scales each "
-                             "example's gradient by id counts over the whole batch (it mixes examples); set "
-                             "scale_grad_by_freq=False")
-        if module.sparse:
-            raise ModelRefused(f"embedding bag '{name}' has sparse=True; private gradients are dense (noise "
-                             "touches every row), so set sparse=False")
-        refuse_renorm(module, name)
 
     def per_sample_grads(
         self, module: nn.Module, capture: Capture, grad_outputs: list[torch.Tensor | None],
