@@ -27,7 +27,7 @@ from .components.thresholds import AdaptiveQuantile, QuantileEstimator
 from .config import RunConfig
 from .data.poisson import StepSchedule, from_loader, planned_steps, sample_rate_of
 from .errors import SettingsRefused
-from .parallel.base import FSDP2, ONE_PROCESS, Parallelism, Single
+from .parallel.base import FSDP2, ONE_PROCESS, STAGES, Parallelism, Single
 from .parallel.ddp import check_same_run, data_parallel, run_identity
 from .parallel.fsdp import check_sharded_options, sharded_data_parallel
 from .persample.accumulator import StepAccumulator
@@ -211,7 +211,8 @@ def check_parallel_options(config: RunConfig, parallel: Parallelism) -> None:
         ("poisson_sampling=False", not config.poisson_sampling),
         ("audit_canaries", config.audit_canaries is not None and parallel.kind == FSDP2)) if refused]
     if unsupported:
-        kind = "FSDP2 (fully_shard)" if parallel.kind == FSDP2 else "DistributedDataParallel"
+        kind = {FSDP2: "FSDP2 (fully_shard)", STAGES: "pipeline stages"}.get(parallel.kind,
+                                                                           "DistributedDataParallel")
         raise SettingsRefused(
             f"{', '.join(unsupported)} is not supported with {kind} yet: use the optimizer's learning rate "
             "(or, under DDP, lr='auto' or HyFreeDP: under FSDP2 they would read norms of sharded "
