@@ -39,7 +39,7 @@ from .privacy.canaries import CanaryRelease, GradientCanaries, canary_randomness
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
 from .privacy.plan import Plan, data_digest
-from .privacy.randomness import NoiseSource, run_randomness, secret_seed
+from .privacy.randomness import NoiseSource, SeededSource, run_randomness, secret_seed
 from .rules.paths import path_chooser
 from .run import DPEngine
 from .step.component import StepComponent
@@ -135,6 +135,11 @@ def assemble(run: PlannedRun, model: nn.Module, optimizer: torch.optim.Optimizer
     accumulator = StepAccumulator(parallel.sink(run.groups))
     chooser = path_chooser(config.performance.norm_path, replayable=run.randomness.replayable)
     trainable = [p for g in run.groups for p in g.params]
+    probes = ProbeSchedule(run.randomness)
+    if parallel.kind == FSDP2 and run.randomness.secret:
+        # FSDP2's forward passes are collectives: every rank runs the same probes (kind and passes), drawn
+        # from one secret seed rank 0 draws (each rank's own secret randomness would diverge)
+        probes = ProbeSchedule(SeededSource(parallel.from_first(secret_seed())))
     # Between steps the model changes only through the wrapped optimizer's update.
     guard = StateGuard(run.module, accumulator, trainable, config.public_buffers)
     engine = ClippingEngine(run.module, run.groups, config.clipping, config.loss_reduction, accumulator,
@@ -149,7 +154,7 @@ def assemble(run: PlannedRun, model: nn.Module, optimizer: torch.optim.Optimizer
             accumulator, components=components, planned_steps=plan.steps,
             verify_every=config.performance.verify_every,
             every_rank=parallel.agree if parallel.kind == FSDP2 else None,
-            probes=ProbeSchedule(run.randomness), state_guard=guard)
+            probes=probes, state_guard=guard)
     except ValueError:
         engine.detach()
         raise
