@@ -119,6 +119,23 @@ class PrivatePipelineStage:
             if last:
                 return losses if self.stages.is_last else None
 
+    @torch.no_grad()
+    def predict(self, inputs: Any) -> torch.Tensor | None:
+        """The model's output on ``inputs`` (held-out or public data: nothing is released or recorded), one
+        forward through the stages in eval mode: the first stage takes ``inputs``, the last one returns
+        the output (``None`` on the others). Every stage calls it together."""
+        stages, was_training = self.stages, self.module.training
+        self.module.eval()
+        try:
+            output = self.module(self._to_device(inputs) if stages.is_first else
+                                 stages.receive(stages.index - 1))
+        finally:
+            self.module.train(was_training)
+        if stages.is_last:
+            return output
+        stages.send(output, stages.index + 1)
+        return None
+
     def _to_device(self, x: Any) -> Any:
         return x.to(self.device) if isinstance(x, torch.Tensor) else x
 
