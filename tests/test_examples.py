@@ -162,8 +162,18 @@ def test_pipeline_example_reports_held_out_accuracy(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ Hugging Face examples
+def saved_classifier_accuracy(folder: Path, held_out: list[dict[str, torch.Tensor]]) -> float:
+    """The accuracy on ``held_out`` of the sequence classifier saved in ``folder``."""
+    import transformers
+
+    model = transformers.BertForSequenceClassification.from_pretrained(folder).eval()
+    batch = {key: torch.stack([e[key] for e in held_out]) for key in held_out[0]}
+    with torch.no_grad():
+        return (model(**batch).logits.argmax(-1) == batch["labels"]).float().mean().item()
+
+
 def test_sequence_classification_example_reports_held_out_accuracy(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     output = run_example("hf_sequence_classification.py", "--examples", "512", "--epochs", "1",
                          "--save", str(tmp_path / "model"), cwd=tmp_path)
     check_lines(output)
@@ -171,15 +181,12 @@ def test_sequence_classification_example_reports_held_out_accuracy(tmp_path):
     generator = torch.Generator().manual_seed(0)
     train, held_out = example.make_data(512, generator), example.make_data(256, generator)
     assert_trained_on(torch.load(tmp_path / "model" / "privacy.pt", weights_only=False), train, 512)
-    model = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "model").eval()
-    batch = {key: torch.stack([e[key] for e in held_out]) for key in held_out[0]}
-    with torch.no_grad():
-        accuracy = (model(**batch).logits.argmax(-1) == batch["labels"]).float().mean().item()
+    accuracy = saved_classifier_accuracy(tmp_path / "model", held_out)
     assert last_figure(output, "held-out accuracy") == pytest.approx(accuracy, abs=5e-5)
 
 
 def test_trainer_example_logs_held_out_metrics_only(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     output = run_example("hf_trainer.py", "--examples", "256", "--epochs", "1",
                          "--save", str(tmp_path / "model"), cwd=tmp_path)
     check_lines(output)
@@ -190,10 +197,7 @@ def test_trainer_example_logs_held_out_metrics_only(tmp_path):
     train = example.encode(example.sentences(256, rng), tokenize)
     held_out = example.encode(example.sentences(256, rng), tokenize)
     assert_trained_on(torch.load(tmp_path / "model" / "privacy.pt", weights_only=False), train, 256)
-    model = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "model").eval()
-    batch = {key: torch.stack([e[key] for e in held_out]) for key in held_out[0]}
-    with torch.no_grad():
-        accuracy = (model(**batch).logits.argmax(-1) == batch["labels"]).float().mean().item()
+    accuracy = saved_classifier_accuracy(tmp_path / "model", held_out)
     assert last_figure(output, "held-out accuracy") == pytest.approx(accuracy, abs=5e-5)
     logged = [ast.literal_eval(line)["eval_accuracy"] for line in output.splitlines()
               if "eval_accuracy" in line]
