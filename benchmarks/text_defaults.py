@@ -91,8 +91,8 @@ def run(train: TensorDataset, valid: TensorDataset, test: TensorDataset, epsilon
             if engine.steps >= engine.planned_steps:
                 break
     engine.detach()
-    if engine.dog_lr is not None:
-        engine.dog_lr.apply_average()
+    if engine.lr_rule is not None:
+        engine.lr_rule.apply_average()
     return {"valid": accuracy(model, valid), "test": accuracy(model, test), "spent": engine.epsilon(),
             "sigma": engine.noise_multiplier, "steps": engine.steps, "seconds": time.perf_counter() - started}
 

@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
+from tunefree.components.hyfreedp import AutoLearningRate
 
 SGD_GRID = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 ADAMW_GRID = (0.001, 0.003, 0.01, 0.03, 0.1)
@@ -190,7 +191,8 @@ def run(task: Task, method: str, lr: float | None, sigma: float | None, seed: in
         engine = tunefree.make_private(model, optimizer, loader, noise_multiplier=sigma, target_delta=DELTA,
                                        steps=steps, lr=auto, seed=seed)
         loader, optimizer = engine.data_loader, engine.optimizer
-    component = None if engine is None else engine.auto_lr
+    rule = None if engine is None else engine.lr_rule
+    component = rule if isinstance(rule, AutoLearningRate) else None  # HyFreeDP's: it takes the losses
     params = list(model.parameters())
     average = [p.detach().clone() for p in params]  # DoG's polynomial average, for every method
     start, taken = time.perf_counter(), 0

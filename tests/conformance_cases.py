@@ -24,6 +24,7 @@ from conformance_models import (
     Recurrent,
     SequenceBias,
     ShrinkingCellLoop,
+    TiedHead,
     TimeMajor,
     Twice,
 )
@@ -164,6 +165,19 @@ def embedding_cases() -> Iterator[Case]:
     )
     yield Case(
         "Embedding",
+        "every row of a vocabulary of 3 repeated, padding_idx=-1 (the last row)",
+        lambda: nn.Embedding(3, 4, padding_idx=-1),
+        _const(EVERY_ROW_OF_3),
+    )
+    yield Case(
+        "Embedding",
+        "every row of a vocabulary of 3 repeated, padding_idx=0, output head tied to the table",
+        _with_tied_head(lambda: nn.Embedding(3, 4, padding_idx=0), lambda embedding: embedding),
+        _const(EVERY_ROW_OF_3),
+        two_paths=True,
+    )
+    yield Case(
+        "Embedding",
         "time-major ids [T, B], batch_dim=1",
         lambda: nn.Embedding(10, 4),
         ids(10, T, B),
@@ -203,8 +217,31 @@ def embedding_cases() -> Iterator[Case]:
     )
 
 
-def _bag(mode, **kwargs):
-    return partial(nn.EmbeddingBag, 10, 4, mode=mode, **kwargs)
+# Ids over a vocabulary of 3: every row (the last one too) in the batch, repeated within each bag, and a bag
+# of one id repeated only.
+EVERY_ROW_OF_3 = ((2, 0, 2, 1, 2, 2), (1, 1, 2, 0, 0, 1), (2, 2, 2, 2, 2, 2))
+# Rows 1 and 3 of a vocabulary of 4 tie in their first two columns (``_tied``), in both orders in the bags.
+TIES = ((3, 1, 0, 2), (1, 3, 3, 2), (2, 0, 1, 3))
+
+
+def _bag(mode, vocabulary=10, **kwargs):
+    return partial(nn.EmbeddingBag, vocabulary, 4, mode=mode, **kwargs)
+
+
+def _with_tied_head(make_features, table_of):
+    """A model of ``make_features()`` with an output head tied to its table ``table_of(features)``."""
+    def build():
+        features = make_features()
+        return TiedHead(features, table_of(features))
+    return build
+
+
+def _tied(bag: nn.EmbeddingBag) -> nn.EmbeddingBag:
+    """Rows 1 and 3 equal in columns 0 and 1: a max bag holding both has tied maxima there, and autograd
+    sends the gradient to the first of them in the bag."""
+    with torch.no_grad():
+        bag.weight[3, :2] = bag.weight[1, :2]
+    return bag
 
 
 def _weights(g):
@@ -235,6 +272,42 @@ def embedding_bag_cases() -> Iterator[Case]:
             f"1-D, mode={mode}, padding_idx, an empty bag",
             lambda m=mode: BagOfPaddedIds(_bag(m, padding_idx=0)()),
             _with(ids(10, B, T, padding=0), _const((2, 0, 4))),
+        )
+        yield Case(
+            "EmbeddingBag",
+            f"2-D ids, mode={mode}, every row of a vocabulary of 3 repeated in the bags",
+            lambda m=mode: Bag(_bag(m, 3)()),
+            _const(EVERY_ROW_OF_3),
+        )
+        for last in (False, True):
+            yield Case(
+                "EmbeddingBag",
+                f"1-D ids, mode={mode}, every row of a vocabulary of 3 repeated, include_last_offset={last}",
+                lambda m=mode, last=last: BagOfPaddedIds(_bag(m, 3, include_last_offset=last)()),
+                _with(_const(EVERY_ROW_OF_3), _const((6, 3, 1))),
+            )
+        yield Case(
+            "EmbeddingBag",
+            f"2-D ids, mode={mode}, padding_idx=-1 (the last row)",
+            lambda m=mode: Bag(_bag(m, 3, padding_idx=-1)()),
+            _const(EVERY_ROW_OF_3),
+        )
+    yield Case(
+        "EmbeddingBag", "2-D ids, mode=max, tied maxima", lambda: Bag(_tied(_bag("max", 4)())), _const(TIES)
+    )
+    yield Case(
+        "EmbeddingBag",
+        "1-D ids, mode=max, tied maxima",
+        lambda: BagOfPaddedIds(_tied(_bag("max", 4)())),
+        _with(_const(TIES), _const((4, 3, 2))),
+    )
+    for mode in ("sum", "max"):  # one table used twice: the bag's entries summed with the head's gradient
+        yield Case(
+            "EmbeddingBag",
+            f"1-D ids, mode={mode}, every row of a vocabulary of 3 repeated, output head tied to the table",
+            _with_tied_head(lambda m=mode: BagOfPaddedIds(_bag(m, 3)()), lambda model: model.bag),
+            _with(_const(EVERY_ROW_OF_3), _const((6, 3, 1))),
+            two_paths=True,
         )
     yield Case(
         "EmbeddingBag", "2-D, per_sample_weights", lambda: Bag(_bag("sum")()), _with(ids(10, B, T), _weights)

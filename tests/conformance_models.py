@@ -20,6 +20,20 @@ class TimeMajor(nn.Module):
         return self.layer(x.transpose(0, 1)).transpose(0, 1)
 
 
+class TiedHead(nn.Module):
+    """``features`` (an embedding, a bag, or a model around one) then an output head whose weight is the
+    table of ``table``: one parameter used twice in a step, its per-sample gradient the sum of both uses."""
+
+    def __init__(self, features: nn.Module, table: nn.Embedding | nn.EmbeddingBag):
+        super().__init__()
+        self.features = features
+        self.head = nn.Linear(table.embedding_dim, table.num_embeddings, bias=False)
+        self.head.weight = table.weight
+
+    def forward(self, *inputs):
+        return self.head(self.features(*inputs))
+
+
 class Twice(nn.Module):
     """The same layer called twice in one forward."""
 

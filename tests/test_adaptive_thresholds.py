@@ -84,7 +84,7 @@ def test_joint_accounting_equals_target():
     model, data = MLP().double(), dataset(1000)
     steps, target, delta = 40, 2.0, 1e-5
     engine = _engine(model, data, batch_size=50, target_epsilon=target, steps=steps,
-                     groups="per-layer", thresholds="adaptive", quantile_budget=0.1, seed=0,
+                     groups="per-layer", thresholds=AdaptiveQuantile(budget=0.1), seed=0,
                      lr=0.1)
     run_steps(engine, steps)
     sigma = engine.noise_multiplier
@@ -109,7 +109,7 @@ def test_joint_accounting_equals_target():
 def test_noise_multiplier_means_the_joint_release():
     model, data = MLP().double(), dataset(200)
     engine = _engine(model, data, batch_size=20, noise_multiplier=1.5, groups="per-param",
-                     thresholds="adaptive", quantile_budget=0.2, seed=0)
+                     thresholds=AdaptiveQuantile(budget=0.2), seed=0)
     gradient = engine.optimizer.release.noise_multiplier
     assert gradient == pytest.approx(1.5 / math.sqrt(0.8))
     k = len(engine.groups)
@@ -200,7 +200,7 @@ def test_thresholds_converge_to_the_empirical_quantile(grouping, clipping, quant
     model, data = MLP().double(), dataset(200)
     groups = explicit_groups(model) if grouping == "explicit" else grouping
     engine = _engine(model, data, batch_size=200, noise_multiplier=0.0, groups=groups,
-                     clipping=clipping, thresholds="adaptive", target_quantile=quantile,
+                     clipping=clipping, thresholds=AdaptiveQuantile(target=quantile),
                      max_grad_norm=start, seed=0)
     run_steps(engine, 149)
     estimates = engine.quantile_estimator.quantiles
@@ -229,7 +229,7 @@ def test_each_step_clips_with_the_current_thresholds(clipping):
     under the thresholds read just before it (every clip function, per-layer groups)."""
     model, data = MLP().double(), dataset(64, seed=4)
     engine = _engine(model, data, batch_size=64, noise_multiplier=0.0, groups="per-layer",
-                     clipping=clipping, thresholds="adaptive", target_quantile=0.6, seed=0)
+                     clipping=clipping, thresholds=AdaptiveQuantile(target=0.6), seed=0)
     run_steps(engine, 5)
     before = dict(engine.clip_thresholds)
     assert before != pytest.approx({g: 1 / math.sqrt(2) for g in before}), "must have moved"
@@ -294,8 +294,8 @@ def test_training_noise_per_group_follows_the_moving_thresholds(allocation):
     data = dataset(400, d_in=30)
     sigma, budget = 0.9, 0.05
     engine = _engine(model, data, batch_size=40, noise_multiplier=sigma, groups=explicit_groups(
-        model), max_grad_norm={"weights": 0.4, "biases": 1.5}, thresholds="adaptive",
-        quantile_budget=budget, noise_allocation=allocation, seed=2)
+        model), max_grad_norm={"weights": 0.4, "biases": 1.5}, thresholds=AdaptiveQuantile(budget=budget),
+        noise_allocation=allocation, seed=2)
     sizes = [g.size for g in engine.groups]
     standardized = {g.name: [] for g in engine.groups}
     current = {}
@@ -330,8 +330,8 @@ def test_resumed_run_continues_identically():
         torch.manual_seed(11)
         model = MLP().double()
         return _engine(model, dataset(300), batch_size=30, noise_multiplier=1.1,
-                       groups="per-layer", thresholds="adaptive", target_quantile=0.7,
-                       quantile_budget=0.1, seed=7, lr=0.05)
+                       groups="per-layer", thresholds=AdaptiveQuantile(target=0.7, budget=0.1),
+                       seed=7, lr=0.05)
 
     first = build()
     run_steps(first, 6)
@@ -360,15 +360,13 @@ def test_resumed_run_continues_identically():
         fixed.load_state_dict(saved["engine"])
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"thresholds": "quantile"}, "unknown thresholds"),
-    ({"thresholds": "adaptive", "target_quantile": 1.0}, "target_quantile must be in"),
-    ({"thresholds": "adaptive", "quantile_lr": 0.0}, "quantile_lr must be a positive"),
-    ({"thresholds": "adaptive", "quantile_budget": 1.0}, "quantile_budget"),
-    ({"thresholds": "adaptive", "quantile_budget": 0.0}, "quantile_budget"),
-    ({"target_quantile": 0.5}, "only apply to thresholds='adaptive'"),
-    ({"quantile_budget": 0.1, "quantile_lr": 0.2}, "quantile_lr, quantile_budget only apply"),
+@pytest.mark.parametrize("settings,message", [
+    (lambda: {"thresholds": "quantile"}, "unknown thresholds"),
+    (lambda: {"thresholds": AdaptiveQuantile(target=1.0)}, r"AdaptiveQuantile.target must be in"),
+    (lambda: {"thresholds": AdaptiveQuantile(lr=0.0)}, "AdaptiveQuantile.lr must be a positive"),
+    (lambda: {"thresholds": AdaptiveQuantile(budget=1.0)}, "AdaptiveQuantile.budget"),
+    (lambda: {"thresholds": AdaptiveQuantile(budget=0.0)}, "AdaptiveQuantile.budget"),
 ])
-def test_bad_threshold_arguments(kwargs, message):
+def test_bad_threshold_arguments(settings, message):
     with pytest.raises(ValueError, match=message):
-        _engine(MLP().double(), dataset(100), batch_size=10, noise_multiplier=1.0, **kwargs)
+        _engine(MLP().double(), dataset(100), batch_size=10, noise_multiplier=1.0, **settings())

@@ -76,7 +76,7 @@ def test_probes_leave_weights_and_optimizer_state_bit_identical():
     x, y = next(iter(engine.data_loader))  # q = 1: the whole data set, as the loader hands it out
     engine.optimizer.zero_grad()
     squared_errors(model, x, y).mean().backward()
-    sums, _, _ = pop_step(engine.clipping_engine)
+    sums, _, _ = pop_step(engine.clipper)
     for p in model.parameters():
         p.grad = sums[p] / 8
     before = [p.detach().clone() for p in model.parameters()]

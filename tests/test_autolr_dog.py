@@ -186,7 +186,7 @@ def test_a_public_input_scale_releases_nothing_and_is_part_of_the_plan():
     assert scaled.epsilon() == plain.epsilon()
     _, other = private_run(tunefree.AutoLR(mode="dog"))
     factor = (INPUT_RMS_REFERENCE / 4) ** 2
-    assert scaled.dog_lr.walk_budget == pytest.approx(other.dog_lr.walk_budget * factor, rel=1e-12)
+    assert scaled.lr_rule.walk_budget == pytest.approx(other.lr_rule.walk_budget * factor, rel=1e-12)
     with pytest.raises(ValueError, match="input_rms"):
         other.load_state_dict(scaled.state_dict())
 
@@ -294,8 +294,8 @@ def test_make_private_with_dog_spends_exactly_the_plain_run():
     assert dog.plan.gradient_noise == plain.plan.gradient_noise
     assert to_dict(dog.ledger.event()) == to_dict(plain.ledger.event())
     assert dog.epsilon() == plain.epsilon()
-    assert dog.auto_lr is None and dog.dog_lr is not None
-    history = dog.dog_lr.history
+    assert isinstance(dog.lr_rule, DistanceOverGradients)
+    history = dog.lr_rule.history
     assert len(history) == 6 and all(lr > 0 for lr in history)
     assert dog.optimizer.param_groups[0]["lr"] == history[-1]
 
@@ -305,23 +305,23 @@ def test_dog_takes_plain_sgd_as_it_is_and_translates_other_optimizers():
     (tests/test_autolr_optimizers.py)."""
     from tunefree.components.dog_optimizers import OptimizerDoG
 
-    assert type(private_run(tunefree.AutoLR(mode="dog"))[1].dog_lr) is DistanceOverGradients
+    assert type(private_run(tunefree.AutoLR(mode="dog"))[1].lr_rule) is DistanceOverGradients
     for make in (lambda m: torch.optim.AdamW(m.parameters()),
                  lambda m: torch.optim.SGD(m.parameters(), lr=1.0, momentum=0.9)):
-        assert isinstance(private_run(tunefree.AutoLR(mode="dog"), make, steps=1)[1].dog_lr, OptimizerDoG)
+        assert isinstance(private_run(tunefree.AutoLR(mode="dog"), make, steps=1)[1].lr_rule, OptimizerDoG)
 
 
 def test_make_private_spends_the_noise_budget_over_the_planned_steps():
     """The rule gets the plan's length and the option's κ; the run's expected noise walk stays within
     (κ(1 + ‖x₀‖))², and a checkpoint of another budget is refused (it is in the plan's fingerprint)."""
     model, engine = private_run(tunefree.AutoLR(mode="dog", noise_budget=0.05), steps=6)
-    rule = engine.dog_lr
+    rule = engine.lr_rule
     assert rule.planned_steps == engine.planned_steps == 6 and rule.noise_budget == 0.05
     energy = sum(d * v for d, v in rule.coordinate_variances(engine.clip_thresholds))
     assert sum(lr ** 2 for lr in rule.history) * energy <= rule.walk_budget * (1 + 1e-9)
     assert rule.history[-1] == pytest.approx(rule.budget_lr, rel=1e-12)  # the budget binds at this noise
     _, other = private_run(tunefree.AutoLR(mode="dog", noise_budget=None), steps=6)
-    assert other.dog_lr.noise_budget is None and max(other.dog_lr.history) > max(rule.history)
+    assert other.lr_rule.noise_budget is None and max(other.lr_rule.history) > max(rule.history)
     with pytest.raises(ValueError, match="noise_budget"):
         other.load_state_dict(engine.state_dict())
 
@@ -338,7 +338,7 @@ def test_lr_auto_without_a_planned_length_is_refused_unless_its_budget_is_off():
     with pytest.raises(ValueError, match="give epochs or steps"):
         make("auto")
     engine = make(tunefree.AutoLR(noise_budget=None))
-    assert engine.dog_lr.noise_budget is None and engine.dog_lr.planned_steps is None
+    assert engine.lr_rule.noise_budget is None and engine.lr_rule.planned_steps is None
 
 
 def test_dog_options():
@@ -413,6 +413,6 @@ def test_engine_checkpoint_resumes_the_rule_bit_for_bit():
             taken += 1
             if taken == 6:
                 break
-    assert resumed.dog_lr.history == straight.dog_lr.history[3:]
+    assert resumed.lr_rule.history == straight.lr_rule.history[3:]
     for a, b in zip(second.parameters(), model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

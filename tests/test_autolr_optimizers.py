@@ -113,7 +113,7 @@ def test_make_private_with_adamw_spends_exactly_the_plain_run():
     _, auto = private_run("auto", adamw)
     assert to_dict(auto.ledger.event()) == to_dict(plain.ledger.event())
     assert auto.epsilon() == plain.epsilon()
-    rule = auto.dog_lr
+    rule = auto.lr_rule
     assert isinstance(rule, OptimizerDoG) and len(rule.history) == 6
     assert auto.optimizer.param_groups[0]["lr"] == rule.history[-1] == rule.sgd_lr * rule.factor
     assert 0 < rule.factor < 1  # noise per coordinate: σ/(qN) = 1/16
@@ -152,4 +152,4 @@ def test_cli_optimizers_take_lr_auto():
 
     for name, make in OPTIMIZERS.items():
         _, engine = private_run("auto", lambda m, make=make: make(m.parameters(), 1.0), steps=2)
-        assert len(engine.dog_lr.history) == 2 and all(lr > 0 for lr in engine.dog_lr.history), name
+        assert len(engine.lr_rule.history) == 2 and all(lr > 0 for lr in engine.lr_rule.history), name

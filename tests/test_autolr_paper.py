@@ -44,7 +44,7 @@ def paper_engine(auto: tunefree.AutoLR, noise_multiplier=0.0, steps=4):
 
 
 def auto_component(engine):
-    return engine.auto_lr
+    return engine.lr_rule
 
 
 def one_step(model, engine, reuse=False):

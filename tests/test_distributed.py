@@ -69,12 +69,12 @@ def _train(engine, steps: int, with_losses: bool = False) -> list[dict[str, torc
             F.cross_entropy(engine.model(x), y).backward()
             engine.optimizer.step((lambda x=x, y=y: F.cross_entropy(engine.model(x), y, reduction="none"))
                                   if with_losses else None)
-        released.append({n: p.grad.clone() for n, p in engine.clipping_engine.model.named_parameters()})
+        released.append({n: p.grad.clone() for n, p in engine.clipper.model.named_parameters()})
     return released
 
 
 def _weights(engine) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in engine.clipping_engine.model.named_parameters()}
+    return {n: p.detach().clone() for n, p in engine.clipper.model.named_parameters()}
 
 
 # ---------------------------------------------------------------------------- the 2-process harness
@@ -105,7 +105,7 @@ def _training_scenario(rank: int) -> dict:
     out["bytes_per_step"] = noisy.parallel.bytes_per_step(noisy.groups)
     dog = _private(DistributedDataParallel(_model()), SIGMA, lr="auto")
     _train(dog, STEPS)
-    out["dog_weights"], out["dog_lrs"] = _weights(dog), list(dog.dog_lr.history)
+    out["dog_weights"], out["dog_lrs"] = _weights(dog), list(dog.lr_rule.history)
     # The release of zero sums is its noise alone; secret randomness, as in a real run.
     wide = nn.Linear(200, 50)
     secret = tunefree.make_private(DistributedDataParallel(wide), torch.optim.SGD(wide.parameters(), lr=0.1),
@@ -134,7 +134,7 @@ def _components_scenario(rank: int) -> dict:
     out["secret_thresholds"] = _train_noting_thresholds(secret, STEPS)  # each rank noises its own slice
     hyfreedp = _private(DistributedDataParallel(_model()), 2.0, **HYFREEDP)
     _train(hyfreedp, STEPS, with_losses=True)
-    out["hyfreedp_lrs"] = [fit.lr_after for fit in hyfreedp.auto_lr.state.history]
+    out["hyfreedp_lrs"] = [fit.lr_after for fit in hyfreedp.lr_rule.state.history]
     out["hyfreedp_weights"], out["hyfreedp_ledger"] = _weights(hyfreedp), hyfreedp.ledger.state_dict()
     for name, seed in (("canaries", SEED), ("secret canaries", None)):
         audited = _private(DistributedDataParallel(_model()), SIGMA, audit_canaries=CANARIES, seed=seed)
@@ -183,7 +183,7 @@ def _failure_scenario(rank: int) -> dict:
     engine.optimizer.zero_grad()
     F.cross_entropy(engine.model(x), y).backward()
     if rank == 1:  # frozen after make_private: rank 1 refuses the step before releasing anything
-        engine.clipping_engine.model[0].bias.requires_grad_(False)
+        engine.clipper.model[0].bias.requires_grad_(False)
     try:
         engine.optimizer.step()
         out["step"] = "completed"
@@ -265,7 +265,7 @@ def test_automatic_learning_rate_is_the_same_on_every_rank_and_as_in_one_process
         assert torch.equal(weight, second["dog_weights"][name])
     single = _private(_model(), SIGMA, lr="auto")
     _train(single, STEPS)
-    assert first["dog_lrs"] == pytest.approx(single.dog_lr.history, rel=1e-5)
+    assert first["dog_lrs"] == pytest.approx(single.lr_rule.history, rel=1e-5)
     for name, weight in _weights(single).items():
         torch.testing.assert_close(first["dog_weights"][name], weight, rtol=0, atol=1e-5)
 
@@ -348,7 +348,7 @@ def test_hyfreedp_under_ddp_fits_the_learning_rate_of_one_process(components):
         assert torch.equal(weight, second["hyfreedp_weights"][name])
     single = _private(_model(), 2.0, **HYFREEDP)
     _train(single, STEPS, with_losses=True)
-    expected = [fit.lr_after for fit in single.auto_lr.state.history]
+    expected = [fit.lr_after for fit in single.lr_rule.state.history]
     assert first["hyfreedp_lrs"] == pytest.approx(expected, rel=1e-6)
     assert first["hyfreedp_ledger"] == single.ledger.state_dict()
     for name, weight in _weights(single).items():

@@ -162,7 +162,7 @@ def _killed_rank_scenario(rank: int, port: int, out: str) -> None:
     _join_group(rank, port)
     engine = _private_engine()
     _one_step(engine)
-    weights = {n: p.detach().clone() for n, p in engine.clipping_engine.model.named_parameters()}
+    weights = {n: p.detach().clone() for n, p in engine.clipper.model.named_parameters()}
     if rank == 1:  # dies inside the step, after clipping, before its all-reduce
         def die(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -175,7 +175,7 @@ def _killed_rank_scenario(rank: int, port: int, out: str) -> None:
         outcome = type(error).__name__
     torch.save({"outcome": outcome, "seconds": time.monotonic() - started,
                 "unchanged": all(torch.equal(weights[n], p) for n, p in
-                                 engine.clipping_engine.model.named_parameters()),
+                                 engine.clipper.model.named_parameters()),
                 "ledger_steps": engine.ledger.steps}, Path(out) / f"rank{rank}.pt")
 
 

@@ -1,7 +1,7 @@
 """Invariant: the model changes only through the private step.
 
 Between two private steps no parameter, buffer or data-holding attribute of the model may change except
-by the optimizer's update from the released gradient (``persample/state_guard.py``). Each case of the zoo
+by the optimizer's update from the released gradient (``guards/state.py``). Each case of the zoo
 writes the model's state from a batch in an ordinary-looking way — in the forward, in the backward, in
 an evaluation forward, through ``.data`` (no version bump), into a number or a list on a module — and is
 first shown to be a leak (the state after one plain forward and backward differs between a batch and

@@ -35,7 +35,7 @@ def private_update(model, dataset, loss_fn, collate_fn=None, **options):
         engine.optimizer.zero_grad()
         loss_fn(model, *batch).backward()
         engine.optimizer.step()
-    engine.clipping_engine.detach()
+    engine.clipper.detach()
     return {n: (before[n] - p.detach()) * len(dataset) for n, p in model.named_parameters()}
 
 

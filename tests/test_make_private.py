@@ -59,7 +59,7 @@ def train(engine, steps):
     ({"groups": "per-block"}, "groups"),
     ({"loss_reduction": "max"}, "loss_reduction"),
     ({"max_grad_norm": 0.0}, "max_grad_norm"),
-    ({"max_physical_batch_size": 0}, "max_physical_batch_size"),
+    ({"physical_batch_size": 0}, "physical_batch_size"),
 ])
 def test_bad_arguments_are_refused_with_the_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -197,15 +197,15 @@ def test_noise_standard_deviation_is_sigma_times_sensitivity(groups):
 
 
 def test_secure_randomness_trains():
-    engine = private(secure_rng=True, seed=None)
+    engine = private(seed=None)
     train(engine, 3)
-    assert engine.steps == 3
+    assert engine.steps == 3 and engine.randomness.secret
 
 
 # ----------------------------------------------------------------------------- micro-batches
 def test_physical_micro_batches_give_the_same_step_as_whole_batches():
     whole = private(model=small_model().double(), data=_double(dataset()))
-    split = private(model=small_model().double(), data=_double(dataset()), max_physical_batch_size=3)
+    split = private(model=small_model().double(), data=_double(dataset()), physical_batch_size=3)
     train(whole, 5)
     train(split, 5)
     assert whole.steps == split.steps == 5
@@ -271,8 +271,10 @@ def test_warning_free_default_path():
         train(engine, 2)
 
 
-@pytest.mark.parametrize("kwargs", [{"noise_allocation": "random"}, {"lr": "fast"},
-                                    {"thresholds": "adaptive", "quantile_budget": 2.0}])
+@pytest.mark.parametrize("kwargs", [
+    {"noise_allocation": "random"}, {"lr": "fast"},
+    {"thresholds": tunefree.AdaptiveQuantile(rescale=True), "clipping": "abadi"},  # refused while assembling
+])
 def test_refused_arguments_leave_the_model_unhooked(kwargs):
     model = small_model()
     with pytest.raises(ValueError):

@@ -196,7 +196,7 @@ def test_several_backward_passes_are_refused_or_bounded(step):
 
 def test_fgsm_inside_no_capture_stays_within_R():
     def step(ctx: StepContext):
-        with ctx.engine.clipping_engine.no_capture():
+        with ctx.engine.clipper.no_capture():
             x = ctx.x.clone().requires_grad_(True)
             (g,) = torch.autograd.grad(ce(ctx.model(x), ctx.y), x)
         ce(ctx.model(ctx.x + 0.5 * g.sign()), ctx.y).backward()

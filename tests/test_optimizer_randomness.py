@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -81,12 +80,6 @@ def test_a_seeded_run_says_that_the_seed_removes_the_noise():
     assert state["seed"] == 3 and "anyone who knows the seed can remove the noise" in state["randomness"]
 
 
-def test_secure_rng_keeps_working_and_is_refused_with_a_seed():
-    assert private(secure_rng=True).randomness.secret
-    with pytest.raises(ValueError, match="contradict"):
-        private(secure_rng=True, seed=0)
-
-
 def test_a_secure_run_resumes_its_ledger_and_sampler_position():
     engine = private()
     train(engine, 4)  # 4 of the 6 steps of the first epoch
@@ -108,24 +101,3 @@ def test_a_checkpoint_resumes_only_in_the_mode_it_was_made_in():
         seeded.load_state_dict(secure.state_dict())
     with pytest.raises(ValueError, match="seeded run and this run is secure"):
         secure.load_state_dict(seeded.state_dict())
-
-
-FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint_v0_1.pt"
-
-
-@pytest.mark.parametrize("kind, seed", [("seeded", 3), ("secret", None)])
-def test_a_checkpoint_written_by_0_1_resumes(kind, seed):
-    """``checkpoint_v0_1.pt`` was written by the code of 0.1 (``Randomness(secure)``, commit 1725c10) after 2
-    steps of ``private(seed=...)``, with the weights and ε after 2 more: a seeded run resumed from it
-    continues bit for bit (sampling and noise streams), a secret one continues its ledger."""
-    saved = torch.load(FIXTURE, weights_only=True)[kind]
-    assert set(saved["privacy"]["randomness"]) == {"seed", "secure", "randomness", "noise"}  # 0.1's keys
-    resumed = private(seed=seed)
-    resumed.model.load_state_dict(saved["model"])
-    resumed.load_state_dict(saved["privacy"])
-    assert resumed.randomness.secret == (seed is None) and resumed.steps == 2
-    train(resumed, 2)
-    assert resumed.epsilon() == saved["epsilon_after_two_more_steps"]
-    after = saved["model_after_two_more_steps"]
-    same = [torch.equal(w, after[name]) for name, w in resumed.model.state_dict().items()]
-    assert all(same) if kind == "seeded" else not any(same)

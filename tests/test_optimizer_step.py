@@ -63,7 +63,7 @@ def _component(engine, kind):
 
 
 INJECTION_POINTS = {  # where step() calls out, and whether that point comes before the release
-    "check_no_leak": (lambda e: (e.clipping_engine, "check_no_leak"), True),
+    "check_no_leak": (lambda e: (e.clipper, "check_no_leak"), True),
     "independence check": (lambda e: (independence, "check"), True),
     "accumulator pop": (lambda e: (e.optimizer.accumulator, "pop"), True),
     "gradient release": (lambda e: (e.optimizer.release, "release"), True),
@@ -73,7 +73,7 @@ INJECTION_POINTS = {  # where step() calls out, and whether that point comes bef
     "thresholds after_update": (lambda e: (_component(e, "QuantileEstimator"), "after_update"), False),
     "auto lr after_update": (lambda e: (_component(e, "AutoLearningRate"), "after_update"), False),
     "ledger amendment": (lambda e: (e.ledger, "amend_last_step"), False),
-    "engine thresholds": (lambda e: (e.clipping_engine, "begin_step"), False),
+    "engine thresholds": (lambda e: (e.clipper, "begin_step"), False),
 }
 
 
@@ -169,7 +169,7 @@ def test_the_refusal_suggests_a_new_make_private_that_carries_the_ledger_over():
 
 # ----------------------------------------------------------------------------- step hooks
 def test_step_hooks_fire_once_per_logical_step_not_per_micro_batch():
-    engine = private(max_physical_batch_size=2)
+    engine = private(physical_batch_size=2)
     calls = []
     engine.optimizer.register_step_pre_hook(lambda opt, args, kwargs: calls.append(("pre", engine.steps)))
     engine.optimizer.register_step_post_hook(lambda opt, args, kwargs: calls.append(("post", engine.steps)))

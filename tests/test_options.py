@@ -1,12 +1,11 @@
-"""The run's settings (RunConfig): refusals, shortcuts equal to typed forms, defaults, legacy keywords through
-one deprecation table, make_private's signature against the config's fields, the clip registry."""
+"""The run's settings (RunConfig): refusals, shortcuts equal to typed forms, defaults, make_private's
+signature against the config's fields, the clip registry."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import math
-import warnings
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ import torch
 import tunefree
 from tunefree.clipping.functions import CLIP_FUNCTIONS, register_clip_function
 from tunefree.config import (
-    LEGACY_KEYWORDS,
     PSAC,
     Abadi,
     AdaptiveQuantile,
@@ -26,14 +24,13 @@ from tunefree.config import (
     HyFreeDP,
     Performance,
     RunConfig,
-    resolve_options,
 )
 
 BASE = {"target_delta": 1e-5, "noise_multiplier": 1.0}
 
 
 def resolve(**kwargs):
-    return resolve_options(**BASE, **kwargs)
+    return RunConfig.from_keywords(**{**BASE, **kwargs})
 
 
 def test_defaults_unchanged():
@@ -49,29 +46,20 @@ def test_defaults_unchanged():
     assert resolve(clipping="psac").clipping == PSAC(r=0.1)
 
 
-@pytest.mark.parametrize("legacy, typed", [
-    ({"clipping": "auto-s", "clip_gamma": 0.2}, {"clipping": AutoS(gamma=0.2)}),
+@pytest.mark.parametrize("shortcut, typed", [
+    ({"clipping": "auto-s"}, {"clipping": AutoS(gamma=0.01)}),
     ({"clipping": "auto-v"}, {"clipping": AutoV()}),
-    ({"clipping": "psac", "psac_r": 0.4}, {"clipping": PSAC(r=0.4)}),
+    ({"clipping": "psac"}, {"clipping": PSAC(r=0.1)}),
     ({"clipping": "abadi"}, {"clipping": Abadi()}),
     ({"thresholds": "fixed"}, {"thresholds": Fixed()}),
-    ({"thresholds": "adaptive", "target_quantile": 0.7, "quantile_lr": 0.1, "quantile_budget": 0.05},
-     {"thresholds": AdaptiveQuantile(target=0.7, lr=0.1, budget=0.05)}),
-    ({"max_physical_batch_size": 8}, {"physical_batch_size": 8}),
+    ({"thresholds": "adaptive"}, {"thresholds": AdaptiveQuantile(target=0.5, lr=0.3, budget=0.01)}),
+    ({"lr": "auto"}, {"lr": AutoLR()}),
 ])
-def test_shortcut_equals_typed_form(legacy, typed):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        assert resolve(**legacy) == resolve(**typed)
+def test_shortcut_equals_typed_form(shortcut, typed):
+    assert resolve(**shortcut) == resolve(**typed)
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
-    ({"clip_gamma": 0.1, "clipping": "abadi"}, ValueError, "clip_gamma"),
-    ({"clip_gamma": 0.1, "clipping": AutoS(0.2)}, ValueError, "clip_gamma"),
-    ({"psac_r": 0.1}, ValueError, "psac_r"),
-    ({"target_quantile": 0.5}, ValueError, "target_quantile"),
-    ({"quantile_lr": 0.5}, ValueError, "quantile_lr"),
-    ({"quantile_budget": 0.5, "thresholds": AdaptiveQuantile()}, ValueError, "quantile_budget"),
     ({"lr": "fast"}, ValueError, "unknown lr"),
     ({"clipping": "bogus"}, ValueError, "unknown clipping"),
     ({"thresholds": "bogus"}, ValueError, "unknown thresholds"),
@@ -79,26 +67,20 @@ def test_shortcut_equals_typed_form(legacy, typed):
     ({"noise_allocation": "bogus"}, ValueError, "noise_allocation"),
     ({"loss_reduction": "median"}, ValueError, "loss_reduction"),
     ({"accountant": "bogus"}, ValueError, "accountant"),
-    ({"clipping": "auto-s", "clip_gamma": -1.0}, ValueError, "gamma"),
-    ({"clipping": "psac", "psac_r": math.nan}, ValueError, "r"),
-    ({"thresholds": "adaptive", "target_quantile": 1.5}, ValueError, "target"),
-    ({"thresholds": "adaptive", "quantile_lr": math.inf}, ValueError, "lr"),
+    ({"target_delta": 1.0}, ValueError, r"target_delta must be in \(0, 1\)"),
+    ({"target_delta": True}, ValueError, "target_delta"),
     ({"physical_batch_size": 0}, ValueError, "physical_batch_size"),
     ({"physical_batch_size": True}, TypeError, "physical_batch_size"),
-    ({"physical_batch_size": 4, "max_physical_batch_size": 4}, ValueError, "physical_batch_size"),
     ({"physical_batch_size": 4, "poisson_sampling": False}, ValueError, "Poisson"),
     ({"steps": 2.5}, TypeError, "steps"),
     ({"epochs": -1}, ValueError, "epochs"),
     ({"seed": True}, TypeError, "seed"),
     ({"max_grad_norm": -1.0}, ValueError, "max_grad_norm must be a positive"),
     ({"max_grad_norm": {"head": math.nan}}, ValueError, r"max_grad_norm\['head'\] must be a positive"),
-    ({"secure_rng": 1}, TypeError, "secure_rng"),
 ])
 def test_invalid_or_irrelevant_options_are_refused(kwargs, error, words):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        with pytest.raises(error, match=words):
-            resolve(**kwargs)
+    with pytest.raises(error, match=words):
+        resolve(**kwargs)
 
 
 @pytest.mark.parametrize("fields, error, words", [
@@ -128,11 +110,11 @@ def test_hyfreedp_keywords_are_fields_of_auto_lr_only():
 
 def test_epsilon_and_sigma_are_exclusive_and_validated():
     with pytest.raises(ValueError, match="exactly one"):
-        resolve_options(target_delta=1e-5)
+        RunConfig.from_keywords(target_delta=1e-5)
     with pytest.raises(ValueError, match="target_epsilon"):
-        resolve_options(target_delta=1e-5, target_epsilon=-1.0)
+        RunConfig.from_keywords(target_delta=1e-5, target_epsilon=-1.0)
     with pytest.raises(ValueError, match="noise_multiplier"):
-        resolve_options(target_delta=1e-5, noise_multiplier=math.inf)
+        RunConfig.from_keywords(target_delta=1e-5, noise_multiplier=math.inf)
 
 
 def test_registered_clip_function_is_usable_by_name():
@@ -177,42 +159,25 @@ def test_registered_grouping_is_usable_by_name():
         resolve(groups="weights-apart")
 
 
-def test_make_private_keywords_are_the_config_fields_plus_the_legacy_table():
+def test_make_private_keywords_are_the_config_fields():
     """make_private keeps its explicit signature; RunConfig defines each setting once. They cannot drift:
-    every keyword is a field of RunConfig (or of its Performance block) or a legacy name of the one
-    deprecation table, and every field is a keyword."""
+    every keyword is a field of RunConfig (or of its Performance block), and every field is a keyword."""
     parameters = inspect.signature(tunefree.make_private).parameters
     keywords = set(parameters) - {"model", "optimizer", "data_loader"}
     config = {f.name for f in dataclasses.fields(RunConfig)} - {"performance"}
     performance = {f.name for f in dataclasses.fields(Performance)}
-    assert keywords == config | performance | set(LEGACY_KEYWORDS)
-    assert not (config | performance) & set(LEGACY_KEYWORDS)
+    assert keywords == config | performance
     defaults = {name: p.default for name, p in parameters.items()}
     given = {name: defaults[name] for name in (config | performance) - {"target_delta", "noise_multiplier"}}
     # make_private's defaults (strings where there is a shortcut) are RunConfig's
     assert RunConfig.from_keywords(target_delta=1e-5, noise_multiplier=1.0, **given) == \
         RunConfig(target_delta=1e-5, noise_multiplier=1.0)
-    assert all(defaults[name] is None for name in LEGACY_KEYWORDS)  # given or not, never a default
 
 
-@pytest.mark.parametrize("legacy, value", [("clip_gamma", 0.2), ("psac_r", 0.3), ("target_quantile", 0.6),
-                                           ("quantile_lr", 0.2), ("quantile_budget", 0.05),
-                                           ("max_physical_batch_size", 4), ("secure_rng", True)])
-def test_each_legacy_keyword_warns_with_its_replacement(legacy, value):
-    option, shortcut, field = LEGACY_KEYWORDS[legacy]
-    needs = {option: shortcut} if shortcut else {}
-    with pytest.warns(DeprecationWarning, match=rf"{legacy}=\.\.\.\) is deprecated") as caught:
-        resolve(**needs, **{legacy: value})
-    replacement = str(caught[0].message)
-    assert (field or option or "default") in replacement
-    assert caught[0].filename == __file__  # points at the caller
-
-
-def test_the_typed_options_alone_never_warn():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        resolve(clipping=PSAC(0.3), thresholds=AdaptiveQuantile(target=0.6), physical_batch_size=4,
-                lr=AutoLR(mode="paper"), verify_every=3, norm_path="formula")
+def test_a_keyword_make_private_does_not_take_is_refused_by_name():
+    with pytest.raises(TypeError, match="clip_gamma"):
+        tunefree.make_private(torch.nn.Linear(2, 1), None, None, target_delta=1e-5, noise_multiplier=1.0,
+                              clip_gamma=0.2)
 
 
 def test_performance_knobs_are_validated_once_and_apart_from_the_privacy_settings():

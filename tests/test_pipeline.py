@@ -302,6 +302,22 @@ def test_a_pipeline_stage_needs_torch_distributed():
                                        target_delta=1e-3, noise_multiplier=1.0, steps=1)
 
 
+@pytest.mark.parametrize("settings, error, match", [
+    ({"groups": "per-layer"}, ValueError, "one clip group: drop groups"),
+    ({"max_grad_norm": {"stage0": 1.0}}, ValueError, "clip threshold Rₖ, a number"),
+    ({"audit_canaries": 4}, ValueError, "audit_canaries is not supported in a pipeline"),
+    ({"clip_gamma": 0.1}, TypeError, "unexpected settings clip_gamma"),
+])
+def test_settings_a_stage_does_not_run_are_refused_before_anything(settings, error, match):
+    """The settings are make_private's keywords, forwarded; those a stage cannot run are refused before the
+    process group is even looked at."""
+    module = nn.Linear(6, 3)
+    with pytest.raises(error, match=match):
+        tunefree.make_private_pipeline(module, torch.optim.SGD(module.parameters(), lr=0.1),
+                                       DataLoader(_data(), batch_size=BATCH), stage_index=0, num_stages=2,
+                                       target_delta=1e-3, noise_multiplier=1.0, steps=1, **settings)
+
+
 class _OtherStage(OneProcess):
     """One process standing in for stage 0 of two: stage 1's group is elsewhere, at threshold (or
     estimate) ``other``."""

@@ -116,7 +116,7 @@ def test_a_float32_gradient_is_the_noisy_sum_itself():
     """Where the dtypes agree, ``.grad`` is the accumulator's sum, noised and divided in place."""
     model, engine, backward = _model_and_step()
     backward()
-    sums = dict(engine.clipping_engine.accumulator.sink._sums)
+    sums = dict(engine.clipper.accumulator.sink._sums)
     engine.optimizer.step()
     assert sums and all(p.grad is t for p, t in sums.items())
 

@@ -243,7 +243,7 @@ def test_conv_clipped_sum_matches_a_per_example_loop(path, kwargs, sliced, nativ
     if not native:
         monkeypatch.setattr(conv_rule, "NATIVE_PER_SAMPLE", frozenset())
     if sliced:
-        monkeypatch.setattr(conv_rule, "examples_per_chunk", lambda per_example, layer_elements: 2)
+        monkeypatch.setattr(factored, "examples_per_chunk", lambda per_example, layer_elements: 2)
     g = torch.Generator().manual_seed(1)
     conv = nn.Conv2d(4, 6, 3, **kwargs).double()
     x = torch.randn(5, 4, 6, 7, generator=g, dtype=torch.float64)
@@ -321,8 +321,8 @@ def test_a_seeded_run_follows_the_cost_estimates_and_a_secure_run_times_the_path
                                      DataLoader(data, batch_size=4), target_delta=1e-5,
                                      noise_multiplier=1.0, steps=2, seed=seed)
 
-    assert engine(seed=0).clipping_engine.path_chooser.measure is False
-    assert engine(seed=None).clipping_engine.path_chooser.measure is True
+    assert engine(seed=0).clipper.path_chooser.measure is False
+    assert engine(seed=None).clipper.path_chooser.measure is True
 
 
 def test_the_number_of_slices_is_set_by_the_layer_not_the_batch():
@@ -346,7 +346,7 @@ def test_norm_path_is_a_performance_knob_of_make_private():
         engine = tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                        DataLoader(data, batch_size=4), target_delta=1e-5,
                                        noise_multiplier=1.0, steps=2, **options)
-        return engine.clipping_engine.path_chooser
+        return engine.clipper.path_chooser
 
     assert chooser(norm_path="ghost").fixed == "ghost"
     assert chooser(norm_path="materialise", seed=0).fixed == "materialise"

@@ -32,17 +32,10 @@ def make_private(
     loss_reduction: str = "mean",
     accountant: str = "pld",
     seed: int | None = None,
-    secure_rng: bool | None = None,
     poisson_sampling: bool = True,
-    max_physical_batch_size: int | None = None,
     physical_batch_size: int | None = None,
-    clip_gamma: float | None = None,
-    psac_r: float | None = None,
     noise_allocation: str = "global",
     thresholds: str | Thresholds = "fixed",
-    target_quantile: float | None = None,
-    quantile_lr: float | None = None,
-    quantile_budget: float | None = None,
     lr: str | LearningRateRule | None = None,
     verify_every: int | None = None,
     audit_canaries: int | None = None,
@@ -100,7 +93,7 @@ def make_private(
         lr: ``None`` keeps the optimizer's learning rate (and any scheduler). ``"auto"`` (``AutoLR()``)
             sets the step size of plain ``torch.optim.SGD`` from the released gradients alone: noise-aware
             DoG within a noise budget over the planned run (no release, no ε, no closure; see
-            ``tunefree.components.dog``); after training, ``engine.dog_lr.apply_average()`` loads its
+            ``tunefree.components.dog``); after training, ``engine.lr_rule.apply_average()`` loads its
             averaged weights, the model to evaluate and keep. ``AutoLR(mode="safeguarded")``
             (or ``"paper"``) is HyFreeDP for any optimizer: GeN-DP every ``interval`` steps from privatised
             losses of the current batch, which ``optimizer.step(closure)`` must supply (the closure returns
@@ -138,14 +131,10 @@ def make_private(
             depend on). The ledger holds them before the first step, and ``target_epsilon`` is the ε of
             the whole ledger: σ is calibrated on their composition with the planned steps (refused when
             they alone spend the target).
-        secure_rng, max_physical_batch_size, clip_gamma, psac_r, target_quantile, quantile_lr,
-            quantile_budget: deprecated forms (``tunefree.config.LEGACY_KEYWORDS``) of the secret default,
-            ``physical_batch_size``, ``AutoS(gamma)``, ``PSAC(r)`` and ``AdaptiveQuantile(target, lr,
-            budget)``; each warns, and is refused where its option is not in use.
 
-    Every setting is defined and validated once, in :class:`tunefree.config.RunConfig`. Any option
-    given where it has no effect, or together with its typed form, is refused with a ``ValueError``
-    naming it.
+    Every setting is defined and validated once, in :class:`tunefree.config.RunConfig`. An option given
+    where it has no effect (a field of the other ``AutoLR`` mode) is refused with a ``ValueError`` naming
+    it.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -159,11 +148,8 @@ def make_private(
     config = RunConfig.from_keywords(
         target_delta=target_delta, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier,
         epochs=epochs, steps=steps, clipping=clipping, max_grad_norm=max_grad_norm, groups=groups,
-        loss_reduction=loss_reduction, accountant=accountant, seed=seed, secure_rng=secure_rng,
-        poisson_sampling=poisson_sampling, max_physical_batch_size=max_physical_batch_size,
-        physical_batch_size=physical_batch_size, clip_gamma=clip_gamma, psac_r=psac_r,
-        noise_allocation=noise_allocation, thresholds=thresholds, target_quantile=target_quantile,
-        quantile_lr=quantile_lr, quantile_budget=quantile_budget, lr=lr, verify_every=verify_every,
-        norm_path=norm_path, audit_canaries=audit_canaries, batch_dim=batch_dim,
-        public_buffers=public_buffers, prior_releases=prior_releases)
+        loss_reduction=loss_reduction, accountant=accountant, seed=seed, poisson_sampling=poisson_sampling,
+        physical_batch_size=physical_batch_size, noise_allocation=noise_allocation, thresholds=thresholds,
+        lr=lr, verify_every=verify_every, norm_path=norm_path, audit_canaries=audit_canaries,
+        batch_dim=batch_dim, public_buffers=public_buffers, prior_releases=prior_releases)
     return build_run(config, model, optimizer, data_loader, parallel)

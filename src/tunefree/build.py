@@ -33,16 +33,17 @@ from .guards.inputs import InputProvenance
 from .guards.purity import Purity
 from .guards.state import StateGuard
 from .guards.trainable import TrainableSet
-from .parallel.base import FSDP2, ONE_PROCESS, Parallelism, Single
+from .parallel.base import FSDP2, ONE_PROCESS, STAGES, Parallelism, Single
 from .parallel.ddp import check_same_run, data_parallel, run_identity
 from .parallel.fsdp import check_sharded_options, sharded_data_parallel
 from .persample.accumulator import StepAccumulator
 from .persample.engine import ClippingEngine
+from .privacy.accounting import check_delta
 from .privacy.canaries import CanaryRelease, GradientCanaries, canary_randomness
 from .privacy.ledger import Ledger
 from .privacy.mechanisms import GradientRelease
 from .privacy.plan import Plan, data_digest
-from .privacy.randomness import NoiseSource, run_randomness, secret_seed
+from .privacy.randomness import NoiseSource, SeededSource, run_randomness, secret_seed
 from .rules.paths import path_chooser
 from .run import DPEngine
 from .step.component import StepComponent
@@ -80,9 +81,9 @@ def plan_run(config: RunConfig, model: nn.Module, data_loader: Any, parallel: Pa
     check_parallel_options(config, parallel)
     if parallel.kind == FSDP2:
         check_sharded_options(config.performance.physical_batch_size)
-    randomness = run_randomness(config.seed, False)
+    randomness = run_randomness(config.seed)
     num_examples, sample_rate = sample_rate_of(data_loader)
-    check_delta(config.target_delta, num_examples)
+    check_delta(config.target_delta, num_examples, option="target_delta")
     module = getattr(parallel, "module", model)
     groups = make_groups(module, config.groups, config.max_grad_norm)
     # each component's option declares its share of the budget (in the order of its component's releases)
@@ -169,6 +170,11 @@ def run_guards(run: PlannedRun, engine: ClippingEngine, trainable: list[nn.Param
     config = run.config
     state = StateGuard(run.module, trainable, config.public_buffers)
     every_rank = run.parallel.agree if run.parallel.kind == FSDP2 else None
+    probes = ProbeSchedule(run.randomness)
+    if every_rank is not None and run.randomness.secret:
+        # FSDP2's forward passes are collectives: every rank draws its checked steps and halves from one
+        # secret seed rank 0 draws (each rank's own secret randomness would diverge)
+        probes = ProbeSchedule(SeededSource(run.parallel.from_first(secret_seed())))
     # Under FSDP2 every forward is a collective, and a rank whose batch is empty has nothing to probe: the
     # model's function is not probed there (its state is still compared where it lives).
     purity = [] if every_rank is not None else [
@@ -177,19 +183,9 @@ def run_guards(run: PlannedRun, engine: ClippingEngine, trainable: list[nn.Param
         TrainableSet(run.module, trainable, optimizer, leaks=lambda: engine.check_no_leak()),
         state,
         *purity,
-        Independence(run.module, engine, run.schedule, ProbeSchedule(run.randomness),
+        Independence(run.module, engine, run.schedule, probes,
                      config.performance.verify_every, every_rank, after_probes=state.after_probes),
     ], drop=accumulator.pop)
-
-
-def check_delta(delta: float, num_examples: int | None) -> None:
-    """δ must be far below 1/N: a δ of 1/N allows leaking whole examples."""
-    if num_examples is not None and delta >= 1 / num_examples:
-        raise SettingsRefused(
-            f"target_delta={delta:.3g} is not below 1/N = {1 / num_examples:.3g} for N = "
-            f"{num_examples} examples: such a δ allows leaking whole examples; use δ ≪ 1/N, "
-            f"e.g. {1 / num_examples ** 1.1:.2g}"
-        )
 
 
 def threshold_component(run: PlannedRun) -> QuantileEstimator | None:
@@ -244,7 +240,8 @@ def check_parallel_options(config: RunConfig, parallel: Parallelism) -> None:
         ("poisson_sampling=False", not config.poisson_sampling),
         ("audit_canaries", config.audit_canaries is not None and parallel.kind == FSDP2)) if refused]
     if unsupported:
-        kind = "FSDP2 (fully_shard)" if parallel.kind == FSDP2 else "DistributedDataParallel"
+        kind = {FSDP2: "FSDP2 (fully_shard)", STAGES: "pipeline stages"}.get(parallel.kind,
+                                                                           "DistributedDataParallel")
         raise SettingsRefused(
             f"{', '.join(unsupported)} is not supported with {kind} yet: use the optimizer's learning rate "
             "(or, under DDP, lr='auto' or HyFreeDP: under FSDP2 they would read norms of sharded "

@@ -5,34 +5,31 @@ Every ``make_private`` setting is a field here, defined and validated once; ``ma
 explicit signature, and a test checks that the two agree. Options are typed strategies: the clip
 function (``AutoS``, ``AutoV``, ``PSAC``, ``Abadi``), the threshold rule (``Fixed``,
 ``AdaptiveQuantile``) and the learning-rate rule (``DoG``, ``HyFreeDP``; ``AutoLR(mode=...)`` makes
-either). :meth:`RunConfig.from_keywords` maps the string shortcuts and the legacy keywords (one table,
-:data:`LEGACY_KEYWORDS`, each with a ``DeprecationWarning``) onto them.
+either). :meth:`RunConfig.from_keywords` maps the string shortcuts onto them.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import dp_accounting as dpa
 
-from ._validate import count, flag, fraction, non_negative, one_of, positive
+from ._validate import count, flag, non_negative, one_of, positive
 from .clipping.functions import PSAC, Abadi, AutoS, AutoV, ClipFunction, clip_function
 from .clipping.groups import GROUPINGS, GroupSpec
 from .components.dog import DoG
 from .components.hyfreedp import HyFreeDP
 from .components.thresholds import AdaptiveQuantile, Fixed
 from .errors import SettingsRefused
-from .privacy.accounting import ACCOUNTANTS
+from .privacy.accounting import ACCOUNTANTS, check_delta
 from .privacy.ledger import to_dict
 from .privacy.mechanisms import NOISE_ALLOCATIONS
-from .privacy.plan import Plan
 from .rules.paths import NORM_PATHS
 
 __all__ = ["PSAC", "Abadi", "AdaptiveQuantile", "AutoLR", "AutoS", "AutoV", "DoG", "Fixed", "HyFreeDP",
-           "LEGACY_KEYWORDS", "Performance", "RunConfig"]
+           "Performance", "RunConfig"]
 
 Thresholds = Fixed | AdaptiveQuantile
 LearningRateRule = DoG | HyFreeDP
@@ -115,7 +112,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         # one check per field
-        fraction("target_delta", self.target_delta)
+        check_delta(self.target_delta, option="target_delta")  # and below 1/N, once N is known (build)
         if self.target_epsilon is not None:
             positive("target_epsilon", self.target_epsilon)
         if self.noise_multiplier is not None:
@@ -166,12 +163,9 @@ class RunConfig:
     @classmethod
     def from_keywords(cls, **keywords: Any) -> RunConfig:
         """The config of ``make_private``'s keyword arguments: string shortcuts (``clipping="psac"``,
-        ``thresholds="adaptive"``, ``lr="auto"``) become their typed options, and each legacy keyword
-        (:data:`LEGACY_KEYWORDS`) goes into the option it belongs to, with a ``DeprecationWarning``.
-        A legacy keyword given where it has no effect, or beside the typed form of its option, is refused
-        naming it. ``None`` stands for a keyword not given."""
+        ``thresholds="adaptive"``, ``lr="auto"``) become their typed options, and the speed knobs go into
+        :class:`Performance`. ``None`` stands for a keyword not given."""
         keywords = {name: value for name, value in keywords.items() if value is not None}
-        _take_legacy(keywords)
         if isinstance(keywords.get("clipping"), str):
             keywords["clipping"] = clip_function(keywords["clipping"])
         if isinstance(keywords.get("thresholds"), str):
@@ -190,76 +184,6 @@ class RunConfig:
 
 
 THRESHOLD_SHORTCUTS: dict[str, Thresholds] = {"fixed": Fixed(), "adaptive": AdaptiveQuantile()}
-
-# Legacy keyword → (the keyword of the option it belongs to, the option's shortcut it needs, its field
-# there). A keyword with no field is a plain rename; ``secure_rng`` names the default and is only checked.
-LEGACY_KEYWORDS: dict[str, tuple[str | None, str | None, str | None]] = {
-    "clip_gamma": ("clipping", "auto-s", "gamma"),
-    "psac_r": ("clipping", "psac", "r"),
-    "target_quantile": ("thresholds", "adaptive", "target"),
-    "quantile_lr": ("thresholds", "adaptive", "lr"),
-    "quantile_budget": ("thresholds", "adaptive", "budget"),
-    "max_physical_batch_size": ("physical_batch_size", None, None),
-    "secure_rng": (None, None, None),
-}
-_DEFAULT_SHORTCUTS = {"clipping": "auto-s", "thresholds": "fixed"}
-_TYPED = {"clipping": {"auto-s": AutoS, "psac": PSAC}, "thresholds": {"adaptive": AdaptiveQuantile}}
-
-
-def _take_legacy(keywords: dict[str, Any]) -> None:
-    """Move each legacy keyword of ``keywords`` into its option, in place (see :data:`LEGACY_KEYWORDS`)."""
-    given = {name: keywords.pop(name) for name in LEGACY_KEYWORDS if name in keywords}
-    for name in given:
-        warnings.warn(f"make_private({name}=...) is deprecated: {_replacement(name)}", DeprecationWarning,
-                      stacklevel=4)
-    moved: dict[str, dict[str, tuple[str, Any]]] = {}
-    irrelevant: dict[str, list[str]] = {}
-    for name, value in given.items():
-        option, shortcut, attribute = LEGACY_KEYWORDS[name]
-        if option is None:  # secure_rng: the secret default, said explicitly
-            flag(name, value)
-            if value and "seed" in keywords:
-                raise SettingsRefused(
-                    f"secure_rng=True and seed={keywords['seed']!r} contradict each other: a seed makes the "
-                    "noise reproducible by anyone who knows it. Drop seed for a secret run (the default) or "
-                    "drop secure_rng for a reproducible one")
-        elif attribute is None:  # a plain rename, validated under the name it was given
-            if option in keywords:
-                raise ValueError(f"give {option} only ({name} is its old name)")
-            _as_given(name, Performance, option, value)
-            keywords[option] = value
-        elif keywords.get(option, _DEFAULT_SHORTCUTS[option]) != shortcut:
-            irrelevant.setdefault(f"{option}={shortcut!r}", []).append(name)
-        else:
-            moved.setdefault(option, {})[attribute] = (name, value)
-    for applies_to, names in irrelevant.items():
-        option, shortcut, attribute = LEGACY_KEYWORDS[names[0]]
-        typed = _TYPED[option][shortcut].__name__
-        inside = f"use {typed}({attribute}=...)" if len(names) == 1 else f"give them inside {typed}(...)"
-        raise ValueError(f"{', '.join(names)} only apply to {applies_to} (or {inside}); set it or drop them")
-    for option, values in moved.items():
-        typed = _TYPED[option][keywords.get(option, _DEFAULT_SHORTCUTS[option])]
-        for attribute, (name, value) in values.items():  # each validated under the name it was given
-            _as_given(name, typed, attribute, value)
-        keywords[option] = typed(**{attribute: value for attribute, (_, value) in values.items()})
-
-
-def _as_given(name: str, typed: type, attribute: str, value: Any) -> None:
-    """Validate ``value`` as ``typed``'s field ``attribute``, the message naming it ``name``."""
-    try:
-        typed(**{attribute: value})
-    except (TypeError, ValueError) as error:
-        message = str(error).replace(f"{typed.__name__}.{attribute}", name)
-        raise type(error)(message if name in message else message.replace(attribute, name, 1)) from None
-
-
-def _replacement(name: str) -> str:
-    option, shortcut, attribute = LEGACY_KEYWORDS[name]
-    if option is None:
-        return "a secret run is the default (drop it)"
-    if attribute is None:
-        return f"use {option}=..."
-    return f"use {option}={_TYPED[option][shortcut].__name__}({attribute}=...)"
 
 
 def _named(option: str, name: str, shortcuts: Mapping[str, Any]) -> Any:
@@ -317,35 +241,3 @@ def _check_batch_dim(value: Any) -> None:
 def _describe(option: Any) -> dict[str, Any]:
     """A typed option as plain values: its kind and its fields."""
     return {"kind": type(option).__name__, **{f.name: getattr(option, f.name) for f in fields(option)}}
-
-
-def read_description(description: Mapping[str, Any]) -> dict[str, Any]:
-    """A checkpoint's plan description in today's format (2): one of 0.1 (format 1, no ``"format"``
-    key) is read as the description the same run has today, so that its checkpoints keep loading."""
-    if description.get("format", 1) != 1:
-        return dict(description)
-    read = Plan.read_format_1(description)
-    clip = read.pop("settings.clipping", {})
-    constant = {"auto-s": "gamma", "psac": "r"}.get(clip.get("name"))
-    read["settings.clipping"] = {"name": clip.get("name"), **({constant: clip[constant]} if constant else {})}
-    thresholds = read.pop("settings.thresholds", "fixed")
-    read["settings.thresholds"] = {"kind": "Fixed"} if thresholds == "fixed" else {
-        "kind": "AdaptiveQuantile", "target": thresholds["target_quantile"],
-        "lr": thresholds["learning_rate"], "budget": thresholds["budget"], "rescale": thresholds["rescale"]}
-    lr = read.pop("settings.auto_lr", None)
-    if lr is not None and lr["mode"] == "dog":
-        lr = {"kind": "DoG", "initial_distance": lr["initial_distance"], "noise_budget": lr["noise_budget"],
-              "noise_aware": True, "input_rms": None}
-    elif lr is not None:
-        losses = description["losses"]
-        lr = {"kind": "HyFreeDP", "interval": losses["interval"], "loss_privacy": losses["privacy"],
-              "gradient_noise_increase": losses["increase"], "mode": lr["mode"], "probes": lr["probes"],
-              "initial_lr": lr["initial_lr"]}
-    read["settings.lr"] = lr
-    return read
-
-
-def resolve_options(**keywords: Any) -> RunConfig:
-    """``RunConfig.from_keywords`` (the name the command line uses to check its options early)."""
-    return RunConfig.from_keywords(**keywords)
-

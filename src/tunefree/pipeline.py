@@ -20,8 +20,9 @@ Micro-batches run one at a time through the stages (the engine holds one forward
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -32,10 +33,12 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 
+from .api import make_private
 from .build import assemble, check_parallel_options, plan_run
 from .components.thresholds import AdaptiveQuantile
 from .config import RunConfig
 from .data.provenance import handed_on
+from .errors import SettingsRefused
 from .parallel.stages import Stages
 from .privacy.ledger import Ledger
 from .privacy.randomness import side_randomness
@@ -116,6 +119,23 @@ class PrivatePipelineStage:
             if last:
                 return losses if self.stages.is_last else None
 
+    @torch.no_grad()
+    def predict(self, inputs: Any) -> torch.Tensor | None:
+        """The model's output on ``inputs`` (held-out or public data: nothing is released or recorded), one
+        forward through the stages in eval mode: the first stage takes ``inputs``, the last one returns
+        the output (``None`` on the others). Every stage calls it together."""
+        stages, was_training = self.stages, self.module.training
+        self.module.eval()
+        try:
+            output = self.module(self._to_device(inputs) if stages.is_first else
+                                 stages.receive(stages.index - 1))
+        finally:
+            self.module.train(was_training)
+        if stages.is_last:
+            return output
+        stages.send(output, stages.index + 1)
+        return None
+
     def _to_device(self, x: Any) -> Any:
         return x.to(self.device) if isinstance(x, torch.Tensor) else x
 
@@ -148,25 +168,15 @@ def make_private_pipeline(
     *,
     stage_index: int,
     num_stages: int,
-    target_delta: float,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-    target_epsilon: float | None = None,
-    noise_multiplier: float | None = None,
-    epochs: float | None = None,
-    steps: int | None = None,
-    clipping: Any = "auto-s",
-    max_grad_norm: float = 1.0,
-    loss_reduction: str = "mean",
-    accountant: str = "pld",
-    seed: int | None = None,
-    physical_batch_size: int | None = None,
-    noise_allocation: str = "global",
-    thresholds: Any = "fixed",
     group: Any = None,
+    **settings: Any,
 ) -> PrivatePipelineStage:
     """Make stage ``stage_index`` of a ``num_stages``-stage pipeline train privately, with per-device
-    clipping. Every process of the pipeline calls it with its own stage; the arguments are those of
-    :func:`tunefree.make_private` except:
+    clipping. Every process of the pipeline calls it with its own stage and the same ``settings``: those of
+    :func:`tunefree.make_private` (``target_delta``, ``target_epsilon`` or ``noise_multiplier``, ``epochs``
+    or ``steps``, ``clipping``, …), except that the stage is one clip group (no ``groups``), the run has no
+    audit canaries, and:
 
     Args:
         stage_module: this stage's part of the model; its trainable parameters are one clip group.
@@ -177,17 +187,18 @@ def make_private_pipeline(
             and ``target`` to ``loss_fn``. The first stage draws each step's Poisson sample.
         loss_fn: on the last stage, ``loss_fn(output, target)``, the micro-batch's loss (its mean over
             the examples, or their sum with ``loss_reduction="sum"``).
-        max_grad_norm: Rₖ, this stage's clip threshold. The release's sensitivity is √(Σₖ Rₖ²) over all
-            stages; with AUTO-S/V the thresholds set the stages' relative scales.
-        noise_allocation: how σ·S is spread over the stages (``"global"``, ``"equal-budget"``,
-            ``"weighted"``, the group-wise clipping paper's allocations); the privacy cost is the same.
-        thresholds: ``"fixed"`` or ``"adaptive"``/``AdaptiveQuantile(...)``: each stage's threshold
-            tracks a private quantile of its own norms (its count is one of the K counts released
-            jointly each step; the stages then exchange their new estimates).
-        physical_batch_size: the micro-batch size of the pipeline (the Poisson batch is cut into
-            micro-batches of at most this many examples).
         group: the pipeline's process group (default: every process).
+        settings: ``max_grad_norm`` is Rₖ, this stage's clip threshold (a number; the release's
+            sensitivity is √(Σₖ Rₖ²) over all stages, and with AUTO-S/V the thresholds set the stages'
+            relative scales). ``noise_allocation`` spreads σ·S over the stages (``"global"``,
+            ``"equal-budget"``, ``"weighted"``, the group-wise clipping paper's allocations; the privacy
+            cost is the same). ``thresholds="adaptive"``/``AdaptiveQuantile(...)``: each stage's threshold
+            tracks a private quantile of its own norms (its count is one of the K counts released jointly
+            each step; the stages then exchange their new estimates). ``physical_batch_size`` is the
+            pipeline's micro-batch size (the Poisson batch is cut into micro-batches of at most this many
+            examples).
     """
+    _check_stage_settings(settings)
     if not dist.is_initialized():
         raise ValueError("make_private_pipeline needs torch.distributed: call "
                          "torch.distributed.init_process_group first (launch with torchrun)")
@@ -203,19 +214,36 @@ def make_private_pipeline(
                          "sample is broadcast from the first stage in step with the pipeline's messages")
     names = [name for name, p in stage_module.named_parameters() if p.requires_grad]
     stage_name = f"stage{stage_index}"
-    stage_seed = seed if seed is None or stage_index == 0 else \
-        side_randomness(seed, _STAGE_NOISE_STREAM + stage_index).seed
-    config = RunConfig.from_keywords(
-        target_delta=target_delta, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier,
-        epochs=epochs, steps=steps, clipping=clipping, max_grad_norm={stage_name: max_grad_norm},
-        groups={stage_name: names}, loss_reduction=loss_reduction, accountant=accountant, seed=stage_seed,
-        physical_batch_size=physical_batch_size, noise_allocation=noise_allocation, thresholds=thresholds)
+    seed = settings.get("seed")
+    if seed is not None and stage_index > 0:
+        seed = side_randomness(seed, _STAGE_NOISE_STREAM + stage_index).seed
+    config = RunConfig.from_keywords(**{
+        **settings, "max_grad_norm": {stage_name: settings.get("max_grad_norm", 1.0)},
+        "groups": {stage_name: names}, "seed": seed})
     run = plan_run(config, stage_module, data_loader)  # this stage's group, planned as one process
     described = {k: v for k, v in run.plan.describe().items() if k != "settings.groups"}
-    described.update(secret=run.randomness.secret, physical_batch_size=physical_batch_size)
+    described.update(secret=run.randomness.secret,
+                     physical_batch_size=config.performance.physical_batch_size)
     device = next(stage_module.parameters()).device
     stages = Stages.join(stage_index, num_stages, group, device, run.groups[0], described,
                          thresholds_move=isinstance(config.thresholds, AdaptiveQuantile))
     check_parallel_options(config, stages)
     return PrivatePipelineStage(assemble(replace(run, parallel=stages), stage_module, optimizer, data_loader),
                                 loss_fn)
+
+
+def _check_stage_settings(settings: dict[str, Any]) -> None:
+    """``settings`` are ``make_private``'s keywords that a stage runs: its own clip group at one threshold,
+    no audit canaries."""
+    known = set(inspect.signature(make_private).parameters) - {"model", "optimizer", "data_loader"}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise TypeError(f"make_private_pipeline got unexpected settings {', '.join(unknown)}: the settings "
+                        "are make_private's keywords")
+    if "groups" in settings:
+        raise SettingsRefused("a pipeline stage's trainable parameters are its one clip group: drop groups")
+    if isinstance(settings.get("max_grad_norm"), Mapping):
+        raise SettingsRefused("max_grad_norm of a pipeline stage is its clip threshold Rₖ, a number")
+    if settings.get("audit_canaries") is not None:
+        raise SettingsRefused("audit_canaries is not supported in a pipeline yet: audit a run in one process "
+                              "or under DDP")

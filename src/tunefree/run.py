@@ -14,7 +14,6 @@ from .clipping.groups import ClipGroup, sensitivity
 from .components.dog import DistanceOverGradients
 from .components.hyfreedp import AutoLearningRate
 from .components.thresholds import QuantileEstimator
-from .config import read_description
 from .data.poisson import PoissonDataLoader, StepSchedule
 from .errors import PrivacyError
 from .guards.base import Guards
@@ -23,7 +22,7 @@ from .parallel.base import Parallelism
 from .persample.engine import ClippingEngine
 from .privacy.canaries import GradientCanaries
 from .privacy.ledger import Ledger
-from .privacy.plan import Plan, is_digest_of_0_1
+from .privacy.plan import Plan
 from .privacy.randomness import NoiseSource
 from .step.component import StepReport
 from .step.optimizer import DPOptimizer
@@ -72,11 +71,6 @@ class DPEngine:
         self.canaries = canaries
 
     @property
-    def clipping_engine(self) -> ClippingEngine:
-        """The per-sample clipper hooked into the model (:attr:`clipper`; the older name)."""
-        return self.clipper
-
-    @property
     def noise_multiplier(self) -> float:
         """σ of the plan: each step's gradient (and count) release costs what plain DP-SGD at σ would."""
         return self.plan.noise_multiplier
@@ -119,23 +113,11 @@ class DPEngine:
 
     @property
     def lr_rule(self) -> AutoLearningRate | DistanceOverGradients | None:
-        """The learning-rate rule of the run: DoG for ``lr="auto"``, HyFreeDP for
-        ``AutoLR(mode="safeguarded"/"paper")`` (``None`` when the optimizer's own learning rate is kept)."""
+        """The learning-rate rule of the run (``None`` when the optimizer's own learning rate is kept): DoG
+        for ``lr="auto"`` (after training, ``engine.lr_rule.apply_average()`` loads its averaged weights),
+        HyFreeDP for ``AutoLR(mode="safeguarded"/"paper")``."""
         return next((c for c in self.optimizer.components
                      if isinstance(c, (AutoLearningRate, DistanceOverGradients))), None)
-
-    @property
-    def auto_lr(self) -> AutoLearningRate | None:
-        """HyFreeDP's learning rate (``AutoLR(mode="safeguarded"/"paper")``; ``None`` otherwise, and under
-        ``lr="auto"``, which is DoG: :attr:`dog_lr`); e.g. ``engine.auto_lr.record_training_losses(losses)``
-        hands it L(w) from the training forward. Deprecated name: use :attr:`lr_rule`."""
-        return next((c for c in self.optimizer.components if isinstance(c, AutoLearningRate)), None)
-
-    @property
-    def dog_lr(self) -> DistanceOverGradients | None:
-        """The DoG learning rate of ``AutoLR(mode="dog")`` (``None`` otherwise); after training,
-        ``engine.dog_lr.apply_average()`` loads its averaged weights into the optimizer's parameters."""
-        return next((c for c in self.optimizer.components if isinstance(c, DistanceOverGradients)), None)
 
     @property
     def clip_fractions(self) -> dict[str, float] | None:
@@ -193,26 +175,21 @@ class DPEngine:
         self._check_same_plan(state)
         self.optimizer.resume(state["components"])  # checked first: refused as a whole
         self.randomness.load_state_dict(state["randomness"])  # refuses a secret run resuming a seeded one
-        # A 0.1 ledger names no caveat of its own: its run's randomness says whether it was seeded.
-        self.ledger.load_state_dict({"seeded": not self.randomness.secret, **state["ledger"]})
+        self.ledger.load_state_dict(state["ledger"])
         self.schedule.load_state_dict(state["schedule"])
         self._check_resumed_steps()
         # The resumed model (loaded with the checkpoint's weights) is the state the guard compares with.
         self.guards.of(StateGuard).snapshot()
 
     def _check_same_plan(self, state: Mapping[str, Any]) -> None:
-        """The checkpoint's plan is this run's. A checkpoint of 0.1 (plan description format 1, a data
-        digest of three examples) is read as today's description and compared on those examples."""
-        if state.get("fingerprint") == self.plan.fingerprint():
+        """The checkpoint's plan is this run's."""
+        theirs = state.get("plan", {})
+        if state.get("fingerprint") == self.plan.fingerprint() or theirs == self.plan.describe():
             return
-        theirs, mine = read_description(state.get("plan", {})), self.plan.describe()
-        if is_digest_of_0_1(theirs.get("settings.data"), self.data_loader.dataset, self.plan.num_examples):
-            theirs["settings.data"] = mine["settings.data"]
-        if theirs != mine:
-            differences = "\n  ".join(self.plan.differences(theirs))
-            raise ValueError(
-                "this checkpoint belongs to a run with other privacy settings; resume with the same "
-                f"settings and the same data set. It differs in:\n  {differences}")
+        differences = "\n  ".join(self.plan.differences(theirs))
+        raise ValueError(
+            "this checkpoint belongs to a run with other privacy settings; resume with the same "
+            f"settings and the same data set. It differs in:\n  {differences}")
 
     def _check_resumed_steps(self) -> None:
         """A resumed ledger describes the steps this run took: with the Poisson loader, its position

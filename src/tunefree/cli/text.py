@@ -260,8 +260,8 @@ def train_text(config: TextConfig) -> dict[str, Any]:
     epsilon = _train_loop(engine, task, config, delta, run)
     train_seconds = time.perf_counter() - started
     engine.detach()
-    if engine.dog_lr is not None:  # the model kept is the automatic learning rate's averaged one
-        engine.dog_lr.apply_average()
+    if engine.lr_rule is not None:  # the model kept is the automatic learning rate's averaged one
+        engine.lr_rule.apply_average()
     if encoder is not None:
         text_models.save_head(encoder, model, names, tokenizer, run.path / "model")
     else:

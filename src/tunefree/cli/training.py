@@ -30,8 +30,9 @@ from torch.utils.data import DataLoader
 
 from ..api import make_private
 from ..audit import audit_training
+from ..components.dog import DistanceOverGradients
 from ..components.hyfreedp import AutoLearningRate
-from ..config import AutoLR, resolve_options
+from ..config import PSAC, AdaptiveQuantile, AutoLR, AutoS, RunConfig
 from ..privacy.calibrate import MIN_NOISE_MULTIPLIER
 from ..run import DPEngine
 from . import datasets, launch, models, preprocess, tables
@@ -53,10 +54,16 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adagrad": lambda params, lr: torch.optim.Adagrad(params, lr=lr),
 }
 NUMERIC_SCALINGS = preprocess.NUMERIC_SCALINGS
-# The papers' knobs: each is the make_private keyword of the same name; make_private (resolve_options)
-# refuses one given where it has no effect. Their command-line flags, for its messages.
+# The papers' knobs, by their command-line flags: each is a field of make_private's typed option for one
+# shortcut (option → shortcut → the typed option and its knobs' fields); one given where that shortcut is
+# not chosen is refused.
 KNOBS = {"clip_gamma": "--clip-gamma", "psac_r": "--psac-r", "target_quantile": "--target-quantile",
          "quantile_lr": "--quantile-lr", "quantile_budget": "--quantile-budget"}
+TYPED_KNOBS = {
+    "clipping": {"auto-s": (AutoS, {"clip_gamma": "gamma"}), "psac": (PSAC, {"psac_r": "r"})},
+    "thresholds": {"adaptive": (AdaptiveQuantile, {"target_quantile": "target", "quantile_lr": "lr",
+                                                   "quantile_budget": "budget"})},
+}
 # HyFreeDP's knobs (--lr hyfreedp): fields of its AutoLR.
 HYFREEDP_KNOBS = {"lr_update_interval": "--lr-update-interval", "loss_privacy": "--loss-privacy"}
 
@@ -72,7 +79,8 @@ class TrainConfig:
     accounted private estimate) or ``"none"`` (fed as they are); ``na_values``, ``drop_missing`` and
     ``test_data`` are the data flags of ``preprocess.DataOptions``. ``hidden`` sizes the default MLP's
     hidden layers (``None``: one of 128). The papers'
-    knobs (``KNOBS`` and ``noise_allocation``) are the ``make_private`` keywords of the same names.
+    knobs (``KNOBS``) are fields of ``make_private``'s typed options (``typed_options``);
+    ``noise_allocation`` is its keyword of the same name.
     ``lr`` is ``"auto"`` (the optimizer's step size from the released gradients: ``make_private``'s
     ``lr="auto"``; the model kept is its averaged one), ``"hyfreedp"`` (HyFreeDP's learning rate from
     privatised losses, any optimizer; ``lr_update_interval`` and ``loss_privacy`` are its knobs) or a
@@ -132,8 +140,33 @@ class TrainConfig:
         return None
 
 
-def _knobs(config: TrainConfig) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in KNOBS}
+def typed_options(config: TrainConfig) -> dict[str, Any]:
+    """make_private's ``clipping`` and ``thresholds``: the shortcut chosen, or its typed option with the
+    knobs given as its fields. A knob of a shortcut not chosen is refused, naming its flag."""
+    options: dict[str, Any] = {}
+    for option, shortcuts in TYPED_KNOBS.items():
+        chosen = options[option] = getattr(config, option)
+        for shortcut, (typed, fields) in shortcuts.items():
+            given = {knob: getattr(config, knob) for knob in fields if getattr(config, knob) is not None}
+            if given and chosen != shortcut:
+                raise ValueError(f"{', '.join(KNOBS[knob] for knob in given)} only apply to "
+                                 f"{option}={shortcut!r}: drop them or add --{option} {shortcut}")
+            if given:
+                try:
+                    options[option] = typed(**{fields[knob]: value for knob, value in given.items()})
+                except (TypeError, ValueError) as error:
+                    message = str(error)
+                    for knob, field in fields.items():
+                        message = message.replace(f"{typed.__name__}.{field}", KNOBS[knob])
+                    raise type(error)(message) from None
+    return options
+
+
+def dog_rule(engine: DPEngine) -> DistanceOverGradients | None:
+    """The run's DoG learning rate (``--lr auto``), whose averaged weights are the model kept; ``None``
+    under another learning rate."""
+    rule = engine.lr_rule
+    return rule if isinstance(rule, DistanceOverGradients) else None
 
 
 def loose_target_note(target_epsilon: float, noise_multiplier: float, spent: float) -> str | None:
@@ -169,16 +202,12 @@ def check_config(config: TrainConfig) -> None:
     if config.hidden is not None and (not config.hidden or any(
             isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in config.hidden)):
         raise ValueError(f"--hidden takes layer widths of at least 1, e.g. 256,256; got {config.hidden}")
-    try:  # make_private's own check of the knobs, before any data is touched
-        resolve_options(target_delta=0.5, target_epsilon=min(config.epsilon, 1e6), epochs=config.epochs,
-                        steps=config.steps, clipping=config.clipping, groups=config.groups,
-                        thresholds=config.thresholds, noise_allocation=config.noise_allocation,
-                        **_knobs(config))
+    try:  # make_private's own check of the options, before any data is touched
+        RunConfig.from_keywords(target_delta=0.5, target_epsilon=min(config.epsilon, 1e6),
+                                epochs=config.epochs, steps=config.steps, groups=config.groups,
+                                noise_allocation=config.noise_allocation, **typed_options(config))
     except (TypeError, ValueError) as error:
-        message = str(error)
-        for keyword, flag in KNOBS.items():
-            message = message.replace(keyword, flag)
-        raise ValueError(message) from error
+        raise ValueError(str(error)) from error
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {config.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
     if config.lr not in ("auto", "hyfreedp") and not (
@@ -286,11 +315,10 @@ def _make_private(config: TrainConfig, model: nn.Module, data: datasets.LoadedDa
     return make_private(
         launch.data_parallel(model), optimizer, DataLoader(data.train, batch_size=config.batch_size),
         target_delta=delta, epochs=config.epochs, steps=config.steps,
-        clipping=config.clipping, groups=config.groups, max_grad_norm=config.max_grad_norm,
-        thresholds=config.thresholds, lr=config.auto_lr(public_input_rms(data)),
+        groups=config.groups, max_grad_norm=config.max_grad_norm, lr=config.auto_lr(public_input_rms(data)),
         prior_releases=prior_releases(data.releases),
         accountant=config.accountant, seed=config.seed, audit_canaries=config.audit_canaries,
-        **budget, **{"noise_allocation": config.noise_allocation, **_knobs(config), **config.extra})
+        **budget, **{"noise_allocation": config.noise_allocation, **typed_options(config), **config.extra})
 
 
 def public_input_rms(data: datasets.LoadedData) -> float | None:
@@ -339,8 +367,8 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
                      "test_accuracy": test_accuracy})
     train_seconds = time.perf_counter() - started
     engine.detach()
-    if engine.dog_lr is not None:  # the model kept is the automatic learning rate's averaged one
-        engine.dog_lr.apply_average()
+    if dog_rule(engine) is not None:  # the model kept is the automatic learning rate's averaged one
+        dog_rule(engine).apply_average()
     audit = None if config.audit_canaries is None else audit_training(engine)
     result = {
         "test_accuracy": test_accuracy, "epsilon": epsilon, "delta": delta, "delta_choice": delta_text,
@@ -398,10 +426,11 @@ def model_description(config: TrainConfig, data: datasets.LoadedData) -> dict[st
 def _learning_rate_text(config: TrainConfig, engine: DPEngine) -> str:
     """How the run's learning rate was set, as the output states it."""
     last = engine.optimizer.param_groups[0]["lr"]
-    if engine.dog_lr is not None:
-        first = engine.dog_lr.history[0] if engine.dog_lr.history else last
-        scaled = ("" if engine.dog_lr.input_scale == 1 else
-                  f"; its noise budget × {engine.dog_lr.input_scale:.3g} for the features' public scale")
+    dog = dog_rule(engine)
+    if dog is not None:
+        first = dog.history[0] if dog.history else last
+        scaled = ("" if dog.input_scale == 1 else
+                  f"; its noise budget × {dog.input_scale:.3g} for the features' public scale")
         return (f"automatic ({config.optimizer}, --lr auto): {first:.3g} at the first step and {last:.3g} at "
                 "the last, set from the released gradients (no ε); the model kept is the average of its "
                 f"weights{scaled}")
@@ -414,9 +443,8 @@ def _learning_rate_text(config: TrainConfig, engine: DPEngine) -> str:
 def _model_kept(engine: DPEngine) -> contextlib.AbstractContextManager:
     """The weights of the model the run would keep if it ended now: the averaged ones with the
     automatic learning rate (post-processing of the releases), else the current ones."""
-    if engine.dog_lr is None:
-        return contextlib.nullcontext()
-    return engine.dog_lr.averaged()
+    dog = dog_rule(engine)
+    return contextlib.nullcontext() if dog is None else dog.averaged()
 
 
 def _step_record(engine: DPEngine, epoch: int) -> dict[str, Any]:

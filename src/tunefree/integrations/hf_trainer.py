@@ -49,7 +49,7 @@ ExampleLoss = Callable[[nn.Module, Mapping[str, Any]], torch.Tensor]
 
 # Set by PrivateTrainer itself, from the Trainer's arguments: refused in ``privacy``.
 _SET_BY_TRAINER = ("target_epsilon", "target_delta", "noise_multiplier", "epochs", "steps",
-                   "loss_reduction", "physical_batch_size", "max_physical_batch_size", "poisson_sampling")
+                   "loss_reduction", "physical_batch_size", "poisson_sampling")
 # Computed from private data without noise (or, the gradient norm, before the release): never logged.
 _UNRELEASED_METRICS = ("loss", "train_loss", "grad_norm", "total_flos")
 OUTSIDE_THE_GUARANTEE = ("PrivateTrainer: evaluation metrics, and the checkpoint load_best_model_at_end "

@@ -14,7 +14,7 @@ once per parallelism.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -61,6 +61,28 @@ class Parallelism(Reduction, Protocol):
 
     def release_model(self) -> None:
         """Give the wrapper its gradient synchronisation back."""
+
+
+class DataParallelBase:
+    """What the data-parallel kinds (DDP, FSDP2) share: each of the ``world_size`` processes trains on its
+    shard of every Poisson sample, which it samples from the run's own randomness, and every process holds
+    every clip group of the run."""
+
+    rank: int
+    world_size: int
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """``(rank, world_size)``: which examples of each Poisson sample this process trains on."""
+        return self.rank, self.world_size
+
+    def sampling(self, randomness: NoiseSource) -> NoiseSource:
+        """Each rank samples its shard of every Poisson sample from the run's own randomness."""
+        return randomness
+
+    def all_groups(self, own: Mapping[str, tuple[float, int]]) -> dict[str, tuple[float, int]]:
+        """Every rank holds every clip group of the run."""
+        return dict(own)
 
 
 class Single(OneProcess):

@@ -31,13 +31,13 @@ from ..errors import PrivacyError
 from ..persample.accumulator import LocalSums, Sink
 from ..privacy.mechanisms import add_bucket_noise, clipped_sum
 from ..privacy.randomness import NoiseSource
-from .base import DDP
+from .base import DDP, DataParallelBase
 
 # The size of one all-reduce bucket, DDP's default (bucket_cap_mb=25).
 BUCKET_BYTES = 25 * 2**20
 
 
-class DataParallel:
+class DataParallel(DataParallelBase):
     """A ``DistributedDataParallel`` model taken over by tunefree (a :class:`~.base.Parallelism`): the
     wrapped module is hooked, and DDP's own gradient synchronisation is off from :meth:`take_over` to
     :meth:`release_model`. DDP reduces raw gradients, and there are none: the engine keeps the parameters
@@ -63,11 +63,6 @@ class DataParallel:
         self.bucket_bytes = bucket_bytes
         self._buckets: tuple[tuple[int, ...], list[list[nn.Parameter]]] | None = None
 
-    @property
-    def shard(self) -> tuple[int, int]:
-        """``(rank, world_size)``: which examples of each Poisson sample this process trains on."""
-        return self.rank, self.world_size
-
     def take_over(self) -> None:
         """Switch DDP's gradient synchronisation off: tunefree reduces the clipped sums instead."""
         self.wrapper.require_backward_grad_sync = False
@@ -79,14 +74,6 @@ class DataParallel:
     def sink(self, groups: Sequence[ClipGroup]) -> Sink:
         """Each rank keeps its sums whole until the step, where they are all-reduced in buckets."""
         return LocalSums()
-
-    def sampling(self, randomness: NoiseSource) -> NoiseSource:
-        """Each rank samples its shard of every Poisson sample from the run's own randomness."""
-        return randomness
-
-    def all_groups(self, own: Mapping[str, tuple[float, int]]) -> dict[str, tuple[float, int]]:
-        """Every rank holds every clip group of the run."""
-        return dict(own)
 
     def noisy_sum(self, sums: Mapping[nn.Parameter, torch.Tensor], stds: Sequence[tuple[nn.Parameter, float]],
                   randomness: NoiseSource) -> dict[nn.Parameter, torch.Tensor]:

@@ -40,14 +40,14 @@ from ..errors import PrivacyError
 from ..privacy.mechanisms import add_shard_noise
 from ..privacy.randomness import NoiseSource
 from ..rules import rule_for
-from .base import FSDP2
+from .base import FSDP2, DataParallelBase
 from .ddp import all_ranks, first_rank, reduce_values
 
 _RECIPE = ("call fully_shard on each layer (or block) and then on the root module, e.g. "
            "`for layer in model: fully_shard(layer)`, then `fully_shard(model)` (docs/distributed.md)")
 
 
-class ShardedDataParallel:
+class ShardedDataParallel(DataParallelBase):
     """A model sharded by FSDP2 and taken over by tunefree (a :class:`~.base.Parallelism`): its examples
     are split across the ranks of the model's process group, and FSDP2's own gradient reduce-scatter is
     off from :meth:`take_over` to :meth:`release_model` (the engine leaves no raw gradient to reduce; one
@@ -75,11 +75,6 @@ class ShardedDataParallel:
         self.group = meshes.pop().get_group()
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self._resharding: dict[int, tuple] = {}
-
-    @property
-    def shard(self) -> tuple[int, int]:
-        """``(rank, world_size)``: which examples of each Poisson sample this process trains on."""
-        return self.rank, self.world_size
 
     def take_over(self) -> None:
         """Switch FSDP2's gradient reduce-scatter off (tunefree reduce-scatters the clipped sums) and
@@ -112,14 +107,6 @@ class ShardedDataParallel:
     def sink(self, groups: Sequence[ClipGroup]) -> ShardSink:
         """Each clipped sum reduce-scattered into this rank's shard as it is booked."""
         return ShardSink(self, groups)
-
-    def sampling(self, randomness: NoiseSource) -> NoiseSource:
-        """Each rank samples its shard of every Poisson sample from the run's own randomness."""
-        return randomness
-
-    def all_groups(self, own: Mapping[str, tuple[float, int]]) -> dict[str, tuple[float, int]]:
-        """Every rank holds every clip group of the run."""
-        return dict(own)
 
     def noisy_sum(self, sums: Mapping[nn.Parameter, torch.Tensor], stds: Sequence[tuple[nn.Parameter, float]],
                   randomness: NoiseSource) -> dict[nn.Parameter, torch.Tensor]:

@@ -18,6 +18,9 @@ from dp_accounting.pld import pld_privacy_accountant, privacy_loss_distribution
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy.stats import norm
 
+from .._validate import fraction
+from ..errors import SettingsRefused
+
 ACCOUNTANTS = ("pld", "rdp")
 # PLD grid for reported figures (dp_accounting's default) and a coarser one for calibration searches;
 # both are pessimistic, i.e. upper bounds on the true ε.
@@ -33,9 +36,16 @@ def check_accountant(accountant: str) -> None:
         raise ValueError(f"unknown accountant {accountant!r}: use 'pld' (tight) or 'rdp'")
 
 
-def check_delta(delta: float) -> None:
-    if not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
+def check_delta(delta: float, num_examples: int | None = None, option: str = "delta") -> float:
+    """δ of a guarantee (``option``: the name the caller gave it): in (0, 1), and for a private data set
+    of ``num_examples`` N examples, below 1/N: a δ of 1/N allows leaking whole examples."""
+    fraction(option, delta)
+    if num_examples is not None and delta >= 1 / num_examples:
+        raise SettingsRefused(
+            f"{option}={delta:.3g} is not below 1/N = {1 / num_examples:.3g} for N = {num_examples} "
+            "examples: such a δ allows leaking whole examples; use δ ≪ 1/N, e.g. "
+            f"{1 / num_examples ** 1.1:.2g}")
+    return float(delta)
 
 
 def dominating_gaussian(event: dpa.LaplaceDpEvent) -> dpa.GaussianDpEvent:

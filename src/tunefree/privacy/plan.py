@@ -14,7 +14,7 @@ its **share** of the budget (:class:`Share`):
 :meth:`Plan.solve` calibrates σ (for a target ε) and then the noise of each share that has its own, once
 and jointly on the planned ledger of the whole run; the result does not depend on the order the shares
 were declared in. The plan's :meth:`Plan.fingerprint` identifies the run for checkpoints; its
-:meth:`Plan.describe` is format 2 (:meth:`Plan.read_format_1` reads the descriptions of 0.1).
+:meth:`Plan.describe` is format 2.
 """
 
 from __future__ import annotations
@@ -342,23 +342,6 @@ class Plan:
             **{f"settings.{key}": value for key, value in sorted(self.settings.items())},
         }, sort_keys=True))
 
-    @staticmethod
-    def read_format_1(description: Mapping[str, Any]) -> dict[str, Any]:
-        """A description of 0.1 (format 1: the two shares as ``counts``/``losses`` and their noise as
-        ``count_noise``/``loss_noise``) in format 2; its settings are left as they were."""
-        old = dict(description)
-        counts, losses = old.pop("counts", None), old.pop("losses", None)
-        loss_noise = old.pop("loss_noise", 0.0)
-        old.pop("count_noise", None)
-        shares = []
-        if counts is not None:
-            shares.append({"kind": CountShare.kind, **counts})
-        if losses is not None:
-            shares.append({"kind": LossShare.kind, "interval": losses["interval"],
-                           "privacy": losses["privacy"], "increase": losses["increase"],
-                           "releases": losses["releases"], "noise": loss_noise})
-        return {**old, "format": DESCRIPTION_FORMAT, "shares": shares}
-
     def fingerprint(self) -> str:
         """A hash of :meth:`describe`."""
         text = json.dumps(self.describe(), sort_keys=True)
@@ -388,27 +371,6 @@ def data_digest(dataset: Any, num_examples: int) -> str:
             for leaf in tree_flatten(dataset[index])[0]:
                 _digest_leaf(digest, leaf)
     return EVERY_EXAMPLE + digest.hexdigest()[:32]
-
-
-def is_digest_of_0_1(recorded: Any, dataset: Any, num_examples: int) -> bool:
-    """Whether ``recorded`` is the data digest a checkpoint of tunefree 0.1 holds for this data set: that
-    version hashed the first, middle and last example only (no ``EVERY_EXAMPLE`` prefix), so its
-    checkpoints are recognised by those three examples."""
-    if not isinstance(recorded, str) or recorded.startswith(EVERY_EXAMPLE):
-        return False
-    digest = hashlib.sha256(str(num_examples).encode())
-    for index in sorted({0, num_examples // 2, num_examples - 1}):
-        for leaf in tree_flatten(dataset[index])[0]:
-            if isinstance(leaf, torch.Tensor):
-                leaf = leaf.detach().cpu().contiguous()
-                digest.update(f"{leaf.dtype}{tuple(leaf.shape)}".encode())
-                digest.update(leaf.reshape(-1).view(torch.uint8).numpy().tobytes())
-            elif hasattr(leaf, "tobytes"):
-                digest.update(leaf.tobytes())
-            else:
-                digest.update(repr(leaf).encode() if isinstance(leaf, (int, float, str, bytes))
-                              else type(leaf).__name__.encode())
-    return recorded == digest.hexdigest()[:16]
 
 
 def _digest_leaf(digest: Any, leaf: Any) -> None:

@@ -220,14 +220,9 @@ class SeededSource(_Source):
             self._generator(torch.device(key)).set_state(generator_state)
 
 
-def run_randomness(seed: int | None, secure_rng: bool) -> NoiseSource:
-    """The noise source of a run from ``make_private``'s ``seed`` and ``secure_rng``: secret unless a seed
-    asks for a reproducible run; both together contradict each other and are refused."""
-    if secure_rng and seed is not None:
-        raise ValueError(
-            f"secure_rng=True and seed={seed!r} contradict each other: a seed makes the noise reproducible "
-            "by anyone who knows it. Drop seed for a secret run (the default) or drop secure_rng for a "
-            "reproducible one")
+def run_randomness(seed: int | None) -> NoiseSource:
+    """The noise source of a run from ``make_private``'s ``seed``: secret unless a seed asks for a
+    reproducible run."""
     return SecretSource() if seed is None else SeededSource(seed)
 
 

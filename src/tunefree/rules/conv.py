@@ -21,21 +21,14 @@ of examples of that size — a number of slices set by the layer's shape, not by
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..dtypes import accumulated, accumulation_dtype
-from .base import Capture, ClippedSum, LayerRule, Materialized, PerSampleGrad, materialised_sq_norms
-from .factored import (
-    chunked_clipped_sum,
-    chunked_sq_norms,
-    examples_per_chunk,
-    factored_per_sample,
-    ghost_sq_norms,
-)
+from .base import Capture, LayerRule, Materialized, PerSampleGrad
+from .factored import TwoPathGrad, chunked_sq_norms, factored_per_sample, ghost_sq_norms
 from .paths import GHOST, MATERIALISE, factored_estimates
 
 # Device types whose native grouped weight-gradient kernel computes all per-sample gradients in one call.
@@ -112,52 +105,43 @@ def native_per_sample(module: nn.modules.conv._ConvNd, x: torch.Tensor, padding:
     return grads.reshape(batch, *shape)
 
 
-class ConvWeightGrad(PerSampleGrad):
+class ConvWeightGrad(TwoPathGrad):
     """Conv weight gradients of one call. Norms by ghost norm or from the materialised per-sample
-    gradients (both from the batched patches), whichever ``chooser`` measured faster (else the cost
-    formula); the weighted sum from the materialised gradients, or — when only (input, output gradient)
-    were kept — with the native kernel. In :meth:`clipped_sum` the materialised path forms norms, clip
-    weights and sum from the same per-sample gradients."""
+    gradients (both from the batched patches); the weighted sum from the materialised gradients, or — when
+    only (input, output gradient) were kept — with the native kernel."""
 
     def __init__(self, module: nn.modules.conv._ConvNd, x: torch.Tensor, grad: torch.Tensor):
         padding = native_padding(module)
         # the input as given with the padding for the native kernels, or padded explicitly
         self.x = x if padding is not None else pad_input(module, x)
         self.padding = padding if padding is not None else [0] * len(module.kernel_size)
-        self.module, self.grad = module, grad
+        self.module, self.grad, self.batch = module, grad, grad.shape[0]
         self.dtype = accumulation_dtype(grad.dtype)  # the working dtype: a 16-bit gradient is kept as is
-        self._grads: torch.Tensor | None = None
 
     def _sizes(self) -> tuple[int, int, int, int]:
         """(channel groups, output positions, d_in = C_in/G·∏k, d_out = C_out/G) of one example."""
         groups = self.module.groups
         return groups, self.grad[0, 0].numel(), self.module.weight[0].numel(), self.grad.shape[1] // groups
 
+    def _layer_elements(self) -> int:
+        return self.x.numel() + self.grad.numel()
+
     def _estimates(self) -> dict[str, float]:
         groups, positions, d_in, d_out = self._sizes()
-        estimates = factored_estimates(self.grad.shape[0] * groups, positions, d_in, d_out, unfolded=True)
+        estimates = factored_estimates(self.batch * groups, positions, d_in, d_out, unfolded=True)
         if self._native():  # no patches to copy for the native kernel
-            estimates[MATERIALISE] = factored_estimates(self.grad.shape[0] * groups, positions, d_in,
-                                                        d_out)[MATERIALISE]
+            native = factored_estimates(self.batch * groups, positions, d_in, d_out)
+            estimates[MATERIALISE] = native[MATERIALISE]
         return estimates
 
-    def _path(self, fused: bool) -> str:
-        estimates = self._estimates()
-        if self.chooser is None:
-            return min(estimates, key=estimates.__getitem__)
-        module, batch = self.module, self.grad.shape[0]
-        key = ("conv", fused, tuple(module.weight.shape), module.stride, tuple(self.padding),
-               module.dilation, module.groups, tuple(self.x.shape[1:]), self.x.dtype, self.grad.dtype,
-               self.grad.device)
-        zeros = self.grad.new_zeros(batch, dtype=torch.float64)
-        ones = lambda sq: torch.ones_like(sq, dtype=torch.float64)  # noqa: E731 - timing only
-        run = (lambda path: self._clipped_sum_by(path, zeros, ones)) if fused else self.sq_norms_by
-        # time the ghost norm only where its unfolded patches and Gram matrices are no larger than the
-        # layer's own tensors (or the estimate picks it anyway): calibrating never raises the peak memory
-        ghost_elements = batch * self._per_example(GHOST)
-        timeable = (ghost_elements <= self.x.numel() + self.grad.numel()
-                    or min(estimates, key=estimates.get) == GHOST)
-        return self.chooser.choose(key, estimates, run, self.grad.device, timeable)
+    def _key(self, fused: bool) -> tuple:
+        module = self.module
+        return ("conv", fused, tuple(module.weight.shape), module.stride, tuple(self.padding),
+                module.dilation, module.groups, tuple(self.x.shape[1:]), self.x.dtype, self.grad.dtype,
+                self.grad.device)
+
+    def _ghost_elements(self) -> int:
+        return self.batch * self._per_example(GHOST)
 
     def _native(self) -> bool:
         return self.grad.device.type in NATIVE_PER_SAMPLE
@@ -170,9 +154,6 @@ class ConvWeightGrad(PerSampleGrad):
         if path == GHOST:
             return patches + 2 * groups * positions * positions
         return self.module.weight.numel() + (0 if self._native() else patches)
-
-    def _chunk(self, path: str) -> int:
-        return examples_per_chunk(self._per_example(path), self.x.numel() + self.grad.numel())
 
     def _factors(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``a``: the patches ``[n, G, T, d_in]`` and ``b``: the output gradient ``[n, G, T, d_out]`` of
@@ -191,43 +172,11 @@ class ConvWeightGrad(PerSampleGrad):
                                      self.grad[start:stop].to(self.dtype))
         return factored_per_sample(*self._factors(start, stop), self.module.weight.shape)
 
-    def sq_norms_by(self, path: str) -> torch.Tensor:
-        """The per-sample squared norms by ``path`` (``"ghost"`` or ``"materialise"``), keeping nothing."""
-        if path == MATERIALISE:
-            def sq_norms_of(start: int, stop: int) -> torch.Tensor:
-                return materialised_sq_norms(self._per_sample(start, stop))
-        else:
-            def sq_norms_of(start: int, stop: int) -> torch.Tensor:
-                return ghost_sq_norms(*self._factors(start, stop))
-        return chunked_sq_norms(sq_norms_of, self.grad.shape[0], self._chunk(path))
+    def _ghost_sq_norms(self) -> torch.Tensor:
+        return chunked_sq_norms(lambda start, stop: ghost_sq_norms(*self._factors(start, stop)), self.batch,
+                                self._chunk(GHOST))
 
-    def sq_norms(self) -> torch.Tensor:
-        path = self._path(fused=False)
-        if path == GHOST or self._chunk(path) < self.grad.shape[0]:  # the batch's gradients do not fit
-            return self.sq_norms_by(path)
-        return materialised_sq_norms(self.materialize())
-
-    def clipped_sum(self, other_sq_norms: torch.Tensor,
-                    weights_of: Callable[[torch.Tensor], torch.Tensor]) -> ClippedSum:
-        if self._grads is not None:
-            return super().clipped_sum(other_sq_norms, weights_of)
-        return self._clipped_sum_by(self._path(fused=True), other_sq_norms, weights_of)
-
-    def _clipped_sum_by(self, path: str, other_sq_norms: torch.Tensor,
-                        weights_of: Callable[[torch.Tensor], torch.Tensor]) -> ClippedSum:
-        if path == GHOST:
-            sq_norms = self.sq_norms_by(GHOST)
-            weights = weights_of(sq_norms + other_sq_norms)
-            return ClippedSum(self._native_weighted_sum(weights), sq_norms, weights)
-        return chunked_clipped_sum(self._per_sample, self.grad.shape[0], self._chunk(MATERIALISE),
-                                   other_sq_norms, weights_of)
-
-    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
-        if self._grads is not None:
-            return torch.tensordot(weights.to(self._grads.dtype), self._grads, dims=1)
-        return self._native_weighted_sum(weights)
-
-    def _native_weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+    def _factored_sum(self, weights: torch.Tensor) -> torch.Tensor:
         """``Σᵢ wᵢ gᵢ`` as one native weight-gradient call on the re-weighted output gradient."""
         module = self.module
         dims = len(module.kernel_size)
@@ -238,16 +187,8 @@ class ConvWeightGrad(PerSampleGrad):
             module.dilation, False, [0] * dims, module.groups, [False, True, False],
         )[1]
 
-    def materialize(self) -> torch.Tensor:
-        if self._grads is None:
-            self._grads = self._per_sample(0, self.grad.shape[0])
-        return self._grads
-
-    def compact(self) -> None:
-        if self._grads is not None and self._grads.numel() <= self.x.numel() + self.grad.numel():
-            self.x = self.grad = None  # type: ignore[assignment]
-        else:
-            self._grads = None
+    def _drop_factors(self) -> None:
+        self.x = self.grad = None  # type: ignore[assignment]
 
 
 class ConvRule(LayerRule):

@@ -55,39 +55,44 @@ class EmbeddingGrad(PerSampleGrad):
         return out.index_put_((example, self.ids), grad, accumulate=True)
 
 
-def refuse_renorm(module: nn.Module, name: str) -> None:
-    """``max_norm`` rescales, in the forward, the table rows of the batch's ids in place: an update of the
-    parameters that depends on the private batch and is never noised."""
+class TableRule(LayerRule):
+    """The rules of ``nn.Embedding`` and ``nn.EmbeddingBag``: a table, and the options of both that cannot
+    train privately refused."""
+
+    param_names = ("weight",)
+
+    def check(self, module: nn.Module, name: str) -> None:
+        check_table(module, name)
+
+
+def check_table(module: nn.Embedding | nn.EmbeddingBag, name: str) -> None:
+    """Refuse the options of ``nn.Embedding`` and ``nn.EmbeddingBag`` that cannot train privately:
+    ``scale_grad_by_freq`` (each example's gradient scaled by id counts over the batch), ``sparse`` (private
+    gradients are dense) and ``max_norm``, which rescales, in the forward, the table rows of the batch's ids
+    in place: an update of the parameters that depends on the private batch and is never noised."""
+    kind = "embedding bag" if isinstance(module, nn.EmbeddingBag) else "embedding"
+    if module.scale_grad_by_freq:
+        raise ModelRefused(
+            f"{kind} '{name}' has scale_grad_by_freq=True, which scales each example's gradient by id "
+            "counts over the whole batch (it mixes examples); set scale_grad_by_freq=False")
+    if module.sparse:
+        raise ModelRefused(f"{kind} '{name}' has sparse=True; private gradients are dense (noise touches "
+                           "every row), so set sparse=False")
     if module.max_norm is not None:
         raise ModelRefused(
-            f"embedding '{name}' has max_norm={module.max_norm}: its forward rescales in place the rows of "
+            f"{kind} '{name}' has max_norm={module.max_norm}: its forward rescales in place the rows of "
             "the ids in the batch, a change of the parameters that depends on the private batch and is "
             "not noised; set max_norm=None (bound the embeddings in the forward instead, e.g. with a "
             "LayerNorm after the embedding)")
 
 
-class EmbeddingRule(LayerRule):
+class EmbeddingRule(TableRule):
     """Ids in any dimension declared for the layer (``batch_dim``), batch-first by default."""
 
     module_types = (nn.Embedding,)
-    param_names = ("weight",)
     takes_declared_dim = True
     takes_16_bit_grads = True
     reads_parameters = False
-
-    def check(self, module: nn.Module, name: str) -> None:
-        if module.scale_grad_by_freq:
-            raise ModelRefused(
-                f"embedding '{name}' has scale_grad_by_freq=True, which scales each example's "
-                "gradient by id counts over the whole batch (it mixes examples); set "
-                "scale_grad_by_freq=False"
-            )
-        if module.sparse:
-            raise ModelRefused(
-                f"embedding '{name}' has sparse=True; private gradients are dense (noise touches every "
-                "row), so set sparse=False"
-            )
-        refuse_renorm(module, name)
 
     def per_sample_grads(
         self, module: nn.Module, capture: Capture, grad_outputs: list[torch.Tensor | None],

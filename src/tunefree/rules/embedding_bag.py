@@ -3,10 +3,10 @@
 
 A bag's gradient touches the rows of its ids: ``sum`` adds the output gradient (times each id's
 ``per_sample_weights``) to each id's row, ``mean`` adds it divided by the bag's number of ids, ``max`` adds
-each feature's gradient to the row that won that feature (the indices the forward kernel picks). Ids equal to
-``padding_idx`` take no part. Each contribution is an entry (example, row, column, value); norms come from
-summing the entries of each (example, row) pair, and no ``[B, V, D]`` tensor is built except to
-materialise.
+each feature's gradient to the row that won that feature (the indices the forward kernel picks: of tied
+values, the first in the bag, as autograd's). Ids equal to ``padding_idx`` take no part. Each contribution
+is an entry (example, row, column, value); norms come from summing the entries of each (example, row) pair,
+and no ``[B, V, D]`` tensor is built except to materialise.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from ..dtypes import as_norm_precision
-from ..errors import ModelRefused, PrivacyError
-from .base import Capture, LayerRule, PerSampleGrad
-from .embedding import refuse_renorm
+from ..errors import PrivacyError
+from .base import Capture, PerSampleGrad
+from .embedding import TableRule
 from .layout import CallLayout, Dim, Segments, Structure
 
 _MODES = {"sum": 0, "mean": 1, "max": 2}
@@ -71,9 +71,8 @@ def _bags(module: nn.EmbeddingBag, ids: torch.Tensor, offsets: torch.Tensor | No
     return ids, offsets, torch.cat([offsets[1:], offsets.new_tensor([ids.numel()])])
 
 
-class EmbeddingBagRule(LayerRule):
+class EmbeddingBagRule(TableRule):
     module_types = (nn.EmbeddingBag,)
-    param_names = ("weight",)
 
     def example_dim(self, module: nn.Module, declared: int) -> int | None:
         return None
@@ -91,16 +90,6 @@ class EmbeddingBagRule(LayerRule):
         values = [*zip(names, args), *kwargs.items()]
         return CallLayout(tuple(axis_of[n] if isinstance(v, torch.Tensor) else None for n, v in values),
                           (Dim(0),) * num_outputs)
-
-    def check(self, module: nn.Module, name: str) -> None:
-        if module.scale_grad_by_freq:
-            raise ModelRefused(f"embedding bag '{name}' has scale_grad_by_freq=True, which scales each "
-                             "example's gradient by id counts over the whole batch (it mixes examples); set "
-                             "scale_grad_by_freq=False")
-        if module.sparse:
-            raise ModelRefused(f"embedding bag '{name}' has sparse=True; private gradients are dense (noise "
-                             "touches every row), so set sparse=False")
-        refuse_renorm(module, name)
 
     def per_sample_grads(
         self, module: nn.Module, capture: Capture, grad_outputs: list[torch.Tensor | None],
@@ -144,10 +133,11 @@ def _max_entries(module: nn.EmbeddingBag, flat: torch.Tensor, ids: torch.Tensor,
     """Each feature of each non-empty bag: its bag, the row that won it in the forward, its gradient."""
     if ids.dim() == 2:
         offsets = torch.arange(ids.shape[0], device=ids.device) * ids.shape[1]
-    padding = -1 if module.padding_idx is None else module.padding_idx
+    # the forward's own kernel, so that ties go where autograd sends them (the first of equal values);
+    # padding_idx as the module holds it: None, not -1, which the kernel takes as the last row
     _, _, bag_size, max_rows = torch.embedding_bag(
         module.weight.detach(), flat, offsets, False, _MODES["max"], False, None,
-        module.include_last_offset and ids.dim() == 1, padding)
+        module.include_last_offset and ids.dim() == 1, module.padding_idx)
     batch, width = grad.shape
     example = torch.arange(batch, device=grad.device).repeat_interleave(width)
     value = grad.reshape(-1) * (bag_size > 0).repeat_interleave(width).to(grad.dtype)

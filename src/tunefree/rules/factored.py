@@ -10,12 +10,13 @@ else by the formula).
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from collections.abc import Callable
 
 import torch
 
 from ..dtypes import as_norm_precision, working_dtype
-from .base import ClippedSum, PerSampleGrad, materialised_sq_norms
+from .base import ClippedSum, Materialized, PerSampleGrad, materialised_sq_norms
 from .paths import GHOST, MATERIALISE, factored_estimates
 
 
@@ -92,56 +93,84 @@ def factored_per_sample(a: torch.Tensor, b: torch.Tensor, shape: torch.Size) -> 
     return grads.reshape(grads.shape[0], *shape)
 
 
-class FactoredGrad(PerSampleGrad):
-    """``gᵢ`` per channel group from ``a: [B, G, T, d_in]`` and ``b: [B, G, T, d_out]``, reshaped
-    from ``[G·d_out, d_in]`` to the parameter's shape. The factors are kept as given (a 16-bit output
-    gradient in 16 bits); every product runs in their working dtype, float32 or wider.
+class TwoPathGrad(PerSampleGrad):
+    """Per-sample gradients with two exact norm paths: the ghost norm from the layer's factors, or the
+    materialised per-sample gradients, whichever ``chooser`` measured faster for the layer's shape (else the
+    cost formula). The materialised path works slice by slice of examples (``examples_per_chunk``: no more
+    memory than the layer's own captured tensors) unless the whole batch fits, which is then kept for the
+    weighted sum; in :meth:`clipped_sum` each slice gives its norms, clip weights and share of the sum.
 
-    Norms by ghost norm or by materialising ``gᵢ``, whichever ``chooser`` measured faster (else the cost
-    formula). The materialised path works slice by slice of examples (``examples_per_chunk``: no more
-    memory than the layer's own ``a`` and ``b``) unless the whole batch fits, which is then kept for the
-    weighted sum; in :meth:`clipped_sum` each slice gives its norms, clip weights and share of the sum."""
+    A form gives the abstract methods: the sizes and costs of its paths, the per-sample gradients of a slice
+    of examples, the ghost norms and the weighted sum from its factors."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, shape: torch.Size):
-        self.a, self.b, self.shape = a, b, shape
-        self._grads: torch.Tensor | None = None
+    batch: int
+    _grads: torch.Tensor | None = None
+
+    @abstractmethod
+    def _layer_elements(self) -> int:
+        """The elements of the layer's own captured tensors (the memory a path may use at once)."""
+
+    @abstractmethod
+    def _estimates(self) -> dict[str, float]:
+        """The cost formula of each path."""
+
+    @abstractmethod
+    def _key(self, fused: bool) -> tuple:
+        """What the paths' timing depends on (the chooser measures once per key), with its device last."""
+
+    @abstractmethod
+    def _ghost_elements(self) -> int:
+        """The working elements of the ghost path over the whole batch (beyond the captured tensors)."""
+
+    @abstractmethod
+    def _per_example(self, path: str) -> int:
+        """The working elements per example of ``path``."""
+
+    @abstractmethod
+    def _per_sample(self, start: int, stop: int) -> torch.Tensor:
+        """The per-sample gradients of examples ``start:stop``, ``[n, *shape]``."""
+
+    @abstractmethod
+    def _ghost_sq_norms(self) -> torch.Tensor:
+        """The per-sample squared norms by the ghost norm."""
+
+    @abstractmethod
+    def _factored_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        """``Σᵢ wᵢ gᵢ`` from the factors, without the per-sample gradients."""
+
+    @abstractmethod
+    def _drop_factors(self) -> None:
+        """Drop the factors once the per-sample gradients are kept."""
 
     def _path(self, fused: bool) -> str:
-        batch, groups, positions, d_in = self.a.shape
-        estimates = factored_estimates(batch * groups, positions, d_in, self.b.shape[-1])
+        estimates = self._estimates()
         if self.chooser is None:
             return min(estimates, key=estimates.__getitem__)
-        key = ("factored", fused, tuple(self.a.shape[1:]), self.b.shape[-1], self.a.dtype, self.b.dtype,
-               self.a.device)
-        zeros = self.a.new_zeros(batch, dtype=torch.float64)
+        key = self._key(fused)
+        zeros = torch.zeros(self.batch, dtype=torch.float64, device=key[-1])
         ones = lambda sq: torch.ones_like(sq, dtype=torch.float64)  # noqa: E731 - timing only
         run = (lambda path: self._clipped_sum_by(path, zeros, ones)) if fused else self.sq_norms_by
-        # time the ghost norm only where its Gram matrices are no larger than the layer's own tensors
-        # (or the estimate picks it anyway), so that calibrating never raises the peak memory
-        ghost_elements = 2 * batch * groups * positions * positions
-        timeable = (ghost_elements <= self.a.numel() + self.b.numel()
+        # time the ghost norm only where its working tensors are no larger than the layer's own (or the
+        # estimate picks it anyway), so that calibrating never raises the peak memory
+        timeable = (self._ghost_elements() <= self._layer_elements()
                     or min(estimates, key=estimates.get) == GHOST)
-        return self.chooser.choose(key, estimates, run, self.a.device, timeable)
+        return self.chooser.choose(key, estimates, run, key[-1], timeable)
 
-    def _chunk(self) -> int:
-        return examples_per_chunk(math.prod(self.shape), self.a.numel() + self.b.numel())
-
-    def _slice(self, start: int, stop: int) -> torch.Tensor:
-        return self._per_sample(self.a[start:stop], self.b[start:stop])
+    def _chunk(self, path: str) -> int:
+        return examples_per_chunk(self._per_example(path), self._layer_elements())
 
     def sq_norms_by(self, path: str) -> torch.Tensor:
         """The per-sample squared norms by ``path`` (``"ghost"`` or ``"materialise"``), keeping nothing."""
         if path == MATERIALISE:
-            return chunked_sq_norms(lambda start, stop: materialised_sq_norms(self._slice(start, stop)),
-                                    self.a.shape[0], self._chunk())
-        return ghost_sq_norms(self.a, self.b)
+            return chunked_sq_norms(lambda start, stop: materialised_sq_norms(self._per_sample(start, stop)),
+                                    self.batch, self._chunk(MATERIALISE))
+        return self._ghost_sq_norms()
 
     def sq_norms(self) -> torch.Tensor:
         path = self._path(fused=False)
-        if path == GHOST or self._chunk() < self.a.shape[0]:  # the batch's gradients do not fit
+        if path == GHOST or self._chunk(path) < self.batch:  # the batch's gradients do not fit
             return self.sq_norms_by(path)
-        self._grads = self._per_sample(self.a, self.b)
-        return materialised_sq_norms(self._grads)
+        return materialised_sq_norms(self.materialize())
 
     def clipped_sum(self, other_sq_norms: torch.Tensor,
                     weights_of: Callable[[torch.Tensor], torch.Tensor]) -> ClippedSum:
@@ -154,16 +183,63 @@ class FactoredGrad(PerSampleGrad):
         if path == GHOST:
             sq_norms = self.sq_norms_by(GHOST)
             weights = weights_of(sq_norms + other_sq_norms)
-            return ClippedSum(self.weighted_sum(weights), sq_norms, weights)
-        return chunked_clipped_sum(self._slice, self.a.shape[0], self._chunk(), other_sq_norms, weights_of)
-
-    def _per_sample(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return factored_per_sample(a, b, self.shape)
+            return ClippedSum(self._factored_sum(weights), sq_norms, weights)
+        return chunked_clipped_sum(self._per_sample, self.batch, self._chunk(MATERIALISE), other_sq_norms,
+                                   weights_of)
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         if self._grads is not None:
-            grads = self._grads
-            return (weights.to(grads.dtype) @ grads.reshape(grads.shape[0], -1)).reshape(self.shape)
+            return Materialized(self._grads).weighted_sum(weights)
+        return self._factored_sum(weights)
+
+    def materialize(self) -> torch.Tensor:
+        if self._grads is None:
+            self._grads = self._per_sample(0, self.batch)
+        return self._grads
+
+    def compact(self) -> None:
+        if self._grads is None:
+            return
+        if self._grads.numel() <= self._layer_elements():
+            self._drop_factors()
+        else:
+            self._grads = None
+
+
+class FactoredGrad(TwoPathGrad):
+    """``gᵢ`` per channel group from ``a: [B, G, T, d_in]`` and ``b: [B, G, T, d_out]``, reshaped
+    from ``[G·d_out, d_in]`` to the parameter's shape. The factors are kept as given (a 16-bit output
+    gradient in 16 bits); every product runs in their working dtype, float32 or wider."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, shape: torch.Size):
+        self.a, self.b, self.shape = a, b, shape
+        self.batch = a.shape[0]
+
+    def _layer_elements(self) -> int:
+        return self.a.numel() + self.b.numel()
+
+    def _estimates(self) -> dict[str, float]:
+        batch, groups, positions, d_in = self.a.shape
+        return factored_estimates(batch * groups, positions, d_in, self.b.shape[-1])
+
+    def _key(self, fused: bool) -> tuple:
+        return ("factored", fused, tuple(self.a.shape[1:]), self.b.shape[-1], self.a.dtype, self.b.dtype,
+                self.a.device)
+
+    def _ghost_elements(self) -> int:
+        batch, groups, positions, _ = self.a.shape
+        return 2 * batch * groups * positions * positions  # the two Gram matrices
+
+    def _per_example(self, path: str) -> int:
+        return math.prod(self.shape)
+
+    def _per_sample(self, start: int, stop: int) -> torch.Tensor:
+        return factored_per_sample(self.a[start:stop], self.b[start:stop], self.shape)
+
+    def _ghost_sq_norms(self) -> torch.Tensor:
+        return ghost_sq_norms(self.a, self.b)
+
+    def _factored_sum(self, weights: torch.Tensor) -> torch.Tensor:
         a, b = self.a, self.b
         dtype = working_dtype(a, b)
         groups, d_in, d_out = a.shape[1], a.shape[-1], b.shape[-1]
@@ -177,15 +253,5 @@ class FactoredGrad(PerSampleGrad):
                  @ a.permute(1, 0, 2, 3).reshape(groups, -1, d_in))
         return total.reshape(self.shape)
 
-    def materialize(self) -> torch.Tensor:
-        if self._grads is None:
-            self._grads = self._per_sample(self.a, self.b)
-        return self._grads
-
-    def compact(self) -> None:
-        if self._grads is None:
-            return
-        if self._grads.numel() <= self.a.numel() + self.b.numel():
-            self.a = self.b = None  # type: ignore[assignment]
-        else:
-            self._grads = None
+    def _drop_factors(self) -> None:
+        self.a = self.b = None  # type: ignore[assignment]

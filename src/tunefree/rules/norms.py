@@ -38,28 +38,26 @@ class NormRule(LayerRule):
 
 
 class LayerNormRule(NormRule):
-    module_types = (nn.LayerNorm,)
+    """Each token normalised over its last dimensions (``normalize``: ``F.layer_norm``)."""
+
+    module_types: tuple[type[nn.Module], ...] = (nn.LayerNorm,)
     reads_parameters = False
     takes_declared_dim = True
+    normalize = staticmethod(F.layer_norm)
 
     def per_sample_grads(self, module, capture: Capture, grad_outputs, params):
         x = as_norm_precision(capture.args[0])
-        normalized = F.layer_norm(x, module.normalized_shape, eps=module.eps)
+        normalized = self.normalize(x, module.normalized_shape, eps=module.eps)
         reduce_dims = tuple(range(1, x.dim() - len(module.normalized_shape)))
         return _affine_grads(normalized, grad_outputs[0], reduce_dims, params)
 
 
-class RMSNormRule(NormRule):
+class RMSNormRule(LayerNormRule):
+    """The same over ``F.rms_norm``; a weight and no bias."""
+
     module_types = (nn.RMSNorm,)
-    reads_parameters = False
-    takes_declared_dim = True
     param_names = ("weight",)
-
-    def per_sample_grads(self, module, capture: Capture, grad_outputs, params):
-        x = as_norm_precision(capture.args[0])
-        normalized = F.rms_norm(x, module.normalized_shape, eps=module.eps)
-        reduce_dims = tuple(range(1, x.dim() - len(module.normalized_shape)))
-        return _affine_grads(normalized, grad_outputs[0], reduce_dims, params)
+    normalize = staticmethod(F.rms_norm)
 
 
 class GroupNormRule(NormRule):
