@@ -1,0 +1,45 @@
+"""IEEE float32 for the engine's own products (docs/gpu.md, *TF32*).
+
+The engine measures each example's gradient norm by one product (a ghost norm's Gram matrices, or the
+per-sample gradients) and forms the clipped sum by another (e.g. cuDNN's weight gradient of the
+re-weighted output gradient). The clip bound holds for the released sum only if both are the same
+numbers up to float32 rounding. TF32 (cuDNN convolutions use it by default on Ampere and later;
+``torch.backends.cuda.matmul.fp32_precision = "tf32"`` or ``set_float32_matmul_precision("high")``
+turn it on for matrix products) or oneDNN's bf16 mode rounds each product's operands to 10 (or 7) bits
+of mantissa, and its error is not bounded by the measured norm: where an example's terms cancel, the
+rounding of the sum can be as large as the terms themselves. So the engine computes with these modes
+off, and restores the user's settings afterwards: the model's own forward and backward pass keep them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+# (backend, operation) pairs of torch's float32 precision settings, per device type
+_SETTINGS = {
+    "cuda": (("cuda", "matmul"), ("cuda", "conv"), ("cuda", "rnn")),
+    "cpu": (("mkldnn", "matmul"), ("mkldnn", "conv"), ("mkldnn", "rnn")),
+}
+ALL_DEVICES = tuple(_SETTINGS)
+
+
+@contextmanager
+def ieee_float32(*device_types: str) -> Iterator[None]:
+    """Float32 matrix products, convolutions and recurrent layers on ``device_types`` (``"cuda"``,
+    ``"cpu"``) computed in IEEE float32 (no TF32, no bf16) inside the block; every setting it changed
+    is set back on the way out, also when the block raises."""
+    changed = []
+    for device_type in device_types:
+        for backend, op in _SETTINGS.get(device_type, ()):
+            value = torch._C._get_fp32_precision_getter(backend, op)
+            if value != "ieee":
+                torch._C._set_fp32_precision_setter(backend, op, "ieee")
+                changed.append((backend, op, value))
+    try:
+        yield
+    finally:
+        for backend, op, value in changed:
+            torch._C._set_fp32_precision_setter(backend, op, value)
