@@ -13,9 +13,6 @@ off, and restores the user's settings afterwards: the model's own forward and ba
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 
 # (backend, operation) pairs of torch's float32 precision settings, per device type
@@ -24,22 +21,27 @@ _SETTINGS = {
     "cpu": (("mkldnn", "matmul"), ("mkldnn", "conv"), ("mkldnn", "rnn")),
 }
 ALL_DEVICES = tuple(_SETTINGS)
+_get, _set = torch._C._get_fp32_precision_getter, torch._C._set_fp32_precision_setter
 
 
-@contextmanager
-def ieee_float32(*device_types: str) -> Iterator[None]:
+class ieee_float32:  # noqa: N801 - used as a function: ``with ieee_float32("cuda"):``
     """Float32 matrix products, convolutions and recurrent layers on ``device_types`` (``"cuda"``,
     ``"cpu"``) computed in IEEE float32 (no TF32, no bf16) inside the block; every setting it changed
-    is set back on the way out, also when the block raises."""
-    changed = []
-    for device_type in device_types:
-        for backend, op in _SETTINGS.get(device_type, ()):
-            value = torch._C._get_fp32_precision_getter(backend, op)
-            if value != "ieee":
-                torch._C._set_fp32_precision_setter(backend, op, "ieee")
-                changed.append((backend, op, value))
-    try:
-        yield
-    finally:
-        for backend, op, value in changed:
-            torch._C._set_fp32_precision_setter(backend, op, value)
+    is set back on the way out, also when the block raises. (A class, not a generator: it is entered
+    once per layer in the backward pass.)"""
+
+    __slots__ = ("_settings", "_changed")
+
+    def __init__(self, *device_types: str):
+        self._settings = [key for device_type in device_types for key in _SETTINGS.get(device_type, ())]
+
+    def __enter__(self) -> None:
+        self._changed = [(backend, op, value) for backend, op in self._settings
+                         if (value := _get(backend, op)) != "ieee"]
+        for backend, op, _ in self._changed:
+            _set(backend, op, "ieee")
+
+    def __exit__(self, *exc) -> bool:
+        for backend, op, value in self._changed:
+            _set(backend, op, value)
+        return False
