@@ -250,7 +250,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="toy sizes, rows in this process")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu-session",
                         help="folder for session.json and session.md ($OUT by default)")
-    parser.add_argument("--time-limit", type=float, default=450.0,
+    parser.add_argument("--time-limit", type=float, default=420.0,
                         help="seconds for the whole session; model rows not started by then are skipped")
     args = parser.parse_args()
     started = time.perf_counter()
