@@ -16,19 +16,25 @@ Models are built from their configurations (nothing is downloaded): transformers
 ``--tiny`` builds the same architectures at toy sizes, for ``--device cpu`` smoke runs (the test suite runs
 one).
 
-On a GPU session's machine (python3 with CUDA torch, transformers, peft and torchvision already there;
-nothing can be fetched there), carry the few missing packages as wheels, made here::
+On a GPU session's machine (python3 with CUDA torch, transformers, peft, torchvision, numpy, scipy, attrs,
+absl-py, mpmath, wrapt and opt-einsum already there: ``GPU_IMAGE``; nothing can be fetched there), carry
+the missing packages as wheels (``OFFLINE_WHEELS``: tunefree's accountant and its tree library, Opacus,
+and ``cryptography`` with ``cffi`` and ``pycparser``, which ``import tunefree`` needs for the CPU's
+ChaCha20; ``tests/test_gpu_benchmark.py`` checks the list against what ``import tunefree`` and a private
+step import), made here::
 
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \\
-        dp-accounting==0.6.0 dm-tree==0.1.10 opacus==1.6.0
+        dp-accounting==0.6.0 dm-tree==0.1.10 opacus==1.6.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
 
 then run there (carry ``.whl``; ``--time-limit``, 330 s by default, stops starting children after it and
 reports them skipped, so the run ends within about 6 minutes — not yet timed on a GPU)::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site:src python3 benchmarks/gpu.py --device cuda --json $OUT/gpu.json > $OUT/gpu.md
+
+``benchmarks/gpu_session.sh`` does both, and the noise kernel's checks, in one command.
 
 Elsewhere: ``pip install -e .[hf,bench]`` and ``pip install --no-deps "torchvision==0.28.*"`` (the release
 paired with torch 2.13; PyPI's CPU-only torchvision does not import beside the pinned CPU torch here).
@@ -53,6 +59,13 @@ MODELS = ("gpt2-small", "gpt2-small-bf16", "gpt2-medium-bf16", "bert-base", "res
 EXTRA_MODELS = ("gpt2-small-1024",)  # the issue's long-sequence row, on request
 METHODS = ("non-private", "tunefree-all-seeded", "tunefree-per-seeded", "tunefree-all-secret",
            "tunefree-per-secret", "opacus-hooks", "opacus-ghost")
+CHECKS = ("exactness", "clip-bound")  # per model, after the methods (--no-exactness skips them)
+# The offline recipe (module docstring, docs/gpu.md): wheels to carry to a GPU machine, and the
+# distributions its image already holds that tunefree or these wheels import.
+OFFLINE_WHEELS = ("dp-accounting==0.6.0", "dm-tree==0.1.10", "opacus==1.6.0", "cryptography==50.0.2",
+                  "cffi==2.1.1", "pycparser==3.12")
+GPU_IMAGE = ("torch", "triton", "numpy", "scipy", "attrs", "absl-py", "mpmath", "wrapt", "opt-einsum",
+             "typing-extensions", "transformers", "peft", "torchvision")
 LABELS = {
     "gpt2-small": "GPT-2 small fp32, 16 × 256", "gpt2-small-bf16": "GPT-2 small bf16 autocast, 16 × 256",
     "gpt2-medium-bf16": "GPT-2 medium bf16 autocast, 8 × 512", "bert-base": "BERT-base fp32, 32 × 256",
@@ -340,8 +353,26 @@ def measure(name: str, method: str, tiny: bool, device: str, steps: int, warmup:
     times, start = [], time.perf_counter()
     while len(times) < steps and (len(times) < 3 or time.perf_counter() - start < seconds):
         times.append(meter.time(step))
-    return {"step_ms": 1000 * statistics.median(times), "steps": len(times), "peak_mb": meter.peak_mb(),
-            "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"}
+    result = {"step_ms": 1000 * statistics.median(times), "steps": len(times), "peak_mb": meter.peak_mb(),
+              "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"}
+    cuda = device.startswith("cuda")
+    result["syncs_per_step"] = [synchronisations(step) for _ in range(3)] if cuda else None
+    return result
+
+
+def synchronisations(step) -> int:
+    """How many times one call of ``step`` makes the host wait for the GPU (``torch.cuda``'s sync debug
+    mode warns at each synchronising call: ``.item()``, ``.cpu()``, ``nonzero``, …)."""
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def exactness(name: str, tiny: bool, device: str) -> dict:
@@ -385,11 +416,53 @@ def exactness(name: str, tiny: bool, device: str) -> dict:
     return {"relative_error": error / size, "examples": workload.batch, "clipped": int((norms > bound).sum())}
 
 
+def clip_bound(name: str, tiny: bool, device: str, copies: int = 8) -> dict:
+    """Whether the release keeps the clip bound in the model's own precision (float32, or bf16 autocast)
+    on ``device``, with the device's default TF32 settings: ``copies`` copies of one example (dropout
+    off), every copy clipped (bound 10⁻⁴), noise multiplier 0, all-layer. Each copy then adds exactly
+    R·g/‖g‖, so the released sum's norm must be copies·R; ``relative_error`` is
+    |‖release‖ / (copies·R) − 1| (float32 rounding: ~1e-6; products in TF32: ~1e-3)."""
+    import torch
+
+    import tunefree
+
+    workload = build(name, tiny, device, dropout=False, batch=1, length=16)
+    repeat = (lambda t: t.expand(copies, *t.shape[1:]).contiguous())  # noqa: E731
+    workload.inputs = ({k: repeat(v) for k, v in workload.inputs.items()} if isinstance(workload.inputs, dict)
+                       else repeat(workload.inputs))
+    workload.targets, workload.batch = repeat(workload.targets), copies
+    model, bound = workload.model, 1e-4
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = tunefree.make_private(model, optimizer, _loader(copies), target_delta=1e-5,
+                                       noise_multiplier=0.0, clipping="abadi", max_grad_norm=bound,
+                                       groups="all-layer", seed=0, poisson_sampling=False,
+                                       loss_reduction="sum")
+    autocast = (torch.autocast(torch.device(device).type, dtype=workload.autocast)
+                if workload.autocast is not None else _nothing())
+    with autocast:
+        losses = per_example_loss(workload.task, logits_of(workload, model), workload.targets)
+    losses.sum().backward()
+    engine.optimizer.step()
+    released = [p.grad.double() * engine.optimizer.expected_batch_size for p in model.parameters()
+                if p.requires_grad]
+    norm = math.sqrt(sum(float((g * g).sum()) for g in released))
+    return {"relative_error": abs(norm / (copies * bound) - 1), "examples": copies, "clipped": copies,
+            "dtype": "bf16 autocast" if workload.autocast is not None else "float32"}
+
+
 def child(args) -> None:
-    name, method = args.child
+    print(json.dumps(run_check_or_method(args.child[0], args.child[1], args)))
+
+
+def run_check_or_method(name: str, method: str, args) -> dict:
+    """One (model, method or check), as a result dict with its ``status`` (a failure is a result)."""
     try:
         if method == "exactness":
             result = exactness(name, args.tiny, args.device)
+        elif method == "clip-bound":
+            result = clip_bound(name, args.tiny, args.device)
         else:
             shape = {"batch": args.batch, "length": args.length, "layers": args.layers}
             result = measure(name, method, args.tiny, args.device, args.steps, args.warmup, args.seconds,
@@ -399,7 +472,7 @@ def child(args) -> None:
         result = {"status": "missing", "error": str(error)}
     except Exception as error:  # noqa: BLE001 - any failure of a method is a result of the benchmark
         result = {"status": "failed", "error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
-    print(json.dumps(result))
+    return result
 
 
 # --------------------------------------------------------------------------------------------------- parent
@@ -427,12 +500,13 @@ def run(args) -> dict:
     start = time.perf_counter()
     for name in args.models:
         results[name] = {}
-        for method in [*args.methods, *(["exactness"] if args.exactness else [])]:
+        for method in [*args.methods, *(CHECKS if args.exactness else ())]:
             left = args.time_limit - (time.perf_counter() - start)
             if left < 5:
                 results[name][method] = {"status": "skipped", "error": "time limit"}
                 continue
-            result = run_child(name, method, args, min(left, args.child_limit))
+            result = (run_check_or_method(name, method, args) if args.in_process
+                      else run_child(name, method, args, min(left, args.child_limit)))
             results[name][method] = result
             print(f"{name:18s} {method:22s} {_cell(result, None)}", file=sys.stderr, flush=True)
     return {"models": results, "device": args.device, "tiny": args.tiny,
@@ -460,14 +534,16 @@ def table(report: dict) -> str:
     """Markdown: one row per model, one column per method; private methods as time / memory ratios to
     non-private training in the same run (absolute figures beside them)."""
     columns = [m for m in METHODS if any(m in row for row in report["models"].values())]
-    has_exactness = any("exactness" in row for row in report["models"].values())
-    header = ["model", *columns, *(["zero-noise release vs float64 loop"] if has_exactness else [])]
+    checks = {"exactness": "zero-noise release vs float64 loop",
+              "clip-bound": "‖release‖ vs the clip bound (all copies clipped, device's TF32 defaults)"}
+    checks = {key: label for key, label in checks.items()
+              if any(key in row for row in report["models"].values())}
+    header = ["model", *columns, *checks.values()]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, row in report["models"].items():
         base = row.get("non-private")
         cells = [_cell(row[m], base) if m in row else "" for m in columns]
-        if has_exactness:
-            cells.append(_cell(row["exactness"], None) if "exactness" in row else "")
+        cells += [_cell(row[key], None) if key in row else "" for key in checks]
         lines.append("| " + " | ".join([LABELS.get(name, name), *cells]) + " |")
     devices = {r.get("device") for row in report["models"].values() for r in row.values() if r.get("device")}
     lines.append("")
@@ -488,7 +564,10 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=None, help="tokens per example instead of the model's")
     parser.add_argument("--layers", type=int, default=None, help="GPT-2 blocks instead of the model's")
     parser.add_argument("--no-exactness", dest="exactness", action="store_false",
-                        help="skip the float64 zero-noise check")
+                        help="skip the float64 zero-noise check and the clip-bound check")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run every (model, method) in this process (a quick smoke run: memory figures "
+                             "then include what earlier rows left behind)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per child (at most)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=4.0,

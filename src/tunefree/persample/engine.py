@@ -43,6 +43,7 @@ from ..rules.layout import Axis, CallLayout, Dim
 from ..rules.paths import PathChooser
 from ..rules.summed import SummedUses
 from .accumulator import StepAccumulator
+from .float32 import ALL_DEVICES, ieee_float32
 from .layout import (
     BatchDim,
     DeclaredDims,
@@ -589,7 +590,8 @@ class ClippingEngine:
         use.grads[slot] = self._unscaled(grad, keep_dtype=rule is not None and rule.takes_16_bit_grads)
         use.received += 1
         if use.received == use.n_outputs:
-            self._process(use)
+            with ieee_float32(grad.device.type):  # no TF32 in norms and sums (docs/gpu.md, TF32)
+                self._process(use)
 
     def _loss_scale(self) -> float:
         """The factor the loss of the starting backward pass was multiplied by (1 without a scaler)."""
@@ -767,7 +769,7 @@ class ClippingEngine:
         return weights, sums
 
     def _end_of_backward(self) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), ieee_float32(*ALL_DEVICES):
             for use in self._pass.uses:
                 if not use.done:
                     self._process(use)

@@ -15,9 +15,13 @@ and within a draw every 64-byte block takes the next block counter::
 
 A draw longer than 2³² blocks (256 GiB) continues under the next draw number. Two processes (two ranks,
 or a parent and its child) hold independent keys, so their numbers are independent whatever their
-counters. The same layout is computed by OpenSSL on the CPU (through ``cryptography``) and by one Triton
-kernel on a CUDA device (``chacha20_triton``); ``torch``'s own generators (Philox, Mersenne Twister)
-are not cryptographic and are not used.
+counters. ``torch``'s own generators (Philox, Mersenne Twister) are not cryptographic and are not used.
+
+Three paths compute the same layout (``PATHS``): OpenSSL on the CPU (through ``cryptography``); on a
+CUDA device, one Triton kernel per draw (``chacha20_triton``) — used once a probe draw under a public
+key has built, run and matched the CPU path on that device and dtype (once per process) — else the
+block function in torch integer operations on the device (:func:`device_keystream`), whose keystream
+is OpenSSL's bit for bit. The generator says which path made each device's noise (:attr:`paths`).
 
 From words to numbers (docs/randomness.md gives the reasons). Gaussians come in *groups* of 2048 (a draw
 is a whole number of groups; the numbers past the count asked for are dropped), each from its own
@@ -43,6 +47,7 @@ import itertools
 import math
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -55,6 +60,20 @@ _CHUNK_GROUPS = 32  # CPU: groups turned into Gaussians at a time (their words s
 _CHUNK_BLOCKS = 256 * _CHUNK_GROUPS  # the largest CPU chunk: 512 KiB of keystream
 _ZEROS = memoryview(bytes(_CHUNK_BLOCKS * BLOCK_BYTES))  # ChaCha20 of zeros is the keystream
 _TWO_PI = 2 * math.pi
+_DEVICE_CHUNK_GROUPS = 1024  # torch-operations path: groups per chunk (≈ 80 MiB of work tensors)
+CONSTANTS = (0x61707865, 0x3320646E, 0x79622D32, 0x6B206574)  # RFC 8439 §2.3: "expand 32-byte k"
+_MASK = 0xFFFFFFFF
+
+OPENSSL, KERNEL, TORCH_OPS = "openssl", "triton", "torch-ops"
+PATHS = {
+    OPENSSL: "ChaCha20 by OpenSSL on the CPU",
+    KERNEL: "ChaCha20 by the Triton kernel on the device",
+    TORCH_OPS: "ChaCha20 in torch operations on the device",
+}
+# Device types whose noise is made on the device (by the kernel, else by torch operations); elsewhere
+# it is made on the CPU and copied.
+DEVICE_NOISE = frozenset({"cuda"})
+PROBE_KEY = bytes(range(32))  # the probe draw's key: public, its numbers are thrown away
 
 
 def group_blocks(dtype: torch.dtype) -> int:
@@ -76,13 +95,14 @@ class ChaCha20Generator:
 
     def __init__(self) -> None:
         self._process: _ProcessState | None = None  # made at the first draw, again in a forked child
+        self.paths: dict[str, str] = {}  # device → the path (a PATHS key) that made its noise, and why
 
     def __getstate__(self) -> dict:
         """A pickled (or deep-copied) generator carries no key: the copy reads its own at its first draw."""
         return {}
 
     def __setstate__(self, state: dict) -> None:
-        self._process = None
+        self._process, self.paths = None, {}
 
     def _state(self) -> _ProcessState:
         if self._process is None or self._process.pid != os.getpid():
@@ -100,19 +120,41 @@ class ChaCha20Generator:
         return [(next(state.draws), start, min(step, blocks - start)) for start in range(0, blocks, step)]
 
     def device_key(self, device: torch.device) -> torch.Tensor:
-        """The key as 8 little-endian int32 words on ``device`` (for the CUDA kernel)."""
+        """The key as 8 little-endian int32 words on ``device`` (for the on-device paths)."""
         state = self._state()
         if device not in state.device_keys:
             state.device_keys[device] = torch.frombuffer(bytearray(state.key), dtype=torch.int32).to(device)
         return state.device_keys[device]
 
+    def path(self, device: torch.device, dtype: torch.dtype) -> str:
+        """Which path makes the noise of ``dtype`` on ``device`` (a ``PATHS`` key), recorded in
+        :attr:`paths` with the reason when the kernel is not used."""
+        if device.type not in DEVICE_NOISE:
+            return OPENSSL
+        failure = kernel_failure(device, dtype)
+        path = KERNEL if failure is None else TORCH_OPS
+        said = PATHS[path] + ("" if failure is None else f" (the Triton kernel is not used: {failure})")
+        if self.paths.get(str(device)) != said:
+            if failure is not None:
+                warnings.warn(f"secret noise on {device}: {said}; it is as secret and exact as the kernel, "
+                              "and slower (docs/randomness.md, Paths)", RuntimeWarning, stacklevel=3)
+            self.paths[str(device)] = said
+        return path
+
     def normals(self, count: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """``count`` independent standard Gaussians of ``dtype`` on ``device``, flat."""
+        device = _concrete(device)
         if count == 0:
             return torch.empty(0, device=device, dtype=dtype)
+        return self.normals_by(self.path(device, dtype), count, device, dtype)
+
+    def normals_by(self, path: str, count: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`normals` by ``path`` (a ``PATHS`` key): the same numbers on every path (up to the
+        rounding of ln, √, cos and sin in each library), each drawing the next draw numbers."""
         groups, per_group = -(-count // (2 * PAIRS)), group_blocks(dtype)
         state = self._state()
-        if device.type == "cuda" and _triton_available():
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        if path == KERNEL:
             from . import chacha20_triton
 
             key = self.device_key(device)
@@ -122,7 +164,19 @@ class ChaCha20Generator:
                     start = first // per_group * 2 * PAIRS
                     chacha20_triton.normals(out[start:start + blocks // per_group * 2 * PAIRS], key, draw)
             return out[:count]
-        work = torch.float64 if dtype == torch.float64 else torch.float32
+        if path == TORCH_OPS:
+            key = self.device_key(device)
+            out = torch.empty(groups, 2, PAIRS, device=device, dtype=work)
+            with state.lock:
+                for draw, first, blocks in self._segments(state, groups * per_group, per_group):
+                    for start in range(0, blocks, per_group * _DEVICE_CHUNK_GROUPS):
+                        length = min(per_group * _DEVICE_CHUNK_GROUPS, blocks - start)
+                        words = device_keystream(key, start, nonce_words(draw), length)
+                        group = (first + start) // per_group
+                        normals_from_words(words.view(-1, per_group * 16),
+                                           out[group:group + length // per_group],
+                                           _Scratch(length // per_group, work, device))
+            return out.view(-1)[:count].to(dtype)
         out = torch.empty(groups, 2, PAIRS, dtype=work)
         with state.lock:
             scratch = state.scratch(work)
@@ -175,15 +229,84 @@ class _ProcessState:
         return self._scratch[work]
 
 
-@functools.cache
-def _triton_available() -> bool:
-    """Whether the CUDA kernel can run: triton 3.2 or later (CUDA builds of torch bring triton on Linux;
-    without it, CUDA noise is made on the CPU and copied)."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    import triton
+def _concrete(device: torch.device) -> torch.device:
+    """``device`` with its index (``cuda`` → ``cuda:<current>``): one key tensor and one path per device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
-    return tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 2)
+
+@functools.cache
+def kernel_failure(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the Triton kernel cannot make the noise of ``dtype`` on ``device`` — or ``None`` when it can:
+    it builds (Triton's compiler, and its launcher built by the machine's C compiler against
+    ``Python.h``), runs, and its probe draw (one group under the public ``PROBE_KEY``) gives the CPU
+    path's numbers within a few units of rounding. Probed once per process, device and dtype (one
+    host read), at the first draw there."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    try:
+        import triton
+
+        if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 2):
+            return f"triton {triton.__version__} is older than 3.2"
+        kernel = _triton_kernel()
+        out = torch.empty(2 * PAIRS, device=device, dtype=dtype)
+        kernel.normals(out, torch.frombuffer(bytearray(PROBE_KEY), dtype=torch.int32).to(device), 0)
+        got = out.cpu().double()
+    except Exception as error:  # noqa: BLE001 - any failure to build or run means: not this path
+        return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:160]}"
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    expected = torch.empty(1, 2, PAIRS, dtype=work)
+    (_, words), = Keystream(PROBE_KEY, 0, nonce_words(0), group_blocks(dtype)).chunks()
+    normals_from_words(words.view(1, -1), expected, _Scratch(1, work))
+    expected = expected.view(-1).to(dtype).double()
+    tolerance = 8 * torch.finfo(dtype).eps * expected.abs().clamp_min(1)
+    if not bool(((got - expected).abs() <= tolerance).all()):
+        return "its probe draw differs from the CPU path's numbers"
+    return None
+
+
+def _triton_kernel():
+    """The kernel module (imported on first use: importing triton is slow)."""
+    from . import chacha20_triton
+
+    return chacha20_triton
+
+
+def device_keystream(key: torch.Tensor, counter: int, nonce: tuple[int, int, int], blocks: int
+                     ) -> torch.Tensor:
+    """``blocks`` blocks of keystream (int32 ``[blocks, 16]``) on ``key``'s device in torch integer
+    operations: block ``i`` under block counter ``counter + i`` (< 2³²) and nonce words ``nonce`` (state
+    words 13-15), under ``key`` (8 int32 words). RFC 8439 §2.3's block function on 32-bit words held in
+    int64 (every sum masked to 32 bits), the four quarter rounds of a column or diagonal round at once."""
+    device = key.device
+    initial = torch.empty(16, blocks, dtype=torch.int64, device=device)
+    initial[:4] = torch.tensor(CONSTANTS, dtype=torch.int64, device=device)[:, None]
+    initial[4:12] = (key.to(torch.int64) & _MASK)[:, None]
+    torch.arange(counter, counter + blocks, out=initial[12])
+    initial[13:] = torch.tensor(nonce, dtype=torch.int64, device=device)[:, None]
+    x = initial.clone()
+    rows = x.view(4, 4, blocks)  # rows a, b, c, d: [4, blocks] each, word i of row r is state word 4r + i
+    for _ in range(10):
+        _quarter_rounds(rows)  # columns (0, 4, 8, 12), (1, 5, 9, 13), …
+        for r in (1, 2, 3):  # diagonals: row r turned left by r words, so that they become columns
+            rows[r] = rows[r].roll(-r, 0)
+        _quarter_rounds(rows)  # (0, 5, 10, 15), (1, 6, 11, 12), …
+        for r in (1, 2, 3):
+            rows[r] = rows[r].roll(r, 0)
+    x.add_(initial).bitwise_and_(_MASK)
+    return (x - ((x >> 31) << 32)).to(torch.int32).t().contiguous()  # [0, 2³²) read as signed int32
+
+
+def _quarter_rounds(rows: torch.Tensor) -> None:
+    """RFC 8439 §2.1's quarter round on the four columns (a, b, c, d) of ``rows`` at once, in place."""
+    a, b, c, d = rows
+    for (p, q, r), shift in zip(((a, b, d), (c, d, b), (a, b, d), (c, d, b)), (16, 12, 8, 7)):
+        p.add_(q).bitwise_and_(_MASK)
+        r.bitwise_xor_(p)
+        spill = r >> (32 - shift)
+        r.bitwise_left_shift_(shift).bitwise_and_(_MASK).bitwise_or_(spill)
 
 
 class Keystream:
@@ -210,13 +333,13 @@ class Keystream:
 
 
 class _Scratch:
-    """Work buffers of one CPU draw, reused from chunk to chunk (no allocation per chunk)."""
+    """Work buffers of a draw (on the CPU, reused from chunk to chunk: no allocation per chunk)."""
 
-    def __init__(self, groups: int, work: torch.dtype):
-        self.log_u = torch.empty(groups, PAIRS, dtype=torch.float64)
-        self.radius = torch.empty(groups, PAIRS, dtype=work)
-        self.angle = torch.empty(groups, PAIRS, dtype=work)
-        self.trig = torch.empty(groups, PAIRS, dtype=work)
+    def __init__(self, groups: int, work: torch.dtype, device: torch.device | str = "cpu"):
+        self.log_u = torch.empty(groups, PAIRS, dtype=torch.float64, device=device)
+        self.radius = torch.empty(groups, PAIRS, dtype=work, device=device)
+        self.angle = torch.empty(groups, PAIRS, dtype=work, device=device)
+        self.trig = torch.empty(groups, PAIRS, dtype=work, device=device)
 
 
 def normals_from_words(words: torch.Tensor, out: torch.Tensor, scratch: _Scratch) -> None:

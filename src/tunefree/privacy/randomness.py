@@ -126,6 +126,14 @@ class SecretSource(_Source):
     def __init__(self) -> None:
         self._generator = ChaCha20Generator()
 
+    @property
+    def description(self) -> str:
+        """``"secure"``, and for each accelerator that drew noise, which path made it (the Triton kernel,
+        or the torch-operations ChaCha20 and why the kernel was not used; docs/randomness.md, Paths).
+        Noise on the CPU always comes from OpenSSL's ChaCha20."""
+        paths = "; ".join(f"noise on {device}: {path}" for device, path in self._generator.paths.items())
+        return SECRET_DESCRIPTION + (f" ({paths})" if paths else "")
+
     def inclusion(self, step: int, num_examples: int, sample_rate: float) -> torch.Tensor:
         """Which examples logical step ``step`` includes: each independently with ``sample_rate``
         (``step`` is not used: every call is a fresh draw)."""
