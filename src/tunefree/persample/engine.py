@@ -33,7 +33,7 @@ from torch.autograd import Variable
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..clipping.functions import ClipFunction
+from ..clipping.functions import ClipFunction, check_clip_function
 from ..clipping.groups import ClipGroup
 from ..dtypes import accumulation_dtype, norm_dtype
 from ..errors import ModelRefused, PrivacyError
@@ -253,6 +253,7 @@ class ClippingEngine:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.model, self.groups, self.clip = model, groups, clip
+        check_clip_function(clip, tuple(g.threshold for g in groups))  # per example, bounded (issue 29.4)
         self.loss_reduction = loss_reduction
         self.declared = DeclaredDims.of(model, batch_dim)
         self.units = build_units(model, self.declared)
