@@ -54,6 +54,7 @@ from .layout import (
     layout_hint,
     only_from_batch,
 )
+from .model_loss import watch_model_losses
 
 # Modules whose statistics mix the examples of a batch, with the replacement to suggest (add one with
 # tunefree.extend.register_example_mixing).
@@ -303,6 +304,8 @@ class ClippingEngine:
             self._handles.append(m.register_forward_hook(
                 lambda mod, args, kwargs, out, u=unit: self._post_forward(u, args, kwargs, out),
                 with_kwargs=True, always_call=True, prepend=True))
+        # a Hugging Face model's own loss from labels= must be one loss_reduction describes (issue 29.3)
+        self._handles += watch_model_losses(self.model, self._capturing, self.loss_reduction)
         for name, p in self.model.named_parameters():
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(
