@@ -55,6 +55,7 @@ from .layout import (
     only_from_batch,
 )
 from .model_loss import watch_model_losses
+from .parametrized import check_parametrized
 
 # Modules whose statistics mix the examples of a batch, with the replacement to suggest (add one with
 # tunefree.extend.register_example_mixing).
@@ -1018,10 +1019,14 @@ def _batch_mismatch(unit: Unit, capture: Capture | None, grad: torch.Tensor, axi
               if isinstance(t, torch.Tensor)] if capture is not None else []
     seen = axis.examples(grad)
     shape = tuple(grad.shape)
-    partial = ("a layer called on part of the batch (e.g. only the sequences still running at a step of a "
-               "loop over packed sequences) cannot be attributed to examples: call it on every example (keep "
-               "finished sequences in the batch and mask their outputs, or use nn.LSTM/GRU/RNN, which take a "
-               "PackedSequence)")
+    partial = ("the model or a layer called on part of the batch cannot be attributed to examples. If the "
+               "loop cuts the loader's batch into parts (a forward and backward per part: manual "
+               "micro-batching), let tunefree cut it: make_private(..., physical_batch_size=k) hands out "
+               "each Poisson batch in physical batches of at most k examples (call engine.optimizer.step() "
+               "after each; the step releases once per logical batch). A layer called on part of the batch "
+               "(e.g. only the sequences still running at a step of a loop over packed sequences): call it "
+               "on every example (keep finished sequences in the batch and mask their outputs, or use "
+               "nn.LSTM/GRU/RNN, which take a PackedSequence)")
     if seen == 1 and expected != 1:
         hint = ("a tensor with one row is broadcast over the batch (e.g. position ids of shape (1, L)): "
                 f"expand it to one row per example, (B, ...), before the call; or {partial}")
@@ -1039,6 +1044,7 @@ def _batch_mismatch(unit: Unit, capture: Capture | None, grad: torch.Tensor, axi
 
 def check_model(model: nn.Module) -> None:
     """Refuse compiled models and modules that mix examples, with the fix to use."""
+    check_parametrized(model)  # a weight computed from other parameters: the true reason (issue 29.8)
     if any(type(module).__name__ == "OptimizedModule" for module in model.modules()):
         raise ModelRefused(
             "the model (or one of its modules) was compiled with torch.compile before make_private; "
