@@ -22,7 +22,9 @@ _COMPARED = 1 << 22  # elements compared at once
 def part_of_the_batch(name: str, x: torch.Tensor, record: HandedOut, indices: set[int], root: int
                       ) -> str | None:
     """Why ``x`` (a model input derived from the loader's tensors ``indices``, its examples in dimension
-    ``root``) with fewer rows than the batch must not train; ``None`` unless 0 < its rows < the batch's."""
+    ``root``) with fewer rows than the batch must not train; ``None`` unless 0 < its rows < the batch's,
+    and, when its rows are not the loader's own, unless no dimension holds the batch's size (a time-major
+    input is the engine's layout checks' to refuse)."""
     n = record.examples
     if x.dim() <= root or not 0 < x.shape[root] < n:
         return None
@@ -41,6 +43,8 @@ def part_of_the_batch(name: str, x: torch.Tensor, record: HandedOut, indices: se
                 "nor the parts' backward passes from a second pass over the same examples; under a mean loss "
                 "each part would also weigh its examples by the part's size, not the batch's). To train a "
                 f"batch in parts (when it does not fit in memory), {fix}")
+    if n in shape:
+        return None  # the examples may be in another dimension (time-major): the layout checks say so
     return (f"model input {name} (shape {shape}) is computed from the loader's batch but has {k} rows where "
             f"the batch holds {n} examples: if you cut the batch into parts yourself (a forward and backward "
             f"per part: manual micro-batching), {fix}. Otherwise it carries several "
