@@ -70,7 +70,7 @@ def test_every_registered_function_bounds_the_clipped_norm(name):
 
 @pytest.mark.parametrize("clip", [AutoS(), AutoV(), PSAC(), Abadi(), AutoS(gamma=0.3), PSAC(r=2.0)])
 def test_the_built_in_functions_are_elementwise_so_they_run_on_the_whole_batch(clip):
-    """The built-in functions run on the whole batch at once (one example at a time costs 30–38% of a
+    """The built-in functions run on the whole batch at once (one example at a time costs 31–44% of a
     private step with per-layer groups: benchmarks/clip_function_cost.py), which is safe only if each
     weight is a function of its own norm: the batch's weights are the weights of each norm alone, and
     they do not move when another example joins or the batch is permuted."""
