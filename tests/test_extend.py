@@ -254,3 +254,94 @@ def test_a_rule_and_a_clip_function_from_user_code_train_one_private_step_exactl
     finally:
         RULES.remove(rule_for(Gate(2), {"weight", "bias"}))
         del CLIP_FUNCTIONS["user-half-abadi"]
+
+
+@dataclass(frozen=True)
+class BatchMax(ClipFunction):
+    """Reads the batch: every example scaled by the largest norm (issue 29: 1.34·R leaked). Each weight
+    still satisfies wᵢ·‖gᵢ‖ ≤ R, so only evaluating it per example makes it safe."""
+
+    normalising = False
+
+    def weigh(self, norms, threshold):
+        return threshold / norms.max().clamp_min(1e-30)
+
+
+def test_a_clip_function_sees_one_example_s_norm_whatever_it_reads():
+    norms = torch.tensor([0.5, 2.0, 8.0, 0.0], dtype=torch.float64)
+    weights = BatchMax().weights(norms, 1.0)
+    alone = torch.cat([BatchMax().weights(n.reshape(1), 1.0) for n in norms])
+    torch.testing.assert_close(weights, alone)  # on the batch: 1/8 for every example
+    torch.testing.assert_close(weights, 1.0 / norms.clamp_min(1e-30))
+    # another example's norm moves no weight: the neighbour that adds a huge gradient
+    joined = torch.cat([norms, norms.new_tensor([1e6])])
+    torch.testing.assert_close(BatchMax().weights(joined, 1.0)[:4], weights)
+
+
+def test_a_batch_reading_clip_function_clips_each_example_alone_in_a_private_step():
+    """make_private (σ = 0, Abadi-like weights read through norms.max()) moves the weights by exactly the
+    batch-size-1 loop's clipped sum, each example weighted by its own norm, however large another's."""
+    import copy
+
+    torch.manual_seed(5)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    reference = copy.deepcopy(net)
+    x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+    x[0] *= 50.0  # one example with a far larger gradient than the others
+    lr, clip = 0.5, BatchMax()
+    engine = tunefree.make_private(net, torch.optim.SGD(net.parameters(), lr=lr),
+                                   DataLoader(TensorDataset(x, y), batch_size=16), target_delta=1e-3,
+                                   noise_multiplier=0.0, steps=1, clipping=clip, max_grad_norm=0.5,
+                                   loss_reduction="sum", seed=1)
+    before = [p.detach().clone() for p in net.parameters()]
+    xb, yb = next(iter(engine.data_loader))
+    F.cross_entropy(engine.model(xb), yb, reduction="sum").backward()
+    engine.optimizer.step()
+    xb, yb = xb.as_subclass(torch.Tensor), yb.as_subclass(torch.Tensor)
+    per_example = per_example_grads(reference, lambda out, t: F.cross_entropy(out, t, reduction="sum"),
+                                    xb, yb)
+    expected, _ = clipped_sum(per_example, make_groups(reference, "all-layer", 0.5), clip)
+    for p, old, q in zip(net.parameters(), before, reference.parameters()):
+        torch.testing.assert_close(p.detach(), old - lr * expected[q] / 16, rtol=1e-5, atol=1e-6)
+
+
+@dataclass(frozen=True)
+class ClipsByBranch(ClipFunction):
+    """Python control flow on a norm's value: it cannot run one example at a time."""
+
+    def weigh(self, norms, threshold):
+        if norms > threshold:
+            return threshold / norms
+        return torch.ones_like(norms)
+
+
+@dataclass(frozen=True)
+class Doubles(ClipFunction):
+    """Twice Abadi's weight: every clipped norm may reach 2R."""
+
+    def weigh(self, norms, threshold):
+        return 2 * (threshold / norms.clamp_min(1e-30)).clamp_max(1.0)
+
+
+@pytest.mark.parametrize("clip, words", [
+    (ClipsByBranch(), "could not compute each example's weight from that example's norm alone.*"
+                      r"data-dependent control flow.*torch\.where"),
+    (Doubles(), "gives the weight 2 to a gradient of norm 1 under the threshold 1: the clipped norm 2 must "
+                "be .* at most the threshold")])
+def test_a_clip_function_not_per_example_or_over_the_bound_is_refused_at_make_private(clip, words):
+    net = nn.Sequential(nn.Linear(4, 3))
+    data = TensorDataset(torch.randn(32, 4), torch.randint(0, 3, (32,)))
+    with pytest.raises(tunefree.SettingsRefused, match=words):
+        tunefree.make_private(net, torch.optim.SGD(net.parameters(), lr=0.1), DataLoader(data, batch_size=8),
+                              target_delta=1e-3, noise_multiplier=1.0, steps=1, clipping=clip)
+    assert not net[0]._forward_hooks and not net[0]._forward_pre_hooks  # refused before any hook
+
+
+def test_a_clip_function_returning_one_weight_per_example_is_required():
+    @dataclass(frozen=True)
+    class Pair(ClipFunction):
+        def weigh(self, norms, threshold):
+            return torch.stack([norms, norms]) * 0
+
+    with pytest.raises(tunefree.SettingsRefused, match=r"returned weights of shape \(3, 2\) for 3 norms"):
+        Pair().weights(torch.ones(3, dtype=torch.float64), 1.0)

@@ -119,14 +119,18 @@ def test_bart_encoder_decoder_with_the_decoder_inputs_in_the_batch():
 
 
 def test_bart_decoder_inputs_built_inside_the_model_are_refused_with_the_fix():
-    """From ``labels`` alone BART builds its decoder inputs anew: the engine cannot prove they are the
-    batch's, and its fallback for BartScaledWordEmbedding refuses rather than guess."""
+    """From ``labels`` BART would compute its own loss, a mean over the batch's tokens: refused at the call
+    (``persample/model_loss.py``), naming the decoder inputs as the fix. From ``input_ids`` alone BART
+    builds its decoder inputs anew: the engine cannot prove they are the batch's, and its fallback for
+    BartScaledWordEmbedding refuses rather than guess."""
     model = hf.BartForConditionalGeneration(bart_config()).train()
     ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("auto-s"))
     batch = seq2seq_batch()
+    with pytest.raises(PrivacyError, match="one label per token.*prepare_decoder_input_ids_from_labels"):
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
     with pytest.raises(PrivacyError, match="BartScaledWordEmbedding.*derived from the batch"):
-        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-              labels=batch["labels"]).loss.backward()
+        seq2seq_out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        F.cross_entropy(seq2seq_out.transpose(1, 2), batch["input_ids"], reduction="sum").backward()
 
 
 def t5_model():

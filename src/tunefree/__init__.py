@@ -7,6 +7,7 @@ from .clipping.groups import GROUPINGS
 from .config import PSAC, Abadi, AdaptiveQuantile, AutoLR, AutoS, AutoV, Fixed
 from .errors import ModelRefused, PrivacyError, SettingsRefused
 from .guards.independence import verify_example_independence
+from .persample.model_loss import token_losses_per_example
 from .pipeline import PrivatePipelineStage, make_private_pipeline
 from .privacy.calculator import epsilon, noise_multiplier
 from .run import DPEngine, Guarantee
@@ -16,7 +17,7 @@ from .step.optimizer import DPOptimizer
 __all__ = [
     "CLIP_FUNCTIONS", "DPEngine", "DPOptimizer", "GROUPINGS", "PSAC", "Abadi", "AdaptiveQuantile",
     "AutoLR", "AutoS", "AutoV", "Fixed", "audit", "extend", "Guarantee", "ModelRefused", "PrivacyError",
-    "SettingsRefused", "StepReport", "epsilon",
+    "SettingsRefused", "StepReport", "epsilon", "token_losses_per_example",
     "make_private", "make_private_pipeline", "noise_multiplier", "PrivatePipelineStage",
     "verify_example_independence",
 ]

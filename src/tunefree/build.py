@@ -25,6 +25,7 @@ from .components.dog_optimizers import OptimizerDoG
 from .components.hyfreedp import AutoLearningRate, HyFreeDP
 from .components.thresholds import AdaptiveQuantile, QuantileEstimator
 from .config import RunConfig
+from .data.own_loader import own_loader
 from .data.poisson import StepSchedule, from_loader, planned_steps, sample_rate_of
 from .errors import SettingsRefused
 from .guards.base import Guards
@@ -128,8 +129,8 @@ def assemble(run: PlannedRun, model: nn.Module, optimizer: torch.optim.Optimizer
     if config.poisson_sampling:
         loader: Any = from_loader(data_loader, parallel.sampling(run.randomness), schedule,
                                   config.performance.physical_batch_size, shard=parallel.shard)
-    else:
-        loader = data_loader
+    else:  # each example at most once per epoch, watched in the loader itself (issue 29.5)
+        loader = own_loader(data_loader)
         warnings.warn(
             "poisson_sampling=False: the loader is not Poisson-sampled, so the reported ε is the "
             "Poisson approximation, not a proof of privacy", stacklevel=4)

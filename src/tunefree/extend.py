@@ -18,7 +18,10 @@
   :func:`register_example_mixing` makes the engine refuse it, naming the replacement.
 - **A clip function**: a frozen dataclass subclass of :class:`ClipFunction` with ``weigh`` and its
   ``normalising`` flag, registered by name (``@register_clip_function("name")``), usable as
-  ``clipping=YourFunction(...)`` or ``clipping="name"``.
+  ``clipping=YourFunction(...)`` or ``clipping="name"``. ``weigh`` runs one example at a time
+  (``torch.vmap``): it sees one example's norm, so no weight can depend on another example; a function
+  that cannot run so (control flow on a value, ``.item()``) or breaks ``wᵢ·‖gᵢ‖ ≤ R`` on a grid of norms is
+  refused at ``make_private``.
 - **A grouping** of parameters into clip groups: ``@register_grouping("name")`` on ``layout(model)``.
 
 Step components and release mechanisms are not pluggable into ``make_private`` yet.

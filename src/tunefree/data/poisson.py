@@ -22,6 +22,7 @@ from torch.utils.data import (
     DataLoader,
     Dataset,
     DistributedSampler,
+    IterableDataset,
     RandomSampler,
     Sampler,
     SequentialSampler,
@@ -29,6 +30,7 @@ from torch.utils.data import (
     default_collate,
 )
 
+from ..errors import SettingsRefused
 from ..privacy.randomness import NoiseSource
 from .provenance import HandedOut, hand_out
 
@@ -210,6 +212,13 @@ def sample_rate_of(loader: DataLoader) -> tuple[int, float]:
             "the data loader has no batch_size (a custom batch_sampler?): tunefree derives the "
             "sampling rate q = batch_size / len(dataset) from it; pass a DataLoader with batch_size"
         )
+    if isinstance(loader.dataset, IterableDataset):
+        raise SettingsRefused(
+            f"the private data set is an IterableDataset ({type(loader.dataset).__name__}): it yields its "
+            "examples itself, so tunefree cannot draw the Poisson sample (it picks examples by index), "
+            "digest the data set, or see which examples a batch holds (under poisson_sampling=False it "
+            "checks that no example is handed out twice in an epoch, which a stream may do). Give a "
+            "map-style Dataset, with __getitem__ and __len__ (a TensorDataset, or a list of examples)")
     try:
         num_examples = len(loader.dataset)  # type: ignore[arg-type]
     except TypeError as error:

@@ -34,6 +34,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from ..data.poisson import StepSchedule
 from ..data.provenance import HANDED_ON, WANTS_GRADIENT, HandedOut, plain, sources_of
+from ..persample.part_of_batch import part_of_the_batch
 from .probe import row_codes
 
 _ROW_FIX = ("transform each example on its own: random crops and flips, casts, normalisation by constants "
@@ -116,6 +117,9 @@ def _row_refusal(name: str, x: Any, sources: frozenset, record: HandedOut, root:
     if HANDED_ON in indices or not isinstance(x, torch.Tensor):
         return None  # a pipeline stage's input: the previous stage's activations, checked there
     n = record.examples
+    part = part_of_the_batch(name, x, record, indices, root)  # manual micro-batching (issue 29.8)
+    if part is not None:
+        return part
     if x.dim() <= root or x.shape[root] != n:
         if n in x.shape:
             return None  # the examples in another dimension: the engine's layout checks refuse it, or pass

@@ -37,11 +37,11 @@ import transformers
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
-from transformers.loss.loss_utils import ForCausalLMLoss
 
 from ..api import make_private
 from ..data.poisson import PoissonDataLoader
 from ..errors import PrivacyError
+from ..persample.model_loss import predicts_next_token, token_losses_per_example
 from ..run import DPEngine
 
 # example_loss(model, inputs) -> one loss per example, shape [n]: runs the model on the batch ``inputs``.
@@ -55,15 +55,6 @@ _UNRELEASED_METRICS = ("loss", "train_loss", "grad_norm", "total_flos")
 OUTSIDE_THE_GUARANTEE = ("PrivateTrainer: evaluation metrics, and the checkpoint load_best_model_at_end "
                          "picks by them, are computed from the evaluation data without noise: the guarantee "
                          "covers train_dataset only, not eval_dataset")
-
-
-def token_losses_per_example(logits: torch.Tensor, labels: torch.Tensor, next_token: bool) -> torch.Tensor:
-    """Each example's summed cross-entropy over its labelled tokens (label ``-100``: padding, not data).
-    ``next_token``: the logits at position t predict the label at t + 1 (causal language models)."""
-    if next_token:
-        logits, labels = logits[:, :-1], labels[:, 1:]
-    tokens = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="none")
-    return tokens.view(labels.shape[0], -1).sum(1)
 
 
 def label_losses_per_example(logits: torch.Tensor, labels: torch.Tensor, problem_type: str) -> torch.Tensor:
@@ -84,30 +75,36 @@ def label_losses_per_example(logits: torch.Tensor, labels: torch.Tensor, problem
 def default_example_loss(model: nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
     """The per-example losses of a Hugging Face model with ``labels`` in its inputs: one label per
     token (causal LM, shifted by one; masked LM, token classification, seq2seq decoder labels) is a
-    sum over the example's labelled tokens; one label per example follows the model's ``problem_type``."""
+    sum over the example's labelled tokens; one label per example follows the model's ``problem_type``.
+    The model never gets the labels (its own loss would be a mean over the batch): an encoder-decoder
+    model gets its decoder inputs built from them (``prepare_decoder_input_ids_from_labels``)."""
     if "labels" not in inputs:
         raise ValueError("the batch has no 'labels': give PrivateTrainer an example_loss(model, inputs) "
                          "that returns each example's loss")
     labels = inputs["labels"]
     config = getattr(model, "config", None)
     encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
-    # An encoder-decoder model builds its decoder inputs from the labels; other models get no labels,
-    # so that they do not compute a batch loss of their own.
-    features = dict(inputs) if encoder_decoder else {k: v for k, v in inputs.items() if k != "labels"}
+    features = {k: v for k, v in inputs.items() if k != "labels"}
+    if encoder_decoder and "decoder_input_ids" not in features:
+        prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+        if prepare is None:
+            raise ValueError(f"{type(model).__name__} builds its decoder inputs from labels itself: put "
+                             "decoder_input_ids in the batch, or give PrivateTrainer an "
+                             "example_loss(model, inputs)")
+        features["decoder_input_ids"] = prepare(labels=labels)
     logits = model(**features).logits
     if labels.dim() >= 2 and not labels.is_floating_point():
-        return token_losses_per_example(logits, labels, _predicts_next_token(model, encoder_decoder))
+        return token_losses_per_example(logits, labels, _predicts_next_token(model))
     return label_losses_per_example(logits, labels, _problem_type(config, labels))
 
 
-def _predicts_next_token(model: nn.Module, encoder_decoder: bool) -> bool:
-    """Whether the model's token labels are shifted by one, as its own loss does: HF's causal LM loss,
-    which every decoder-only model without another loss type uses; encoder-decoder labels are aligned."""
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
-    if not hasattr(base, "loss_function"):
-        raise ValueError(f"{type(base).__name__} is not a Hugging Face model: whether its token labels are "
+def _predicts_next_token(model: nn.Module) -> bool:
+    """Whether the model's token labels are shifted by one, as its own loss does."""
+    shift = predicts_next_token(model)
+    if shift is None:
+        raise ValueError(f"{type(model).__name__} is not a Hugging Face model: whether its token labels are "
                          "shifted is unknown; give PrivateTrainer an example_loss(model, inputs)")
-    return not encoder_decoder and base.loss_function is ForCausalLMLoss
+    return shift
 
 
 def _problem_type(config: Any, labels: torch.Tensor) -> str:

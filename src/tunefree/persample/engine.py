@@ -33,7 +33,7 @@ from torch.autograd import Variable
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..clipping.functions import ClipFunction
+from ..clipping.functions import ClipFunction, check_clip_function
 from ..clipping.groups import ClipGroup
 from ..dtypes import accumulation_dtype, norm_dtype
 from ..errors import ModelRefused, PrivacyError
@@ -54,6 +54,8 @@ from .layout import (
     layout_hint,
     only_from_batch,
 )
+from .model_loss import watch_model_losses
+from .parametrized import check_parametrized
 
 # Modules whose statistics mix the examples of a batch, with the replacement to suggest (add one with
 # tunefree.extend.register_example_mixing).
@@ -279,6 +281,7 @@ class ClippingEngine:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.model, self.groups, self.clip = model, groups, clip
+        check_clip_function(clip, tuple(g.threshold for g in groups))  # per example, bounded (issue 29.4)
         self.loss_reduction = loss_reduction
         self.declared = DeclaredDims.of(model, batch_dim)
         self.units = build_units(model, self.declared)
@@ -322,6 +325,8 @@ class ClippingEngine:
             self._handles.append(m.register_forward_hook(
                 lambda mod, args, kwargs, out, u=unit: self._post_forward(u, args, kwargs, out),
                 with_kwargs=True, always_call=True, prepend=True))
+        # a Hugging Face model's own loss from labels= must be one loss_reduction describes (issue 29.3)
+        self._handles += watch_model_losses(self.model, self._capturing, self.loss_reduction)
         for name, p in self.model.named_parameters():
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(
@@ -1015,10 +1020,14 @@ def _batch_mismatch(unit: Unit, capture: Capture | None, grad: torch.Tensor, axi
               if isinstance(t, torch.Tensor)] if capture is not None else []
     seen = axis.examples(grad)
     shape = tuple(grad.shape)
-    partial = ("a layer called on part of the batch (e.g. only the sequences still running at a step of a "
-               "loop over packed sequences) cannot be attributed to examples: call it on every example (keep "
-               "finished sequences in the batch and mask their outputs, or use nn.LSTM/GRU/RNN, which take a "
-               "PackedSequence)")
+    partial = ("the model or a layer called on part of the batch cannot be attributed to examples. If the "
+               "loop cuts the loader's batch into parts (a forward and backward per part: manual "
+               "micro-batching), let tunefree cut it: make_private(..., physical_batch_size=k) hands out "
+               "each Poisson batch in physical batches of at most k examples (call engine.optimizer.step() "
+               "after each; the step releases once per logical batch). A layer called on part of the batch "
+               "(e.g. only the sequences still running at a step of a loop over packed sequences): call it "
+               "on every example (keep finished sequences in the batch and mask their outputs, or use "
+               "nn.LSTM/GRU/RNN, which take a PackedSequence)")
     if seen == 1 and expected != 1:
         hint = ("a tensor with one row is broadcast over the batch (e.g. position ids of shape (1, L)): "
                 f"expand it to one row per example, (B, ...), before the call; or {partial}")
@@ -1036,6 +1045,7 @@ def _batch_mismatch(unit: Unit, capture: Capture | None, grad: torch.Tensor, axi
 
 def check_model(model: nn.Module) -> None:
     """Refuse compiled models and modules that mix examples, with the fix to use."""
+    check_parametrized(model)  # a weight computed from other parameters: the true reason (issue 29.8)
     if any(type(module).__name__ == "OptimizedModule" for module in model.modules()):
         raise ModelRefused(
             "the model (or one of its modules) was compiled with torch.compile before make_private; "
