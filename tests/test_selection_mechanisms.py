@@ -1,5 +1,6 @@
-"""The release mechanisms of private preprocessing (privacy/mechanisms.py): partition selection (category
-sets, class labels) and a histogram quantile (text lengths), their noise scales and their accounting."""
+"""The releases of a data set (privacy/statistics.py, public in tunefree.privacy): partition selection
+(category sets, class labels) and a histogram quantile (text lengths), their noise scales and their
+accounting."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ import pytest
 import torch
 from scipy.stats import norm
 
-from tunefree.privacy.accounting import epsilon_of
-from tunefree.privacy.ledger import Ledger
-from tunefree.privacy.mechanisms import (
+from tunefree.privacy import (
     release_quantile,
     select_partitions,
     selection_threshold,
     threshold_event,
 )
+from tunefree.privacy.accounting import epsilon_of
+from tunefree.privacy.ledger import Ledger
 from tunefree.privacy.randomness import SeededSource
 
 

@@ -12,10 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..clipping.functions import CLIP_FUNCTIONS
-from ..clipping.groups import GROUPINGS
-from ..privacy.accounting import ACCOUNTANTS
-from ..privacy.mechanisms import NOISE_ALLOCATIONS
+from .. import CLIP_FUNCTIONS, GROUPINGS
+from ..privacy import ACCOUNTANTS, NOISE_ALLOCATIONS
 from . import audit, predict, text
 from .models import MODELS
 
@@ -281,9 +279,7 @@ def _train_in_this_process(args: argparse.Namespace) -> int:
 
 
 def _epsilon(args: argparse.Namespace) -> int:
-    from .. import epsilon, noise_multiplier
-    from ..data.poisson import planned_steps
-    from ..privacy.calibrate import MIN_NOISE_MULTIPLIER
+    from ..privacy import MIN_NOISE_MULTIPLIER, epsilon, noise_multiplier, planned_steps
     from .training import loose_target_note
 
     if not 0 < args.sample_rate <= 1:

@@ -24,10 +24,8 @@ from typing import Any
 import dp_accounting as dpa
 import torch
 
-from ..privacy.accounting import epsilon_of
-from ..privacy.calculator import noise_multiplier as calibrated_noise
-from ..privacy.mechanisms import release_quantile, select_partitions
-from ..privacy.randomness import side_randomness
+from ..privacy import epsilon_of, release_quantile, select_partitions, side_randomness
+from ..privacy import noise_multiplier as calibrated_noise
 from .split import cell_text
 
 SELECTION_SHARE = 0.05  # category sets and class labels, one partition selection over all of them

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 import dp_accounting as dpa
 import torch
 
-from ..privacy.mechanisms import release_gaussian
-from ..privacy.randomness import NoiseSource, side_randomness
+from ..privacy import NoiseSource, release_gaussian, side_randomness
 from .releases import Budget, Release
 
 STANDARDISATION_STREAM = 0x5CA1E

@@ -28,12 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..api import make_private
-from ..audit import audit_training
-from ..components.hyfreedp import AutoLearningRate
-from ..config import AutoLR, resolve_options
-from ..privacy.calibrate import MIN_NOISE_MULTIPLIER
-from ..run import DPEngine
+from .. import CLIP_FUNCTIONS, GROUPINGS, PSAC, AdaptiveQuantile, AutoLR, AutoS, DPEngine, make_private
+from .. import audit as auditing
+from ..privacy import MIN_NOISE_MULTIPLIER, NOISE_ALLOCATIONS
 from . import datasets, launch, models, preprocess, tables
 from .releases import (  # noqa: F401  (default_delta: experiments import the run's δ from here)
     default_delta,
@@ -53,10 +50,13 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adagrad": lambda params, lr: torch.optim.Adagrad(params, lr=lr),
 }
 NUMERIC_SCALINGS = preprocess.NUMERIC_SCALINGS
-# The papers' knobs: each is the make_private keyword of the same name; make_private (resolve_options)
-# refuses one given where it has no effect. Their command-line flags, for its messages.
-KNOBS = {"clip_gamma": "--clip-gamma", "psac_r": "--psac-r", "target_quantile": "--target-quantile",
-         "quantile_lr": "--quantile-lr", "quantile_budget": "--quantile-budget"}
+# The papers' knobs, each a field of a typed option of make_private (flag, option, its field); the
+# command line refuses one given where it has no effect.
+KNOBS = {"clip_gamma": ("--clip-gamma", "--clipping auto-s", "gamma"),
+         "psac_r": ("--psac-r", "--clipping psac", "r"),
+         "target_quantile": ("--target-quantile", "--thresholds adaptive", "target"),
+         "quantile_lr": ("--quantile-lr", "--thresholds adaptive", "lr"),
+         "quantile_budget": ("--quantile-budget", "--thresholds adaptive", "budget")}
 # HyFreeDP's knobs (--lr hyfreedp): fields of its AutoLR.
 HYFREEDP_KNOBS = {"lr_update_interval": "--lr-update-interval", "loss_privacy": "--loss-privacy"}
 
@@ -71,8 +71,8 @@ class TrainConfig:
     ``numeric_scaling`` is ``"private"`` (numeric columns with no public range are standardised by an
     accounted private estimate) or ``"none"`` (fed as they are); ``na_values``, ``drop_missing`` and
     ``test_data`` are the data flags of ``preprocess.DataOptions``. ``hidden`` sizes the default MLP's
-    hidden layers (``None``: one of 128). The papers'
-    knobs (``KNOBS`` and ``noise_allocation``) are the ``make_private`` keywords of the same names.
+    hidden layers (``None``: one of 128). The papers' knobs (``KNOBS``) are fields of ``make_private``'s
+    typed options (:meth:`options`), ``noise_allocation`` its keyword.
     ``lr`` is ``"auto"`` (the optimizer's step size from the released gradients: ``make_private``'s
     ``lr="auto"``; the model kept is its averaged one), ``"hyfreedp"`` (HyFreeDP's learning rate from
     privatised losses, any optimizer; ``lr_update_interval`` and ``loss_privacy`` are its knobs) or a
@@ -114,6 +114,29 @@ class TrainConfig:
     quiet: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # further make_private keywords
 
+    def options(self) -> dict[str, Any]:
+        """``make_private``'s ``clipping`` and ``thresholds``: the names, or their typed options
+        (``AutoS``, ``PSAC``, ``AdaptiveQuantile``) where a knob sets one of their fields; a knob given
+        where it has no effect is refused, naming its flag."""
+        given = {name: getattr(self, name) for name in KNOBS if getattr(self, name) is not None}
+        for name in given:
+            flag, needs, _ = KNOBS[name]
+            if needs != f"--clipping {self.clipping}" and needs != f"--thresholds {self.thresholds}":
+                raise ValueError(f"{flag} applies only to {needs}: drop it or add {needs}")
+
+        def fields(option: str) -> dict[str, Any]:
+            return {KNOBS[name][2]: value for name, value in given.items() if KNOBS[name][1] == option}
+
+        clipping: Any = self.clipping
+        if fields("--clipping auto-s"):
+            clipping = AutoS(**fields("--clipping auto-s"))
+        elif fields("--clipping psac"):
+            clipping = PSAC(**fields("--clipping psac"))
+        thresholds: Any = self.thresholds
+        if fields("--thresholds adaptive"):
+            thresholds = AdaptiveQuantile(**fields("--thresholds adaptive"))
+        return {"clipping": clipping, "thresholds": thresholds}
+
     def resolved_lr(self) -> float:
         """The learning rate the optimizer is built with (an automatic learning rate sets its own)."""
         return 1.0 if self.lr in ("auto", "hyfreedp") else float(self.lr)
@@ -130,10 +153,6 @@ class TrainConfig:
                       if value is not None}
             return AutoLR(mode="safeguarded", **fields)
         return None
-
-
-def _knobs(config: TrainConfig) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in KNOBS}
 
 
 def loose_target_note(target_epsilon: float, noise_multiplier: float, spent: float) -> str | None:
@@ -160,24 +179,28 @@ def check_config(config: TrainConfig) -> None:
         raise ValueError(f"--steps must be at least 1, got {config.steps}")
     if config.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {config.batch_size}")
-    if config.target_quantile is not None and config.thresholds != "adaptive":
-        raise ValueError("--target-quantile applies only to --thresholds adaptive: drop it or add "
-                         "--thresholds adaptive")
     if config.numeric_scaling not in NUMERIC_SCALINGS:
         raise ValueError(f"--numeric-scaling must be one of {', '.join(NUMERIC_SCALINGS)}, "
                          f"got {config.numeric_scaling!r}")
     if config.hidden is not None and (not config.hidden or any(
             isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in config.hidden)):
         raise ValueError(f"--hidden takes layer widths of at least 1, e.g. 256,256; got {config.hidden}")
-    try:  # make_private's own check of the knobs, before any data is touched
-        resolve_options(target_delta=0.5, target_epsilon=min(config.epsilon, 1e6), epochs=config.epochs,
-                        steps=config.steps, clipping=config.clipping, groups=config.groups,
-                        thresholds=config.thresholds, noise_allocation=config.noise_allocation,
-                        **_knobs(config))
+    if config.clipping not in CLIP_FUNCTIONS:
+        raise ValueError(f"unknown --clipping {config.clipping!r}: use one of {', '.join(CLIP_FUNCTIONS)}")
+    if config.groups not in GROUPINGS:
+        raise ValueError(f"unknown --groups {config.groups!r}: use one of {', '.join(GROUPINGS)}")
+    if config.thresholds not in ("fixed", "adaptive"):
+        raise ValueError(f"--thresholds must be fixed or adaptive, got {config.thresholds!r}")
+    if config.noise_allocation not in NOISE_ALLOCATIONS:
+        raise ValueError(f"unknown --noise-allocation {config.noise_allocation!r}: use one of "
+                         f"{', '.join(NOISE_ALLOCATIONS)}")
+    try:  # the options' own checks of the knobs' values, before any data is touched
+        config.options()
     except (TypeError, ValueError) as error:
         message = str(error)
-        for keyword, flag in KNOBS.items():
-            message = message.replace(keyword, flag)
+        for flag, _, field_name in KNOBS.values():
+            for option in ("AutoS", "PSAC", "AdaptiveQuantile"):
+                message = message.replace(f"{option}.{field_name}", flag)
         raise ValueError(message) from error
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {config.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
@@ -285,12 +308,11 @@ def _make_private(config: TrainConfig, model: nn.Module, data: datasets.LoadedDa
               else {"noise_multiplier": 0.0})  # --epsilon inf: the reference run without noise
     return make_private(
         launch.data_parallel(model), optimizer, DataLoader(data.train, batch_size=config.batch_size),
-        target_delta=delta, epochs=config.epochs, steps=config.steps,
-        clipping=config.clipping, groups=config.groups, max_grad_norm=config.max_grad_norm,
-        thresholds=config.thresholds, lr=config.auto_lr(public_input_rms(data)),
+        target_delta=delta, epochs=config.epochs, steps=config.steps, groups=config.groups,
+        max_grad_norm=config.max_grad_norm, lr=config.auto_lr(public_input_rms(data)), **config.options(),
         prior_releases=prior_releases(data.releases),
         accountant=config.accountant, seed=config.seed, audit_canaries=config.audit_canaries,
-        **budget, **{"noise_allocation": config.noise_allocation, **_knobs(config), **config.extra})
+        noise_allocation=config.noise_allocation, **budget, **config.extra)
 
 
 def public_input_rms(data: datasets.LoadedData) -> float | None:
@@ -326,12 +348,12 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
         for i, (x, y) in enumerate(engine.data_loader, start=1):
             _step(engine, x, y)
             if run:
-                run.log(_step_record(engine, epoch))
+                run.log(_step_record(engine, config, epoch))
             progress.update(epoch, i, engine.steps, epsilon, test_accuracy)
             if engine.steps >= planned:  # the planned run is over, possibly within an epoch
                 break
         epsilon = engine.epsilon(delta)
-        with _model_kept(engine):
+        with _model_kept(engine, config):
             test_accuracy = accuracy(model, data.test)
         progress.update(epoch, i, engine.steps, epsilon, test_accuracy, final=True)
         if run:
@@ -339,9 +361,9 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
                      "test_accuracy": test_accuracy})
     train_seconds = time.perf_counter() - started
     engine.detach()
-    if engine.dog_lr is not None:  # the model kept is the automatic learning rate's averaged one
-        engine.dog_lr.apply_average()
-    audit = None if config.audit_canaries is None else audit_training(engine)
+    if config.lr == "auto":  # the model kept is the automatic learning rate's averaged one
+        engine.lr_rule.apply_average()
+    audit = None if config.audit_canaries is None else auditing.audit_training(engine)
     result = {
         "test_accuracy": test_accuracy, "epsilon": epsilon, "delta": delta, "delta_choice": delta_text,
         "noise_multiplier": engine.noise_multiplier, "steps": engine.steps, "planned_steps": planned,
@@ -398,10 +420,11 @@ def model_description(config: TrainConfig, data: datasets.LoadedData) -> dict[st
 def _learning_rate_text(config: TrainConfig, engine: DPEngine) -> str:
     """How the run's learning rate was set, as the output states it."""
     last = engine.optimizer.param_groups[0]["lr"]
-    if engine.dog_lr is not None:
-        first = engine.dog_lr.history[0] if engine.dog_lr.history else last
-        scaled = ("" if engine.dog_lr.input_scale == 1 else
-                  f"; its noise budget × {engine.dog_lr.input_scale:.3g} for the features' public scale")
+    if config.lr == "auto":  # DoG's rule
+        rule = engine.lr_rule
+        first = rule.history[0] if rule.history else last
+        scaled = ("" if rule.input_scale == 1 else
+                  f"; its noise budget × {rule.input_scale:.3g} for the features' public scale")
         return (f"automatic ({config.optimizer}, --lr auto): {first:.3g} at the first step and {last:.3g} at "
                 "the last, set from the released gradients (no ε); the model kept is the average of its "
                 f"weights{scaled}")
@@ -411,22 +434,21 @@ def _learning_rate_text(config: TrainConfig, engine: DPEngine) -> str:
     return f"{config.optimizer} at lr = {config.lr:g}, given by --lr"
 
 
-def _model_kept(engine: DPEngine) -> contextlib.AbstractContextManager:
+def _model_kept(engine: DPEngine, config: TrainConfig) -> contextlib.AbstractContextManager:
     """The weights of the model the run would keep if it ended now: the averaged ones with the
     automatic learning rate (post-processing of the releases), else the current ones."""
-    if engine.dog_lr is None:
+    if config.lr != "auto":
         return contextlib.nullcontext()
-    return engine.dog_lr.averaged()
+    return engine.lr_rule.averaged()
 
 
-def _step_record(engine: DPEngine, epoch: int) -> dict[str, Any]:
+def _step_record(engine: DPEngine, config: TrainConfig, epoch: int) -> dict[str, Any]:
     """What ``metrics.jsonl`` says of a step: public or released values only (the learning rate, set from
     released values or given; the clip thresholds, given or released; HyFreeDP's loss bound R_l)."""
     record: dict[str, Any] = {"kind": "step", "epoch": epoch, "step": engine.steps,
                               "lr": engine.optimizer.param_groups[0]["lr"]}
     if engine.last_step is not None:
         record["thresholds"] = dict(engine.last_step.thresholds)
-    auto = next((c for c in engine.optimizer.components if isinstance(c, AutoLearningRate)), None)
-    if auto is not None:
-        record["loss_bound"] = auto.state.loss_bound
+    if config.lr == "hyfreedp":
+        record["loss_bound"] = engine.lr_rule.state.loss_bound
     return record
