@@ -46,10 +46,11 @@ def test_partition_selection_adds_noise_of_deviation_sigma_root_k_to_every_count
     histograms = [{"a": math.ceil(tau - shift), "b": math.ceil(tau - shift) - 1},
                   {"x": 5, "y": math.ceil(tau - shift) + 3}]
     selected, threshold, event = select_partitions(histograms, sigma, p, ConstantNoise())
-    assert threshold == tau and selected == [["a"], ["y"]]
+    assert threshold == tau and [list(s) for s in selected] == [["a"], ["y"]]
+    assert selected[1]["y"] == histograms[1]["y"] + shift  # the noisy counts of the released keys
     assert event == threshold_event(sigma, p)
     # with σ = 0 the selection is exact: every key seen, whatever its count
-    assert select_partitions(histograms, 0.0, p, ConstantNoise())[0] == [["a", "b"], ["x", "y"]]
+    assert select_partitions(histograms, 0.0, p, ConstantNoise())[0] == [dict(h) for h in histograms]
 
 
 def test_partition_selection_noise_has_the_stated_scale():

@@ -20,7 +20,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TextIO
 
 import torch
@@ -38,7 +38,7 @@ from .releases import (  # noqa: F401  (default_delta: experiments import the ru
     preprocessing_epsilon,
     prior_releases,
 )
-from .report import OUTSIDE_THE_GUARANTEE, RunDirectory
+from .report import OUTSIDE_THE_GUARANTEE, RunDirectory, majority_class_rate
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr),
@@ -110,6 +110,7 @@ class TrainConfig:
     accountant: str = "pld"
     seed: int | None = None
     audit_canaries: int | None = None
+    reference: bool = False  # also train the same run without noise, for comparison (outside the guarantee)
     out: str | None = None
     quiet: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # further make_private keywords
@@ -156,8 +157,9 @@ class TrainConfig:
 
 
 def loose_target_note(target_epsilon: float, noise_multiplier: float, spent: float) -> str | None:
-    """What to tell a person whose target ε is so loose that calibration stopped at its noise floor."""
-    if noise_multiplier > MIN_NOISE_MULTIPLIER:
+    """What to tell a person whose target ε is so loose that calibration stopped at its noise floor
+    (nothing for a reference run without noise, ``--epsilon inf``: its guarantee says it has none)."""
+    if noise_multiplier > MIN_NOISE_MULTIPLIER or not math.isfinite(target_epsilon):
         return None
     return (f"the target ε = {target_epsilon:g} is looser than any useful noise: calibration stops at "
             f"σ = {MIN_NOISE_MULTIPLIER}, where this run spends ε = {spent:.4g} < {target_epsilon:g}")
@@ -338,6 +340,9 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
     engine = _make_private(config, model, data, delta)
     writes = launch.is_main_process()  # under torchrun, rank 0 writes the run's outputs
     run = RunDirectory(config.out) if config.out and writes else None
+    majority = majority_class_rate(data.test.tensors[1], data.classes)
+    if run:
+        run.baseline(f"majority class {majority['class']!r}", majority["rate"])
     planned = engine.planned_steps
     steps_per_epoch = len(engine.data_loader)
     epochs = math.ceil(planned / steps_per_epoch)  # the last one partial when planned is not a multiple
@@ -364,8 +369,15 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
     if config.lr == "auto":  # the model kept is the automatic learning rate's averaged one
         engine.lr_rule.apply_average()
     audit = None if config.audit_canaries is None else auditing.audit_training(engine)
+    reference = None
+    if config.reference:  # the same data and run without noise; its model is not kept
+        reference = train(replace(config, epsilon=math.inf, reference=False, out=None, quiet=True,
+                                  audit_canaries=None), data)["test_accuracy"]
+        if run:
+            run.baseline("the same run without noise", reference)
     result = {
-        "test_accuracy": test_accuracy, "epsilon": epsilon, "delta": delta, "delta_choice": delta_text,
+        "test_accuracy": test_accuracy, "test_majority_class": majority,
+        "reference_test_accuracy": reference, "epsilon": epsilon, "delta": delta, "delta_choice": delta_text,
         "noise_multiplier": engine.noise_multiplier, "steps": engine.steps, "planned_steps": planned,
         "sample_rate": engine.sample_rate, "train_seconds": train_seconds,
         "processes": launch.world()[1],
@@ -375,7 +387,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
         "data_notes": list(data.notes),
         "preprocessing": [release.report() for release in data.releases],
         "preprocessing_epsilon": preprocessing_epsilon(data.releases, delta, config.accountant),
-        "dataset": {"name": data.name, "train_examples": data.num_train,
+        "dataset": {"name": data.name, "kind": data.kind, "train_examples": data.num_train,
                     "test_examples": len(data.test), "classes": list(data.classes)},
         "config": {**asdict(config), "delta": delta, "lr": config.lr},
         "learning_rate": _learning_rate_text(config, engine),
@@ -414,6 +426,7 @@ def model_description(config: TrainConfig, data: datasets.LoadedData) -> dict[st
     return {"model": models.resolve(config.model, data.kind, data.input_shape, config.hidden),
             "hidden": list(config.hidden) if config.hidden else None, "kind": data.kind,
             "input_shape": list(data.input_shape), "classes": list(data.classes),
+            "pixel_scale": data.pixel_scale,
             "table": None if data.encoder is None else data.encoder.to_dict()}
 
 

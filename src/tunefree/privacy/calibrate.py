@@ -57,8 +57,8 @@ def calibrate(
     def too_much(sigma: float) -> bool:
         if sigma >= MAX_NOISE_MULTIPLIER:
             raise ValueError(f"no noise level reaches epsilon={target_epsilon} at delta={delta}: the run "
-                             f"spends more even at σ = {MAX_NOISE_MULTIPLIER:g} (its releases before training "
-                             "may take the whole budget)")
+                             f"spends more even at σ = {MAX_NOISE_MULTIPLIER:g} (its releases before "
+                             "training may take the whole budget)")
         return True
 
     # 1. On the coarse grid, which overstates ε a little and costs little at small σ: a bracket, then σ

@@ -61,7 +61,7 @@ def selection_threshold(noise_multiplier: float, histograms: int, threshold_delt
 
 def select_partitions(histograms: Sequence[Mapping[Any, int]], noise_multiplier: float,
                       threshold_delta: float, randomness: NoiseSource
-                      ) -> tuple[list[list[Any]], float, dpa.DpEvent]:
+                      ) -> tuple[list[dict[Any, float]], float, dpa.DpEvent]:
     """Differentially private partition selection: which keys of each histogram to release, when the keys
     themselves come from the private data (category sets, class labels).
 
@@ -69,8 +69,9 @@ def select_partitions(histograms: Sequence[Mapping[Any, int]], noise_multiplier:
     have move by at most √k in L2: every count gets Gaussian noise of deviation σ√k, and a key is released
     when its noisy count reaches :func:`selection_threshold`. Keys that no example has are never seen, and a
     key only one example has is released with probability at most ``threshold_delta``/k. Returns the
-    released keys of each histogram (in its order), τ and the event (:func:`threshold_event`). σ = 0 is
-    the exact, non-private selection (every key seen; the event spends ε = ∞)."""
+    released keys of each histogram with their noisy counts (in the histogram's order; the noisy counts of
+    the released keys are part of the release), τ and the event (:func:`threshold_event`). σ = 0 is the
+    exact, non-private selection (every key seen; the event spends ε = ∞)."""
     threshold = selection_threshold(noise_multiplier, len(histograms), threshold_delta)
     keys = [list(histogram) for histogram in histograms]
     counts = torch.tensor([float(h[key]) for h, ks in zip(histograms, keys) for key in ks],
@@ -80,8 +81,8 @@ def select_partitions(histograms: Sequence[Mapping[Any, int]], noise_multiplier:
         counts = counts + std * randomness.normal(counts.shape, torch.device("cpu"), torch.float64)
     selected, offset = [], 0
     for ks in keys:
-        selected.append([key for key, count in zip(ks, counts[offset:offset + len(ks)].tolist())
-                         if count >= threshold])
+        selected.append({key: count for key, count in zip(ks, counts[offset:offset + len(ks)].tolist())
+                         if count >= threshold})
         offset += len(ks)
     return selected, threshold, threshold_event(noise_multiplier, threshold_delta)
 
