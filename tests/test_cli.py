@@ -486,3 +486,16 @@ def test_one_class_training_rows_are_refused_with_the_true_reason(tmp_path, caps
     assert err.strip() == (f"tunefree: error: t.csv: every training row has the label 'yes'{among}: a "
                            "classifier needs training rows of at least two classes — add rows of the other "
                            "classes")
+
+
+def test_small_epsilon_calibrates_in_the_calculator_and_in_training(tmp_path, capsys):
+    """Issue 30's examples: PLD did not converge at ε = 0.1 (q = 0.01, 1,000 steps), nor training at
+    ε ≤ 0.15."""
+    assert main(["epsilon", "--target-epsilon", "0.1", "--sample-rate", "0.01", "--steps", "1000",
+                 "--delta", "1e-5"]) == 0
+    sigma = float(re.search(r"noise multiplier ([0-9.e+-]+)", capsys.readouterr().out).group(1))
+    spent = tunefree.epsilon(noise_multiplier=sigma, sample_rate=0.01, steps=1000, delta=1e-5)
+    assert 0.099 <= spent <= 0.1
+    assert main(["train", "--epsilon", "0.1", "--steps", "3", "--quiet",
+                 "--json", str(tmp_path / "r.json")]) == 0
+    assert 0.099 <= json.loads((tmp_path / "r.json").read_text())["epsilon"] <= 0.1
