@@ -5,7 +5,8 @@ as it will be reported, on the report's accounting grid — is at most the targe
 Budget splits (quantile releases, loss releases, releases before training) are solved the same way,
 jointly on the composed event, never by adding ε's.
 
-The search brackets σ on a coarse PLD grid (cheap where σ is small and the PLD wide), then solves on the
+The search brackets and bisects σ on a coarse PLD grid (cheap where σ is small and the PLD wide),
+accepting a σ whose reported ε is in the band; where the coarse grid cannot land there, it solves on the
 reported ε itself, by interpolation in log σ – log ε (ε falls roughly as a power of σ) kept inside the
 bracket. Solving on the reported ε matters at small ε: there the coarse grid overstates ε by more than
 the 1% tolerance (at ε ≈ 0.04, q = 0.01, 1,000 steps, by a factor 2), and a search on it alone never
@@ -62,7 +63,7 @@ def calibrate(
         return True
 
     # 1. On the coarse grid, which overstates ε a little and costs little at small σ: a bracket, then σ
-    #    within the band there.
+    #    within the band.
     low, high = 0.5, 1.0
     while coarse(high) > target_epsilon and too_much(high):
         low, high = high, high * 2
@@ -73,9 +74,20 @@ def calibrate(
             break
         high, low = low, max(low / 2, MIN_NOISE_MULTIPLIER)
     else:
-        high = _solve(coarse, low, high, target_epsilon, tolerance)
-    # 2. A bracket on the reported ε near it, eps(low) > target ≥ eps(high) (or the floor): ε as reported
-    #    is below the coarse grid's, so the bracket widens downwards.
+        # geometric bisection on the coarse grid, checked on the reported ε near the target (the σ this
+        # finds is the one calibration has always found, so runs and checkpoints keep their σ) ...
+        while high / low > 1 + 1e-9:
+            if coarse(high) >= (1 - tolerance / 2) * target_epsilon \
+                    and (1 - tolerance) * target_epsilon <= eps(high) <= target_epsilon:
+                return high
+            middle = (low * high) ** 0.5
+            if coarse(middle) > target_epsilon:
+                low = middle
+            else:
+                high = middle
+        # ... unless the coarse grid overstates ε by more than the band (small ε): then on the reported ε
+    # 2. A bracket on the reported ε, eps(low) > target ≥ eps(high) (or the floor): ε as reported is below
+    #    the coarse grid's, so the bracket widens downwards.
     while eps(high) > target_epsilon and too_much(high):
         low, high = high, high * 1.05
     step = 1.02
