@@ -71,6 +71,69 @@ def mixed_table(path: str, rows: int = 20_000, seed: int = 2026) -> None:
                   "label": np.where(score > 0.3, "yes", "no")})
 
 
+def imbalanced_table(path: str, rows: int = 4_877, seed: int = 2026) -> None:
+    """A binary table where most of the accuracy is the majority class (about 68% 'no'), like a credit or
+    churn table: 4 numeric columns (two skewed) and 3 text columns. With ``rng =
+    numpy.random.default_rng(seed)``: income ~ lognormal(10, 0.8), age ~ N(45, 14), debt ratio ~ Beta(2, 5),
+    months ~ U(1, 120) rounded; region of 6, product of {a, b, c, d} and channel of {web, shop, phone}
+    uniform; label 'yes' when 0.6·z(debt) − 0.4·z(ln income) + 0.3·[product = d] + 0.2·[channel = web]
+    − 0.15·z(age) + N(0, 2.5²) is above its 68.4% quantile (z: the standardised column), else 'no': a weak
+    signal, a few points above the majority rate."""
+    rng = np.random.default_rng(seed)
+    income, age = rng.lognormal(10, 0.8, rows), rng.normal(45, 14, rows)
+    debt, months = rng.beta(2, 5, rows), rng.uniform(1, 120, rows).round()
+    region = rng.integers(0, 6, rows)
+    product, channel = rng.choice(list("abcd"), rows), rng.choice(["web", "shop", "phone"], rows)
+
+    def z(v):
+        return (v - v.mean()) / v.std()
+
+    score = (0.6 * z(debt) - 0.4 * z(np.log(income)) + 0.3 * (product == "d") + 0.2 * (channel == "web")
+             - 0.15 * z(age) + rng.normal(0, 2.5, rows))
+    _write(path, {"income": income.round(0), "age": age.round(0), "debt_ratio": debt.round(3),
+                  "months": months, "region": [f"r{r}" for r in region], "product": product,
+                  "channel": channel, "label": np.where(score > np.quantile(score, 0.684), "yes", "no")})
+
+
+def diamonds_like(path: str, rows: int = 53_940, seed: int = 2026) -> None:
+    """A table shaped like the classic diamonds data, predicting the cut (5 classes: Fair 3%, Good 9%,
+    Very Good 22%, Premium 26%, Ideal 40%) from carat, colour (7), clarity (8), depth, table, price and the
+    three dimensions. With ``rng = numpy.random.default_rng(seed)``: cut drawn with those shares; depth
+    and table drawn around a cut's own centre (Ideal 61.7 / 56, Premium 61.3 / 58.7, Very Good 61.8 /
+    58, Good 62.4 / 58.7, Fair 64.1 / 59.1; deviations 0.7–1.9 / 1.2–3.9); carat ~ lognormal(−0.4,
+    0.55); price = 4000·carat^1.7 times colour's and clarity's factors and a lognormal(0, 0.15) noise,
+    bonus 5% for Ideal; x, y ≈ 6.4·carat^⅓, z ≈ depth%·x. Written as CSV with column 'cut' as the
+    label ('label')."""
+    rng = np.random.default_rng(seed)
+    cuts = ["Fair", "Good", "Very Good", "Premium", "Ideal"]
+    cut = rng.choice(5, rows, p=[0.03, 0.09, 0.224, 0.256, 0.40])
+    depth_mean, depth_sd = np.array([64.1, 62.4, 61.8, 61.3, 61.7]), np.array([1.9, 1.9, 1.4, 1.2, 0.7])
+    table_mean, table_sd = np.array([59.1, 58.7, 58.0, 58.7, 56.0]), np.array([3.9, 2.9, 2.1, 1.5, 1.2])
+    depth = rng.normal(depth_mean[cut], depth_sd[cut])
+    table = rng.normal(table_mean[cut], table_sd[cut]).round()
+    carat = rng.lognormal(-0.4, 0.55, rows).clip(0.2, 5).round(2)
+    colour, clarity = rng.integers(0, 7, rows), rng.integers(0, 8, rows)
+    price = (4000 * carat ** 1.7 * (1 - 0.04 * colour) * (1 + 0.06 * clarity) * rng.lognormal(0, 0.15, rows)
+             * (1 + 0.05 * (cut == 4))).round()
+    x = (6.4 * carat ** (1 / 3) * rng.normal(1, 0.01, rows)).round(2)
+    y = (x * rng.normal(1, 0.01, rows)).round(2)
+    _write(path, {"carat": carat, "color": [list("DEFGHIJ")[c] for c in colour],
+                  "clarity": [["I1", "SI2", "SI1", "VS2", "VS1", "VVS2", "VVS1", "IF"][c] for c in clarity],
+                  "depth": depth.round(1), "table": table, "price": price, "x": x, "y": y,
+                  "z": (depth / 100 * x).round(2), "label": [cuts[c] for c in cut]})
+
+
+def sklearn_table(name: str):
+    """A generator writing one of scikit-learn's shipped tables (breast_cancer, wine, iris) as CSV."""
+    def write(path: str) -> None:
+        import sklearn.datasets
+
+        bunch = getattr(sklearn.datasets, f"load_{name}")()
+        columns = {f"x{j}": bunch.data[:, j] for j in range(bunch.data.shape[1])}
+        _write(path, {**columns, "label": [str(bunch.target_names[t]) for t in bunch.target]})
+    return write
+
+
 def _write(path: str, columns: dict) -> None:
     names = list(columns)
     with open(path, "w") as out:
@@ -79,7 +142,10 @@ def _write(path: str, columns: dict) -> None:
             out.write(",".join(str(v) for v in row) + "\n")
 
 
-DATA = {"forty": (forty_columns, 10), "mixed": (mixed_table, 10), "digits": (None, 40)}  # generator, epochs
+# generator, epochs (40: the command line's default)
+DATA = {"forty": (forty_columns, 10), "mixed": (mixed_table, 10), "digits": (None, 40),
+        "imbalanced": (imbalanced_table, 40), "diamonds": (diamonds_like, 40),
+        "breast_cancer": (sklearn_table("breast_cancer"), 40), "wine": (sklearn_table("wine"), 40)}
 
 
 def prepared(name: str, epsilon: float, seed: int, folder: str, input_scale: float = 1.0,

@@ -9,11 +9,13 @@ import subprocess
 import sys
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
 import tunefree
 from tunefree.cli import main, models, preprocess
+from tunefree.cli.report import where_results_went
 from tunefree.cli.training import accuracy
 from tunefree.data.poisson import planned_steps
 
@@ -329,3 +331,171 @@ def test_audit_canaries_report_a_lower_bound_below_the_runs_epsilon(tmp_path, ca
 def test_a_run_without_canaries_reports_no_audit(short_run):
     _, out = short_run
     assert json.loads((out / "result.json").read_text())["audit"] is None
+
+
+# ---------------------------------------------------------------------------- tunefree predict
+def test_predict_serves_an_image_model_as_it_was_evaluated(short_run, tmp_path, capsys):
+    """`make run` trains digits into runs/digits and advertises `tunefree predict --run runs/digits`."""
+    from tunefree.cli.predict import ImagePredictor, load
+
+    _, out = short_run
+    result = json.loads((out / "result.json").read_text())
+    assert f"tunefree predict --run {out / 'dir'} --data IMAGES" in where_results_went(
+        out / "dir", None, kind=result["dataset"]["kind"])
+    assert main(["predict", "--run", str(out / "dir"), "--data", "digits", "--output",
+                 str(tmp_path / "p.csv")]) == 0
+    predicted = pd.read_csv(tmp_path / "p.csv", dtype=str)
+    assert len(predicted) == 1797 and set(predicted["prediction"]) <= set(result["dataset"]["classes"])
+    predictor = load(out / "dir")
+    assert isinstance(predictor, ImagePredictor)
+    data = preprocess.load("digits", seed=1)  # the run's split: its test rows, predicted as evaluated
+    x, y = data.test.tensors
+    classes = result["dataset"]["classes"]
+    hits = np.mean([p == classes[int(t)] for p, t in zip(predictor.predict(x.numpy()), y)])
+    assert hits == pytest.approx(result["test_accuracy"])
+
+
+def test_predict_reads_image_arrays_and_folders_by_their_storage_type(short_run, tmp_path):
+    from PIL import Image
+
+    from tunefree.cli.predict import load
+
+    _, out = short_run
+    images = (np.random.default_rng(0).random((5, 8, 8)) * 255).astype(np.uint8)
+    np.save(tmp_path / "x.npy", images)
+    (tmp_path / "folder").mkdir()
+    for i, image in enumerate(images):
+        Image.fromarray(image).save(tmp_path / "folder" / f"{i}.png")
+    predictor = load(out / "dir")
+    names, from_array = predictor.read(str(tmp_path / "x.npy"))
+    _, from_folder = predictor.read(str(tmp_path / "folder"))
+    np.testing.assert_array_equal(from_array, images[:, None] / 255.0)  # uint8: /255, as in training
+    np.testing.assert_array_equal(from_folder, from_array)
+    np.save(tmp_path / "big.npy", np.zeros((2, 9, 9), np.uint8))
+    np.save(tmp_path / "ints.npy", np.zeros((2, 8, 8), np.int64))
+    for data, match in (("big.npy", r"the images are \[1, 9, 9\].*the model takes \[1, 8, 8\]"),
+                        ("ints.npy", "pixels stored as int64 have no public range")):
+        with pytest.raises(ValueError, match=match):
+            predictor.predict(predictor.read(str(tmp_path / data))[1], data)
+
+
+def test_predict_refuses_a_text_run_and_a_directory_without_a_model(tmp_path, capsys):
+    (tmp_path / "text" / "model").mkdir(parents=True)
+    (tmp_path / "empty").mkdir()
+    for run, match in (("text", "holds a text model .model/., which `tunefree predict` does not serve yet"),
+                       ("empty", "holds no model.json .table and image runs. and no model/")):
+        assert main(["predict", "--run", str(tmp_path / run), "--data", "x.csv"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and re.search(match, err), err
+
+
+@pytest.fixture(scope="module")
+def table_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("table")
+    rng = np.random.default_rng(0)
+    rows = 600
+    frame = pd.DataFrame({"age": rng.integers(18, 90, rows), "colour": rng.choice(["red", "blue"], rows),
+                          "label": rng.choice(["no", "yes"], rows)})
+    frame.to_csv(folder / "t.csv", index=False)
+    assert main(["train", "--dataset", str(folder / "t.csv"), "--epsilon", "inf", "--steps", "2",
+                 "--quiet", "--seed", "0", "--out", str(folder / "run")]) == 0
+    return folder
+
+
+def test_predict_counts_unseen_categories_and_suggests_only_its_own_flags(table_run, tmp_path, capsys):
+    capsys.readouterr()
+    new = pd.DataFrame({"age": [30, 40, 50, 60], "colour": ["red", "green", "violet", "blue"]})
+    new.to_csv(tmp_path / "new.csv", index=False)
+    assert main(["predict", "--run", str(table_run / "run"), "--data", str(tmp_path / "new.csv"),
+                 "--output", str(tmp_path / "p.csv")]) == 0
+    assert ("note: column 'colour': 2 of 4 rows hold values the training rows' private selection did not "
+            "keep; they are encoded as '(other)'") in capsys.readouterr().err
+    options = {o for action in predict_parser()._actions for o in action.option_strings}
+    bad = {"missing": pd.DataFrame({"age": [30, None], "colour": ["red", "blue"]}),
+           "text": pd.DataFrame({"age": ["30", "?"], "colour": ["red", "blue"]}),
+           "absent": pd.DataFrame({"colour": ["red", "blue"]})}
+    for name, frame in bad.items():
+        frame.to_csv(tmp_path / f"{name}.csv", index=False)
+        data = str(tmp_path / f"{name}.csv")
+        assert main(["predict", "--run", str(table_run / "run"), "--data", data]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        suggested = set(re.findall(r"--[a-z][a-z-]+", err))
+        assert suggested <= options, (name, err)
+        if name == "text":
+            assert "pass --na-values '?' if it marks a missing value" in err
+
+
+def predict_parser():
+    import argparse
+
+    from tunefree.cli import predict
+
+    return predict.add_parser(argparse.ArgumentParser().add_subparsers())
+
+
+# ---------------------------------------------------------------------------- the majority rate, one class
+def test_majority_class_rate_against_a_count():
+    from tunefree.cli.report import majority_class_rate
+
+    labels = torch.tensor([2, 0, 2, 1, 2, 0])
+    assert majority_class_rate(labels, ["a", "b", "c"]) == {"class": "c", "rate": 0.5, "rows": 6}
+    assert majority_class_rate([1, 0], ["a", "b"])["class"] == "a"  # a tie: the first class
+    with pytest.raises(ValueError, match="at least one"):
+        majority_class_rate([], ["a"])
+
+
+def test_every_run_shows_the_majority_rate_in_its_output_report_and_plot(short_run):
+    from tunefree.cli.report import majority_class_rate, test_accuracy_figure
+
+    _, out = short_run
+    result = json.loads((out / "result.json").read_text())
+    data = preprocess.load("digits", seed=1)
+    assert result["test_majority_class"] == majority_class_rate(data.test.tensors[1], data.classes)
+    assert "test_majority_class" in result["outside_the_guarantee"]["keys"]
+    records = [json.loads(line) for line in (out / "dir" / "metrics.jsonl").read_text().splitlines()]
+    baseline = [r for r in records if r["kind"] == "baseline"]
+    majority = result["test_majority_class"]
+    assert baseline == [{"kind": "baseline", "name": f"majority class {majority['class']!r}",
+                         "test_accuracy": majority["rate"]}]
+    figure = test_accuracy_figure(records)
+    assert [line.get_ydata()[0] for line in figure.axes[0].lines[1:]] == [baseline[0]["test_accuracy"]]
+
+
+def test_a_reference_run_without_noise_is_shown_beside(table_run, tmp_path, capsys):
+    capsys.readouterr()
+    assert main(["train", "--dataset", str(table_run / "t.csv"), "--steps", "2", "--quiet", "--seed", "0",
+                 "--reference", "--json", str(tmp_path / "r.json")]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    printed = capsys.readouterr().out.splitlines()[0]
+    majority = result["test_majority_class"]
+    assert printed.startswith(f"test accuracy {result['test_accuracy']:.4f} on {majority['rows']} held-out "
+                              f"rows; always predicting the majority class {majority['class']!r} scores "
+                              f"{majority['rate']:.4f}; the same run without noise (--reference) "
+                              f"{result['reference_test_accuracy']:.4f} (outside the guarantee")
+    assert 0 <= result["reference_test_accuracy"] <= 1 and result["epsilon"] <= 3.0
+
+
+@pytest.mark.parametrize("labels", [["--labels", "no,yes"], []])
+def test_one_class_training_rows_are_refused_with_the_true_reason(tmp_path, capsys, labels):
+    rng = np.random.default_rng(0)
+    pd.DataFrame({"age": rng.integers(18, 90, 300), "label": "yes"}).to_csv(tmp_path / "t.csv", index=False)
+    assert main(["train", "--dataset", str(tmp_path / "t.csv"), "--steps", "1", "--quiet", *labels]) == 2
+    err = capsys.readouterr().err
+    among = " of the declared ['no', 'yes']" if labels else ""
+    assert err.strip() == (f"tunefree: error: t.csv: every training row has the label 'yes'{among}: a "
+                           "classifier needs training rows of at least two classes — add rows of the other "
+                           "classes")
+
+
+def test_small_epsilon_calibrates_in_the_calculator_and_in_training(tmp_path, capsys):
+    """Issue 30's examples: PLD did not converge at ε = 0.1 (q = 0.01, 1,000 steps), nor training at
+    ε ≤ 0.15."""
+    assert main(["epsilon", "--target-epsilon", "0.1", "--sample-rate", "0.01", "--steps", "1000",
+                 "--delta", "1e-5"]) == 0
+    sigma = float(re.search(r"noise multiplier ([0-9.e+-]+)", capsys.readouterr().out).group(1))
+    spent = tunefree.epsilon(noise_multiplier=sigma, sample_rate=0.01, steps=1000, delta=1e-5)
+    assert 0.099 <= spent <= 0.1
+    assert main(["train", "--epsilon", "0.1", "--steps", "3", "--quiet",
+                 "--json", str(tmp_path / "r.json")]) == 0
+    assert 0.099 <= json.loads((tmp_path / "r.json").read_text())["epsilon"] <= 0.1

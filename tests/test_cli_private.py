@@ -16,7 +16,7 @@ import torch
 
 from tunefree.cli import main, preprocess, releases, scaling
 from tunefree.cli import training as training_module
-from tunefree.cli.predict import Predictor
+from tunefree.cli.predict import TablePredictor, load
 from tunefree.cli.split import held_out, split_key, table_rows
 
 
@@ -55,7 +55,7 @@ def _releases_of(monkeypatch, path, *flags) -> dict:
     seen: dict = {}
 
     def select(histograms, sigma, threshold_delta, randomness):
-        seen["counts"] = [dict(h) for h in histograms]
+        seen.setdefault("selections", []).append([dict(h) for h in histograms])
         return REAL_SELECT(histograms, sigma, threshold_delta, ZeroNoise())
 
     def released(values, sensitivity, sigma, randomness):
@@ -95,9 +95,9 @@ def _distance(a: dict, b: dict) -> float:
 def test_removing_one_row_changes_no_release_beyond_its_sensitivity(tmp_path, monkeypatch):
     frame = _file(tmp_path / "d.csv")
     full = _releases_of(monkeypatch, tmp_path / "d.csv", "--epsilon", "50")
-    k = len(full["counts"])  # the label and the colour histograms: each row adds one count to each
-    assert k == 2 and [set(c) for c in full["counts"]] == [{"maybe", "no", "yes"},
-                                                           {"blue", "green", "red", "violet"}]
+    # two selections: the labels, then the colour (one histogram each: each row adds one count to each)
+    assert [[set(c) for c in selection] for selection in full["selections"]] == [
+        [{"maybe", "no", "yes"}], [{"blue", "green", "red", "violet"}]]
     worst = {"counts": 0.0, "histogram": 0.0, "moments": 0.0, "moved": 0}
     for j in [7, 11, *range(0, 160, 12), int(frame["income"].idxmax())]:
         frame.drop(index=j).to_csv(tmp_path / "n.csv", index=False)
@@ -108,10 +108,11 @@ def test_removing_one_row_changes_no_release_beyond_its_sensitivity(tmp_path, mo
         worst["moved"] = max(worst["moved"], moved)
         in_training = not full["sides"][table_rows([frame.loc[[j], c] for c in frame.columns])[0]]
         assert neighbour["train_rows"] == full["train_rows"] - in_training
-        # the partition selection: counts move by at most 1 in each histogram, √k in all
-        change = math.sqrt(sum(_distance(a, b) ** 2 for a, b in zip(full["counts"], neighbour["counts"])))
-        worst["counts"] = max(worst["counts"], change)
-        assert change <= math.sqrt(k) * in_training + 1e-12
+        # each partition selection: counts move by at most 1 in each histogram, √k in its k histograms
+        for selection, other in zip(full["selections"], neighbour["selections"], strict=True):
+            change = math.sqrt(sum(_distance(a, b) ** 2 for a, b in zip(selection, other, strict=True)))
+            worst["counts"] = max(worst["counts"], change)
+            assert change <= math.sqrt(len(selection)) * in_training + 1e-12
         # the standardisation's two releases, each within its sensitivity (the moments, computed with the
         # bounds the first release gave, are compared where both runs got the same bounds: all rows here)
         (hist, s_hist), (moments, s_moments) = full["standardisation"]
@@ -122,7 +123,7 @@ def test_removing_one_row_changes_no_release_beyond_its_sensitivity(tmp_path, mo
         worst["moments"] = max(worst["moments"], float((moments - n_moments).norm()))
         assert float((moments - n_moments).norm()) <= s_moments * in_training + 1e-9
     assert worst["moved"] == 0 and worst["counts"] > 0  # rows did leave the training split
-    print(f"neighbour test through the CLI: sensitivity √k = {math.sqrt(k):.3f}, measured {worst}")
+    print(f"neighbour test through the CLI: measured {worst}")
 
 
 def test_the_split_of_the_other_rows_is_stable_for_every_row_removed(tmp_path):
@@ -139,13 +140,17 @@ def test_the_split_of_the_other_rows_is_stable_for_every_row_removed(tmp_path):
 def test_the_selection_says_what_happened_to_rare_values(tmp_path):
     _file(tmp_path / "d.csv", rows=2000)
     data = preprocess.load(str(tmp_path / "d.csv"), epsilon=3.0, accountant="rdp", seed=0)
-    selection = data.releases[0].report()
+    labels, categories = (release.report() for release in data.releases[:2])
     # the value and the label one row has are not selected: they are "(other)", and the notes say so
-    assert selection["selected"] == {"label": ["no", "yes"], "colour": ["blue", "green", "red"]}
+    assert labels["selected"] == {"label": ["no", "yes"]}
+    assert categories["selected"] == {"colour": ["blue", "green", "red"]}
+    # the merged rows are reported, from the noisy counts of the values kept and the public N
+    assert set(labels["noisy_counts"]["label"]) == {"no", "yes"} and labels["other_rows"]["label"] >= 0
+    assert labels["other_rows"]["label"] == max(0, round(data.num_train - sum(
+        labels["noisy_counts"]["label"].values())))
     assert data.classes == ("no", "yes", "(other)") and "colour=(other)" in data.feature_names
-    assert any("a row whose label is not among them is trained and tested as the class '(other)'" in note
-               for note in data.notes)
-    assert any("other values are the category '(other)'" in note for note in data.notes)
+    assert any("are merged into the class '(other)'" in note for note in data.notes)
+    assert any("the other values are the category '(other)'" in note for note in data.notes)
 
 
 @pytest.mark.parametrize("cell, flags, match", [
@@ -198,7 +203,8 @@ def test_a_reference_run_without_noise_and_the_saved_model_predicts_new_rows(tmp
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["epsilon"] == "inf" and result["noise_multiplier"] == 0
     assert result["guarantee"].startswith("no privacy: a non-private reference run")
-    assert "no privacy" in printed
+    assert "no privacy" in printed and result["note"] is None
+    assert "calibration stops" not in printed and "< inf" not in printed  # nothing untrue about noise
     assert all(r["noise_multiplier"] == 0 for r in result["preprocessing"])
     # the saved model carries its preprocessing: on the held-out rows it predicts as it was evaluated
     frame = pd.read_csv(tmp_path / "d.csv")
@@ -210,6 +216,137 @@ def test_a_reference_run_without_noise_and_the_saved_model_predicts_new_rows(tmp
     predicted = pd.read_csv(tmp_path / "p.csv")["prediction"]
     truth = frame["label"][test].where(frame["label"][test].isin(["no", "yes"]), "(other)")
     assert (predicted.to_numpy() == truth.to_numpy()).mean() == pytest.approx(result["test_accuracy"])
-    predictor = Predictor.load(out)
+    predictor = load(out)
+    assert isinstance(predictor, TablePredictor)
     assert predictor.encoder.classes == ("no", "yes") and predictor.encoder.other_class
     assert predictor.predict(held.iloc[:3]) == predicted.tolist()[:3]
+
+
+# ---------------------------------------------------------------------------- no branch on a private row
+class _Decisions:
+    """What `tunefree train` decides before training, with every release replaced by a constant (so that
+    what follows a release is the same in every neighbour): the public arguments of each release, the
+    keywords make_private gets, the model's parameter shapes and each training example's features. Two
+    neighbouring data sets must give the same decisions, and the same features for every row they share."""
+
+    def __init__(self, monkeypatch):
+        self.calls, self.selections = [], 0
+        monkeypatch.setattr(releases, "select_partitions", self.select)
+        monkeypatch.setattr(scaling, "release_gaussian", self.gaussian)
+        monkeypatch.setattr(training_module, "make_private", self.stop)
+
+    def select(self, histograms, sigma, threshold_delta, randomness):
+        self.calls.append(("selection", len(histograms), sigma, threshold_delta))
+        self.selections += 1
+        constant = {1: ["no", "yes"], 2: ["blue", "green", "red"], 3: ["False", "True"]}
+        kept = [{key: 100.0 for key in constant[min(self.selections + i, 3)]} for i in range(len(histograms))]
+        return kept, 42.0, REAL_THRESHOLD(sigma, threshold_delta)
+
+    def gaussian(self, values, sensitivity, sigma, randomness):
+        self.calls.append(("gaussian", tuple(values.shape), sensitivity, sigma))
+        return torch.full(values.shape, 100.0, dtype=torch.float64), REAL_GAUSSIAN_EVENT(sigma)
+
+    def stop(self, model, optimizer, loader, **keywords):
+        self.keywords = keywords
+        self.shapes = [tuple(p.shape) for p in model.parameters()]
+        self.x, self.y = loader.dataset.tensors
+        raise _Stop
+
+    def of(self, path, *flags) -> _Decisions:
+        self.calls, self.selections = [], 0
+        with pytest.raises(_Stop):
+            main(["train", "--dataset", str(path), "--seed", "0", "--steps", "1", "--batch-size", "8",
+                  "--quiet", "--epsilon", "3", *flags])
+        return self
+
+    def summary(self) -> tuple:
+        return (list(self.calls), repr(self.keywords), list(self.shapes))
+
+
+def REAL_THRESHOLD(sigma, threshold_delta):  # noqa: N802 - the real event of a selection
+    from tunefree.privacy import threshold_event
+
+    return threshold_event(sigma, threshold_delta)
+
+
+def REAL_GAUSSIAN_EVENT(sigma):  # noqa: N802
+    import dp_accounting as dpa
+
+    return dpa.GaussianDpEvent(sigma)
+
+
+def _same_side_replacement(frame, row: int, changes: dict):
+    """``frame`` with ``changes`` made to ``row``, and a numeric cell of that row tweaked if needed so that
+    it stays on its side of the keyed split: the training set keeps its size N (public) and its order."""
+    key = split_key(0)
+    side = held_out(table_rows([frame.loc[[row], c] for c in frame.columns]), key)[0]
+    for salt in range(200):
+        changed = frame.copy().astype(object)
+        for column, value in changes.items():
+            changed.loc[row, column] = value
+        if salt:  # a cell the change leaves alone
+            column = "income" if "income" not in changes else "age"
+            changed.loc[row, column] = 18 + salt
+        if held_out(table_rows([changed.loc[[row], c] for c in changed.columns]), key)[0] == side:
+            return changed, side
+    raise AssertionError("no salt keeps the row on its side")
+
+
+NEIGHBOURS = {  # one row changed in ways that must decide nothing without a release
+    "an outlier": {"income": 1e12},
+    "a new category": {"colour": "violet"},
+    "a bool column's cell that is text": {"member": "maybe"},
+    "a new label": {"label": "maybe"},
+    "a negative number": {"age": -5},
+}
+
+
+@pytest.mark.parametrize("change", list(NEIGHBOURS))
+def test_no_table_preprocessing_decision_branches_on_one_row(tmp_path, monkeypatch, change):
+    rng = np.random.default_rng(1)
+    frame = _file(tmp_path / "d.csv", rows=400)
+    frame["member"] = rng.choice([True, False], len(frame))
+    frame.to_csv(tmp_path / "d.csv", index=False)
+    decisions = _Decisions(monkeypatch)
+    full = decisions.of(tmp_path / "d.csv")
+    summary, x, y = full.summary(), full.x.clone(), full.y.clone()
+    train = ~held_out(table_rows([frame[c] for c in frame.columns]), split_key(0))
+    for row in (3, 150, 333):
+        neighbour, test_side = _same_side_replacement(frame, row, NEIGHBOURS[change])
+        neighbour.to_csv(tmp_path / "n.csv", index=False)
+        other = decisions.of(tmp_path / "n.csv")
+        assert other.summary() == summary, change
+        position = int(train[:row].sum())  # the row's place among the training rows
+        keep = torch.ones(len(x), dtype=torch.bool)
+        if not test_side:
+            keep[position] = False
+        shared = [i for i in range(len(x)) if keep[i]]
+        assert torch.equal(other.x[shared], x[shared]) and torch.equal(other.y[shared], y[shared])
+
+
+@pytest.mark.parametrize("dtype, change", [("uint8", 255), ("float32", 5.0)])
+def test_no_image_preprocessing_decision_branches_on_one_image(tmp_path, monkeypatch, dtype, change):
+    """Binary uint8 images (0/1) with one 255, or float images in [0, 1] with one pixel of 5: every other
+    image is scaled as before (by the storage type's range, never by the data's maximum)."""
+    import datasets as hf
+
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 2, (8, 8)).astype(dtype) for _ in range(60)]
+    labels = [i % 2 for i in range(60)]
+
+    def save(images, name):
+        split = hf.Dataset.from_dict({"image": images, "label": labels})
+        hf.DatasetDict({"train": split, "test": split.select(range(10))}).save_to_disk(tmp_path / name)
+        return tmp_path / name
+
+    decisions = _Decisions(monkeypatch)
+    full = decisions.of(save(images, "full"), "--labels", "0,1")
+    summary, x = full.summary(), full.x.clone()
+    changed = [image.copy() for image in images]
+    changed[7][3, 3] = change
+    other = decisions.of(save(changed, "neighbour"), "--labels", "0,1")
+    assert other.summary() == summary
+    rest = [i for i in range(60) if i != 7]
+    assert torch.equal(other.x[rest], x[rest])
+    scale = 255.0 if dtype == "uint8" else 1.0
+    assert torch.equal(x[0], torch.as_tensor(images[0][None] / scale, dtype=torch.float32))

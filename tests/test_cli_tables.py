@@ -17,11 +17,11 @@ import torch
 from tunefree import PSAC, AdaptiveQuantile, AutoLR, AutoS
 from tunefree.cli import main, models, report, scaling
 from tunefree.cli import training as training_module
-from tunefree.cli.releases import Budget
+from tunefree.cli.releases import CATEGORY_SHARE, LABEL_SHARE, Budget
 from tunefree.cli.training import Progress
 from tunefree.components.dog import INPUT_RMS_REFERENCE
+from tunefree.privacy import threshold_event
 from tunefree.privacy.accounting import epsilon_of, planned_event
-from tunefree.privacy.mechanisms import threshold_event
 
 
 class ConstantNoise:
@@ -91,10 +91,15 @@ def test_a_spread_hidden_by_the_noise_is_never_divided_by_a_noisy_number_near_ze
     assert released.std[1] ** 2 == raw_variance[1] > floor[1]  # a resolved spread is used as released
 
 
-def test_standardisation_budget_is_its_share_of_epsilon_and_delta():
-    sigma = scaling.noise_for_share(Budget(3.0, 1e-5, "pld"))
-    spent = epsilon_of(dpa.ComposedDpEvent([dpa.GaussianDpEvent(sigma)] * 2), scaling.SHARE * 1e-5)
-    assert 0.99 * scaling.SHARE * 3.0 <= spent <= scaling.SHARE * 3.0
+def test_standardisation_budget_is_its_share_of_mu_squared():
+    budget = Budget(3.0, 1e-5, "pld")
+    sigma = scaling.noise_for_share(budget)
+    assert 2 / sigma ** 2 == pytest.approx(scaling.SHARE * budget.mu ** 2)  # two releases, μ² adding up
+    # alone, the two releases are a Gaussian of μ = √SHARE·μ of the budget: well below ε
+    spent = epsilon_of(dpa.ComposedDpEvent([dpa.GaussianDpEvent(sigma)] * 2), 1e-5)
+    assert spent == pytest.approx(epsilon_of(dpa.GaussianDpEvent(1 / (scaling.SHARE ** 0.5 * budget.mu)),
+                                             1e-5), rel=1e-3)
+    assert spent < 3.0 * scaling.SHARE ** 0.5
 
 
 def test_a_table_too_small_to_standardise_privately_is_refused_before_any_release():
@@ -129,18 +134,21 @@ def test_a_table_with_categories_trains_and_every_release_is_in_the_ledger(tmp_p
     assert "the category sets of columns ['colour'] were selected privately" in out
     assert "the classes ['0', '1'] were selected privately from the training rows' labels" in out
     assert "numeric columns ['age', 'income'] were standardised by a private estimate" in out
-    selection, standardisation = result["preprocessing"]
-    assert selection["release"] == "category and label sets" and selection["columns"] == ["label", "colour"]
-    assert selection["selected"] == {"label": ["0", "1"], "colour": ["blue", "green", "red"]}
+    labels, categories, standardisation = result["preprocessing"]
+    assert labels["release"] == "class labels" and labels["columns"] == ["label"]
+    assert labels["selected"] == {"label": ["0", "1"]} and labels["share"] == LABEL_SHARE
+    assert categories["release"] == "category sets" and categories["columns"] == ["colour"]
+    assert categories["selected"] == {"colour": ["blue", "green", "red"]}
+    assert categories["share"] == CATEGORY_SHARE
     assert standardisation["columns"] == ["age", "income"] and standardisation["share"] == scaling.SHARE
     assert result["dataset"]["classes"] == ["0", "1", "(other)"]
     # the automatic rate's budget saw the features' public scale: 3 columns over 2 + 3 + 1 ("other") features
-    rms = math.sqrt(3 / (2 + len(selection["selected"]["colour"]) + 1))
+    rms = math.sqrt(3 / (2 + len(categories["selected"]["colour"]) + 1))
     assert f"noise budget × {INPUT_RMS_REFERENCE / rms:.3g} for the features'" in result["learning_rate"]
     # The reported ε is the ledger's: the 3 training steps composed with every preprocessing release.
     delta, q = result["delta"], result["sample_rate"]
     training = planned_event(result["noise_multiplier"], q, 3)
-    releases = [threshold_event(selection["noise_multiplier"], selection["threshold_delta"]),
+    releases = [*(threshold_event(r["noise_multiplier"], r["threshold_delta"]) for r in (labels, categories)),
                 *[dpa.GaussianDpEvent(standardisation["noise_multiplier"])] * 2]
     expected = epsilon_of(dpa.ComposedDpEvent([training, *releases]), delta, "rdp")
     assert result["epsilon"] == pytest.approx(expected, rel=1e-9)
@@ -156,7 +164,7 @@ def test_the_run_spends_the_target_with_components_that_split_the_budget_too(tmp
     preprocessing releases: the whole run still spends the target ε."""
     code, result = _run(tmp_path, "--dataset", str(_table(tmp_path / "t.csv")), "--lr", "hyfreedp",
                         "--thresholds", "adaptive", "--epsilon", "4")
-    assert code == 0 and len(result["preprocessing"]) == 2
+    assert code == 0 and len(result["preprocessing"]) == 3
     assert 0.99 * 4.0 <= result["epsilon"] <= 4.0
 
 
@@ -177,13 +185,13 @@ def test_a_public_schema_spends_nothing_on_the_encoding(tmp_path, capsys):
 def test_numeric_scaling_none_feeds_the_columns_raw_and_hidden_sizes_the_mlp(tmp_path, capsys):
     code, result = _run(tmp_path, "--dataset", str(_table(tmp_path / "t.csv")), "--numeric-scaling", "none",
                         "--hidden", "16,8")
-    assert code == 0 and [r["release"] for r in result["preprocessing"]] == ["category and label sets"]
+    assert code == 0 and [r["release"] for r in result["preprocessing"]] == ["class labels", "category sets"]
     assert result["config"]["hidden"] == [16, 8]
     assert "numeric columns ['age', 'income'] reach the model unscaled" in capsys.readouterr().out
 
 
 def test_a_small_table_is_refused_with_the_ways_out(tmp_path, capsys):
-    code, _ = _run(tmp_path, "--dataset", str(_table(tmp_path / "t.csv", rows=300)))
+    code, _ = _run(tmp_path, "--dataset", str(_table(tmp_path / "t.csv", rows=100)), "--batch-size", "50")
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "too few to standardise 2 numeric column(s)" in err and "--numeric-scaling none" in err
@@ -216,10 +224,12 @@ KNOB_RUNS = [
     (["--clip-gamma", "0.05"], {"clipping": AutoS(gamma=0.05), "thresholds": "fixed"}),
     (["--clipping", "psac", "--psac-r", "0.2"], {"clipping": PSAC(r=0.2)}),
     (["--clipping", "abadi"], {"clipping": "abadi"}),
-    (["--noise-allocation", "weighted", "--groups", "per-layer"], {"noise_allocation": "weighted"}),
+    (["--noise-allocation", "weighted", "--groups", "per-layer"],
+     {"noise_allocation": "weighted", "groups": "per-layer", "clipping": "auto-s"}),
     (["--thresholds", "adaptive", "--target-quantile", "0.7", "--quantile-lr", "0.1",
       "--quantile-budget", "0.05"],
-     {"thresholds": AdaptiveQuantile(target=0.7, lr=0.1, budget=0.05), "clipping": "auto-s"}),
+     {"thresholds": AdaptiveQuantile(target=0.7, lr=0.1, budget=0.05)}),
+    (["--thresholds", "adaptive"], {"thresholds": "adaptive"}),
     ([], {"lr": AutoLR()}),  # the default: SGD's automatic step size
     (["--lr", "hyfreedp", "--lr-update-interval", "3", "--loss-privacy", "laplace"],
      {"lr": AutoLR(mode="safeguarded", interval=3, loss_privacy="laplace")}),
@@ -274,14 +284,16 @@ def test_each_knob_reaches_make_private_in_its_option(monkeypatch, flags, keywor
     with pytest.raises(_Captured):
         main(["train", "--steps", "1", "--quiet", *flags])
     assert {k: seen[k] for k in keywords} == keywords
-    assert not set(training_module.KNOBS) & set(seen)  # each knob inside its typed option
+    assert not set(training_module.KNOBS) & set(seen)  # every knob is a field of a typed option
 
 
 @pytest.mark.parametrize("flags, match", [
-    (["--clipping", "abadi", "--clip-gamma", "0.1"], "--clip-gamma only apply to clipping='auto-s'"),
-    (["--psac-r", "0.1"], "--psac-r only apply to clipping='psac'"),
-    (["--quantile-lr", "0.1"], "--quantile-lr only apply to thresholds='adaptive'"),
-    (["--quantile-budget", "0.1"], "--quantile-budget only apply to thresholds='adaptive'"),
+    (["--clipping", "abadi", "--clip-gamma", "0.1"], "--clip-gamma applies only to --clipping auto-s"),
+    (["--psac-r", "0.1"], "--psac-r applies only to --clipping psac: drop it or add --clipping psac"),
+    (["--quantile-lr", "0.1"], "--quantile-lr applies only to --thresholds adaptive"),
+    (["--quantile-budget", "0.1"], "--quantile-budget applies only to --thresholds adaptive"),
+    (["--target-quantile", "0.7"], "--target-quantile applies only to --thresholds adaptive"),
+    (["--thresholds", "adaptive", "--target-quantile", "1.5"], r"--target-quantile must be in \(0, 1\)"),
     (["--lr-update-interval", "3"], "--lr-update-interval only apply to --lr hyfreedp"),
     (["--loss-privacy", "laplace"], "--loss-privacy only apply to --lr hyfreedp"),
     (["--quantile-budget", "1.5"], r"must be in \(0, 1\)"),

@@ -18,8 +18,8 @@ import transformers
 from tunefree.cli import main, text_data, text_defaults, text_models
 from tunefree.cli import text as text_module
 from tunefree.cli.split import held_out, split_key, table_rows
+from tunefree.privacy import threshold_event
 from tunefree.privacy.accounting import epsilon_of, planned_event
-from tunefree.privacy.mechanisms import threshold_event
 
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "good", "great", "fun", "bad", "awful", "dull"]
 SPECIAL = ["[PAD]", "[UNK]", "<eos>"]

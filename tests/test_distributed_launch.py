@@ -58,7 +58,7 @@ def test_train_in_two_processes_spends_the_epsilon_of_one_and_writes_once(tmp_pa
                             hidden=(8,), quiet=True))
     assert (two["processes"], one["processes"]) == (WORLD, 1)
     # the releases outside the steps (label set, standardisation) were made once, and accounted:
-    assert [r["release"] for r in two["preprocessing"]] == ["category and label sets", "standardisation"]
+    assert [r["release"] for r in two["preprocessing"]] == ["class labels", "standardisation"]
     assert two["preprocessing"] == one["preprocessing"]
     assert two["epsilon"] == one["epsilon"]
     assert 0.5 < two["epsilon"] <= 1.0

@@ -19,7 +19,8 @@ NOISE_DRAW = re.compile(r"randomness\.normal|torch\.randn|torch\.normal|\.normal
 
 
 def test_no_noise_is_drawn_outside_the_mechanisms():
-    allowed = {SRC / "privacy" / "mechanisms.py", SRC / "privacy" / "randomness.py"}
+    allowed = {SRC / "privacy" / "mechanisms.py", SRC / "privacy" / "statistics.py",
+               SRC / "privacy" / "randomness.py"}
     offenders = [f"{path.relative_to(SRC)}:{n}" for path in SRC.rglob("*.py") if path not in allowed
                  for n, line in enumerate(path.read_text().splitlines(), 1) if NOISE_DRAW.search(line)]
     assert offenders == []

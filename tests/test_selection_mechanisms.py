@@ -1,5 +1,6 @@
-"""The release mechanisms of private preprocessing (privacy/mechanisms.py): partition selection (category
-sets, class labels) and a histogram quantile (text lengths), their noise scales and their accounting."""
+"""The releases of a data set (privacy/statistics.py, public in tunefree.privacy): partition selection
+(category sets, class labels) and a histogram quantile (text lengths), their noise scales and their
+accounting."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ import pytest
 import torch
 from scipy.stats import norm
 
-from tunefree.privacy.accounting import epsilon_of
-from tunefree.privacy.ledger import Ledger
-from tunefree.privacy.mechanisms import (
+from tunefree.privacy import (
     release_quantile,
     select_partitions,
     selection_threshold,
     threshold_event,
 )
+from tunefree.privacy.accounting import epsilon_of
+from tunefree.privacy.ledger import Ledger
 from tunefree.privacy.randomness import SeededSource
 
 
@@ -45,10 +46,11 @@ def test_partition_selection_adds_noise_of_deviation_sigma_root_k_to_every_count
     histograms = [{"a": math.ceil(tau - shift), "b": math.ceil(tau - shift) - 1},
                   {"x": 5, "y": math.ceil(tau - shift) + 3}]
     selected, threshold, event = select_partitions(histograms, sigma, p, ConstantNoise())
-    assert threshold == tau and selected == [["a"], ["y"]]
+    assert threshold == tau and [list(s) for s in selected] == [["a"], ["y"]]
+    assert selected[1]["y"] == histograms[1]["y"] + shift  # the noisy counts of the released keys
     assert event == threshold_event(sigma, p)
     # with σ = 0 the selection is exact: every key seen, whatever its count
-    assert select_partitions(histograms, 0.0, p, ConstantNoise())[0] == [["a", "b"], ["x", "y"]]
+    assert select_partitions(histograms, 0.0, p, ConstantNoise())[0] == [dict(h) for h in histograms]
 
 
 def test_partition_selection_noise_has_the_stated_scale():

@@ -1,7 +1,7 @@
-"""The ``tunefree`` command line: an application of the library. It uses the public API and, where that
-offers nothing yet, a few internal modules (the option lists, the σ floor, HyFreeDP's rule for its
-report, and the mechanisms of its own preprocessing releases: partition selection, quantiles, the
-standardisation of table columns).
+"""The ``tunefree`` command line: an application of the public API. It imports ``tunefree``,
+``tunefree.extend`` and ``tunefree.privacy`` only (the releases of its preprocessing — partition
+selection, quantiles, Gaussian releases — and the accounting helpers are public there), which
+``tests/test_architecture.py`` checks.
 
 Nothing in the library imports from this package.
 """

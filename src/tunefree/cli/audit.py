@@ -11,9 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..clipping.functions import CLIP_FUNCTIONS
-from ..clipping.groups import GROUPINGS
-from ..privacy.accounting import ACCOUNTANTS
+from .. import CLIP_FUNCTIONS, GROUPINGS
+from ..privacy import ACCOUNTANTS
 
 
 def add_parser(commands: Any, positive_float: Any, positive_int: Any, delta: Any,
@@ -54,15 +53,16 @@ def add_parser(commands: Any, positive_float: Any, positive_int: Any, delta: Any
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..audit import AuditSettings, multi_run_audit, one_run_audit
+    from .. import audit as auditing
 
-    settings = AuditSettings(
+    settings = auditing.AuditSettings(
         canaries=args.canaries, steps=args.steps, sample_rate=args.sample_rate,
         noise_multiplier=args.noise_multiplier, target_epsilon=args.target_epsilon, delta=args.delta,
         clipping=args.clipping, groups=args.groups, thresholds=args.thresholds, lr=args.lr,
         accountant=args.accountant, real_examples=args.real_examples, confidence=args.confidence,
         seed=args.seed)
-    result = one_run_audit(settings) if args.runs is None else multi_run_audit(settings, args.runs)
+    result = (auditing.one_run_audit(settings) if args.runs is None
+              else auditing.multi_run_audit(settings, args.runs))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result.to_dict(), indent=2) + "\n")

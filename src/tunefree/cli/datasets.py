@@ -2,7 +2,8 @@
 
 Every reader returns :class:`Raw` rows: image arrays or a table (a pandas DataFrame with its label
 column), with the data set's own test split when it has one (MNIST, CIFAR-10, a Hugging Face
-``DatasetDict``, or ``--test-data``). Pixel values are scaled by their known range (public knowledge).
+``DatasetDict``, or ``--test-data``). Pixel values are divided by the range of their storage type
+(:func:`pixel_scale`: 255 for uint8), public knowledge, never by anything read from the pixels.
 Nothing here is computed from the private rows: ``preprocess.py`` splits, encodes and scales them, each
 value it learns from the training rows declared public or released privately.
 """
@@ -41,6 +42,7 @@ class Raw:
     test_x: Any = None
     test_y: np.ndarray | None = None
     classes: tuple[str, ...] | None = None
+    pixel_scale: float | None = None  # images: what every pixel was divided by (public: the storage type)
 
     @property
     def has_test_split(self) -> bool:
@@ -63,6 +65,7 @@ class LoadedData:
     releases: tuple = ()  # releases.Release of the preprocessing, in the order they were made
     encoder: Any = None  # tables: the TableEncoder that makes new rows into features
     notes: tuple[str, ...] = ()  # what the output must say about how the data were prepared
+    pixel_scale: float | None = None  # images: what every pixel was divided by (public: the storage type)
 
     @property
     def num_train(self) -> int:
@@ -74,7 +77,25 @@ def read_digits() -> Raw:
     from sklearn.datasets import load_digits
 
     x, y = load_digits(return_X_y=True)
-    return Raw("digits", "image", (x / 16.0).reshape(-1, 1, 8, 8), y, classes=PUBLIC_DIGITS)
+    return Raw("digits", "image", (x / DIGITS_SCALE).reshape(-1, 1, 8, 8), y, classes=PUBLIC_DIGITS,
+               pixel_scale=DIGITS_SCALE)
+
+
+DIGITS_SCALE = 16.0  # the 8×8 digits' pixels count 0–16 (the data set's definition)
+PIXEL_SCALES = {np.dtype(np.uint8): 255.0, np.dtype(np.uint16): 65535.0, np.dtype(np.bool_): 1.0}
+
+
+def pixel_scale(dtype: np.dtype, source: str) -> float:
+    """What every pixel of images stored as ``dtype`` is divided by: the type's range (uint8: 255), 1 for
+    floats (taken to be in [0, 1] already). Public: it reads the storage type, never a pixel. Other
+    integer types have no range to go by and are refused."""
+    dtype = np.dtype(dtype)
+    if dtype in PIXEL_SCALES:
+        return PIXEL_SCALES[dtype]
+    if np.issubdtype(dtype, np.floating):
+        return 1.0
+    raise DataError(f"{source}: pixels stored as {dtype} have no public range to scale them by: store them "
+                    "as uint8 (0–255), uint16, or floats already in [0, 1]")
 
 
 # ---------------------------------------------------------------------------- IDX (MNIST family)
@@ -130,8 +151,9 @@ def read_idx_directory(directory: Path) -> Raw:
     x_train, y_train, x_test, y_test = parts
     if x_train.ndim != 3 or len(x_train) != len(y_train) or len(x_test) != len(y_test):
         raise DataError(f"{directory}: images must be [N, H, W] with one label each")
-    scale = 255.0 if x_train.dtype == np.uint8 else 1.0
-    return Raw(directory.name, "image", x_train[:, None] / scale, y_train, x_test[:, None] / scale, y_test)
+    scale = pixel_scale(x_train.dtype, str(directory))
+    return Raw(directory.name, "image", x_train[:, None] / scale, y_train, x_test[:, None] / scale, y_test,
+               pixel_scale=scale)
 
 
 # ---------------------------------------------------------------------------- CIFAR-10
@@ -228,7 +250,7 @@ def read_cifar10(directory: Path) -> Raw:
     xs, ys = zip(*(_cifar_batch(p) for p in train_files))
     x_test, y_test = _cifar_batch(test_file)
     return Raw(directory.name, "image", np.concatenate(xs) / 255.0, np.concatenate(ys), x_test / 255.0,
-               y_test, classes=PUBLIC_DIGITS)
+               y_test, classes=PUBLIC_DIGITS, pixel_scale=255.0)  # the format's data are uint8
 
 
 # ---------------------------------------------------------------------------- tables
@@ -286,19 +308,49 @@ def read_hf(directory: Path, label_column: str) -> Raw:
         return Raw(directory.name, "table", train_frame.to_pandas(),
                    test_x=None if test_frame is None else test_frame.to_pandas())
 
-    def images(split) -> np.ndarray:
-        arrays = [np.asarray(img, dtype=np.float64) for img in split[image_column]]
-        x = np.stack(arrays)
-        if x.ndim == 3:
-            x = x[:, None]
-        elif x.ndim == 4 and x.shape[-1] in (1, 3, 4):
-            x = x.transpose(0, 3, 1, 2)
-        return x / 255.0 if x.max() > 1.0 else x
+    declared = _declared_pixel_type(train_frame.features[image_column])
 
-    x, y = images(train_frame), np.asarray(train_frame[label_column])
+    def images(split, which: str) -> np.ndarray:
+        arrays = [np.asarray(img, dtype=declared) for img in split[image_column]]
+        return image_array(arrays, f"{directory} ({which})", scale)
+
+    first = np.asarray(train_frame[0][image_column], dtype=declared)
+    scale = pixel_scale(first.dtype, str(directory))  # one type for every image, checked in image_array
+    x, y = images(train_frame, "train"), np.asarray(train_frame[label_column])
     if test_frame is None:
-        return Raw(directory.name, "image", x, y)
-    return Raw(directory.name, "image", x, y, images(test_frame), np.asarray(test_frame[label_column]))
+        return Raw(directory.name, "image", x, y, pixel_scale=scale)
+    return Raw(directory.name, "image", x, y, images(test_frame, test_name),
+               np.asarray(test_frame[label_column]), pixel_scale=scale)
+
+
+def _declared_pixel_type(feature: Any) -> np.dtype | None:
+    """The pixel type a Hugging Face feature declares (nested lists and arrays of a ``Value``); ``None``
+    for an ``Image`` feature, whose decoded images carry their own (uint8 for 8-bit modes)."""
+    while not hasattr(feature, "dtype") and hasattr(feature, "feature"):  # List, Sequence
+        feature = feature.feature
+    try:
+        return np.dtype(getattr(feature, "dtype", None) or "")
+    except TypeError:  # an Image feature's "PIL.Image.Image"
+        return None
+
+
+def image_array(arrays: list[np.ndarray], source: str, scale: float) -> np.ndarray:
+    """Images of one storage type and one shape as an array [N, C, H, W] divided by ``scale``; a
+    channel-last layout ([H, W, C] with C of 1, 3 or 4) is moved first. Images of another type or shape
+    than the others are refused (naming the first), so that no image decides how the others are read."""
+    first = arrays[0]
+    odd = next((i for i, a in enumerate(arrays) if a.dtype != first.dtype or a.shape != first.shape), None)
+    if odd is not None:
+        raise DataError(f"{source}: image {odd} is {arrays[odd].dtype} {arrays[odd].shape}, unlike the first "
+                        f"({first.dtype} {first.shape}): every image must have one pixel type and one size")
+    x = np.stack(arrays).astype(np.float64)
+    if x.ndim == 3:
+        x = x[:, None]
+    elif x.ndim == 4 and x.shape[-1] in (1, 3, 4):
+        x = x.transpose(0, 3, 1, 2)
+    if x.ndim != 4:
+        raise DataError(f"{source}: images must be [H, W] or [H, W, C] arrays, got {first.shape}")
+    return x / scale
 
 
 # ---------------------------------------------------------------------------- dispatch

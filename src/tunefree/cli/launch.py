@@ -6,11 +6,12 @@ finds that environment is a rank: it joins the process group (gloo: the command 
 wraps the model in ``DistributedDataParallel`` and trains its shard of every Poisson batch. The same
 command started by ``torchrun`` directly (several nodes, SLURM) runs the same way.
 
-Privacy: the only release outside the training steps, the private standardisation of numeric columns,
-is made once, on rank 0, and its result broadcast; every rank records its events in its ledger, so the
-ranks' ledgers are one ledger and ε is that of the one-process run. Only rank 0 writes the run
-directory, the JSON result and the output. When a rank fails, torchrun stops the others; a rank still in
-a step's all-reduce fails it before recording or applying anything (``tunefree.distributed``).
+Privacy: the releases outside the training steps (the preprocessing's: class labels, category sets, the
+standardisation of numeric columns) are made once, on rank 0, and their results broadcast; every rank
+records their events in its ledger, so the ranks' ledgers are one ledger and ε is that of the one-process
+run. Only rank 0 writes the run directory, the JSON result and the output. When a rank fails, torchrun stops
+the others; a rank still in a step's all-reduce fails it before recording or applying anything
+(``tunefree.distributed``).
 """
 
 from __future__ import annotations

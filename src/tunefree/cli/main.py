@@ -12,10 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..clipping.functions import CLIP_FUNCTIONS
-from ..clipping.groups import GROUPINGS
-from ..privacy.accounting import ACCOUNTANTS
-from ..privacy.mechanisms import NOISE_ALLOCATIONS
+from .. import CLIP_FUNCTIONS, GROUPINGS
+from ..privacy import ACCOUNTANTS, NOISE_ALLOCATIONS
 from . import audit, predict, text
 from .models import MODELS
 
@@ -192,6 +190,10 @@ def parser() -> argparse.ArgumentParser:
                        help="run directory for the model (model.pt, model.json), metrics.jsonl, report.json "
                             "and plots (default: none — the model is not saved, the output says so)")
     train.add_argument("--quiet", action="store_true", help="no progress bars")
+    train.add_argument("--reference", action="store_true",
+                       help="also train the same run without noise (same data, model and steps) and report "
+                            "its test accuracy beside this run's: what the noise costs (outside the "
+                            "guarantee: computed from the training rows without noise; twice the time)")
     train.add_argument("--audit-canaries", type=_positive_int, default=None, metavar="M",
                        help="audit this run: M gradient canaries ride along in the releases (no private "
                             "example touches them, so they cost no ε) and the result reports an empirical "
@@ -234,10 +236,12 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _train_in_this_process(args: argparse.Namespace) -> int:
     from .launch import is_main_process
-    from .report import where_results_went, write_json
+    from .report import accuracy_line, where_results_went, write_json
     from .training import TrainConfig, train
 
     if args.model not in MODELS:
+        if args.reference:
+            raise ValueError("--reference is offered for table and image models only: drop it")
         return text.command(args)
     text.check_no_text_flags(args)
     epochs = TrainConfig.epochs if args.epochs is None and args.steps is None else args.epochs
@@ -256,15 +260,15 @@ def _train_in_this_process(args: argparse.Namespace) -> int:
         loss_privacy=args.loss_privacy, optimizer=args.optimizer or TrainConfig.optimizer,
         lr=TrainConfig.lr if args.lr is None else args.lr,
         accountant=args.accountant, seed=args.seed,
-        audit_canaries=args.audit_canaries,
+        audit_canaries=args.audit_canaries, reference=args.reference,
         out=str(args.out) if args.out else None, quiet=args.quiet)
     result = train(config)
     if not is_main_process():
         return 0
     if args.json:
         write_json(args.json, result)
-    print(f"test accuracy {result['test_accuracy']:.4f} on {result['dataset']['test_examples']} held-out "
-          "rows (outside the guarantee: computed from those rows without noise)")
+    print(accuracy_line(result["test_accuracy"], result["test_majority_class"],
+                        result["reference_test_accuracy"]))
     print(f"guarantee: {result['guarantee']}; randomness: {result['randomness']}")
     print(result["delta_choice"])
     print(f"learning rate: {result['learning_rate']}")
@@ -276,14 +280,12 @@ def _train_in_this_process(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     if result["note"]:
         print(f"note: {result['note']}")
-    print(where_results_went(args.out, args.json))
+    print(where_results_went(args.out, args.json, kind=result["dataset"]["kind"]))
     return 0
 
 
 def _epsilon(args: argparse.Namespace) -> int:
-    from .. import epsilon, noise_multiplier
-    from ..data.poisson import planned_steps
-    from ..privacy.calibrate import MIN_NOISE_MULTIPLIER
+    from ..privacy import MIN_NOISE_MULTIPLIER, epsilon, noise_multiplier, planned_steps
     from .training import loose_target_note
 
     if not 0 < args.sample_rate <= 1:

@@ -26,8 +26,8 @@ from torch.utils.data import TensorDataset
 
 from . import datasets, scaling, tables
 from .datasets import LoadedData, Raw
-from .releases import OTHER, SELECTION_SHARE, Budget, Release, delta_choice, select_sets
-from .split import array_rows, held_out, split_key, table_rows
+from .releases import OTHER, Budget, Release, delta_choice, select_categories, select_sets
+from .split import array_rows, cell_text, held_out, split_key, table_rows
 from .tables import DataError, Schema, TableEncoder
 
 NUMERIC_SCALINGS = ("private", "none")
@@ -85,31 +85,53 @@ def _check_sizes(name: str, train: int, test: int) -> None:
                         "a non-empty test split, or more data")
 
 
-def _classes(label_sets: dict[str, list[str]], label_key: str | None, declared: tuple[str, ...] | None,
-             name: str, threshold: float | None) -> tuple[tuple[str, ...], bool]:
-    """The classes and whether an ``(other)`` class follows them; refused when fewer than two."""
+def _check_two_classes(labels, declared: tuple[str, ...] | None, name: str) -> None:
+    """Refuse training rows that hold fewer than two classes (declared or not), before any release: no
+    classifier learns from one class, and with the classes declared such a run would report the accuracy
+    of predicting that class. The message, like every refusal, is for the data's owner; nothing is
+    trained or written."""
+    if declared is not None and len(declared) < 2:
+        raise DataError(f"{name}: --labels declares a single class {list(declared)}; classification needs "
+                        "at least two")
+    present = sorted({cell_text(v) for v in labels})
+    if len(present) < 2:
+        among = f" of the declared {list(declared)[:10]}" if declared is not None else ""
+        raise DataError(f"{name}: every training row has the label {present[0]!r}{among}: a classifier "
+                        "needs training rows of at least two classes — add rows of the other classes")
+
+
+def _classes(selected: list[str] | None, declared: tuple[str, ...] | None, name: str,
+             release: Release | None) -> tuple[tuple[str, ...], bool]:
+    """The classes and whether an ``(other)`` class follows them (the selected ones); refused when the
+    selection kept fewer than two (the training rows hold two or more: checked before)."""
     if declared is not None:
-        classes, other = tuple(declared), False
-    else:
-        classes, other = tuple(label_sets[label_key]), True
+        return tuple(declared), False
+    classes = tuple(selected)
     if len(classes) < 2:
-        if declared is not None:
-            raise DataError(f"{name}: the labels take a single value; classification needs at least two")
         raise DataError(
             f"{name}: only {len(classes)} class label(s) {list(classes)} had enough training rows to be "
-            f"selected privately (a label needs about {threshold:.0f} rows at this ε): declare the classes "
-            "with --labels (public, free), or train with more rows or a larger ε")
-    return classes, other
+            f"selected privately (a label needs a noisy count of {release.released['threshold']:.0f} "
+            "rows at this ε): declare the classes with --labels (public, free), or train with more rows "
+            "or a larger ε")
+    return classes, True
 
 
-def _class_note(classes: tuple[str, ...], other: bool, source: str, threshold: float | None) -> str:
+def _share_text(release: Release) -> str:
+    return f"{release.share:.0%} of the budget's μ², in the ledger" if release.noise_multiplier > 0 \
+        else "exact: no privacy"
+
+
+def _class_note(classes: tuple[str, ...], other: bool, source: str, release: Release | None) -> str:
+    listed = f"{list(classes)[:10]}{' …' if len(classes) > 10 else ''}"
     if not other:
-        return f"the classes {list(classes)[:10]}{' …' if len(classes) > 10 else ''} are {source}"
-    return (f"the classes {list(classes)[:10]}{' …' if len(classes) > 10 else ''} were selected privately "
-            f"from the training rows' labels (those at least about {threshold:.0f} rows share; "
-            f"{SELECTION_SHARE:.0%} of ε and δ, in the ledger); a row whose label is not among them is "
-            f"trained and tested as the class {OTHER!r} (the model's last output). Declare the classes "
-            "with --labels to spend nothing on this")
+        return f"the classes {listed} are {source}"
+    released = release.released
+    column = released["columns"][0]
+    return (f"the classes {listed} were selected privately from the training rows' labels (a noisy count "
+            f"of at least {released['threshold']:.0f} rows; {_share_text(release)}); the other labels, "
+            f"about {released['other_rows'][column]} training rows by the noisy counts, are merged into the "
+            f"class {OTHER!r} (the model's last output). Declare the classes with --labels to spend nothing "
+            "on this")
 
 
 def _tensors(x: np.ndarray, y: np.ndarray) -> TensorDataset:
@@ -131,20 +153,22 @@ def _prepare_images(raw: Raw, options: DataOptions, epsilon: float, delta: float
         x_train, y_train, x_test, y_test = raw.x[~test], raw.y[~test], raw.x[test], raw.y[test]
     _check_sizes(raw.name, len(y_train), len(y_test))
     declared = options.labels if options.labels is not None else raw.classes
-    releases, threshold, sets = [], None, {}
+    _check_two_classes(y_train, declared, raw.name)
+    releases, selected, release = [], None, None
     if declared is None:
         budget = Budget(epsilon, delta_choice(delta, len(y_train))[0], accountant)
         sets, release = select_sets({"label": y_train}, budget, seed)
         releases.append(release)
-        threshold = release.released["threshold"]
-    classes, other = _classes(sets, "label", declared, raw.name, threshold)
+        selected = sets["label"]
+    classes, other = _classes(selected, declared, raw.name, release)
     source = "given by --labels" if options.labels is not None else "the data set's own (public)"
     y_train = tables.class_indices(y_train, classes, other, raw.name)
     y_test = tables.class_indices(y_test, classes, other, raw.name)
     names = (*classes, *((OTHER,) if other else ()))
     return LoadedData(raw.name, "image", _tensors(x_train, y_train), _tensors(x_test, y_test), len(names),
                       tuple(x_train.shape[1:]), classes=names, releases=tuple(releases),
-                      notes=(_class_note(classes, other, source, threshold),) if other else ())
+                      notes=(_class_note(classes, other, source, release),) if other else (),
+                      pixel_scale=raw.pixel_scale)
 
 
 # ---------------------------------------------------------------------------- tables
@@ -165,12 +189,13 @@ def _clean_frame(frame, name: str, options: DataOptions, schema: Schema):
     if label not in frame.columns:
         raise DataError(f"{name}: label column {label!r} not found; columns are "
                         f"{list(frame.columns)[:20]} — pass --label-column")
-    frame = tables.clean(frame, options.na_values, schema)
-    if options.drop_missing:
+    frame = tables.mark_missing(frame, options.na_values, schema)
+    if options.drop_missing:  # before the kinds are read: a dropped row has no say in them
         frame = frame[~tables.missing_rows(frame)].reset_index(drop=True)
         if len(frame) == 0:
             raise DataError(f"{name}: every row has a missing value (--drop-rows-with-missing dropped them "
                             "all)")
+    frame = tables.read_numbers(frame, schema)
     features = frame.drop(columns=[label])
     if features.shape[1] == 0:
         raise DataError(f"{name}: no feature columns besides the label")
@@ -197,11 +222,10 @@ def _prepare_table(raw: Raw, options: DataOptions, epsilon: float, delta: float 
         columns = tables.plan_columns(train_frame.drop(columns=[label]), schema)
     except DataError as error:
         raise DataError(f"{raw.name}: {error}") from error
+    _check_two_classes(train_frame[label], options.labels, raw.name)
     budget = Budget(epsilon, delta_choice(delta, len(train_frame))[0], accountant)
     to_select = {c.name: train_frame[c.name] for c in columns
                  if c.kind == "categorical" and c.categories is None}
-    if options.labels is None:
-        to_select = {label: train_frame[label], **to_select}
     unscaled = [c.name for c in columns if c.kind == "numeric" and c.bounds is None]
     standardise = bool(unscaled) and options.numeric_scaling == "private"
     scaling_noise = scaling.noise_for_share(budget) if standardise else 0.0
@@ -209,20 +233,24 @@ def _prepare_table(raw: Raw, options: DataOptions, epsilon: float, delta: float 
         scaling.check_enough_rows(len(train_frame), len(unscaled), scaling_noise, epsilon)
 
     releases: list[Release] = []
-    sets: dict[str, list[str]] = {}
-    threshold = None
+    label_release, selected = None, None
+    if options.labels is None:
+        label_sets, label_release = select_sets({label: train_frame[label]}, budget, seed)
+        releases.append(label_release)
+        selected = label_sets[label]
+    category_release = None
     if to_select:
-        sets, release = select_sets(to_select, budget, seed)
-        releases.append(release)
-        threshold = release.released["threshold"]
-    columns = [replace(c, categories=tuple(sets[c.name])) if c.name in to_select else c for c in columns]
+        sets, category_release = select_categories(to_select, budget, seed)
+        releases.append(category_release)
+        columns = [replace(c, categories=tuple(sets[c.name])) if c.name in to_select else c for c in columns]
     empty = [c.name for c in columns if c.kind == "categorical" and not c.categories]
     if empty:
         raise DataError(
             f"{raw.name}: no value of column(s) {empty} is shared by enough training rows to be a category "
-            f"(about {threshold:.0f} rows at this ε): a column with a distinct value per row is an "
-            "identifier or free text, not a category — drop it, or declare its categories in --schema")
-    classes, other = _classes(sets, label, options.labels, raw.name, threshold)
+            f"(a noisy count of {category_release.released['threshold']:.0f} rows at this ε): a column with "
+            "a distinct value per row is an identifier or free text, not a category — drop it, or declare "
+            "its categories in --schema")
+    classes, other = _classes(selected, options.labels, raw.name, label_release)
     encoder = TableEncoder(tuple(columns), label, classes, other)
     x_train = torch.as_tensor(encoder.features(train_frame, raw.name), dtype=torch.float64)
     x_test = torch.as_tensor(encoder.features(test_frame, raw.name), dtype=torch.float64)
@@ -234,31 +262,34 @@ def _prepare_table(raw: Raw, options: DataOptions, epsilon: float, delta: float 
         x_train, x_test = released.apply(x_train), released.apply(x_test)
         encoder.standardisation = released.to_dict()
         releases.append(scaling.release_record(released, encoder.feature_names))
-    notes = _table_notes(encoder, options, threshold, unscaled, releases)
+    notes = _table_notes(encoder, unscaled, label_release, category_release, releases)
     return LoadedData(raw.name, "table", _tensors(x_train.numpy(), y_train), _tensors(x_test.numpy(), y_test),
                       len(encoder.class_names), (x_train.shape[1],), classes=tuple(encoder.class_names),
                       feature_names=tuple(encoder.feature_names), releases=tuple(releases), encoder=encoder,
                       notes=tuple(notes))
 
 
-def _table_notes(encoder: TableEncoder, options: DataOptions, threshold: float | None, unscaled: list[str],
-                 releases: list[Release]) -> list[str]:
+def _table_notes(encoder: TableEncoder, unscaled: list[str], label_release: Release | None,
+                 category_release: Release | None, releases: list[Release]) -> list[str]:
     """What the output says about how the table's features and classes were made."""
     notes = []
-    selected = [c.name for c in encoder.columns if c.other]
-    if selected:
-        notes.append(f"the category sets of columns {selected} were selected privately from the training "
-                     f"rows (values at least about {threshold:.0f} rows share; {SELECTION_SHARE:.0%} of ε "
-                     f"and δ, in the ledger); other values are the category {OTHER!r}. Declare the sets in "
-                     "--schema to spend nothing on this")
+    if category_release is not None:
+        released = category_release.released
+        merged = {column: rows for column, rows in released["other_rows"].items() if rows}
+        notes.append(f"the category sets of columns {released['columns']} were selected privately from "
+                     f"the training rows (values with a noisy count of at least {released['threshold']:.0f} "
+                     "rows; "
+                     f"{_share_text(category_release)}); the other values are the category {OTHER!r}"
+                     + (f", about {merged} training rows by the noisy counts" if merged else "")
+                     + ". Declare the sets in --schema to spend nothing on this")
     if encoder.other_class:
-        notes.append(_class_note(encoder.classes, True, "", threshold))
+        notes.append(_class_note(encoder.classes, True, "", label_release))
     standardisation = next((r for r in releases if r.name == "standardisation"), None)
     if standardisation is not None:
-        notes.append(f"numeric columns {unscaled} were standardised by a private estimate that spent "
-                     f"{scaling.SHARE:.0%} of ε and of δ (2 Gaussian releases, σ = "
-                     f"{standardisation.noise_multiplier:.3g}), recorded in the ledger; declare their ranges "
-                     "in --schema to spend nothing on it")
+        notes.append(f"numeric columns {unscaled} were standardised by a private estimate ("
+                     f"{_share_text(standardisation)}: 2 Gaussian releases, σ = "
+                     f"{standardisation.noise_multiplier:.3g}); declare their ranges in --schema to spend "
+                     "nothing on it")
     elif unscaled:
         notes.append(f"numeric columns {unscaled} reach the model unscaled (--numeric-scaling none)")
     return notes

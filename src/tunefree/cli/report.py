@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +21,36 @@ import torch
 
 # Values computed from the held-out test rows (or the run's timing) without noise, and why they are shown.
 OUTSIDE_THE_GUARANTEE = {
-    "keys": ["test_accuracy", "test_loss", "test_perplexity", "dataset.test_examples", "train_seconds"],
-    "why": "computed from the held-out test rows (or the run's timing) without noise: the guarantee covers "
-           "the training rows, not the test rows. They are for you, the data's owner: do not publish them",
+    "keys": ["test_accuracy", "test_loss", "test_perplexity", "dataset.test_examples", "test_majority_class",
+             "reference_test_accuracy", "train_seconds"],
+    "why": "computed from the held-out test rows (or the run's timing) without noise — and the reference "
+           "run's accuracy from the training rows without noise: the guarantee covers the training rows, "
+           "not the test rows, and not a run without noise. They are for you, the data's owner: do not "
+           "publish them",
 }
 TEST_LABEL = "held-out rows, outside the guarantee"
+
+
+def majority_class_rate(labels: Sequence[int] | torch.Tensor, classes: Sequence[str]) -> dict[str, Any]:
+    """The most frequent class among the held-out rows' labels (class indices into ``classes``) and its
+    share of them: the test accuracy of a model that always predicts it, so that a run "at the majority
+    rate" shows as one. Computed from the test rows without noise: outside the guarantee, like the test
+    accuracy (``report.json``'s ``test_majority_class``)."""
+    counts = Counter(int(label) for label in labels)
+    if not counts:
+        raise ValueError("no held-out rows: the majority rate needs at least one")
+    index, count = max(counts.items(), key=lambda item: (item[1], -item[0]))
+    return {"class": classes[index], "rate": count / sum(counts.values()), "rows": sum(counts.values())}
+
+
+def accuracy_line(test_accuracy: float, majority: dict[str, Any], reference: float | None = None) -> str:
+    """The output's line about the test accuracy, beside the majority rate (and the non-private reference
+    run's accuracy when one was run), all labelled outside the guarantee."""
+    line = (f"test accuracy {test_accuracy:.4f} on {majority['rows']} held-out rows; always predicting the "
+            f"majority class {majority['class']!r} scores {majority['rate']:.4f}")
+    if reference is not None:
+        line += f"; the same run without noise (--reference) {reference:.4f}"
+    return line + " (outside the guarantee: computed from held-out rows without noise)"
 
 
 def jsonable(value: Any) -> Any:
@@ -42,15 +69,20 @@ def write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(jsonable(value), indent=2) + "\n")
 
 
-def where_results_went(out: Path | None, json_path: Path | None, text_model: bool = False) -> str:
+PREDICT_DATA = {"table": "TABLE (rows with the training columns)",
+                "image": "IMAGES ('digits', a .npy array or a folder of image files)"}
+
+
+def where_results_went(out: Path | None, json_path: Path | None, text_model: bool = False,
+                       kind: str = "table") -> str:
     """The last line of a run: where its model and results are, or that they were kept nowhere.
-    ``text_model``: a text run, whose model is the directory ``model/`` (``tunefree predict`` is for tables
-    and images)."""
+    ``text_model``: a text run, whose model is the directory ``model/``; ``kind``: the data of a table or
+    image run, which says what ``tunefree predict`` takes."""
     if out and text_model:
         return f"run directory: {out} (model/, report.json, metrics.jsonl, plots)"
     if out:
-        return (f"run directory: {out} (model.pt and model.json — `tunefree predict --run {out}` applies "
-                "them to new rows —, report.json, metrics.jsonl, plots)")
+        return (f"run directory: {out} (model.pt and model.json — `tunefree predict --run {out} --data "
+                f"{PREDICT_DATA[kind]}` applies them —, report.json, metrics.jsonl, plots)")
     kept = f"the result is in {json_path}; " if json_path else ""
     return (f"no --out: {kept}the model was not saved and no metrics or plots were written — pass --out DIR "
             "to keep them")
@@ -66,6 +98,11 @@ class RunDirectory:
         self.records: list[dict[str, Any]] = []
         self.log({"kind": "run", "outside_the_guarantee": OUTSIDE_THE_GUARANTEE["keys"],
                   "why": OUTSIDE_THE_GUARANTEE["why"]})
+
+    def baseline(self, name: str, accuracy: float) -> None:
+        """A test accuracy to compare the run's with (the majority rate, a reference run): a flat line in
+        ``test_accuracy.png`` and a ``baseline`` record in ``metrics.jsonl``."""
+        self.log({"kind": "baseline", "name": name, "test_accuracy": accuracy})
 
     def log(self, record: dict[str, Any]) -> None:
         self.records.append(record)
@@ -130,10 +167,14 @@ def test_accuracy_figure(records: list[dict[str, Any]]):
     guarantee)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5, 4))
-    ax.plot(*_series(records, "epoch", "test_accuracy"), "o-", ms=3)
+    ax.plot(*_series(records, "epoch", "test_accuracy"), "o-", ms=3, label="this run")
+    for record, style in zip((r for r in records if r["kind"] == "baseline"), ("--", ":", "-.")):
+        ax.axhline(record["test_accuracy"], ls=style, lw=1, color="grey",
+                   label=f"{record['name']}: {record['test_accuracy']:.3f}")
     ax.set_xlabel("step")
     ax.set_ylabel("test accuracy")
     ax.set_title(f"test accuracy ({TEST_LABEL})", fontsize=9)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
 

@@ -13,11 +13,12 @@ estimated with the Gaussian mechanism, in two releases over the d columns to sta
    a noisy number near zero (which blew such columns up to hundreds: RESULTS §5e).
 
 Each release is a Gaussian mechanism of noise multiplier σ: two ``GaussianDpEvent(σ)`` go into the ledger
-before the first training step. σ is that of two releases spending ``SHARE`` of ε at ``SHARE`` of δ alone,
-and the training noise is calibrated on the exact composition of every preprocessing release with the
-planned steps (``releases.py``): the whole run is (ε, δ)-DP, and the ledger reports what it spent. The
-number of training rows N is public, as it is for the sampling rate. σ = 0 (``--epsilon inf``) is the
-exact scaling.
+before the first training step. The two take ``SHARE`` of the budget's μ² (``releases.py``), the smallest
+share with which one numeric column is standardised from 100 training rows at ε = 3 and the default δ
+(:func:`minimum_rows`), and the training noise is calibrated on the exact composition of every
+preprocessing release with the planned steps: the whole run is (ε, δ)-DP, and the ledger reports what it
+spent. The number of training rows N is public, as it is for the sampling rate. σ = 0 (``--epsilon
+inf``) is the exact scaling.
 """
 
 from __future__ import annotations
@@ -28,13 +29,12 @@ from dataclasses import dataclass
 import dp_accounting as dpa
 import torch
 
-from ..privacy.mechanisms import release_gaussian
-from ..privacy.randomness import NoiseSource, side_randomness
+from ..privacy import NoiseSource, release_gaussian, side_randomness
 from .releases import Budget, Release
 
 STANDARDISATION_STREAM = 0x5CA1E
 
-SHARE = 0.05  # the fraction of ε and of δ spent on the standardisation
+SHARE = 0.04  # the share of the budget's μ² of the two releases (releases.py)
 LOG2_RANGE = (-20, 40)  # magnitude bins: |x| ≤ 2^-20, (2^-20, 2^-19], …, (2^39, 2^40] and beyond
 CLEAR_OF_NOISE = 4.0  # a bin "holds data" when its noisy count exceeds this many noise deviations
 MIN_STD = 1e-3  # the smallest standard deviation (of x/B) divided by: a constant column stays bounded
@@ -42,7 +42,7 @@ RELEASES = 2
 
 
 def noise_for_share(budget: Budget) -> float:
-    """σ of each of the two releases, so that together they spend ``SHARE``·ε at ``SHARE``·δ (0 in a
+    """σ of each of the two releases, so that together they take ``SHARE`` of the budget's μ² (0 in a
     non-private run)."""
     return budget.noise(SHARE, RELEASES)
 

@@ -6,14 +6,18 @@
   value, ``--drop-rows-with-missing`` drops such rows, and a column meant as categories is declared in
   the schema.
 * **Categorical columns are one-hot encoded.** Their category sets come from a public schema
-  (``--schema``); bool columns have the public set {False, True}; any other set is selected privately
-  from the training rows (``releases.select_sets``), and values not selected share one ``(other)``
-  indicator. A column no value of which is selected (an identifier, free text) is refused.
+  (``--schema``); any other set (bool columns' too) is selected privately from the training rows
+  (``releases.select_categories``), and values not selected share one ``(other)`` indicator. A column
+  no value of which is selected (an identifier, free text) is refused.
 * **Numeric columns** declared with a public range are mapped from it onto [-1, 1]; the others are left
   for the private standardisation (``scaling.py``) or, if the user asks, fed as they are.
 * A missing value is refused, naming the column and the row, unless such rows are dropped.
 
-The encoding is a :class:`TableEncoder`: saved with the model (``preprocessing.json``), it encodes new
+No encoding decision branches on the private rows except through a release: a column's kind is read
+from its cells, but changing one row either keeps it or makes the column a refused mix (a refusal ends
+the run before anything is trained, and its message is for the data's owner).
+
+The encoding is a :class:`TableEncoder`: saved with the model (``model.json``), it encodes new
 rows the same way (``tunefree predict``).
 
 A schema is a JSON file: ``{"categorical": {"colour": ["red", "green"]}, "numeric": {"age": [0, 120]}}``.
@@ -106,26 +110,42 @@ def _is_number(value: Any) -> bool:
         return False
 
 
-def clean(frame, na_values: Sequence[str] = (), schema: Schema | None = None):
-    """``frame`` with the cells that are one of ``na_values`` (exactly, after stripping spaces) made
-    missing, and each text column whose other cells are all numbers read as numbers (unless the schema
-    declares it categorical)."""
+def mark_missing(frame, na_values: Sequence[str] = (), schema: Schema | None = None):
+    """``frame`` with the cells of its text columns that are one of ``na_values`` (exactly, after
+    stripping spaces) made missing (a column the schema declares categorical is left as it is)."""
+    frame = frame.copy()
+    marks = {str(v).strip() for v in na_values}
+    declared = set(schema.categorical) if schema else set()
+    if not marks:
+        return frame
+    for column in frame.columns:
+        if _kind(frame[column]) == "categorical" and column not in declared:
+            frame[column] = frame[column].map(lambda v: np.nan if isinstance(v, str) and v.strip() in marks
+                                              else v)
+    return frame
+
+
+def read_numbers(frame, schema: Schema | None = None):
+    """``frame`` with each text column whose present cells are all numbers read as numbers (unless the
+    schema declares it categorical). A column's kind is a function of its cells: one row changed either
+    leaves it or makes the column mixed, which :func:`check_kinds` refuses."""
     import pandas as pd
 
     frame = frame.copy()
-    marks = {str(v).strip() for v in na_values}
     declared = set(schema.categorical) if schema else set()
     for column in frame.columns:
         values = frame[column]
         if _kind(values) != "categorical" or column in declared:
             continue
-        if marks:
-            values = values.map(lambda v: np.nan if isinstance(v, str) and v.strip() in marks else v)
         present = values[~pd.isna(values)]
         if len(present) and all(_is_number(v) for v in present):
-            values = pd.to_numeric(values)
-        frame[column] = values
+            frame[column] = pd.to_numeric(values)
     return frame
+
+
+def clean(frame, na_values: Sequence[str] = (), schema: Schema | None = None):
+    """:func:`mark_missing`, then :func:`read_numbers`."""
+    return read_numbers(mark_missing(frame, na_values, schema), schema)
 
 
 def check_kinds(frame, name: str, schema: Schema) -> None:
@@ -169,15 +189,18 @@ def missing_rows(frame) -> np.ndarray:
     return missing
 
 
-def check_no_missing(features, name: str) -> None:
-    """Refuse a missing (or infinite) feature value, naming the column and the data row (from 1)."""
+TRAINING_REMEDY = "fill in or drop such rows, or pass --drop-rows-with-missing"
+
+
+def check_no_missing(features, name: str, remedy: str = TRAINING_REMEDY) -> None:
+    """Refuse a missing (or infinite) feature value, naming the column and the data row (from 1);
+    ``remedy``: what to do, in the words of the command that reads the rows."""
     for column in features.columns:
         missing = missing_rows(features[[column]])
         if missing.any():
             row = int(np.flatnonzero(missing)[0]) + 1
             raise DataError(f"{name}: column {column!r} is missing or infinite in data row {row} (counting "
-                            "from 1 after the header): fill in or drop such rows, or pass "
-                            "--drop-rows-with-missing")
+                            f"from 1 after the header): {remedy}")
 
 
 @dataclass(frozen=True)
@@ -199,8 +222,9 @@ class Column:
             return [self.name]
         return [f"{self.name}={c}" for c in (*self.categories, *((OTHER,) if self.other else ()))]
 
-    def encode(self, values, source: str) -> np.ndarray:
-        """The column's features for ``values``, shape [n, width]."""
+    def encode(self, values, source: str, training: bool = True) -> np.ndarray:
+        """The column's features for ``values``, shape [n, width]; ``training``: the rows are a run's
+        (else new rows of ``tunefree predict``, whose messages cannot send the user to the schema)."""
         if self.kind == "numeric":
             x = np.asarray(values, dtype=np.float64)
             if self.bounds is None:
@@ -208,8 +232,10 @@ class Column:
             low, high = self.bounds
             outside = (x < low) | (x > high)
             if outside.any():
+                fix = ("widen the range in the schema" if training else "the model maps the column from "
+                       "that range, so such rows cannot be encoded: drop them")
                 raise DataError(f"{source}: column {self.name!r} holds {float(x[outside][0]):g}, outside its "
-                                f"declared range [{low:g}, {high:g}]: widen the range in the schema")
+                                f"declared range [{low:g}, {high:g}]: {fix}")
             return ((x - (low + high) / 2) / ((high - low) / 2))[:, None]
         index = {c: i for i, c in enumerate(self.categories)}
         keys = [cell_text(v) for v in values]
@@ -217,8 +243,10 @@ class Column:
         if not self.other:
             unknown = [k for k in keys if k not in index]
             if unknown:
+                fix = ("add it to the schema" if training else "the model knows only those (declared at "
+                       "training), so such rows cannot be encoded: drop them")
                 raise DataError(f"{source}: column {self.name!r} holds {unknown[0]!r}, which is not among "
-                                f"its declared categories {list(self.categories)[:10]}: add it to the schema")
+                                f"its declared categories {list(self.categories)[:10]}: {fix}")
         encoded = np.zeros((len(keys), other + int(self.other)))
         encoded[np.arange(len(keys)), [index.get(k, other) for k in keys]] = 1.0
         return encoded
@@ -265,13 +293,14 @@ class TableEncoder:
             position += len(column.feature_names)
         return math.sqrt(len(self.columns) / position) if position else None
 
-    def features(self, frame, source: str) -> np.ndarray:
-        """The encoded features of ``frame``'s rows (before any standardisation)."""
+    def features(self, frame, source: str, training: bool = True) -> np.ndarray:
+        """The encoded features of ``frame``'s rows (before any standardisation); ``training`` as for
+        :meth:`Column.encode`."""
         absent = [c.name for c in self.columns if c.name not in frame.columns]
         if absent:
             raise DataError(f"{source}: columns {absent} are missing (the model was trained on "
                             f"{[c.name for c in self.columns]})")
-        return np.concatenate([c.encode(frame[c.name], source) for c in self.columns], axis=1)
+        return np.concatenate([c.encode(frame[c.name], source, training) for c in self.columns], axis=1)
 
     def class_indices(self, labels, source: str) -> np.ndarray:
         return class_indices(labels, self.classes, self.other_class, source)
@@ -305,8 +334,10 @@ def class_indices(labels, classes: Sequence[str], other: bool, source: str) -> n
 
 
 def plan_columns(frame, schema: Schema) -> list[Column]:
-    """Each feature column's encoding as far as public knowledge goes: schema sets and ranges, bool's
-    {False, True}; a categorical column with ``categories=None`` waits for the private selection."""
+    """Each feature column's encoding as far as public knowledge goes: schema sets and ranges; a categorical
+    column (text or bool) with ``categories=None`` waits for the private selection. A bool column is not
+    given the set {False, True}: one row's ``maybe`` would turn it into a text column, and so decide
+    without a release whether its set is released."""
     absent = sorted((set(schema.categorical) | set(schema.numeric)) - set(frame.columns))
     if absent:
         raise DataError(f"the schema names columns {absent} that the table does not have")
@@ -317,9 +348,7 @@ def plan_columns(frame, schema: Schema) -> list[Column]:
         kind = _kind(frame[name])
         if name in schema.categorical:
             columns.append(Column(name, "categorical", tuple(cell_text(c) for c in schema.categorical[name])))
-        elif kind == "bool":
-            columns.append(Column(name, "categorical", ("False", "True")))
-        elif kind == "categorical":
+        elif kind in ("bool", "categorical"):  # one rule for both: a cell decides no column's encoding
             columns.append(Column(name, "categorical", None, other=True))
         else:
             columns.append(Column(name, "numeric", bounds=schema.numeric.get(name)))

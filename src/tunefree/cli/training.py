@@ -20,7 +20,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TextIO
 
 import torch
@@ -28,13 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..api import make_private
-from ..audit import audit_training
-from ..components.dog import DistanceOverGradients
-from ..components.hyfreedp import AutoLearningRate
-from ..config import PSAC, AdaptiveQuantile, AutoLR, AutoS, RunConfig
-from ..privacy.calibrate import MIN_NOISE_MULTIPLIER
-from ..run import DPEngine
+from .. import CLIP_FUNCTIONS, GROUPINGS, PSAC, AdaptiveQuantile, AutoLR, AutoS, DPEngine, make_private
+from .. import audit as auditing
+from ..privacy import MIN_NOISE_MULTIPLIER, NOISE_ALLOCATIONS
 from . import datasets, launch, models, preprocess, tables
 from .releases import (  # noqa: F401  (default_delta: experiments import the run's δ from here)
     default_delta,
@@ -42,7 +38,7 @@ from .releases import (  # noqa: F401  (default_delta: experiments import the ru
     preprocessing_epsilon,
     prior_releases,
 )
-from .report import OUTSIDE_THE_GUARANTEE, RunDirectory
+from .report import OUTSIDE_THE_GUARANTEE, RunDirectory, majority_class_rate
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr),
@@ -54,16 +50,13 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adagrad": lambda params, lr: torch.optim.Adagrad(params, lr=lr),
 }
 NUMERIC_SCALINGS = preprocess.NUMERIC_SCALINGS
-# The papers' knobs, by their command-line flags: each is a field of make_private's typed option for one
-# shortcut (option → shortcut → the typed option and its knobs' fields); one given where that shortcut is
-# not chosen is refused.
-KNOBS = {"clip_gamma": "--clip-gamma", "psac_r": "--psac-r", "target_quantile": "--target-quantile",
-         "quantile_lr": "--quantile-lr", "quantile_budget": "--quantile-budget"}
-TYPED_KNOBS = {
-    "clipping": {"auto-s": (AutoS, {"clip_gamma": "gamma"}), "psac": (PSAC, {"psac_r": "r"})},
-    "thresholds": {"adaptive": (AdaptiveQuantile, {"target_quantile": "target", "quantile_lr": "lr",
-                                                   "quantile_budget": "budget"})},
-}
+# The papers' knobs, each a field of a typed option of make_private (flag, option, its field); the
+# command line refuses one given where it has no effect.
+KNOBS = {"clip_gamma": ("--clip-gamma", "--clipping auto-s", "gamma"),
+         "psac_r": ("--psac-r", "--clipping psac", "r"),
+         "target_quantile": ("--target-quantile", "--thresholds adaptive", "target"),
+         "quantile_lr": ("--quantile-lr", "--thresholds adaptive", "lr"),
+         "quantile_budget": ("--quantile-budget", "--thresholds adaptive", "budget")}
 # HyFreeDP's knobs (--lr hyfreedp): fields of its AutoLR.
 HYFREEDP_KNOBS = {"lr_update_interval": "--lr-update-interval", "loss_privacy": "--loss-privacy"}
 
@@ -78,9 +71,8 @@ class TrainConfig:
     ``numeric_scaling`` is ``"private"`` (numeric columns with no public range are standardised by an
     accounted private estimate) or ``"none"`` (fed as they are); ``na_values``, ``drop_missing`` and
     ``test_data`` are the data flags of ``preprocess.DataOptions``. ``hidden`` sizes the default MLP's
-    hidden layers (``None``: one of 128). The papers'
-    knobs (``KNOBS``) are fields of ``make_private``'s typed options (``typed_options``);
-    ``noise_allocation`` is its keyword of the same name.
+    hidden layers (``None``: one of 128). The papers' knobs (``KNOBS``) are fields of ``make_private``'s
+    typed options (:meth:`options`), ``noise_allocation`` its keyword.
     ``lr`` is ``"auto"`` (the optimizer's step size from the released gradients: ``make_private``'s
     ``lr="auto"``; the model kept is its averaged one), ``"hyfreedp"`` (HyFreeDP's learning rate from
     privatised losses, any optimizer; ``lr_update_interval`` and ``loss_privacy`` are its knobs) or a
@@ -118,9 +110,33 @@ class TrainConfig:
     accountant: str = "pld"
     seed: int | None = None
     audit_canaries: int | None = None
+    reference: bool = False  # also train the same run without noise, for comparison (outside the guarantee)
     out: str | None = None
     quiet: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # further make_private keywords
+
+    def options(self) -> dict[str, Any]:
+        """``make_private``'s ``clipping`` and ``thresholds``: the names, or their typed options
+        (``AutoS``, ``PSAC``, ``AdaptiveQuantile``) where a knob sets one of their fields; a knob given
+        where it has no effect is refused, naming its flag."""
+        given = {name: getattr(self, name) for name in KNOBS if getattr(self, name) is not None}
+        for name in given:
+            flag, needs, _ = KNOBS[name]
+            if needs != f"--clipping {self.clipping}" and needs != f"--thresholds {self.thresholds}":
+                raise ValueError(f"{flag} applies only to {needs}: drop it or add {needs}")
+
+        def fields(option: str) -> dict[str, Any]:
+            return {KNOBS[name][2]: value for name, value in given.items() if KNOBS[name][1] == option}
+
+        clipping: Any = self.clipping
+        if fields("--clipping auto-s"):
+            clipping = AutoS(**fields("--clipping auto-s"))
+        elif fields("--clipping psac"):
+            clipping = PSAC(**fields("--clipping psac"))
+        thresholds: Any = self.thresholds
+        if fields("--thresholds adaptive"):
+            thresholds = AdaptiveQuantile(**fields("--thresholds adaptive"))
+        return {"clipping": clipping, "thresholds": thresholds}
 
     def resolved_lr(self) -> float:
         """The learning rate the optimizer is built with (an automatic learning rate sets its own)."""
@@ -140,38 +156,10 @@ class TrainConfig:
         return None
 
 
-def typed_options(config: TrainConfig) -> dict[str, Any]:
-    """make_private's ``clipping`` and ``thresholds``: the shortcut chosen, or its typed option with the
-    knobs given as its fields. A knob of a shortcut not chosen is refused, naming its flag."""
-    options: dict[str, Any] = {}
-    for option, shortcuts in TYPED_KNOBS.items():
-        chosen = options[option] = getattr(config, option)
-        for shortcut, (typed, fields) in shortcuts.items():
-            given = {knob: getattr(config, knob) for knob in fields if getattr(config, knob) is not None}
-            if given and chosen != shortcut:
-                raise ValueError(f"{', '.join(KNOBS[knob] for knob in given)} only apply to "
-                                 f"{option}={shortcut!r}: drop them or add --{option} {shortcut}")
-            if given:
-                try:
-                    options[option] = typed(**{fields[knob]: value for knob, value in given.items()})
-                except (TypeError, ValueError) as error:
-                    message = str(error)
-                    for knob, field in fields.items():
-                        message = message.replace(f"{typed.__name__}.{field}", KNOBS[knob])
-                    raise type(error)(message) from None
-    return options
-
-
-def dog_rule(engine: DPEngine) -> DistanceOverGradients | None:
-    """The run's DoG learning rate (``--lr auto``), whose averaged weights are the model kept; ``None``
-    under another learning rate."""
-    rule = engine.lr_rule
-    return rule if isinstance(rule, DistanceOverGradients) else None
-
-
 def loose_target_note(target_epsilon: float, noise_multiplier: float, spent: float) -> str | None:
-    """What to tell a person whose target ε is so loose that calibration stopped at its noise floor."""
-    if noise_multiplier > MIN_NOISE_MULTIPLIER:
+    """What to tell a person whose target ε is so loose that calibration stopped at its noise floor
+    (nothing for a reference run without noise, ``--epsilon inf``: its guarantee says it has none)."""
+    if noise_multiplier > MIN_NOISE_MULTIPLIER or not math.isfinite(target_epsilon):
         return None
     return (f"the target ε = {target_epsilon:g} is looser than any useful noise: calibration stops at "
             f"σ = {MIN_NOISE_MULTIPLIER}, where this run spends ε = {spent:.4g} < {target_epsilon:g}")
@@ -193,21 +181,29 @@ def check_config(config: TrainConfig) -> None:
         raise ValueError(f"--steps must be at least 1, got {config.steps}")
     if config.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {config.batch_size}")
-    if config.target_quantile is not None and config.thresholds != "adaptive":
-        raise ValueError("--target-quantile applies only to --thresholds adaptive: drop it or add "
-                         "--thresholds adaptive")
     if config.numeric_scaling not in NUMERIC_SCALINGS:
         raise ValueError(f"--numeric-scaling must be one of {', '.join(NUMERIC_SCALINGS)}, "
                          f"got {config.numeric_scaling!r}")
     if config.hidden is not None and (not config.hidden or any(
             isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in config.hidden)):
         raise ValueError(f"--hidden takes layer widths of at least 1, e.g. 256,256; got {config.hidden}")
-    try:  # make_private's own check of the options, before any data is touched
-        RunConfig.from_keywords(target_delta=0.5, target_epsilon=min(config.epsilon, 1e6),
-                                epochs=config.epochs, steps=config.steps, groups=config.groups,
-                                noise_allocation=config.noise_allocation, **typed_options(config))
+    if config.clipping not in CLIP_FUNCTIONS:
+        raise ValueError(f"unknown --clipping {config.clipping!r}: use one of {', '.join(CLIP_FUNCTIONS)}")
+    if config.groups not in GROUPINGS:
+        raise ValueError(f"unknown --groups {config.groups!r}: use one of {', '.join(GROUPINGS)}")
+    if config.thresholds not in ("fixed", "adaptive"):
+        raise ValueError(f"--thresholds must be fixed or adaptive, got {config.thresholds!r}")
+    if config.noise_allocation not in NOISE_ALLOCATIONS:
+        raise ValueError(f"unknown --noise-allocation {config.noise_allocation!r}: use one of "
+                         f"{', '.join(NOISE_ALLOCATIONS)}")
+    try:  # the options' own checks of the knobs' values, before any data is touched
+        config.options()
     except (TypeError, ValueError) as error:
-        raise ValueError(str(error)) from error
+        message = str(error)
+        for flag, _, field_name in KNOBS.values():
+            for option in ("AutoS", "PSAC", "AdaptiveQuantile"):
+                message = message.replace(f"{option}.{field_name}", flag)
+        raise ValueError(message) from error
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {config.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
     if config.lr not in ("auto", "hyfreedp") and not (
@@ -314,11 +310,11 @@ def _make_private(config: TrainConfig, model: nn.Module, data: datasets.LoadedDa
               else {"noise_multiplier": 0.0})  # --epsilon inf: the reference run without noise
     return make_private(
         launch.data_parallel(model), optimizer, DataLoader(data.train, batch_size=config.batch_size),
-        target_delta=delta, epochs=config.epochs, steps=config.steps,
-        groups=config.groups, max_grad_norm=config.max_grad_norm, lr=config.auto_lr(public_input_rms(data)),
+        target_delta=delta, epochs=config.epochs, steps=config.steps, groups=config.groups,
+        max_grad_norm=config.max_grad_norm, lr=config.auto_lr(public_input_rms(data)), **config.options(),
         prior_releases=prior_releases(data.releases),
         accountant=config.accountant, seed=config.seed, audit_canaries=config.audit_canaries,
-        **budget, **{"noise_allocation": config.noise_allocation, **typed_options(config), **config.extra})
+        noise_allocation=config.noise_allocation, **budget, **config.extra)
 
 
 def public_input_rms(data: datasets.LoadedData) -> float | None:
@@ -344,6 +340,9 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
     engine = _make_private(config, model, data, delta)
     writes = launch.is_main_process()  # under torchrun, rank 0 writes the run's outputs
     run = RunDirectory(config.out) if config.out and writes else None
+    majority = majority_class_rate(data.test.tensors[1], data.classes)
+    if run:
+        run.baseline(f"majority class {majority['class']!r}", majority["rate"])
     planned = engine.planned_steps
     steps_per_epoch = len(engine.data_loader)
     epochs = math.ceil(planned / steps_per_epoch)  # the last one partial when planned is not a multiple
@@ -354,12 +353,12 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
         for i, (x, y) in enumerate(engine.data_loader, start=1):
             _step(engine, x, y)
             if run:
-                run.log(_step_record(engine, epoch))
+                run.log(_step_record(engine, config, epoch))
             progress.update(epoch, i, engine.steps, epsilon, test_accuracy)
             if engine.steps >= planned:  # the planned run is over, possibly within an epoch
                 break
         epsilon = engine.epsilon(delta)
-        with _model_kept(engine):
+        with _model_kept(engine, config):
             test_accuracy = accuracy(model, data.test)
         progress.update(epoch, i, engine.steps, epsilon, test_accuracy, final=True)
         if run:
@@ -367,11 +366,18 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
                      "test_accuracy": test_accuracy})
     train_seconds = time.perf_counter() - started
     engine.detach()
-    if dog_rule(engine) is not None:  # the model kept is the automatic learning rate's averaged one
-        dog_rule(engine).apply_average()
-    audit = None if config.audit_canaries is None else audit_training(engine)
+    if config.lr == "auto":  # the model kept is the automatic learning rate's averaged one
+        engine.lr_rule.apply_average()
+    audit = None if config.audit_canaries is None else auditing.audit_training(engine)
+    reference = None
+    if config.reference:  # the same data and run without noise; its model is not kept
+        reference = train(replace(config, epsilon=math.inf, reference=False, out=None, quiet=True,
+                                  audit_canaries=None), data)["test_accuracy"]
+        if run:
+            run.baseline("the same run without noise", reference)
     result = {
-        "test_accuracy": test_accuracy, "epsilon": epsilon, "delta": delta, "delta_choice": delta_text,
+        "test_accuracy": test_accuracy, "test_majority_class": majority,
+        "reference_test_accuracy": reference, "epsilon": epsilon, "delta": delta, "delta_choice": delta_text,
         "noise_multiplier": engine.noise_multiplier, "steps": engine.steps, "planned_steps": planned,
         "sample_rate": engine.sample_rate, "train_seconds": train_seconds,
         "processes": launch.world()[1],
@@ -381,7 +387,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
         "data_notes": list(data.notes),
         "preprocessing": [release.report() for release in data.releases],
         "preprocessing_epsilon": preprocessing_epsilon(data.releases, delta, config.accountant),
-        "dataset": {"name": data.name, "train_examples": data.num_train,
+        "dataset": {"name": data.name, "kind": data.kind, "train_examples": data.num_train,
                     "test_examples": len(data.test), "classes": list(data.classes)},
         "config": {**asdict(config), "delta": delta, "lr": config.lr},
         "learning_rate": _learning_rate_text(config, engine),
@@ -420,17 +426,18 @@ def model_description(config: TrainConfig, data: datasets.LoadedData) -> dict[st
     return {"model": models.resolve(config.model, data.kind, data.input_shape, config.hidden),
             "hidden": list(config.hidden) if config.hidden else None, "kind": data.kind,
             "input_shape": list(data.input_shape), "classes": list(data.classes),
+            "pixel_scale": data.pixel_scale,
             "table": None if data.encoder is None else data.encoder.to_dict()}
 
 
 def _learning_rate_text(config: TrainConfig, engine: DPEngine) -> str:
     """How the run's learning rate was set, as the output states it."""
     last = engine.optimizer.param_groups[0]["lr"]
-    dog = dog_rule(engine)
-    if dog is not None:
-        first = dog.history[0] if dog.history else last
-        scaled = ("" if dog.input_scale == 1 else
-                  f"; its noise budget × {dog.input_scale:.3g} for the features' public scale")
+    if config.lr == "auto":  # DoG's rule
+        rule = engine.lr_rule
+        first = rule.history[0] if rule.history else last
+        scaled = ("" if rule.input_scale == 1 else
+                  f"; its noise budget × {rule.input_scale:.3g} for the features' public scale")
         return (f"automatic ({config.optimizer}, --lr auto): {first:.3g} at the first step and {last:.3g} at "
                 "the last, set from the released gradients (no ε); the model kept is the average of its "
                 f"weights{scaled}")
@@ -440,21 +447,21 @@ def _learning_rate_text(config: TrainConfig, engine: DPEngine) -> str:
     return f"{config.optimizer} at lr = {config.lr:g}, given by --lr"
 
 
-def _model_kept(engine: DPEngine) -> contextlib.AbstractContextManager:
+def _model_kept(engine: DPEngine, config: TrainConfig) -> contextlib.AbstractContextManager:
     """The weights of the model the run would keep if it ended now: the averaged ones with the
     automatic learning rate (post-processing of the releases), else the current ones."""
-    dog = dog_rule(engine)
-    return contextlib.nullcontext() if dog is None else dog.averaged()
+    if config.lr != "auto":
+        return contextlib.nullcontext()
+    return engine.lr_rule.averaged()
 
 
-def _step_record(engine: DPEngine, epoch: int) -> dict[str, Any]:
+def _step_record(engine: DPEngine, config: TrainConfig, epoch: int) -> dict[str, Any]:
     """What ``metrics.jsonl`` says of a step: public or released values only (the learning rate, set from
     released values or given; the clip thresholds, given or released; HyFreeDP's loss bound R_l)."""
     record: dict[str, Any] = {"kind": "step", "epoch": epoch, "step": engine.steps,
                               "lr": engine.optimizer.param_groups[0]["lr"]}
     if engine.last_step is not None:
         record["thresholds"] = dict(engine.last_step.thresholds)
-    auto = next((c for c in engine.optimizer.components if isinstance(c, AutoLearningRate)), None)
-    if auto is not None:
-        record["loss_bound"] = auto.state.loss_bound
+    if config.lr == "hyfreedp":
+        record["loss_bound"] = engine.lr_rule.state.loss_bound
     return record

@@ -39,3 +39,27 @@ def noise_multiplier(*, target_epsilon: float, sample_rate: float, steps: int, d
         raise ValueError(f"target_epsilon must be a positive finite number, got {target_epsilon}")
     return calibrate(lambda sigma: planned_event(sigma, sample_rate, int(steps)), target_epsilon,
                      delta, accountant)
+
+
+def gaussian_noise_multiplier(*, epsilon: float, delta: float) -> float:
+    """σ of one Gaussian release (noise σ·sensitivity) that is exactly (``epsilon``, ``delta``)-DP: the
+    analytic Gaussian mechanism (Balle & Wang 2018), i.e. μ-GDP with μ = 1/σ, whose tight δ(ε) is
+    Φ(−ε/μ + μ/2) − e^ε·Φ(−ε/μ − μ/2). ``epsilon`` ∞ is no noise (0). Gaussian releases compose by adding
+    μ², so this is the currency in which a budget is shared between Gaussian releases."""
+    check_delta(delta)
+    if epsilon == math.inf:
+        return 0.0
+    if not (epsilon > 0 and math.isfinite(epsilon)):
+        raise ValueError(f"epsilon must be a positive number (or inf), got {epsilon}")
+    from scipy.optimize import brentq
+    from scipy.stats import norm
+
+    def excess(log_mu: float) -> float:  # δ(ε) of μ-GDP minus the target, increasing in μ
+        mu = math.exp(log_mu)
+        return (norm.cdf(-epsilon / mu + mu / 2) - math.exp(epsilon) * norm.cdf(-epsilon / mu - mu / 2)
+                - delta) if epsilon < 700 else norm.cdf(-epsilon / mu + mu / 2) - delta
+
+    low, high = -30.0, 10.0
+    while excess(high) < 0:
+        high += 10.0
+    return math.exp(-brentq(excess, low, high, xtol=1e-12, rtol=1e-12))
