@@ -88,8 +88,11 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from . import text
     from .datasets import read_frame
 
+    if text.holds_text_model(args.run):
+        return text.predict_command(args)
     predictor = Predictor.load(args.run)
     frame = read_frame(Path(args.data))
     marks = tuple(v.strip() for v in args.na_values.split(",") if v.strip())

@@ -18,6 +18,7 @@ import argparse
 import math
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from ..api import make_private
 from ..run import DPEngine
-from . import text_data, text_defaults, text_models
+from . import text_data, text_defaults, text_head, text_models
 from .releases import (
     OTHER,
     Budget,
@@ -38,7 +39,7 @@ from .releases import (
     private_length,
     select_sets,
 )
-from .report import OUTSIDE_THE_GUARANTEE, RunDirectory, where_results_went, write_json
+from .report import OUTSIDE_THE_GUARANTEE, RunDirectory, write_json
 from .split import held_out, split_key, table_rows
 from .tables import class_indices
 from .training import OPTIMIZERS, Progress, check_config, guarantee_text, loose_target_note
@@ -46,7 +47,8 @@ from .training import OPTIMIZERS, Progress, check_config, guarantee_text, loose_
 # The learning rate when --lr is not given: "auto", make_private's lr="auto" (DoG's step within its noise
 # budget, translated to the optimizer's learning rate; no ε), benchmarks/RESULTS.md §5f.
 DEFAULT_TEXT_LR = "auto"
-DEFAULT_TEXT_OPTIMIZER = "adamw"
+DEFAULT_TEXT_OPTIMIZER = "adamw"  # every weight (or LoRA adapters) trained
+DEFAULT_HEAD_OPTIMIZER = "sgd"  # a head on the frozen states (benchmarks/RESULTS.md §5i)
 DEFAULT_TEXT_EPOCHS = text_defaults.ALL_EPOCHS  # every weight trained, no length given
 LENGTH_EDGES = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # candidate token lengths (public)
 
@@ -60,12 +62,14 @@ class TextConfig:
     ``epsilon`` ∞ is a non-private reference run. ``train_weights``: ``"all"`` (every parameter, or the
     LoRA adapters), ``"head"`` (a linear head on the frozen model's mean-pooled token states,
     classification only) or ``"auto"`` (chosen from N and ε: ``text_defaults.choose_weights``);
-    ``batch_size`` and the length (``epochs``/``steps``) None: ``text_defaults.schedule``'s. The other
-    privacy fields are ``TrainConfig``'s."""
+    ``batch_size`` and the length (``epochs``/``steps``) None: ``text_defaults.schedule``'s. ``test_data``:
+    a table of the same columns to test on (every row of ``data`` then trains; None: the keyed 80/20 split of
+    ``data``). The other privacy fields are ``TrainConfig``'s."""
 
     model: str
     data: str
     out: str
+    test_data: str | None = None
     text_column: str = "text"
     label_column: str | None = None
     task: str | None = None
@@ -79,7 +83,7 @@ class TextConfig:
     steps: int | None = None
     batch_size: int | None = None
     train_weights: str = "auto"
-    optimizer: str = DEFAULT_TEXT_OPTIMIZER
+    optimizer: str | None = None  # None: DEFAULT_HEAD_OPTIMIZER for a head, else DEFAULT_TEXT_OPTIMIZER
     lr: float | str | None = None  # a number or "auto"; None: DEFAULT_TEXT_LR
     clipping: str = "auto-s"
     groups: str = "all-layer"
@@ -99,7 +103,7 @@ def _check(config: TextConfig) -> None:
     if config.lr == "hyfreedp":
         raise ValueError("--lr hyfreedp is not available for text models yet: use --lr auto (the default) "
                          "or give a number")
-    if config.optimizer not in OPTIMIZERS:
+    if config.optimizer is not None and config.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {config.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
     if config.train_weights not in text_defaults.TRAIN_WEIGHTS:
         raise ValueError(f"--train-weights must be one of {', '.join(text_defaults.TRAIN_WEIGHTS)}, got "
@@ -111,7 +115,7 @@ def _check(config: TextConfig) -> None:
     check_config(TrainConfig(epsilon=config.epsilon, delta=config.delta, epochs=length[0],
                              steps=length[1], batch_size=config.batch_size or 1, clipping=config.clipping,
                              groups=config.groups, lr=config.resolved_lr(), accountant=config.accountant,
-                             optimizer=config.optimizer))
+                             optimizer=config.optimizer or DEFAULT_TEXT_OPTIMIZER))
     if config.task is not None and config.task not in text_data.TASKS:
         raise ValueError(f"unknown task {config.task!r}: use one of {', '.join(text_data.TASKS)}")
     if config.max_length is not None and config.max_length < 2:
@@ -165,6 +169,18 @@ def evaluate(model: torch.nn.Module, examples: text_data.TextExamples, task: str
     return {"test_loss": loss, "test_perplexity": math.exp(min(loss, 700.0))}
 
 
+MAJORITY_KEYS = ["test_majority_class", "test_majority_rate"]
+
+
+def majority(examples: text_data.TextExamples, names: list[str]) -> dict[str, Any]:
+    """The test rows' most frequent class and its share: the accuracy of always predicting it, against
+    which the test accuracy says whether the model learnt anything (computed from the held-out rows
+    without noise, like the test accuracy: outside the guarantee)."""
+    counts = torch.bincount(examples.tensors["labels"], minlength=len(names))
+    top = int(counts.argmax())
+    return {"test_majority_class": names[top], "test_majority_rate": float(counts[top]) / len(examples)}
+
+
 def _split_rows(table: text_data.TextTable, label_column: str | None, seed: int | None):
     """Training and test row indices by the keyed hash of each row's text (and label)."""
     import numpy as np
@@ -175,6 +191,21 @@ def _split_rows(table: text_data.TextTable, label_column: str | None, seed: int 
         raise text_data.DataError(f"{table.name}: the 80/20 split of its {len(test)} rows put none in the "
                                   f"{'training' if test.all() else 'test'} split: add rows")
     return np.flatnonzero(~test), np.flatnonzero(test)
+
+
+def _with_test_rows(table: text_data.TextTable, test_data: str, text_column: str, label_column: str | None):
+    """``table`` with the rows of ``test_data`` after its own: every row of ``table`` trains, the others
+    test; the training and test row indices."""
+    import numpy as np
+    import pandas as pd
+
+    test = text_data.read_table(test_data, text_column)
+    columns = [text_column] + ([label_column] if label_column else [])
+    if label_column:
+        test.labels(label_column)  # a missing column or empty cell is refused, naming the test file
+    frame = pd.concat([table.frame[columns], test.frame[columns]], ignore_index=True)
+    both = text_data.TextTable(table.name, table.texts + test.texts, frame)
+    return both, np.arange(len(table.texts)), np.arange(len(table.texts), len(both.texts))
 
 
 def _classes(labels, train_rows, config: TextConfig, budget: Budget
@@ -205,7 +236,11 @@ def train_text(config: TextConfig) -> dict[str, Any]:
     if config.labels is not None and task != "classification":
         raise ValueError("--labels names the classes of a classification task, and this table has no label "
                          "column: drop --labels or pass --label-column")
-    train_rows, test_rows = _split_rows(table, label_column, config.seed)
+    if config.test_data is None:
+        train_rows, test_rows = _split_rows(table, label_column, config.seed)
+    else:
+        table, train_rows, test_rows = _with_test_rows(table, config.test_data, config.text_column,
+                                                       label_column)
     delta, delta_text = delta_choice(config.delta, len(train_rows))
     if config.batch_size is not None and len(train_rows) < config.batch_size:
         raise ValueError(f"--batch-size {config.batch_size} is larger than the {len(train_rows)} training "
@@ -237,17 +272,24 @@ def train_text(config: TextConfig) -> dict[str, Any]:
     notes += _notes(classes, other, releases, length, config)
     notes.append(f"trained: {weights_text}; batch size {run_plan.batch_size}, "
                  f"{run_plan.planned_steps(len(train_rows))} steps")
-    encoder = None
+    encoder = centre = None
     if weights == "head":  # the frozen encoder's states, once: each a function of its own text alone
         encoder = text_models.encoder_of(model)
-        features = text_models.mean_pooled(encoder, tensors["input_ids"], tensors["attention_mask"])
-        tensors = {"features": features, "labels": tensors["labels"]}
-        model = nn.Linear(features.shape[1], len(names))
+        states = text_models.mean_pooled(encoder, tensors["input_ids"], tensors["attention_mask"])
+        centre, release = text_head.release_centre(states, train_rows, budget, config.seed)
+        releases.append(release)
+        notes.append(f"the head reads each text's mean-pooled state scaled to unit length, centred on their "
+                     f"mean over the training rows (released privately: {release.share:.0%} of ε and δ, in "
+                     f"the ledger) and multiplied by √{states.shape[1]}")
+        tensors = {"features": text_head.head_inputs(states, centre), "labels": tensors["labels"]}
+        model = nn.Linear(states.shape[1], len(names))
     train_set = text_data.TextExamples(tensors, train_rows)
     test_set = text_data.TextExamples(tensors, test_rows)
     trainable = [p for p in model.parameters() if p.requires_grad]
     auto = config.resolved_lr() == "auto"
-    optimizer = OPTIMIZERS[config.optimizer](trainable, 1.0 if auto else config.resolved_lr())
+    default_optimizer = DEFAULT_HEAD_OPTIMIZER if weights == "head" else DEFAULT_TEXT_OPTIMIZER
+    optimizer_name = config.optimizer or default_optimizer
+    optimizer = OPTIMIZERS[optimizer_name](trainable, 1.0 if auto else config.resolved_lr())
     noise = ({"target_epsilon": config.epsilon} if math.isfinite(config.epsilon)
              else {"noise_multiplier": 0.0})
     # the ledger holds the preprocessing releases before the first step; the whole ledger spends ε
@@ -262,12 +304,19 @@ def train_text(config: TextConfig) -> dict[str, Any]:
     engine.detach()
     if engine.dog_lr is not None:  # the model kept is the automatic learning rate's averaged one
         engine.dog_lr.apply_average()
-    if encoder is not None:
-        text_models.save_head(encoder, model, names, tokenizer, run.path / "model")
+    description = {"task": task, "trained": weights, "lora": hasattr(model, "peft_config"),
+                   "text_column": config.text_column, "max_length": length, "classes": names}
+    if encoder is not None:  # the head as it reads the unit-length states: the centre folded into its bias
+        with torch.no_grad():
+            saved = nn.Linear(model.in_features, model.out_features)
+            saved.weight[:], saved.bias[:] = text_head.fold(model.weight, model.bias, centre)
+        text_models.save_head(encoder, saved, tokenizer, run.path / "model", description)
     else:
         text_models.save(model, tokenizer, run.path / "model")
+        text_models.save_description(run.path / "model", description)
     result = {
-        **evaluate(model, test_set, task), "epsilon": epsilon, "delta": delta, "delta_choice": delta_text,
+        **evaluate(model, test_set, task), **(majority(test_set, names) if task == "classification" else {}),
+        "epsilon": epsilon, "delta": delta, "delta_choice": delta_text,
         "noise_multiplier": engine.noise_multiplier, "steps": engine.steps,
         "planned_steps": engine.planned_steps, "sample_rate": engine.sample_rate,
         "guarantee": guarantee_text(engine, delta, len(train_rows)),
@@ -281,14 +330,15 @@ def train_text(config: TextConfig) -> dict[str, Any]:
         "preprocessing_epsilon": preprocessing_epsilon(releases, delta, config.accountant),
         "dataset": {"name": table.name, "train_examples": len(train_rows), "test_examples": len(test_rows),
                     "sequence_length": length, "classes": names},
-        "config": {**asdict(config), "delta": delta, "lr": config.resolved_lr()},
+        "config": {**asdict(config), "delta": delta, "lr": config.resolved_lr(), "optimizer": optimizer_name},
         "train_seconds": train_seconds,
         "public_by_declaration": ["the number of training rows N (the sampling rate is batch size / N)",
                                   *([f"the classes given by --labels {list(config.labels)}"]
                                     if config.labels else []),
                                   *([f"the token length given by --max-length {config.max_length}"]
                                     if config.max_length else [])],
-        "outside_the_guarantee": OUTSIDE_THE_GUARANTEE,
+        "outside_the_guarantee": {**OUTSIDE_THE_GUARANTEE,
+                                  "keys": [*OUTSIDE_THE_GUARANTEE["keys"], *MAJORITY_KEYS]},
     }
     run.finish(result)
     return result
@@ -413,8 +463,7 @@ def check_no_text_flags(args: argparse.Namespace) -> None:
 TABLE_FLAGS = {"schema": None, "hidden": None, "numeric_scaling": "private", "thresholds": "fixed",
                "target_quantile": None, "quantile_lr": None, "quantile_budget": None, "clip_gamma": None,
                "psac_r": None, "noise_allocation": "global", "lr_update_interval": None,
-               "loss_privacy": None, "audit_canaries": None, "na_values": (), "drop_rows_with_missing": False,
-               "test_data": None}
+               "loss_privacy": None, "audit_canaries": None, "na_values": (), "drop_rows_with_missing": False}
 
 
 def command(args: argparse.Namespace) -> int:
@@ -425,19 +474,22 @@ def command(args: argparse.Namespace) -> int:
         raise ValueError(f"{', '.join(given)} do not apply to text models (fixed thresholds, no table "
                          "columns): drop them")
     config = TextConfig(
-        model=args.model, data=args.dataset, out=str(args.out) if args.out else "",
+        model=args.model, data=args.dataset, out=str(args.out) if args.out else "", test_data=args.test_data,
         text_column=args.text_column or "text", label_column=args.label_column, task=args.task,
         labels=args.labels, max_length=args.max_length, lora_rank=args.lora_rank,
         lora_targets=args.lora_targets, epsilon=args.epsilon, delta=args.delta,
         epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
-        train_weights=args.train_weights or "auto", optimizer=args.optimizer or DEFAULT_TEXT_OPTIMIZER,
+        train_weights=args.train_weights or "auto", optimizer=args.optimizer,
         lr=args.lr, clipping=args.clipping, groups=args.groups, accountant=args.accountant, seed=args.seed,
         quiet=args.quiet)
     result = train_text(config)
     if args.json:
         write_json(args.json, result)
-    metric = (f"test accuracy {result['test_accuracy']:.4f}" if result["task"] == "classification"
-              else f"test loss {result['test_loss']:.4f} (perplexity {result['test_perplexity']:.4g})")
+    if result["task"] == "classification":
+        metric = (f"test accuracy {result['test_accuracy']:.4f} (always predicting the majority class "
+                  f"{result['test_majority_class']!r}: {result['test_majority_rate']:.4f})")
+    else:
+        metric = f"test loss {result['test_loss']:.4f} (perplexity {result['test_perplexity']:.4g})"
     print(f"{metric} on {result['dataset']['test_examples']} held-out rows (outside the guarantee: computed "
           "from those rows without noise)")
     print(f"guarantee: {result['guarantee']}; randomness: {result['randomness']}")
@@ -445,6 +497,46 @@ def command(args: argparse.Namespace) -> int:
     for note in [*result["data_notes"], *([result["note"]] if result["note"] else [])]:
         print(f"note: {note}")
     adapter = " (the LoRA adapter only)" if result["lora"] else ""
-    where = where_results_went(args.out, args.json, text_model=True)
-    print(f"model saved in {result['model_directory']}{adapter}; {where}")
+    serves = (f" — `tunefree predict --run {args.out} --data new.csv` classifies new texts"
+              if result["task"] == "classification" else "")
+    print(f"model saved in {result['model_directory']}{adapter}{serves}; run directory: {args.out} (model/, "
+          "report.json, metrics.jsonl, plots)")
+    return 0
+
+
+# ---------------------------------------------------------------------------- tunefree predict
+def holds_text_model(run: Path) -> bool:
+    """Whether the run directory ``run`` is a text run's (its model in ``model/``, described there)."""
+    return (Path(run) / "model" / text_models.TEXT_CONFIG).exists()
+
+
+@torch.no_grad()
+def predict_classes(model: nn.Module, batch: dict[str, torch.Tensor], batch_size: int = 64) -> list[str]:
+    """The predicted class name of each tokenised text (``(other)`` for the labels not selected)."""
+    indices = []
+    for start in range(0, len(batch["input_ids"]), batch_size):
+        logits = model(batch["input_ids"][start:start + batch_size],
+                       batch["attention_mask"][start:start + batch_size])
+        indices += logits.argmax(-1).tolist()
+    return [model.classes[i] for i in indices]
+
+
+def predict_command(args: argparse.Namespace) -> int:
+    """``tunefree predict --run DIR`` of a text run: the texts of ``--data`` tokenised as the training texts
+    were (text column, token length: ``model/tunefree_text.json``), classified by the saved model."""
+    import sys
+
+    if args.na_values:
+        raise ValueError("--na-values applies to table models: a text run reads its text column as it is")
+    model, tokenizer, description = text_models.load_classifier(Path(args.run) / "model")
+    table = text_data.read_table(args.data, description["text_column"])
+    batch = text_data.tokenize(tokenizer, table.texts, description["max_length"], "classification")
+    frame = table.frame.copy()
+    frame["prediction"] = predict_classes(model, batch)
+    if args.output is None:
+        frame.to_csv(sys.stdout, index=False)
+    else:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        frame.to_csv(args.output, index=False)
+        print(f"{len(frame)} predictions written to {args.output}")
     return 0
