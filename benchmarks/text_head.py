@@ -49,6 +49,9 @@ from tunefree.cli import text_defaults, text_head
 from tunefree.cli.releases import LENGTH_SHARE, SELECTION_SHARE, Budget
 from tunefree.privacy.mechanisms import threshold_event
 
+# σ of a share of the budget, calibrated once per budget and share (each release of a run draws its own noise)
+Budget.noise = functools.cache(Budget.noise)
+
 VARIANTS = ("before", "unit-centred-sgd", "unit-centred-adamw", "unit-sgd", "unit-centred-sgd-long",
             "unit-centred-sgd-1", "unit-centred-sgd-3", "unit-centred-sgd-10")
 

@@ -1,15 +1,19 @@
 """Private fine-tuning of a local Hugging Face model on a text table: what ``tunefree train --model PATH``
-does (classification or causal LM; every weight, LoRA, or a head on the frozen model's mean-pooled states).
+does (classification or causal LM; every weight, LoRA, or a head on the frozen model's mean-pooled states,
+``text_head.py``), and ``tunefree predict`` of such a run.
 
-``train_text(config)`` reads the table, splits it by a keyed hash of each row (``split.py``), selects the
-classes privately unless ``--labels`` declares them, loads the model, chooses what to train and for how
-long from N and ε (``text_defaults.py``) unless the flags say, sets the token length from ``--max-length``
-or a private quantile of the training texts' lengths, tokenises, calls :func:`tunefree.make_private` with
-those releases as its prior releases (the ledger holds them first, and the training noise is calibrated
-so that the whole ledger spends ε), trains with the chosen optimizer (AdamW by default), evaluates on the
-held-out rows (outside the guarantee, and labelled so) and saves the model in ``<out>/model``
-(``save_pretrained``; the adapter alone for LoRA; the encoder and ``tunefree_head.*`` for a head, read back
-by ``text_models.load_mean_pooled_classifier``); ``report.json`` beside it holds ε from the run's ledger.
+``train_text(config)`` reads the table (and ``--test-data``), splits it by a keyed hash of each row
+(``split.py``) unless the test rows are given, selects the classes privately unless ``--labels`` declares
+them, loads the model, chooses what to train and for how long from N and ε (``text_defaults.py``) unless the
+flags say, sets the token length from ``--max-length`` or a private quantile of the training texts' lengths,
+tokenises, for a head releases the centre of the pooled states (``text_head.py``), calls
+:func:`tunefree.make_private` with those releases as its prior releases (the ledger holds them first, and the
+training noise is calibrated so that the whole ledger spends ε), trains with the chosen optimizer (SGD for a
+head, AdamW otherwise, by default), evaluates on the held-out rows (outside the guarantee, and labelled so,
+beside the majority rate of those rows) and saves the model in ``<out>/model`` (``save_pretrained``; the
+adapter alone for LoRA; the encoder and ``tunefree_head.pt`` for a head) with ``tunefree_text.json``, which
+``text_models.load_classifier`` and ``tunefree predict`` read; ``report.json`` beside it holds ε from the
+run's ledger.
 """
 
 from __future__ import annotations
@@ -26,8 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..api import make_private
-from ..run import DPEngine
+from .. import DPEngine, make_private
 from . import text_data, text_defaults, text_head, text_models
 from .releases import (
     OTHER,

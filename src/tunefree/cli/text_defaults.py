@@ -8,7 +8,9 @@ added to that mean has expected norm about ``σ·√d / B`` over d trained weigh
 0.12: the run learnt the class prior only). The rule trains every weight only where that noise is at most
 :data:`NOISE_TO_SIGNAL_MAX` (1: no larger than the largest signal possible), and otherwise a linear head on
 the frozen encoder's mean-pooled token states (the pooling sentence encoders are trained with; the
-[CLS]/pooler output of such a model carries little label signal, §5f).
+[CLS]/pooler output of such a model carries little label signal, §5f). A reference run (``--epsilon inf``) has
+no noise to weigh: it trains what a private run at :data:`REFERENCE_EPSILON`, the command line's default,
+would, so that the two runs differ by the noise alone.
 
 **How long** (a batch size or a length not given). A head is cheap (its inputs are computed once), so the
 compute budget is not what binds: the batch is ``N/8`` (8 steps an epoch, at least 64 and at most
@@ -24,8 +26,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .. import noise_multiplier
 from ..data.poisson import planned_steps
-from ..privacy.calculator import noise_multiplier
 
 TRAIN_WEIGHTS = ("auto", "head", "all")
 NOISE_TO_SIGNAL_MAX = 1.0
