@@ -7,8 +7,9 @@ default, and the recipe chosen on validation (benchmarks/RESULTS.md §5i).
         --out head.jsonl
     python benchmarks/text_head.py --summarise head.jsonl
 
-Features: the packaged all-MiniLM-L6-v2's mean-pooled last-layer states (``text_features.py``, the command
-line's own loading, tokenisation and pooling). Each data set is split 60/20/20 (train / valid / test); every
+Features: the packaged all-MiniLM-L6-v2's mean-pooled states (``text_features.py``, the command line's own
+loading and tokenisation), averaged over layers 1–6 as ``text_models.mean_pooled`` does (``--states mean``,
+the default) or of one layer (``--states 6``: the last, the command line's input before this benchmark). Each data set is split 60/20/20 (train / valid / test); every
 choice is made on validation, test is reported for the chosen recipe. Every private run goes through
 ``tunefree.make_private`` as the command line's head does: AUTO-S, δ = 1/N^1.1, the batch and length of
 ``text_defaults.schedule("head", N)`` (or a variant's), σ calibrated on the whole ledger — the run's prior
@@ -53,6 +54,7 @@ from tunefree.privacy.mechanisms import threshold_event
 Budget.noise = functools.cache(Budget.noise)
 
 VARIANTS = ("before", "unit-centred-sgd", "unit-centred-adamw", "unit-sgd", "unit-centred-sgd-long",
+            "unit-centred-adamw-long",
             "unit-centred-sgd-1", "unit-centred-sgd-3", "unit-centred-sgd-10")
 
 
@@ -102,7 +104,7 @@ def head_run(variant: str, x: torch.Tensor, y: torch.Tensor, train, valid, test,
     batch, steps = plan.batch_size, plan.steps
     if variant.endswith("-long"):
         batch, steps = min(n, max(64, n // 4)), 300
-    optimizer, lr = ("adamw", "auto") if variant in ("before", "unit-centred-adamw") else ("sgd", "auto")
+    optimizer, lr = ("adamw", "auto") if variant == "before" or "adamw" in variant else ("sgd", "auto")
     if variant.split("-")[-1].replace(".", "").isdigit():
         lr = float(variant.split("-")[-1])
     torch.manual_seed(seed)
@@ -148,15 +150,17 @@ def logistic(states, y, train, valid, test) -> dict:
 
 def summarise(path: str) -> None:
     with open(path) as lines:
-        rows = [json.loads(line) for line in lines]
+        rows = [json.loads(line) for line in dict.fromkeys(lines)]  # a row written twice counts once
     groups = defaultdict(list)
     for row in rows:
-        groups[(row["data"], row["epsilon"], row["variant"])].append(row)
+        states = f" (states {row['states']})" if "states" in row else ""
+        groups[(row["data"], row["epsilon"], row["variant"] + states)].append(row)
     print("| data | ε | variant | seeds | valid (mean ± sd) | test (mean ± sd) |")
     print("|---|---|---|---|---|---|")
 
     def order(key):
-        variant = VARIANTS.index(key[2]) if key[2] in VARIANTS else -1
+        name = key[2].split(" ")[0]
+        variant = (VARIANTS.index(name) if name in VARIANTS else -1, key[2])
         return key[0], float(key[1]) if key[1] != "-" else -1.0, variant
 
     for key in sorted(groups, key=order):
@@ -176,6 +180,10 @@ def main() -> None:
     parser.add_argument("--epsilons", type=float, nargs="+", default=[3.0, 8.0])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--states", default="mean",
+                        help="which layer's mean-pooled states: 0-6 (6: the last; rows written without a "
+                             "'states' key are the last layer's) or 'mean' (the mean of layers 1-6, the "
+                             "command line's) (default: mean)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--summarise", default=None)
     args = parser.parse_args()
@@ -191,20 +199,25 @@ def main() -> None:
             out.write(json.dumps(row) + "\n")
             out.flush()
 
+    def emit_states(row: dict) -> None:
+        emit({**row, "states": args.states} if args.states != "6" else row)
+
     for name in args.data:
         saved = text_features.features(name)
-        states, y = saved["layers"][:, 6], saved["labels"]
+        layers = saved["layers"]
+        states = layers[:, 1:].mean(1) if args.states == "mean" else layers[:, int(args.states)]
+        y = saved["labels"]
         train, valid, test = saved["train"], saved["valid"], saved["test"]
         majority = {split: max(float(y[rows].float().mean()), 1 - float(y[rows].float().mean()))
                     for split, rows in (("valid", valid), ("test", test))}
-        emit({"data": name, "epsilon": "-", "variant": "majority", "seed": 0, **majority})
-        emit({"data": name, "epsilon": "inf", "variant": "logistic", "seed": 0,
+        emit_states({"data": name, "epsilon": "-", "variant": "majority", "seed": 0, **majority})
+        emit_states({"data": name, "epsilon": "inf", "variant": "logistic", "seed": 0,
               **logistic(states, y, train, valid, test)})
         for epsilon in args.epsilons:
             for variant in args.variants:
                 for seed in args.seeds:
                     x = inputs(variant, states, train, epsilon, seed)
-                    emit({"data": name, "epsilon": epsilon, "variant": variant, "seed": seed,
+                    emit_states({"data": name, "epsilon": epsilon, "variant": variant, "seed": seed,
                           **head_run(variant, x, y, train, valid, test, epsilon, seed)})
 
 

@@ -178,9 +178,18 @@ def test_mean_pooling_ignores_padding(files):
     together = text_models.mean_pooled(encoder, padded["input_ids"], padded["attention_mask"])
     single = text_models.mean_pooled(encoder, alone["input_ids"], alone["attention_mask"])
     assert torch.allclose(together[0], single[0], atol=1e-5)
+    torch.manual_seed(0)
+    deeper = transformers.BertModel(transformers.BertConfig(
+        vocab_size=len(SPECIAL) + len(WORDS), hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32)).eval()
+    pooled = text_models.mean_pooled(deeper, padded["input_ids"], padded["attention_mask"])
     with torch.no_grad():
-        states = encoder.eval()(**{k: alone[k] for k in ("input_ids", "attention_mask")}).last_hidden_state
-    assert torch.allclose(single[0], states[0].mean(0), atol=1e-5)
+        out = deeper(input_ids=alone["input_ids"], attention_mask=alone["attention_mask"],
+                     output_hidden_states=True)
+    layers = out.hidden_states[1:]  # every layer's output, not the embeddings: their mean over the tokens
+    assert len(layers) == 3
+    assert torch.allclose(pooled[0], torch.stack(layers).mean(0)[0].mean(0), atol=1e-5)
+    assert not torch.allclose(pooled[0], layers[-1][0].mean(0), atol=1e-3)
 
 
 def test_the_weights_rule_trains_every_weight_only_where_the_noise_is_below_the_signal():

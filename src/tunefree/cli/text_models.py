@@ -172,14 +172,18 @@ def encoder_of(model: nn.Module) -> nn.Module:
 @torch.no_grad()
 def mean_pooled(encoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 batch_size: int = 64) -> torch.Tensor:
-    """Each text's mean token state under the frozen ``encoder`` (padding excluded by the attention
-    mask), shape [n, hidden]: a function of that text alone and of public weights."""
+    """Each text's token states under the frozen ``encoder``, averaged over its layers (every layer's
+    output, not the embeddings) and over its tokens (padding excluded by the attention mask), shape
+    [n, hidden]: a function of that text alone and of public weights. The layers' average, not the last
+    layer: a sentence encoder's last layer is trained for similarity of meaning, in which a review and
+    its opposite are close; on generated reviews the average gave the head 2–4 points more (RESULTS §5i)."""
     was_training = encoder.training
     encoder.eval()
     pooled = []
     for start in range(0, len(input_ids), batch_size):
         ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
-        states = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        layers = encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[1:]
+        states = torch.stack(layers).mean(0)
         weights = mask.unsqueeze(-1).to(states.dtype)
         pooled.append((states * weights).sum(1) / weights.sum(1).clamp(min=1))
     encoder.train(was_training)
@@ -187,7 +191,8 @@ def mean_pooled(encoder: nn.Module, input_ids: torch.Tensor, attention_mask: tor
 
 
 class MeanPooledClassifier(nn.Module):
-    """A frozen encoder and a linear head on the mean of its token states scaled to unit length: what
+    """A frozen encoder and a linear head on its mean-pooled states (:func:`mean_pooled`) scaled to unit
+    length: what
     ``--train-weights head`` trains (the head) and saves; ``model(input_ids=..., attention_mask=...)`` gives
     the logits."""
 
