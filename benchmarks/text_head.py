@@ -9,13 +9,13 @@ default, and the recipe chosen on validation (benchmarks/RESULTS.md §5i).
 
 Features: the packaged all-MiniLM-L6-v2's mean-pooled states (``text_features.py``, the command line's own
 loading and tokenisation), averaged over layers 1–6 as ``text_models.mean_pooled`` does (``--states mean``,
-the default) or of one layer (``--states 6``: the last, the command line's input before this benchmark). Each data set is split 60/20/20 (train / valid / test); every
-choice is made on validation, test is reported for the chosen recipe. Every private run goes through
-``tunefree.make_private`` as the command line's head does: AUTO-S, δ = 1/N^1.1, the batch and length of
-``text_defaults.schedule("head", N)`` (or a variant's), σ calibrated on the whole ledger — the run's prior
-releases are the command line's defaults: the label selection (5%), the token-length quantile (5%) and, for
-the centred inputs, ``text_head.release_centre`` (5%, its real noise) — and ``lr="auto"`` keeping the
-averaged weights. Variants:
+the default) or of one layer (``--states 6``: the last, the command line's input before this benchmark). Each
+data set is split 60/20/20 (train / valid / test); every choice is made on validation, test is reported for
+the chosen recipe. Every private run goes through ``tunefree.make_private`` as the command line's head does:
+AUTO-S, δ = 1/N^1.1, the batch and length of ``text_defaults.schedule("head", N)`` (or a variant's), σ
+calibrated on the whole ledger — the run's prior releases are the command line's defaults: the label selection
+(5%), the token-length quantile (5%) and, for the centred inputs, ``text_head.release_centre`` (5%, its real
+noise) — and ``lr="auto"`` keeping the averaged weights. Variants:
 
 - ``before``: the raw mean-pooled states, AdamW ``lr="auto"`` (the default before this benchmark);
 - ``unit-centred-sgd`` / ``-adamw``: ``text_head.head_inputs`` (unit length, privately centred, ×√d),
