@@ -152,8 +152,8 @@ def test_small_data_trains_a_mean_pooled_head_that_loads_and_predicts(files, hea
     train_rows = result["dataset"]["train_examples"]
     assert result["trained"] == "head" and "σ√d/B" in result["trained_why"]
     assert result["trainable_parameters"] == 16 * 2 + 2  # hidden 16 → neg, pos
-    # the head's schedule: batch N/8 within [64, 1024] (here all N rows), 100 steps
-    assert result["batch_size"] == min(64, train_rows) and result["steps"] == 100
+    # the head's schedule: batch N/4 within [64, 1024] (here all N rows), 300 steps
+    assert result["batch_size"] == min(64, train_rows) and result["steps"] == 300
     assert 0.99 * 3.0 <= result["epsilon"] <= 3.0
     model, tokenizer = text_models.load_mean_pooled_classifier(out / "model")
     assert model.classes == ["neg", "pos"]
@@ -414,10 +414,10 @@ def test_the_reference_run_trains_the_private_recipe_without_noise(files, tmp_pa
     assert code == 0
     printed = capsys.readouterr().out
     result = json.loads((out / "r.json").read_text())
-    # a private run of this size trains a head: so does its reference, 100 steps of N/8, with σ = 0
+    # a private run of this size trains a head: so does its reference, 300 steps of N/4, with σ = 0
     assert result["trained"] == "head" and "without noise (a reference run)" in result["trained_why"]
-    assert result["noise_multiplier"] == 0 and result["epsilon"] == "inf" and result["steps"] == 100
-    assert result["config"]["optimizer"] == "sgd"
+    assert result["noise_multiplier"] == 0 and result["epsilon"] == "inf" and result["steps"] == 300
+    assert result["config"]["optimizer"] == "adamw" and result["config"]["lr"] == "auto"
     centre, = [r for r in result["preprocessing"] if r["release"] == "centre of the pooled states"]
     assert centre["noise_multiplier"] == 0  # exact with no privacy
     # the majority rate of the test rows is shown beside the accuracy, outside the guarantee

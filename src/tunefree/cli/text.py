@@ -8,8 +8,8 @@ them, loads the model, chooses what to train and for how long from N and ε (``t
 flags say, sets the token length from ``--max-length`` or a private quantile of the training texts' lengths,
 tokenises, for a head releases the centre of the pooled states (``text_head.py``), calls
 :func:`tunefree.make_private` with those releases as its prior releases (the ledger holds them first, and the
-training noise is calibrated so that the whole ledger spends ε), trains with the chosen optimizer (SGD for a
-head, AdamW otherwise, by default), evaluates on the held-out rows (outside the guarantee, and labelled so,
+training noise is calibrated so that the whole ledger spends ε), trains with the chosen optimizer (AdamW by
+default), evaluates on the held-out rows (outside the guarantee, and labelled so,
 beside the majority rate of those rows) and saves the model in ``<out>/model`` (``save_pretrained``; the
 adapter alone for LoRA; the encoder and ``tunefree_head.pt`` for a head) with ``tunefree_text.json``, which
 ``text_models.load_classifier`` and ``tunefree predict`` read; ``report.json`` beside it holds ε from the
@@ -50,8 +50,7 @@ from .training import OPTIMIZERS, Progress, check_config, guarantee_text, loose_
 # The learning rate when --lr is not given: "auto", make_private's lr="auto" (DoG's step within its noise
 # budget, translated to the optimizer's learning rate; no ε), benchmarks/RESULTS.md §5f.
 DEFAULT_TEXT_LR = "auto"
-DEFAULT_TEXT_OPTIMIZER = "adamw"  # every weight (or LoRA adapters) trained
-DEFAULT_HEAD_OPTIMIZER = "sgd"  # a head on the frozen states (benchmarks/RESULTS.md §5i)
+DEFAULT_TEXT_OPTIMIZER = "adamw"
 DEFAULT_TEXT_EPOCHS = text_defaults.ALL_EPOCHS  # every weight trained, no length given
 LENGTH_EDGES = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # candidate token lengths (public)
 
@@ -86,7 +85,7 @@ class TextConfig:
     steps: int | None = None
     batch_size: int | None = None
     train_weights: str = "auto"
-    optimizer: str | None = None  # None: DEFAULT_HEAD_OPTIMIZER for a head, else DEFAULT_TEXT_OPTIMIZER
+    optimizer: str = DEFAULT_TEXT_OPTIMIZER
     lr: float | str | None = None  # a number or "auto"; None: DEFAULT_TEXT_LR
     clipping: str = "auto-s"
     groups: str = "all-layer"
@@ -106,7 +105,7 @@ def _check(config: TextConfig) -> None:
     if config.lr == "hyfreedp":
         raise ValueError("--lr hyfreedp is not available for text models yet: use --lr auto (the default) "
                          "or give a number")
-    if config.optimizer is not None and config.optimizer not in OPTIMIZERS:
+    if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {config.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
     if config.train_weights not in text_defaults.TRAIN_WEIGHTS:
         raise ValueError(f"--train-weights must be one of {', '.join(text_defaults.TRAIN_WEIGHTS)}, got "
@@ -118,7 +117,7 @@ def _check(config: TextConfig) -> None:
     check_config(TrainConfig(epsilon=config.epsilon, delta=config.delta, epochs=length[0],
                              steps=length[1], batch_size=config.batch_size or 1, clipping=config.clipping,
                              groups=config.groups, lr=config.resolved_lr(), accountant=config.accountant,
-                             optimizer=config.optimizer or DEFAULT_TEXT_OPTIMIZER))
+                             optimizer=config.optimizer))
     if config.task is not None and config.task not in text_data.TASKS:
         raise ValueError(f"unknown task {config.task!r}: use one of {', '.join(text_data.TASKS)}")
     if config.max_length is not None and config.max_length < 2:
@@ -290,9 +289,7 @@ def train_text(config: TextConfig) -> dict[str, Any]:
     test_set = text_data.TextExamples(tensors, test_rows)
     trainable = [p for p in model.parameters() if p.requires_grad]
     auto = config.resolved_lr() == "auto"
-    default_optimizer = DEFAULT_HEAD_OPTIMIZER if weights == "head" else DEFAULT_TEXT_OPTIMIZER
-    optimizer_name = config.optimizer or default_optimizer
-    optimizer = OPTIMIZERS[optimizer_name](trainable, 1.0 if auto else config.resolved_lr())
+    optimizer = OPTIMIZERS[config.optimizer](trainable, 1.0 if auto else config.resolved_lr())
     noise = ({"target_epsilon": config.epsilon} if math.isfinite(config.epsilon)
              else {"noise_multiplier": 0.0})
     # the ledger holds the preprocessing releases before the first step; the whole ledger spends ε
@@ -333,7 +330,7 @@ def train_text(config: TextConfig) -> dict[str, Any]:
         "preprocessing_epsilon": preprocessing_epsilon(releases, delta, config.accountant),
         "dataset": {"name": table.name, "train_examples": len(train_rows), "test_examples": len(test_rows),
                     "sequence_length": length, "classes": names},
-        "config": {**asdict(config), "delta": delta, "lr": config.resolved_lr(), "optimizer": optimizer_name},
+        "config": {**asdict(config), "delta": delta, "lr": config.resolved_lr()},
         "train_seconds": train_seconds,
         "public_by_declaration": ["the number of training rows N (the sampling rate is batch size / N)",
                                   *([f"the classes given by --labels {list(config.labels)}"]
@@ -441,7 +438,7 @@ def add_arguments(train: argparse.ArgumentParser, positive_int) -> None:
                             "mean-pooled token states), 'all' (every weight, or the LoRA adapters) or 'auto' "
                             "(the default: every weight only where the noise on a step's mean gradient, "
                             "σ√d/B, is at most 1, the largest signal under AUTO-S; else the head). Without "
-                            "--batch-size and --epochs/--steps, a head trains 100 steps of batch N/8 (64 to "
+                            "--batch-size and --epochs/--steps, a head trains 300 steps of batch N/4 (64 to "
                             "1024), every weight 3 epochs of batch 256")
     group.add_argument("--lora-rank", type=positive_int, default=None,
                        help="fine-tune LoRA adapters of this rank instead of every parameter")
@@ -482,7 +479,7 @@ def command(args: argparse.Namespace) -> int:
         labels=args.labels, max_length=args.max_length, lora_rank=args.lora_rank,
         lora_targets=args.lora_targets, epsilon=args.epsilon, delta=args.delta,
         epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
-        train_weights=args.train_weights or "auto", optimizer=args.optimizer,
+        train_weights=args.train_weights or "auto", optimizer=args.optimizer or DEFAULT_TEXT_OPTIMIZER,
         lr=args.lr, clipping=args.clipping, groups=args.groups, accountant=args.accountant, seed=args.seed,
         quiet=args.quiet)
     result = train_text(config)
