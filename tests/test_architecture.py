@@ -137,9 +137,6 @@ def test_import_tunefree_leaves_the_heavy_optional_modules_unimported():
 # The command line is an application of the public API: it imports names from these modules only, each
 # name one of the module's ``__all__`` (``tunefree.audit``, a public package, is reached as ``tunefree``'s).
 PUBLIC_MODULES = ("tunefree", "tunefree.extend", "tunefree.privacy")
-# Temporary: the text mode (helper `cli-text`) still imports internal modules while it moves to the public
-# API; the lead removes this entry when it has.
-NOT_YET_PUBLIC = {"text.py", "text_defaults.py"}
 
 
 def _cli_imports(path: pathlib.Path) -> list[tuple[str, str]]:
@@ -166,8 +163,7 @@ def test_the_command_line_imports_only_the_public_api():
 
     public = {name: set(importlib.import_module(name).__all__) for name in PUBLIC_MODULES}
     offenders = [f"cli/{path.name}: {module} {name}".strip()
-                 for path in sorted((SRC / "cli").glob("*.py")) if path.name not in NOT_YET_PUBLIC
+                 for path in sorted((SRC / "cli").glob("*.py"))
                  for module, name in _cli_imports(path)
                  if module not in public or (name and name not in public[module])]
     assert offenders == []
-    assert all((SRC / "cli" / name).exists() for name in NOT_YET_PUBLIC)  # drop an entry once it is gone

@@ -15,8 +15,9 @@ import pytest
 import torch
 import transformers
 
-from tunefree.cli import main, text_data, text_defaults, text_models
+from tunefree.cli import main, text_data, text_defaults, text_head, text_models
 from tunefree.cli import text as text_module
+from tunefree.cli.releases import Budget
 from tunefree.cli.split import held_out, split_key, table_rows
 from tunefree.privacy import threshold_event
 from tunefree.privacy.accounting import epsilon_of, planned_event
@@ -151,8 +152,8 @@ def test_small_data_trains_a_mean_pooled_head_that_loads_and_predicts(files, hea
     train_rows = result["dataset"]["train_examples"]
     assert result["trained"] == "head" and "σ√d/B" in result["trained_why"]
     assert result["trainable_parameters"] == 16 * 2 + 2  # hidden 16 → neg, pos
-    # the head's schedule: batch N/8 within [64, 1024] (here all N rows), 100 steps
-    assert result["batch_size"] == min(64, train_rows) and result["steps"] == 100
+    # the head's schedule: batch N/4 within [64, 1024] (here all N rows), 300 steps
+    assert result["batch_size"] == min(64, train_rows) and result["steps"] == 300
     assert 0.99 * 3.0 <= result["epsilon"] <= 3.0
     model, tokenizer = text_models.load_mean_pooled_classifier(out / "model")
     assert model.classes == ["neg", "pos"]
@@ -177,9 +178,18 @@ def test_mean_pooling_ignores_padding(files):
     together = text_models.mean_pooled(encoder, padded["input_ids"], padded["attention_mask"])
     single = text_models.mean_pooled(encoder, alone["input_ids"], alone["attention_mask"])
     assert torch.allclose(together[0], single[0], atol=1e-5)
+    torch.manual_seed(0)
+    deeper = transformers.BertModel(transformers.BertConfig(
+        vocab_size=len(SPECIAL) + len(WORDS), hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32)).eval()
+    pooled = text_models.mean_pooled(deeper, padded["input_ids"], padded["attention_mask"])
     with torch.no_grad():
-        states = encoder.eval()(**{k: alone[k] for k in ("input_ids", "attention_mask")}).last_hidden_state
-    assert torch.allclose(single[0], states[0].mean(0), atol=1e-5)
+        out = deeper(input_ids=alone["input_ids"], attention_mask=alone["attention_mask"],
+                     output_hidden_states=True)
+    layers = out.hidden_states[1:]  # every layer's output, not the embeddings: their mean over the tokens
+    assert len(layers) == 3
+    assert torch.allclose(pooled[0], torch.stack(layers).mean(0)[0].mean(0), atol=1e-5)
+    assert not torch.allclose(pooled[0], layers[-1][0].mean(0), atol=1e-3)
 
 
 def test_the_weights_rule_trains_every_weight_only_where_the_noise_is_below_the_signal():
@@ -192,8 +202,12 @@ def test_the_weights_rule_trains_every_weight_only_where_the_noise_is_below_the_
     assert text_defaults.noise_to_signal(100_000, run=run, **{k: v for k, v in big.items()}) < 1
     assert text_defaults.choose_weights("auto", 100_000, batch_size=4096, epochs=None, steps=100, **big)[0] \
         == "all"
+    # a reference run (no noise) trains what a private run at the default ε = 3 would
+    weights, why = text_defaults.choose_weights("auto", 22_713_986, 1897, float("inf"), 1 / 1897 ** 1.1, None,
+                                                None, None)
+    assert weights == "head" and "at ε = 3" in why and "without noise (a reference run)" in why
     assert text_defaults.choose_weights("auto", 100_000, batch_size=None, epochs=None, steps=None,
-                                        **{**big, "epsilon": float("inf")})[0] == "all"  # no noise
+                                        **{**big, "epsilon": float("inf")})[0] == "all"  # as at ε = 3
     assert text_defaults.choose_weights("head", 100_000, batch_size=None, epochs=None, steps=None, **big)[0] \
         == "head"
 
@@ -205,7 +219,7 @@ def test_reported_epsilon_is_the_ledgers(bert_run, gpt2_lora_run, head_run):
     assert length["release"] == "text length" and length["share"] == 0.05
     assert private["dataset"]["sequence_length"] == length["length"] in length["edges"]
     assert 0 < private["preprocessing_epsilon"] < 3.0 and declared["preprocessing_epsilon"] == 0.0
-    assert [r["release"] for r in head["preprocessing"]] == ["text length"]
+    assert [r["release"] for r in head["preprocessing"]] == ["text length", "centre of the pooled states"]
     for result in (declared, private, head):
         assert result["epsilon"] == pytest.approx(epsilon_of(ledger_of(result), result["delta"], "rdp"),
                                                   rel=1e-12)
@@ -353,8 +367,99 @@ def test_the_optimizer_asked_for_is_the_one_that_trains(files, tmp_path, monkeyp
     assert type(seen["optimizer"]) is torch.optim.SGD and seen["optimizer"].param_groups[0]["lr"] == 0.1
 
 
-def test_a_text_run_names_its_model_directory_not_the_table_predictor(tmp_path):
-    from tunefree.cli.report import where_results_went
+def _predict(out, frame, path) -> pd.DataFrame:
+    """``tunefree predict --run out`` on the rows of ``frame``, written to ``path`` first."""
+    frame.to_csv(path, index=False)
+    output = path.with_suffix(".out")
+    assert main(["predict", "--run", str(out), "--data", str(path), "--output", str(output)]) == 0
+    return pd.read_csv(output)
 
-    line = where_results_went(tmp_path, None, text_model=True)
-    assert "model/" in line and "predict" not in line and "model.pt" not in line
+
+def _held_out_frame(files, name="reviews.csv", text="text", label="label") -> pd.DataFrame:
+    frame = pd.read_csv(files / name) if name.endswith(".csv") else pd.read_parquet(files / name)
+    return frame.iloc[_held_out(frame[text].tolist(), frame[label].tolist())]
+
+
+@pytest.mark.parametrize("run", ["head_run", "bert_run"])
+def test_predict_serves_a_text_run(files, tmp_path, request, run):
+    out, result = request.getfixturevalue(run)
+    held = _held_out_frame(files)
+    predicted = _predict(out, held.drop(columns=["label"]), tmp_path / "new.csv")
+    assert list(predicted["text"]) == list(held["text"]) and set(predicted["prediction"]) <= {"neg", "pos"}
+    # new texts are tokenised and pooled as the training texts were: the held-out accuracy is the report's
+    accuracy = (predicted["prediction"].to_numpy() == held["label"].to_numpy()).mean()
+    assert accuracy == pytest.approx(result["test_accuracy"])
+
+
+def test_predict_serves_a_lora_classifier_and_refuses_a_causal_lm(files, tmp_path, gpt2_lora_run, capsys):
+    result = _train(files, tmp_path / "lora", "--model", str(files / "bert"), "--data",
+                    str(files / "reviews.parquet"), "--text-column", "review", "--label-column", "sentiment",
+                    "--lora-rank", "2", "--labels", "neg,pos", "--max-length", "8")
+    held = _held_out_frame(files, "reviews.parquet", "review", "sentiment")
+    predicted = _predict(tmp_path / "lora", held[["review"]], tmp_path / "new.csv")
+    accuracy = (predicted["prediction"].to_numpy() == held["sentiment"].to_numpy()).mean()
+    assert accuracy == pytest.approx(result["test_accuracy"])
+    out, _, _ = gpt2_lora_run
+    capsys.readouterr()
+    code = main(["predict", "--run", str(out), "--data", str(files / "lm.jsonl")])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds a causal-lm model, which generates text rather than classifying it" in err
+
+
+def test_the_reference_run_trains_the_private_recipe_without_noise(files, tmp_path, capsys):
+    out = tmp_path / "reference"
+    code = main(["train", "--quiet", "--seed", "0", "--model", str(files / "bert"), "--data",
+                 str(files / "reviews.csv"), "--labels", "neg,pos", "--epsilon", "inf", "--out", str(out),
+                 "--json", str(out / "r.json")])
+    assert code == 0
+    printed = capsys.readouterr().out
+    result = json.loads((out / "r.json").read_text())
+    # a private run of this size trains a head: so does its reference, 300 steps of N/4, with σ = 0
+    assert result["trained"] == "head" and "without noise (a reference run)" in result["trained_why"]
+    assert result["noise_multiplier"] == 0 and result["epsilon"] == "inf" and result["steps"] == 300
+    assert result["config"]["optimizer"] == "adamw" and result["config"]["lr"] == "auto"
+    centre, = [r for r in result["preprocessing"] if r["release"] == "centre of the pooled states"]
+    assert centre["noise_multiplier"] == 0  # exact with no privacy
+    # the majority rate of the test rows is shown beside the accuracy, outside the guarantee
+    labels = _held_out_frame(files)["label"]
+    share = labels.value_counts(normalize=True)
+    assert result["test_majority_rate"] == pytest.approx(share.max())
+    assert result["test_majority_class"] == share.idxmax()
+    assert {"test_majority_rate", "test_majority_class"} <= set(result["outside_the_guarantee"]["keys"])
+    assert f"always predicting the majority class {share.idxmax()!r}: {share.max():.4f}" in printed
+    assert f"tunefree predict --run {out}" in printed
+
+
+def test_test_data_gives_the_test_rows(files, tmp_path):
+    frame = pd.read_csv(files / "reviews.csv")
+    frame.iloc[:45].to_csv(tmp_path / "train.csv", index=False)
+    test = frame.iloc[45:].copy()
+    test.loc[test.index[0], "label"] = "neg" if (test["label"] == "pos").mean() >= 0.5 else "pos"
+    test.to_csv(tmp_path / "test.csv", index=False)
+    result = _train(files, tmp_path / "run", "--model", str(files / "bert"), "--data",
+                    str(tmp_path / "train.csv"), "--test-data", str(tmp_path / "test.csv"), "--labels",
+                    "neg,pos", "--max-length", "16")
+    assert result["dataset"]["train_examples"] == 45 and result["dataset"]["test_examples"] == 15
+    assert result["test_majority_rate"] == pytest.approx(test["label"].value_counts(normalize=True).max())
+    predicted = _predict(tmp_path / "run", test.drop(columns=["label"]), tmp_path / "new.csv")
+    accuracy = (predicted["prediction"].to_numpy() == test["label"].to_numpy()).mean()
+    assert accuracy == pytest.approx(result["test_accuracy"])
+
+
+def test_the_head_reads_privately_centred_unit_states():
+    torch.manual_seed(0)
+    states = torch.randn(50, 6) * 3 + 5
+    rows = torch.arange(40)
+    exact, release = text_head.release_centre(states, rows, Budget(float("inf"), 1e-5), None)
+    units = states / states.norm(dim=1, keepdim=True)
+    assert torch.allclose(exact, units[:40].double().mean(0)) and release.events == ()
+    noisy, release = text_head.release_centre(states, rows, Budget(3.0, 1e-5), 0)
+    assert len(release.events) == 1 and release.events[0].noise_multiplier == release.noise_multiplier > 0
+    # the noise is σ·1/N per coordinate: one row moves the unit vectors' sum by at most 1
+    assert (noisy - exact).std().item() == pytest.approx(release.noise_multiplier / 40, rel=0.8)
+    inputs = text_head.head_inputs(states, exact)
+    assert torch.allclose(inputs, (units - exact.float()) * 6 ** 0.5, atol=1e-6)
+    assert inputs[:40].mean(0).abs().max() < 1e-5  # centred on the training rows
+    head = torch.nn.Linear(6, 3)
+    weight, bias = text_head.fold(head.weight.detach(), head.bias.detach(), exact)
+    assert torch.allclose(head(inputs), units @ weight.T + bias, atol=1e-5)  # the saved head, on unit states

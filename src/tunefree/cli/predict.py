@@ -10,8 +10,8 @@ public or released, so predicting reads nothing of the training rows. In Python:
     predictor = load("runs/churn")                      # a TablePredictor or an ImagePredictor
     labels = predictor.predict(pandas.read_csv("new.csv"))
 
-Each kind is served by a loader in :data:`LOADERS`; a kind without one (text models, until the text mode
-adds its loader) is refused, saying so.
+Tables and images are served by a loader in :data:`LOADERS`; text runs by the text mode
+(``cli/text.py``, ``predict_command``).
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ class ImagePredictor:
         return pd.DataFrame({"image": names, "prediction": self.predict(images, str(args.data))}), []
 
 
-# What serves each kind of run directory (run_kind); the text mode adds "text".
+# What serves each kind of run directory (run_kind); a text run is served by cli/text.py's predict_command.
 LOADERS: dict[str, Callable[[Path], Any]] = {"table": TablePredictor.load, "image": ImagePredictor.load}
 
 
@@ -210,8 +210,8 @@ def load(run: str | Path) -> TablePredictor | ImagePredictor:
     run = Path(run)
     kind = run_kind(run)
     if kind not in LOADERS:
-        raise DataError(f"{run} holds a {kind} model (model/), which `tunefree predict` does not serve yet: "
-                        "load it in Python (docs/cli.md, Text models: Output)")
+        raise DataError(f"{run} holds a {kind} model, which `tunefree predict` serves through the text "
+                        "mode: run `tunefree predict --run DIR --data FILE`")
     return LOADERS[kind](run)
 
 
@@ -236,6 +236,10 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    if run_kind(args.run) == "text":
+        from . import text  # the text mode's own predictor (it needs transformers)
+
+        return text.predict_command(args)
     frame, notes = load(args.run).run(args)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)

@@ -48,7 +48,7 @@ from .split import cell_text
 
 # Shares of the budget's μ² (module docstring), the smallest that keep a label of 50 training rows and a
 # category value of 100 with probability 0.99 at ε = 3 for N up to 10⁶, and that standardise one numeric
-# column from 100 rows (benchmarks/RESULTS.md §14 weighs them against training's share).
+# column from 100 rows (benchmarks/RESULTS.md §15 weighs them against training's share).
 LABEL_SHARE = 0.07  # the class labels: one partition selection
 CATEGORY_SHARE = 0.02  # each text column's category set, in one partition selection over the columns
 CATEGORY_SHARE_CAP = 0.24  # the category sets in all (12 columns; more share it)

@@ -1,15 +1,19 @@
 """Private fine-tuning of a local Hugging Face model on a text table: what ``tunefree train --model PATH``
-does (classification or causal LM; every weight, LoRA, or a head on the frozen model's mean-pooled states).
+does (classification or causal LM; every weight, LoRA, or a head on the frozen model's mean-pooled states,
+``text_head.py``), and ``tunefree predict`` of such a run.
 
-``train_text(config)`` reads the table, splits it by a keyed hash of each row (``split.py``), selects the
-classes privately unless ``--labels`` declares them, loads the model, chooses what to train and for how
-long from N and ε (``text_defaults.py``) unless the flags say, sets the token length from ``--max-length``
-or a private quantile of the training texts' lengths, tokenises, calls :func:`tunefree.make_private` with
-those releases as its prior releases (the ledger holds them first, and the training noise is calibrated
-so that the whole ledger spends ε), trains with the chosen optimizer (AdamW by default), evaluates on the
-held-out rows (outside the guarantee, and labelled so) and saves the model in ``<out>/model``
-(``save_pretrained``; the adapter alone for LoRA; the encoder and ``tunefree_head.*`` for a head, read back
-by ``text_models.load_mean_pooled_classifier``); ``report.json`` beside it holds ε from the run's ledger.
+``train_text(config)`` reads the table (and ``--test-data``), splits it by a keyed hash of each row
+(``split.py``) unless the test rows are given, selects the classes privately unless ``--labels`` declares
+them, loads the model, chooses what to train and for how long from N and ε (``text_defaults.py``) unless the
+flags say, sets the token length from ``--max-length`` or a private quantile of the training texts' lengths,
+tokenises, for a head releases the centre of the pooled states (``text_head.py``), calls
+:func:`tunefree.make_private` with those releases as its prior releases (the ledger holds them first, and the
+training noise is calibrated so that the whole ledger spends ε), trains with the chosen optimizer (AdamW by
+default), evaluates on the held-out rows (outside the guarantee, and labelled so,
+beside the majority rate of those rows) and saves the model in ``<out>/model`` (``save_pretrained``; the
+adapter alone for LoRA; the encoder and ``tunefree_head.pt`` for a head) with ``tunefree_text.json``, which
+``text_models.load_classifier`` and ``tunefree predict`` read; ``report.json`` beside it holds ε from the
+run's ledger.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import math
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,9 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..api import make_private
-from ..run import DPEngine
-from . import text_data, text_defaults, text_models
+from .. import DPEngine, make_private
+from . import report, text_data, text_defaults, text_head, text_models
 from .releases import (
     OTHER,
     Budget,
@@ -38,7 +42,7 @@ from .releases import (
     private_length,
     select_sets,
 )
-from .report import OUTSIDE_THE_GUARANTEE, RunDirectory, where_results_went, write_json
+from .report import OUTSIDE_THE_GUARANTEE, RunDirectory, write_json
 from .split import held_out, split_key, table_rows
 from .tables import class_indices
 from .training import OPTIMIZERS, Progress, check_config, guarantee_text, loose_target_note
@@ -60,12 +64,14 @@ class TextConfig:
     ``epsilon`` ∞ is a non-private reference run. ``train_weights``: ``"all"`` (every parameter, or the
     LoRA adapters), ``"head"`` (a linear head on the frozen model's mean-pooled token states,
     classification only) or ``"auto"`` (chosen from N and ε: ``text_defaults.choose_weights``);
-    ``batch_size`` and the length (``epochs``/``steps``) None: ``text_defaults.schedule``'s. The other
-    privacy fields are ``TrainConfig``'s."""
+    ``batch_size`` and the length (``epochs``/``steps``) None: ``text_defaults.schedule``'s. ``test_data``:
+    a table of the same columns to test on (every row of ``data`` then trains; None: the keyed 80/20 split of
+    ``data``). The other privacy fields are ``TrainConfig``'s."""
 
     model: str
     data: str
     out: str
+    test_data: str | None = None
     text_column: str = "text"
     label_column: str | None = None
     task: str | None = None
@@ -165,6 +171,17 @@ def evaluate(model: torch.nn.Module, examples: text_data.TextExamples, task: str
     return {"test_loss": loss, "test_perplexity": math.exp(min(loss, 700.0))}
 
 
+MAJORITY_KEYS = ["test_majority_class", "test_majority_rate"]
+
+
+def majority(examples: text_data.TextExamples, names: list[str]) -> dict[str, Any]:
+    """The test rows' most frequent class and its share: the accuracy of always predicting it, against
+    which the test accuracy says whether the model learnt anything (computed from the held-out rows
+    without noise, like the test accuracy: outside the guarantee)."""
+    rate = report.majority_class_rate(examples.tensors["labels"], names)
+    return {"test_majority_class": rate["class"], "test_majority_rate": rate["rate"]}
+
+
 def _split_rows(table: text_data.TextTable, label_column: str | None, seed: int | None):
     """Training and test row indices by the keyed hash of each row's text (and label)."""
     import numpy as np
@@ -175,6 +192,21 @@ def _split_rows(table: text_data.TextTable, label_column: str | None, seed: int 
         raise text_data.DataError(f"{table.name}: the 80/20 split of its {len(test)} rows put none in the "
                                   f"{'training' if test.all() else 'test'} split: add rows")
     return np.flatnonzero(~test), np.flatnonzero(test)
+
+
+def _with_test_rows(table: text_data.TextTable, test_data: str, text_column: str, label_column: str | None):
+    """``table`` with the rows of ``test_data`` after its own: every row of ``table`` trains, the others
+    test; the training and test row indices."""
+    import numpy as np
+    import pandas as pd
+
+    test = text_data.read_table(test_data, text_column)
+    columns = [text_column] + ([label_column] if label_column else [])
+    if label_column:
+        test.labels(label_column)  # a missing column or empty cell is refused, naming the test file
+    frame = pd.concat([table.frame[columns], test.frame[columns]], ignore_index=True)
+    both = text_data.TextTable(table.name, table.texts + test.texts, frame)
+    return both, np.arange(len(table.texts)), np.arange(len(table.texts), len(both.texts))
 
 
 def _classes(labels, train_rows, config: TextConfig, budget: Budget
@@ -205,7 +237,11 @@ def train_text(config: TextConfig) -> dict[str, Any]:
     if config.labels is not None and task != "classification":
         raise ValueError("--labels names the classes of a classification task, and this table has no label "
                          "column: drop --labels or pass --label-column")
-    train_rows, test_rows = _split_rows(table, label_column, config.seed)
+    if config.test_data is None:
+        train_rows, test_rows = _split_rows(table, label_column, config.seed)
+    else:
+        table, train_rows, test_rows = _with_test_rows(table, config.test_data, config.text_column,
+                                                       label_column)
     delta, delta_text = delta_choice(config.delta, len(train_rows))
     if config.batch_size is not None and len(train_rows) < config.batch_size:
         raise ValueError(f"--batch-size {config.batch_size} is larger than the {len(train_rows)} training "
@@ -237,12 +273,17 @@ def train_text(config: TextConfig) -> dict[str, Any]:
     notes += _notes(classes, other, releases, length, config)
     notes.append(f"trained: {weights_text}; batch size {run_plan.batch_size}, "
                  f"{run_plan.planned_steps(len(train_rows))} steps")
-    encoder = None
+    encoder = centre = None
     if weights == "head":  # the frozen encoder's states, once: each a function of its own text alone
         encoder = text_models.encoder_of(model)
-        features = text_models.mean_pooled(encoder, tensors["input_ids"], tensors["attention_mask"])
-        tensors = {"features": features, "labels": tensors["labels"]}
-        model = nn.Linear(features.shape[1], len(names))
+        states = text_models.mean_pooled(encoder, tensors["input_ids"], tensors["attention_mask"])
+        centre, release = text_head.release_centre(states, train_rows, budget, config.seed)
+        releases.append(release)
+        notes.append(f"the head reads each text's mean-pooled state scaled to unit length, centred on their "
+                     f"mean over the training rows (released privately: {release.share:.0%} of ε and δ, in "
+                     f"the ledger) and multiplied by √{states.shape[1]}")
+        tensors = {"features": text_head.head_inputs(states, centre), "labels": tensors["labels"]}
+        model = nn.Linear(states.shape[1], len(names))
     train_set = text_data.TextExamples(tensors, train_rows)
     test_set = text_data.TextExamples(tensors, test_rows)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -260,14 +301,21 @@ def train_text(config: TextConfig) -> dict[str, Any]:
     epsilon = _train_loop(engine, task, config, delta, run)
     train_seconds = time.perf_counter() - started
     engine.detach()
-    if engine.lr_rule is not None:  # the model kept is the automatic learning rate's averaged one
+    if hasattr(engine.lr_rule, "apply_average"):  # the model kept is lr="auto"'s averaged one
         engine.lr_rule.apply_average()
-    if encoder is not None:
-        text_models.save_head(encoder, model, names, tokenizer, run.path / "model")
+    description = {"task": task, "trained": weights, "lora": hasattr(model, "peft_config"),
+                   "text_column": config.text_column, "max_length": length, "classes": names}
+    if encoder is not None:  # the head as it reads the unit-length states: the centre folded into its bias
+        with torch.no_grad():
+            saved = nn.Linear(model.in_features, model.out_features)
+            saved.weight[:], saved.bias[:] = text_head.fold(model.weight, model.bias, centre)
+        text_models.save_head(encoder, saved, tokenizer, run.path / "model", description)
     else:
         text_models.save(model, tokenizer, run.path / "model")
+        text_models.save_description(run.path / "model", description)
     result = {
-        **evaluate(model, test_set, task), "epsilon": epsilon, "delta": delta, "delta_choice": delta_text,
+        **evaluate(model, test_set, task), **(majority(test_set, names) if task == "classification" else {}),
+        "epsilon": epsilon, "delta": delta, "delta_choice": delta_text,
         "noise_multiplier": engine.noise_multiplier, "steps": engine.steps,
         "planned_steps": engine.planned_steps, "sample_rate": engine.sample_rate,
         "guarantee": guarantee_text(engine, delta, len(train_rows)),
@@ -288,7 +336,8 @@ def train_text(config: TextConfig) -> dict[str, Any]:
                                     if config.labels else []),
                                   *([f"the token length given by --max-length {config.max_length}"]
                                     if config.max_length else [])],
-        "outside_the_guarantee": OUTSIDE_THE_GUARANTEE,
+        "outside_the_guarantee": {**OUTSIDE_THE_GUARANTEE,
+                                  "keys": [*OUTSIDE_THE_GUARANTEE["keys"], *MAJORITY_KEYS]},
     }
     run.finish(result)
     return result
@@ -388,7 +437,7 @@ def add_arguments(train: argparse.ArgumentParser, positive_int) -> None:
                             "mean-pooled token states), 'all' (every weight, or the LoRA adapters) or 'auto' "
                             "(the default: every weight only where the noise on a step's mean gradient, "
                             "σ√d/B, is at most 1, the largest signal under AUTO-S; else the head). Without "
-                            "--batch-size and --epochs/--steps, a head trains 100 steps of batch N/8 (64 to "
+                            "--batch-size and --epochs/--steps, a head trains 300 steps of batch N/4 (64 to "
                             "1024), every weight 3 epochs of batch 256")
     group.add_argument("--lora-rank", type=positive_int, default=None,
                        help="fine-tune LoRA adapters of this rank instead of every parameter")
@@ -413,8 +462,7 @@ def check_no_text_flags(args: argparse.Namespace) -> None:
 TABLE_FLAGS = {"schema": None, "hidden": None, "numeric_scaling": "private", "thresholds": "fixed",
                "target_quantile": None, "quantile_lr": None, "quantile_budget": None, "clip_gamma": None,
                "psac_r": None, "noise_allocation": "global", "lr_update_interval": None,
-               "loss_privacy": None, "audit_canaries": None, "na_values": (), "drop_rows_with_missing": False,
-               "test_data": None}
+               "loss_privacy": None, "audit_canaries": None, "na_values": (), "drop_rows_with_missing": False}
 
 
 def command(args: argparse.Namespace) -> int:
@@ -425,7 +473,7 @@ def command(args: argparse.Namespace) -> int:
         raise ValueError(f"{', '.join(given)} do not apply to text models (fixed thresholds, no table "
                          "columns): drop them")
     config = TextConfig(
-        model=args.model, data=args.dataset, out=str(args.out) if args.out else "",
+        model=args.model, data=args.dataset, out=str(args.out) if args.out else "", test_data=args.test_data,
         text_column=args.text_column or "text", label_column=args.label_column, task=args.task,
         labels=args.labels, max_length=args.max_length, lora_rank=args.lora_rank,
         lora_targets=args.lora_targets, epsilon=args.epsilon, delta=args.delta,
@@ -436,8 +484,11 @@ def command(args: argparse.Namespace) -> int:
     result = train_text(config)
     if args.json:
         write_json(args.json, result)
-    metric = (f"test accuracy {result['test_accuracy']:.4f}" if result["task"] == "classification"
-              else f"test loss {result['test_loss']:.4f} (perplexity {result['test_perplexity']:.4g})")
+    if result["task"] == "classification":
+        metric = (f"test accuracy {result['test_accuracy']:.4f} (always predicting the majority class "
+                  f"{result['test_majority_class']!r}: {result['test_majority_rate']:.4f})")
+    else:
+        metric = f"test loss {result['test_loss']:.4f} (perplexity {result['test_perplexity']:.4g})"
     print(f"{metric} on {result['dataset']['test_examples']} held-out rows (outside the guarantee: computed "
           "from those rows without noise)")
     print(f"guarantee: {result['guarantee']}; randomness: {result['randomness']}")
@@ -445,6 +496,46 @@ def command(args: argparse.Namespace) -> int:
     for note in [*result["data_notes"], *([result["note"]] if result["note"] else [])]:
         print(f"note: {note}")
     adapter = " (the LoRA adapter only)" if result["lora"] else ""
-    where = where_results_went(args.out, args.json, text_model=True)
-    print(f"model saved in {result['model_directory']}{adapter}; {where}")
+    serves = (f" — `tunefree predict --run {args.out} --data new.csv` classifies new texts"
+              if result["task"] == "classification" else "")
+    print(f"model saved in {result['model_directory']}{adapter}{serves}; run directory: {args.out} (model/, "
+          "report.json, metrics.jsonl, plots)")
+    return 0
+
+
+# ---------------------------------------------------------------------------- tunefree predict
+def holds_text_model(run: Path) -> bool:
+    """Whether the run directory ``run`` is a text run's (its model in ``model/``, described there)."""
+    return (Path(run) / "model" / text_models.TEXT_CONFIG).exists()
+
+
+@torch.no_grad()
+def predict_classes(model: nn.Module, batch: dict[str, torch.Tensor], batch_size: int = 64) -> list[str]:
+    """The predicted class name of each tokenised text (``(other)`` for the labels not selected)."""
+    indices = []
+    for start in range(0, len(batch["input_ids"]), batch_size):
+        logits = model(batch["input_ids"][start:start + batch_size],
+                       batch["attention_mask"][start:start + batch_size])
+        indices += logits.argmax(-1).tolist()
+    return [model.classes[i] for i in indices]
+
+
+def predict_command(args: argparse.Namespace) -> int:
+    """``tunefree predict --run DIR`` of a text run: the texts of ``--data`` tokenised as the training texts
+    were (text column, token length: ``model/tunefree_text.json``), classified by the saved model."""
+    import sys
+
+    if args.na_values:
+        raise ValueError("--na-values applies to table models: a text run reads its text column as it is")
+    model, tokenizer, description = text_models.load_classifier(Path(args.run) / "model")
+    table = text_data.read_table(args.data, description["text_column"])
+    batch = text_data.tokenize(tokenizer, table.texts, description["max_length"], "classification")
+    frame = table.frame.copy()
+    frame["prediction"] = predict_classes(model, batch)
+    if args.output is None:
+        frame.to_csv(sys.stdout, index=False)
+    else:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        frame.to_csv(args.output, index=False)
+        print(f"{len(frame)} predictions written to {args.output}")
     return 0
