@@ -9,7 +9,8 @@ The oracle (``neighbour.compare_runs``, noise 0, Abadi at R, sampling rate 1, le
 - ``carry``: a run whose earlier steps saw other data releases at its last step (on D) exactly what the
   run on D releases there;
 - ``sampling``: a loop that feeds the model batches of its own loader (not ``engine.data_loader``) is
-  refused before its first release;
+  refused before its first release, and no release comes from a batch that holds one example more than
+  once (a sampler with replacement under ``poisson_sampling=False``: its sensitivity is a multiple of R);
 - ``ledger``: a finished run's ledger holds every step taken (also across a resume), and a run without
   Poisson sampling says that its guarantee is the Poisson approximation;
 - ``crash``: tunefree fails with an error it did not raise on purpose, on code plain PyTorch runs.
@@ -35,8 +36,29 @@ import time
 from dataclasses import dataclass, field, replace
 
 import torch
-from fuzz_draw import Draw, LoopSpec, R, draw_data, refused_by_tunefree, run_draw, run_plain, sample_draw
-from fuzz_zoo import BLOCKS, MIXING_HOOKS, RECORDING_HOOKS, STATEFUL, STEM_LAYOUT, ModelSpec, build_model
+from fuzz_draw import (
+    CLIPPINGS,
+    SAMPLERS,
+    Draw,
+    LoopSpec,
+    R,
+    draw_data,
+    refused_by_tunefree,
+    run_draw,
+    run_plain,
+    sample_draw,
+)
+from fuzz_zoo import (
+    BATCH_SCALE_HOOKS,
+    BLOCKS,
+    MIXING_HOOKS,
+    RECORDING_HOOKS,
+    STEM_LAYOUT,
+    ModelSpec,
+    build_model,
+    keeps_state,
+    scales_backward_by_batch,
+)
 from neighbour import MultiStepReport, RunTrace, StepExcess, compare_runs, release_distance
 
 # Rounding: a float32/float64 release of N clipped gradients is exact to ~N·R·1e-7. Under bf16/fp16
@@ -49,14 +71,17 @@ WRITTEN = "model state written from the batch"
 CARRIED = "state carried across batches"
 MIXING_INSIDE = "mixing in the model the independence check misses"
 MIXING_OUTSIDE = "mixing outside the model"
+BACKWARD_SCALE = "a batch-wide scale in the backward"
+MIXING_LOSS = "mixing in the loss"
+CLIP_BATCH = "clip weights that read the batch"
 BATCH_SENSITIVITY = "batch-dependent sensitivity"
 SAMPLING = "sampling not as the guarantee says"
 LEDGER = "ledger"
 UNNOISED = "unnoised outputs"
 OTHER = "anything else"
 RANDOM_CHECK = "random-check"  # the verdict of a leak the random checks missed by chance (see check)
-CLASSES = (WRITTEN, CARRIED, MIXING_INSIDE, MIXING_OUTSIDE, BATCH_SENSITIVITY, SAMPLING, LEDGER, UNNOISED,
-           OTHER)
+CLASSES = (WRITTEN, CARRIED, MIXING_INSIDE, MIXING_OUTSIDE, BACKWARD_SCALE, MIXING_LOSS, CLIP_BATCH,
+           BATCH_SENSITIVITY, SAMPLING, LEDGER, UNNOISED, OTHER)
 
 
 @dataclass
@@ -114,6 +139,12 @@ def _violations(draw: Draw, report: MultiStepReport) -> list[Violation]:
     if loop.loader == "own" and trained:
         found.append(Violation("sampling", f"{trained} step(s) released from the user's own loader's "
                                            "batches, accounted as Poisson samples"))
+    repeated = [(t, m) for t, (m, fed) in enumerate(zip(full.repeats, full.fed)) if m > 1 and fed]
+    if repeated:
+        t, m = max(repeated, key=lambda tm: tm[1])
+        found.append(Violation("sampling", f"{len(repeated)} step(s) released from batches that hold an "
+                                           f"example more than once (step {t}: {m} times), accounted at "
+                                           "sensitivity R"))
     if full.state is not None:
         if full.ledger_steps != loop.steps:
             found.append(Violation("ledger", f"the ledger holds {full.ledger_steps} steps of {loop.steps} "
@@ -147,24 +178,44 @@ def _mixes_in_model(spec: ModelSpec) -> bool:
     return any(b.kind == "mix" for b in spec.blocks) or any(h.kind in MIXING_HOOKS for h in spec.hooks)
 
 
+def _scales_backward(spec: ModelSpec) -> bool:
+    """A scalar of the whole batch's gradient rescales it (a hook, a tensor hook, a Function)."""
+    return any(map(scales_backward_by_batch, spec.blocks)) or \
+        any(h.kind in BATCH_SCALE_HOOKS for h in spec.hooks)
+
+
+def _mixes_in_loss(loop: LoopSpec) -> bool:
+    """A token mean over the whole batch, or targets standardised by the batch's statistics."""
+    return (loop.loss == "token-ce" and loop.token_mean == "batch") or \
+        (loop.loss == "mse" and loop.target_norm == "batch")
+
+
 def _writes_state(spec: ModelSpec) -> bool:
-    return (spec.max_norm is not None or any(b.kind in STATEFUL for b in spec.blocks)
+    return (spec.max_norm is not None or any(map(keeps_state, spec.blocks))
             or any(b.kwargs().get("running") for b in spec.blocks)
             or any(h.kind in RECORDING_HOOKS for h in spec.hooks))
 
 
 def leak_features(draw: Draw) -> list[str]:
     """What in the draw may leak (and so may rightly be refused): a block that keeps state or mixes, a
-    norm with running statistics or batch statistics, a mixing or recording hook, a renormalising
-    embedding, mixing before the model, the user's own loader, a forgotten engine state, a wrongly
-    declared loss reduction. A refusal of a draw with none of them refuses code that does not leak."""
+    norm with running statistics or batch statistics, a mixing, recording or batch-scaling hook, a
+    gradient rescaled by a batch statistic, a renormalising embedding, mixing before the model or in the
+    loss, a clip function that reads the batch, a sampler that repeats examples, the user's own loader, a
+    forgotten engine state, a wrongly declared loss reduction. A refusal of a draw with none of them
+    refuses code that does not leak."""
     spec, loop = draw.model, draw.loop
-    found = [b.kind for b in spec.blocks if b.kind == "mix" or b.kind in STATEFUL]
+    found = [b.kind for b in spec.blocks if b.kind == "mix" or keeps_state(b)]
+    found += ["grad_scale over the batch"] if any(map(scales_backward_by_batch, spec.blocks)) else []
     found += [f"{b.kwargs()['kind']} norm" for b in spec.blocks
               if b.kind == "norm" and (b.kwargs().get("running") or b.kwargs()["kind"] == "batch")]
-    found += [h.kind for h in spec.hooks if h.kind in MIXING_HOOKS | RECORDING_HOOKS]
+    found += [h.kind for h in spec.hooks if h.kind in MIXING_HOOKS | RECORDING_HOOKS | BATCH_SCALE_HOOKS]
     found += ["max_norm"] if spec.max_norm is not None else []
     found += [f"mix_before={loop.mix_before}"] if loop.mix_before else []
+    found += ["token mean over the batch"] if loop.loss == "token-ce" and loop.token_mean == "batch" else []
+    found += ["targets standardised by the batch"] if loop.loss == "mse" and loop.target_norm == "batch" \
+        else []
+    found += [f"clipping={loop.clipping}"] if CLIPPINGS[loop.clipping] else []
+    found += [f"sampler={loop.sampler}"] if SAMPLERS[loop.sampler] else []
     found += ["own loader"] if loop.loader == "own" else []
     found += ["forgotten engine state"] if not loop.resume_engine_state else []
     found += ["misdeclared loss_reduction"] if loop.declared not in (None, loop.reduction) else []
@@ -183,6 +234,12 @@ def classify(draw: Draw, violations: list[Violation], report: MultiStepReport | 
             return MIXING_OUTSIDE
         if _mixes_in_model(draw.model):
             return MIXING_INSIDE
+        if _scales_backward(draw.model):
+            return BACKWARD_SCALE
+        if _mixes_in_loss(draw.loop):
+            return MIXING_LOSS
+        if CLIPPINGS[draw.loop.clipping]:
+            return CLIP_BATCH
     if "state" in checks and report is not None:
         params = {n for n, _ in build_model(draw.model, draw.seed).named_parameters()}
         if any(name in params for names in report.state_diffs.values() for name in names):
@@ -238,14 +295,15 @@ def _missed_by_chance(draw: Draw, violations: list[Violation], report: MultiStep
     1/verify_every), the independence check on a random half of the batch (a mixing pair is caught with
     probability ≥ 1/8 per check; ``ProbeSchedule``): a leak from mixing on a step they skip, or on a
     checked step whose half missed it, is the detection probability the design states, not a hole. It is
-    that only when the only violation is sensitivity, the draw mixes (in the model or before it), and
+    that only when the only violation is sensitivity, the draw mixes (in the model or before it, or
+    rescales its gradients by a statistic of the batch, which a gradient check may see), and
     the same draw checked at every step on every pair (``EveryPairChecked``) releases nothing beyond R
     (exact, or refused first); a leak that such checking still lets through stays a finding. Returns
     ``"unchecked step"`` (every leaky release was on a step the run did not check) or ``"random half"``
     (some leaky release was on a checked step)."""
     if any(v.check != "sensitivity" for v in violations):
         return None
-    if draw.loop.mix_before is None and not _mixes_in_model(draw.model):
+    if draw.loop.mix_before is None and not _mixes_in_model(draw.model) and not _scales_backward(draw.model):
         return None
     again = _compare(draw, x, y, history, every_pair=True)
     if again is None or again[1]:
@@ -302,6 +360,15 @@ def _valid(draw: Draw) -> bool:
         return False
     if spec.inputs != "tokens" and (spec.max_norm is not None or spec.tied_head):
         return False
+    if (spec.pool == "tokens") != (loop.loss == "token-ce") or (spec.pool != "mean" and layout != "seq"):
+        return False
+    if (loop.token_mean != "example" and loop.loss != "token-ce") or \
+            (loop.target_norm is not None and loop.loss != "mse"):
+        return False
+    if loop.sampler is not None and loop.loader != "poisson-off":
+        return False
+    if any(b.kind == "recent_deque" and b.kwargs().get("maxlen", 2) > loop.steps for b in spec.blocks):
+        return False  # a deque of recent batches is read within the run
     if loop.resume_at is not None and not 1 <= loop.resume_at < loop.steps:
         return False
     if loop.mix_start >= loop.steps or (loop.physical is not None and loop.loader != "poisson"):
@@ -318,8 +385,28 @@ def _without_block(spec: ModelSpec, i: int) -> ModelSpec:
     return replace(spec, blocks=spec.blocks[:i] + spec.blocks[i + 1:], hooks=hooks)
 
 
+def _consistent(draw: Draw) -> Draw:
+    """``draw`` with the fields that depend on a simplified one set to match it: a prediction per token
+    goes with the token loss (whichever of the two was simplified away), a sampler and a target
+    standardisation, a token mean with what they belong to."""
+    spec, loop = draw.model, draw.loop
+    if spec.pool == "tokens" and loop.loss != "token-ce":
+        spec = replace(spec, pool="mean")
+    if loop.loss == "token-ce" and (spec.pool != "tokens" or STEM_LAYOUT[spec.inputs] != "seq"):
+        loop = replace(loop, loss="ce")
+        spec = replace(spec, pool="mean") if spec.pool == "tokens" else spec
+    if loop.loss != "token-ce":
+        loop = replace(loop, token_mean="example")
+    if loop.loss != "mse":
+        loop = replace(loop, target_norm=None)
+    if loop.loader != "poisson-off":
+        loop = replace(loop, sampler=None)
+    return replace(draw, model=spec, loop=loop)
+
+
 def simpler(draw: Draw) -> list[Draw]:
-    """Drafts one simplification away from ``draw``: a block or hook fewer, a field at its default."""
+    """Drafts one simplification away from ``draw``: a block or hook fewer, a field at its default (and
+    the fields that depend on it made consistent, ``_consistent``)."""
     spec, loop = draw.model, draw.loop
     models = [_without_block(spec, i) for i in range(len(spec.blocks))]
     models += [replace(spec, hooks=spec.hooks[:k] + spec.hooks[k + 1:]) for k in range(len(spec.hooks))]
@@ -337,7 +424,8 @@ def simpler(draw: Draw) -> list[Draw]:
         drafts.append(replace(draw, loop=replace(loop, steps=loop.steps - 1)))
     if loop.examples > 3:
         drafts.append(replace(draw, loop=replace(loop, examples=loop.examples - 1)))
-    return [d for d in drafts if _valid(d)]
+    drafts = [_consistent(d) for d in drafts]
+    return [d for d in drafts if _valid(d) and d != draw]
 
 
 def shrink(draw: Draw, still_fails, budget: int = 200) -> Draw:
