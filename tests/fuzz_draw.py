@@ -1,10 +1,13 @@
 """The leak fuzzer's draws: an ordinary model (``fuzz_zoo``) and an ordinary private training loop, drawn
 from a seed, and the runner that trains one draw on given data and records what it released.
 
-The runner is the oracle's instrument, not part of the draw: noise 0, Abadi (or AUTO-S) at R, sampling
-rate 1 (the loader's batch size is the data set's size) and learning rate 0, so the weights stay public
-(they never move) and each step's ``.grad`` times the expected batch size is the released clipped sum.
-Everything else — layers, buffers, hooks, mixing, the loop, precision, loss — is what the draw says.
+The runner is the oracle's instrument, not part of the draw: noise 0, a clip function at R (Abadi,
+AUTO-S, or one an extension registers), sampling rate 1 (the loader's batch size is the data set's size)
+and learning rate 0, so the weights stay public (they never move) and each step's ``.grad`` times the
+expected batch size is the released clipped sum. Everything else — layers, buffers, hooks, mixing, the
+loop, its sampler, precision, loss — is what the draw says. ``UncheckedEngine`` runs a draw with no check
+at all (the oracle's reference for a library that refuses nothing), so that the fuzzer's tests can show
+that each leaking piece of the zoo leaks and the oracle sees it.
 """
 
 from __future__ import annotations

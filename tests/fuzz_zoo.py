@@ -3,8 +3,10 @@
 A model is ``stem → blocks → pool → head``. Between blocks the hidden state is one of three layouts,
 always examples first: ``vec`` (B, D), ``seq`` (B, T, D) or ``img`` (B, D, H, W). Every block is an
 ordinary module (a torch layer, a user module with a bare ``nn.Parameter``, a module that keeps a buffer
-or an attribute, one that mixes examples), and hooks are ordinary hooks. Nothing here knows tunefree: the
-zoo describes what users write; ``fuzz_draw`` trains it privately and ``leak_fuzz`` judges the result.
+or an attribute — or state on its class, in a foreign helper object, a list of 100, a deque or a
+module-level global — one that mixes examples, one that rescales its gradient by a statistic of the
+batch or of each example), and hooks are ordinary hooks. Nothing here knows tunefree: the zoo describes
+what users write; ``fuzz_draw`` trains it privately and ``leak_fuzz`` judges the result.
 
 ``ModelSpec`` is plain data, so a draw prints as a reproducer and shrinks by editing fields.
 """
@@ -605,6 +607,7 @@ HOOKS = {
 }
 MIXING_HOOKS = {"forward_mix", "backward_mix"}
 BATCH_SCALE_HOOKS = {"backward_clip_batch"}  # a scalar of the whole batch's gradient; no row zeroed
+ROW_SCALE_HOOKS = {"backward_clip_example"}    # each example's row by its own norm (not linear in it)
 RECORDING_HOOKS = {"forward_record", "backward_record"}
 
 

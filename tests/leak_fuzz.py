@@ -15,6 +15,12 @@ The oracle (``neighbour.compare_runs``, noise 0, Abadi at R, sampling rate 1, le
   Poisson sampling says that its guarantee is the Poisson approximation;
 - ``crash``: tunefree fails with an error it did not raise on purpose, on code plain PyTorch runs.
 
+A finding's class (``classify``) is the invariant it breaks, read from the failed checks and what the
+draw holds: state written or carried (also state on a class, in foreign objects, long containers, deques
+and globals), mixing in the model or before it, a batch-wide scale in the backward, mixing in the loss
+(a token mean over the batch, targets standardised by the batch), clip weights that read the batch, a
+sampling or ledger fault, a batch-dependent sensitivity, or anything else.
+
 Refused means a ``PrivacyError``, or a ValueError/TypeError/RuntimeError raised by a ``raise`` statement
 in tunefree (a named refusal). A refusal after a leaky release does not excuse the release: released
 steps are compared whatever happened later.
@@ -53,7 +59,9 @@ from fuzz_zoo import (
     BLOCKS,
     MIXING_HOOKS,
     RECORDING_HOOKS,
+    ROW_SCALE_HOOKS,
     STEM_LAYOUT,
+    UNSEEN_STATE,
     ModelSpec,
     build_model,
     keeps_state,
@@ -139,12 +147,15 @@ def _violations(draw: Draw, report: MultiStepReport) -> list[Violation]:
     if loop.loader == "own" and trained:
         found.append(Violation("sampling", f"{trained} step(s) released from the user's own loader's "
                                            "batches, accounted as Poisson samples"))
-    repeated = [(t, m) for t, (m, fed) in enumerate(zip(full.repeats, full.fed)) if m > 1 and fed]
+    runs = [("D", full), *((f"D∖{{{j}}}", n) for j, n in enumerate(report.neighbours)),
+            ("carry", report.carry)]
+    repeated = [(name, t, m) for name, run in runs if run is not None
+                for t, (m, fed) in enumerate(zip(run.repeats, run.fed)) if m > 1 and fed]
     if repeated:
-        t, m = max(repeated, key=lambda tm: tm[1])
-        found.append(Violation("sampling", f"{len(repeated)} step(s) released from batches that hold an "
-                                           f"example more than once (step {t}: {m} times), accounted at "
-                                           "sensitivity R"))
+        name, t, m = max(repeated, key=lambda r: r[2])
+        found.append(Violation("sampling", f"{len(repeated)} release(s) from batches that hold an example "
+                                           f"more than once (the run on {name}, step {t}: {m} times), "
+                                           "accounted at sensitivity R"))
     if full.state is not None:
         if full.ledger_steps != loop.steps:
             found.append(Violation("ledger", f"the ledger holds {full.ledger_steps} steps of {loop.steps} "
@@ -178,16 +189,41 @@ def _mixes_in_model(spec: ModelSpec) -> bool:
     return any(b.kind == "mix" for b in spec.blocks) or any(h.kind in MIXING_HOOKS for h in spec.hooks)
 
 
-def _scales_backward(spec: ModelSpec) -> bool:
-    """A scalar of the whole batch's gradient rescales it (a hook, a tensor hook, a Function)."""
+def _scales_backward(draw: Draw) -> bool:
+    """A scalar of the whole batch's gradient rescales it (a hook, a tensor hook, a Function), or each
+    example's row is rescaled by its own statistic under a mean loss: the rescaling then takes the
+    mean's 1/B out of some parameters' gradients but not others', so an example's clipped gradient
+    depends on how many others the batch holds."""
+    spec = draw.model
     return any(map(scales_backward_by_batch, spec.blocks)) or \
-        any(h.kind in BATCH_SCALE_HOOKS for h in spec.hooks)
+        any(h.kind in BATCH_SCALE_HOOKS for h in spec.hooks) or _rescales_a_mean(draw)
+
+
+def _rescales_a_mean(draw: Draw) -> bool:
+    """A per-example gradient rescaling (not linear in the loss) under a declared mean loss."""
+    spec = draw.model
+    per_example = any(b.kind == "grad_scale" and not scales_backward_by_batch(b) for b in spec.blocks) or \
+        any(h.kind in ROW_SCALE_HOOKS for h in spec.hooks)
+    return per_example and (draw.loop.declared or draw.loop.reduction) == "mean"
 
 
 def _mixes_in_loss(loop: LoopSpec) -> bool:
     """A token mean over the whole batch, or targets standardised by the batch's statistics."""
     return (loop.loss == "token-ce" and loop.token_mean == "batch") or \
         (loop.loss == "mse" and loop.target_norm == "batch")
+
+
+def _randomly_checked(draw: Draw) -> bool:
+    """Whether the draw's leaks are of the kinds the checks look for on random steps and halves (mixing
+    in the model or before it, a batch-wide scale in the backward), with none of the kinds that no check
+    looks for yet and that the checks may refuse only by accident (state on a class, in a foreign object,
+    a long list, a deque or a global; mixing in the loss; clip weights that read the batch; a sampler
+    that repeats examples): only then can a leak be put down to the checks' sampling."""
+    spec, loop = draw.model, draw.loop
+    random = loop.mix_before is not None or _mixes_in_model(spec) or _scales_backward(draw)
+    unlooked = any(keeps_state(b) and b.kind in UNSEEN_STATE for b in spec.blocks) or _mixes_in_loss(loop) \
+        or CLIPPINGS[loop.clipping] or SAMPLERS[loop.sampler]
+    return random and not unlooked
 
 
 def _writes_state(spec: ModelSpec) -> bool:
@@ -199,13 +235,14 @@ def _writes_state(spec: ModelSpec) -> bool:
 def leak_features(draw: Draw) -> list[str]:
     """What in the draw may leak (and so may rightly be refused): a block that keeps state or mixes, a
     norm with running statistics or batch statistics, a mixing, recording or batch-scaling hook, a
-    gradient rescaled by a batch statistic, a renormalising embedding, mixing before the model or in the
-    loss, a clip function that reads the batch, a sampler that repeats examples, the user's own loader, a
-    forgotten engine state, a wrongly declared loss reduction. A refusal of a draw with none of them
-    refuses code that does not leak."""
+    gradient rescaled by a batch statistic (or per example under a mean loss), a renormalising
+    embedding, mixing before the model or in the loss, a clip function that reads the batch, a sampler
+    that repeats examples, the user's own loader, a forgotten engine state, a wrongly declared loss
+    reduction. A refusal of a draw with none of them refuses code that does not leak."""
     spec, loop = draw.model, draw.loop
     found = [b.kind for b in spec.blocks if b.kind == "mix" or keeps_state(b)]
     found += ["grad_scale over the batch"] if any(map(scales_backward_by_batch, spec.blocks)) else []
+    found += ["gradient rescaled per example under a mean loss"] if _rescales_a_mean(draw) else []
     found += [f"{b.kwargs()['kind']} norm" for b in spec.blocks
               if b.kind == "norm" and (b.kwargs().get("running") or b.kwargs()["kind"] == "batch")]
     found += [h.kind for h in spec.hooks if h.kind in MIXING_HOOKS | RECORDING_HOOKS | BATCH_SCALE_HOOKS]
@@ -234,7 +271,7 @@ def classify(draw: Draw, violations: list[Violation], report: MultiStepReport | 
             return MIXING_OUTSIDE
         if _mixes_in_model(draw.model):
             return MIXING_INSIDE
-        if _scales_backward(draw.model):
+        if _scales_backward(draw):
             return BACKWARD_SCALE
         if _mixes_in_loss(draw.loop):
             return MIXING_LOSS
@@ -296,14 +333,15 @@ def _missed_by_chance(draw: Draw, violations: list[Violation], report: MultiStep
     probability ≥ 1/8 per check; ``ProbeSchedule``): a leak from mixing on a step they skip, or on a
     checked step whose half missed it, is the detection probability the design states, not a hole. It is
     that only when the only violation is sensitivity, the draw mixes (in the model or before it, or
-    rescales its gradients by a statistic of the batch, which a gradient check may see), and
+    rescales its gradients by a statistic of the batch, which a gradient check may see) and holds
+    nothing that no check looks for (``_randomly_checked``), and
     the same draw checked at every step on every pair (``EveryPairChecked``) releases nothing beyond R
     (exact, or refused first); a leak that such checking still lets through stays a finding. Returns
     ``"unchecked step"`` (every leaky release was on a step the run did not check) or ``"random half"``
     (some leaky release was on a checked step)."""
     if any(v.check != "sensitivity" for v in violations):
         return None
-    if draw.loop.mix_before is None and not _mixes_in_model(draw.model) and not _scales_backward(draw.model):
+    if not _randomly_checked(draw):
         return None
     again = _compare(draw, x, y, history, every_pair=True)
     if again is None or again[1]:

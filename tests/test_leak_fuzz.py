@@ -287,6 +287,12 @@ LEAKS = {
     "tensor hook": (ModelSpec("dense", blocks=(B("grad_scale"),)), LoopSpec(steps=1), 0, BACKWARD_SCALE),
     "Function": (ModelSpec("dense", blocks=(B("grad_scale", how="function"),)), LoopSpec(steps=1), 0,
                  BACKWARD_SCALE),
+    "tensor hook per example under a mean loss": (
+        ModelSpec("dense", blocks=(B("grad_scale", over="example"),)), LoopSpec(steps=1, reduction="mean"), 0,
+        BACKWARD_SCALE),
+    "full backward hook per example under a mean loss": (
+        ModelSpec("dense", hooks=(Hook(-1, "backward_clip_example"),)), LoopSpec(steps=1, reduction="mean"),
+        0, BACKWARD_SCALE),
     "token mean": (ModelSpec("seq", pool="tokens"), LoopSpec(steps=1, loss="token-ce", token_mean="batch"), 1,
                    MIXING_LOSS),
     "batch-standardised targets": (ModelSpec("dense"), LoopSpec(steps=1, loss="mse", target_norm="batch"), 0,
@@ -452,3 +458,21 @@ def test_shrinking_keeps_the_new_fields_consistent():
     assert any(d.model.pool == "mean" and d.loop.loss == "ce" and d.loop.token_mean == "example"
                for d in simpler(token))
     assert any(d.loop.loader == "poisson" and d.loop.sampler is None for d in simpler(sampled))
+
+
+def test_random_check_verdict_is_kept_for_leaks_the_checks_sample():
+    """A leak is put down to the checks' sampling only when the draw holds nothing that no check looks
+    for: mixing (or a batch-wide backward scale) with state on the class, clip weights that read the
+    batch or a token mean over the batch is not a random-check candidate."""
+    mix = ModelSpec("dense", blocks=(B("mix", kind="pairwise"),))
+    assert leak_fuzz._randomly_checked(Draw(mix, LoopSpec()))
+    assert leak_fuzz._randomly_checked(Draw(ModelSpec("dense", blocks=(B("grad_scale"),)), LoopSpec()))
+    read_only = replace(mix, blocks=(*mix.blocks, B("class_state", update=False)))
+    assert leak_fuzz._randomly_checked(Draw(read_only, LoopSpec()))
+    token_mean = LoopSpec(loss="token-ce", token_mean="batch")
+    for draw in (Draw(replace(mix, blocks=(*mix.blocks, B("class_state"))), LoopSpec()),
+                 Draw(mix, LoopSpec(clipping="fuzz-batch-max")),
+                 Draw(replace(mix, inputs="seq", pool="tokens"), token_mean),
+                 Draw(mix, LoopSpec(loader="poisson-off", sampler="random-replacement"))):
+        assert not leak_fuzz._randomly_checked(draw), draw
+    assert not leak_fuzz._randomly_checked(Draw(ModelSpec("dense", blocks=(B("class_state"),)), LoopSpec()))
