@@ -56,7 +56,23 @@ TUNEFREE_SOURCE = str(Path(tunefree.__file__).parent)
 # Registered the way docs and tunefree.extend show it. Two read the whole batch's norms (each keeps
 # w_i·‖g_i‖ ≤ R, so a per-example bound check passes, yet one example moves every other's weight); two
 # weigh each example by its own norm (exact).
-@tunefree.extend.register_clip_function("fuzz-batch-max", normalising=False)
+REFUSED_REGISTRATIONS: dict[str, BaseException] = {}  # a clip function whose registration tunefree refused
+
+
+def _register(name: str, **options):
+    """``@tunefree.extend.register_clip_function(name, ...)``, as a user writes it; if tunefree refuses the
+    registration, the error is kept (``REFUSED_REGISTRATIONS``) and raised by every run that uses ``name``:
+    the draw is then refused (or crashes) as the registration was."""
+    def register(function):
+        try:
+            return tunefree.extend.register_clip_function(name, **options)(function)
+        except Exception as error:  # noqa: BLE001 (a refusal or a crash, told apart where it is raised)
+            REFUSED_REGISTRATIONS[name] = error
+            return function
+    return register
+
+
+@_register("fuzz-batch-max", normalising=False)
 @dataclass(frozen=True)
 class ClipByLargest(tunefree.extend.ClipFunction):
     """Scales every example by R over the largest norm of the batch ("normalise by the largest")."""
@@ -65,7 +81,7 @@ class ClipByLargest(tunefree.extend.ClipFunction):
         return torch.full_like(norms, threshold) / norms.max().clamp_min(1e-30)
 
 
-@tunefree.extend.register_clip_function("fuzz-batch-mean", normalising=False)
+@_register("fuzz-batch-mean", normalising=False)
 @dataclass(frozen=True)
 class ClipAtMeanNorm(tunefree.extend.ClipFunction):
     """Clips at the batch's mean norm: min(R/‖g_i‖, R/mean_j ‖g_j‖)."""
@@ -74,7 +90,7 @@ class ClipAtMeanNorm(tunefree.extend.ClipFunction):
         return torch.minimum(threshold / norms.clamp_min(1e-30), threshold / norms.mean().clamp_min(1e-30))
 
 
-@tunefree.extend.register_clip_function("fuzz-soft")
+@_register("fuzz-soft")
 @dataclass(frozen=True)
 class SoftClip(tunefree.extend.ClipFunction):
     """R·tanh(‖g‖/R)/‖g‖, each example by its own norm."""
@@ -83,10 +99,18 @@ class SoftClip(tunefree.extend.ClipFunction):
         return threshold * torch.tanh(norms / threshold) / norms.clamp_min(1e-30)
 
 
-@tunefree.extend.register_clip_function("fuzz-offset", normalising=True)
+@_register("fuzz-offset", normalising=True)
 def _offset_clip(norms: torch.Tensor, threshold: float, clip) -> torch.Tensor:
     """The older plain-function form: R/(‖g‖ + 0.1), each example by its own norm."""
     return threshold / (norms + 0.1)
+
+
+def clip_weights(name: str):
+    """``weights(norms, threshold)`` of the clip function ``name``, registered or not."""
+    own = {"fuzz-batch-max": ClipByLargest().weights, "fuzz-batch-mean": ClipAtMeanNorm().weights,
+           "fuzz-soft": SoftClip().weights,
+           "fuzz-offset": lambda norms, threshold: _offset_clip(norms.double(), threshold, None)}
+    return own[name] if name in own else clip_function(name).weights
 
 
 CLIPPINGS = {"abadi": False, "auto-s": False, "fuzz-batch-max": True, "fuzz-batch-mean": True,
@@ -436,7 +460,7 @@ class UncheckedEngine:
         self.optimizer, self.param_groups = self, optimizer.param_groups
         self.expected_batch_size = len(loader.dataset)
         self.schedule = SimpleNamespace(checking=False, ends_logical=True)
-        self.clip, self.mean = clip_function(loop.clipping), (loop.declared or loop.reduction) == "mean"
+        self.weigh, self.mean = clip_weights(loop.clipping), (loop.declared or loop.reduction) == "mean"
         self.poisson_approximation = loop.loader == "poisson-off"
         self.steps = 0
         self.calls: dict[nn.Linear, list[list]] = collections.defaultdict(list)
@@ -476,7 +500,7 @@ class UncheckedEngine:
             rows = next(iter(per_example.values())).shape[0]
             scale = rows if self.mean else 1.0
             norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in per_example.values())) * scale
-            weights = self.clip.weights(norms, R) * scale
+            weights = self.weigh(norms, R) * scale
             for p, g in per_example.items():
                 clipped = torch.einsum("b,b...->...", weights, g)
                 p.grad = (clipped / self.expected_batch_size).to(p.dtype)
@@ -548,6 +572,8 @@ class _Run:
             self.scaler = torch.amp.GradScaler("cpu", init_scale=loop.init_scale)
         if self.plain:
             return
+        if loop.clipping in REFUSED_REGISTRATIONS:
+            raise REFUSED_REGISTRATIONS[loop.clipping]
         loader = self._user_loader()
         if self.unchecked:
             self.engine = UncheckedEngine(model, self.optimizer, loader, loop)

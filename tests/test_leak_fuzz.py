@@ -20,6 +20,7 @@ from fuzz_draw import (
     Draw,
     LoopSpec,
     RecordingDataset,
+    clip_weights,
     draw_data,
     make_sampler,
     model_state,
@@ -49,7 +50,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.clipping.functions import clip_function
 
 CI_SEEDS = range(500)  # 36 s wall, one thread, main at eb96fc0 (benchmarks/leak_fuzz_findings.md)
 
@@ -401,10 +401,10 @@ def test_clip_functions_of_the_extension_read_the_batch_or_not():
     the batch."""
     norms = torch.tensor([0.5, 2.0, 3.0, 8.0], dtype=torch.float64)
     for name, reads_batch in CLIPPINGS.items():
-        clip = clip_function(name)
-        weights = clip.weights(norms, 1.0)
+        weigh = clip_weights(name)
+        weights = weigh(norms, 1.0)
         assert (weights * norms <= 1.0 + 1e-12).all(), name
-        assert torch.equal(clip.weights(norms[:3], 1.0), weights[:3]) != reads_batch, name
+        assert torch.equal(weigh(norms[:3], 1.0), weights[:3]) != reads_batch, name
 
 
 @pytest.mark.parametrize("kind", [k for k in SAMPLERS if k is not None])
@@ -476,3 +476,13 @@ def test_random_check_verdict_is_kept_for_leaks_the_checks_sample():
                  Draw(mix, LoopSpec(loader="poisson-off", sampler="random-replacement"))):
         assert not leak_fuzz._randomly_checked(draw), draw
     assert not leak_fuzz._randomly_checked(Draw(ModelSpec("dense", blocks=(B("class_state"),)), LoopSpec()))
+
+
+def test_a_refused_clip_function_registration_refuses_the_draws_that_use_it(monkeypatch):
+    """If tunefree refuses to register a clip function (e.g. one that reads the batch), the fuzzer still
+    imports, and each draw that names it is refused with that error."""
+    import fuzz_draw
+    monkeypatch.setitem(fuzz_draw.REFUSED_REGISTRATIONS, "fuzz-batch-max",
+                        tunefree.PrivacyError("a clip function must weigh each example by its own norm"))
+    outcome = check(Draw(ModelSpec("dense"), LoopSpec(steps=1, clipping="fuzz-batch-max"), 1))
+    assert outcome.verdict == "refused" and "its own norm" in outcome.refusal
