@@ -61,7 +61,6 @@ from fuzz_zoo import (
     RECORDING_HOOKS,
     ROW_SCALE_HOOKS,
     STEM_LAYOUT,
-    UNSEEN_STATE,
     ModelSpec,
     build_model,
     keeps_state,
@@ -214,16 +213,24 @@ def _mixes_in_loss(loop: LoopSpec) -> bool:
 
 
 def _randomly_checked(draw: Draw) -> bool:
-    """Whether the draw's leaks are of the kinds the checks look for on random steps and halves (mixing
-    in the model or before it, a batch-wide scale in the backward), with none of the kinds that no check
-    looks for yet and that the checks may refuse only by accident (state on a class, in a foreign object,
-    a long list, a deque or a global; mixing in the loss; clip weights that read the batch; a sampler
-    that repeats examples): only then can a leak be put down to the checks' sampling."""
+    """Whether the draw holds something the checks look for on random steps and halves: mixing in the
+    model or before it, or a batch-wide scale in the backward (which a gradient check may see)."""
+    return draw.loop.mix_before is not None or _mixes_in_model(draw.model) or _scales_backward(draw)
+
+
+def without_sampled_mixing(draw: Draw) -> Draw:
+    """``draw`` without what the checks look for on random steps and halves (``_randomly_checked``): its
+    mixing blocks and hooks, its gradient rescalings that read the batch (or that rescale a mean loss
+    per example), its mixing before the model."""
     spec, loop = draw.model, draw.loop
-    random = loop.mix_before is not None or _mixes_in_model(spec) or _scales_backward(draw)
-    unlooked = any(keeps_state(b) and b.kind in UNSEEN_STATE for b in spec.blocks) or _mixes_in_loss(loop) \
-        or CLIPPINGS[loop.clipping] or SAMPLERS[loop.sampler]
-    return random and not unlooked
+    mean = (loop.declared or loop.reduction) == "mean"
+    for i in reversed(range(len(spec.blocks))):
+        b = spec.blocks[i]
+        if b.kind == "mix" or (b.kind == "grad_scale" and (scales_backward_by_batch(b) or mean)):
+            spec = _without_block(spec, i)
+    sampled = MIXING_HOOKS | BATCH_SCALE_HOOKS | (ROW_SCALE_HOOKS if mean else set())
+    spec = replace(spec, hooks=tuple(h for h in spec.hooks if h.kind not in sampled))
+    return _consistent(replace(draw, model=spec, loop=replace(loop, mix_before=None, mix_start=0)))
 
 
 def _writes_state(spec: ModelSpec) -> bool:
@@ -333,15 +340,13 @@ def _missed_by_chance(draw: Draw, violations: list[Violation], report: MultiStep
     probability ≥ 1/8 per check; ``ProbeSchedule``): a leak from mixing on a step they skip, or on a
     checked step whose half missed it, is the detection probability the design states, not a hole. It is
     that only when the only violation is sensitivity, the draw mixes (in the model or before it, or
-    rescales its gradients by a statistic of the batch, which a gradient check may see) and holds
-    nothing that no check looks for (``_randomly_checked``), and
-    the same draw checked at every step on every pair (``EveryPairChecked``) releases nothing beyond R
+    rescales its gradients by a statistic of the batch, which a gradient check may see), the draw without
+    them (``without_sampled_mixing``) does not leak (``check``: the caller's), and the same draw checked
+    at every step on every pair (``EveryPairChecked``) releases nothing beyond R
     (exact, or refused first); a leak that such checking still lets through stays a finding. Returns
     ``"unchecked step"`` (every leaky release was on a step the run did not check) or ``"random half"``
     (some leaky release was on a checked step)."""
-    if any(v.check != "sensitivity" for v in violations):
-        return None
-    if not _randomly_checked(draw):
+    if any(v.check != "sensitivity" for v in violations) or not _randomly_checked(draw):
         return None
     again = _compare(draw, x, y, history, every_pair=True)
     if again is None or again[1]:
@@ -367,7 +372,14 @@ def check(draw: Draw) -> Outcome:
     refusal = next((_first_line(e) for e in errors if refused_by_tunefree(e)), None)
     verdict = "finding" if violations else "refused" if refusal else "exact"
     invariant = classify(draw, violations, report) if violations else None
-    missed = _missed_by_chance(draw, violations, report, x, y, history) if violations else None
+    missed = None
+    if violations and all(v.check == "sensitivity" for v in violations) and _randomly_checked(draw):
+        rest = without_sampled_mixing(draw)
+        apart = check(rest) if leak_features(rest) else None
+        if apart is not None and apart.verdict == "finding":
+            invariant = apart.invariant  # the rest leaks on its own: the class of its leak
+        else:
+            missed = _missed_by_chance(draw, violations, report, x, y, history)
     if missed is not None:
         verdict = RANDOM_CHECK
     split = report.full.error is None and any(t.error is not None and refused_by_tunefree(t.error)
