@@ -45,7 +45,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset, WeightedRandomSampler
 
 import tunefree
-from tunefree.clipping.functions import clip_function
+from tunefree.clipping.functions import CLIP_FUNCTIONS, clip_function
 from tunefree.persample.independence import Probes
 
 R = 1.0
@@ -53,26 +53,9 @@ TUNEFREE_SOURCE = str(Path(tunefree.__file__).parent)
 
 
 # ------------------------------------------------------------------ clip functions of an extension
-# Registered the way docs and tunefree.extend show it. Two read the whole batch's norms (each keeps
-# w_i·‖g_i‖ ≤ R, so a per-example bound check passes, yet one example moves every other's weight); two
-# weigh each example by its own norm (exact).
-REFUSED_REGISTRATIONS: dict[str, BaseException] = {}  # a clip function whose registration tunefree refused
-
-
-def _register(name: str, **options):
-    """``@tunefree.extend.register_clip_function(name, ...)``, as a user writes it; if tunefree refuses the
-    registration, the error is kept (``REFUSED_REGISTRATIONS``) and raised by every run that uses ``name``:
-    the draw is then refused (or crashes) as the registration was."""
-    def register(function):
-        try:
-            return tunefree.extend.register_clip_function(name, **options)(function)
-        except Exception as error:  # noqa: BLE001 (a refusal or a crash, told apart where it is raised)
-            REFUSED_REGISTRATIONS[name] = error
-            return function
-    return register
-
-
-@_register("fuzz-batch-max", normalising=False)
+# Registered the way docs and tunefree.extend show it (``extension_clip``). Two read the whole batch's norms
+# (each keeps w_i·‖g_i‖ ≤ R, so a per-example bound check passes, yet one example moves every other's
+# weight); two weigh each example by its own norm (exact).
 @dataclass(frozen=True)
 class ClipByLargest(tunefree.extend.ClipFunction):
     """Scales every example by R over the largest norm of the batch ("normalise by the largest")."""
@@ -81,7 +64,6 @@ class ClipByLargest(tunefree.extend.ClipFunction):
         return torch.full_like(norms, threshold) / norms.max().clamp_min(1e-30)
 
 
-@_register("fuzz-batch-mean", normalising=False)
 @dataclass(frozen=True)
 class ClipAtMeanNorm(tunefree.extend.ClipFunction):
     """Clips at the batch's mean norm: min(R/‖g_i‖, R/mean_j ‖g_j‖)."""
@@ -90,7 +72,6 @@ class ClipAtMeanNorm(tunefree.extend.ClipFunction):
         return torch.minimum(threshold / norms.clamp_min(1e-30), threshold / norms.mean().clamp_min(1e-30))
 
 
-@_register("fuzz-soft")
 @dataclass(frozen=True)
 class SoftClip(tunefree.extend.ClipFunction):
     """R·tanh(‖g‖/R)/‖g‖, each example by its own norm."""
@@ -99,10 +80,33 @@ class SoftClip(tunefree.extend.ClipFunction):
         return threshold * torch.tanh(norms / threshold) / norms.clamp_min(1e-30)
 
 
-@_register("fuzz-offset", normalising=True)
 def _offset_clip(norms: torch.Tensor, threshold: float, clip) -> torch.Tensor:
     """The older plain-function form: R/(‖g‖ + 0.1), each example by its own norm."""
     return threshold / (norms + 0.1)
+
+
+EXTENSION_CLIPS: dict[str, tuple[object, dict[str, bool]]] = {  # name: (function, registration options)
+    "fuzz-batch-max": (ClipByLargest, {"normalising": False}),
+    "fuzz-batch-mean": (ClipAtMeanNorm, {"normalising": False}),
+    "fuzz-soft": (SoftClip, {}),
+    "fuzz-offset": (_offset_clip, {"normalising": True}),
+}
+
+
+@contextlib.contextmanager
+def extension_clip(name: str):
+    """The extension's clip function ``name`` registered with ``@tunefree.extend.register_clip_function``,
+    as a user writes it, while ``make_private`` reads it, then unregistered: the registry is the
+    process's, and other tests iterate over it. A refused registration refuses the draw."""
+    if name not in EXTENSION_CLIPS:
+        yield
+        return
+    function, options = EXTENSION_CLIPS[name]
+    tunefree.extend.register_clip_function(name, **options)(function)
+    try:
+        yield
+    finally:
+        CLIP_FUNCTIONS.pop(name, None)
 
 
 def clip_weights(name: str):
@@ -572,18 +576,17 @@ class _Run:
             self.scaler = torch.amp.GradScaler("cpu", init_scale=loop.init_scale)
         if self.plain:
             return
-        if loop.clipping in REFUSED_REGISTRATIONS:
-            raise REFUSED_REGISTRATIONS[loop.clipping]
         loader = self._user_loader()
         if self.unchecked:
             self.engine = UncheckedEngine(model, self.optimizer, loader, loop)
         else:
-            self.engine = tunefree.make_private(
-                model, self.optimizer, loader, target_delta=0.1 / len(self.dataset), noise_multiplier=0.0,
-                steps=loop.steps, clipping=loop.clipping, max_grad_norm=R, groups=loop.groups,
-                loss_reduction=loop.declared or loop.reduction, seed=self.draw.seed,
-                physical_batch_size=loop.physical if loop.loader == "poisson" else None,
-                poisson_sampling=loop.loader != "poisson-off", verify_every=loop.verify_every)
+            with extension_clip(loop.clipping):
+                self.engine = tunefree.make_private(
+                    model, self.optimizer, loader, target_delta=0.1 / len(self.dataset),
+                    noise_multiplier=0.0, steps=loop.steps, clipping=loop.clipping, max_grad_norm=R,
+                    groups=loop.groups, loss_reduction=loop.declared or loop.reduction, seed=self.draw.seed,
+                    physical_batch_size=loop.physical if loop.loader == "poisson" else None,
+                    poisson_sampling=loop.loader != "poisson-off", verify_every=loop.verify_every)
         if self.scaler is not None:
             self.engine.optimizer.attach_grad_scaler(self.scaler)
         if self.every_pair:

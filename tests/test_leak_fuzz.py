@@ -480,10 +480,22 @@ def test_a_leak_of_the_rest_of_a_mixing_draw_is_a_finding_of_its_own_class():
 
 
 def test_a_refused_clip_function_registration_refuses_the_draws_that_use_it(monkeypatch):
-    """If tunefree refuses to register a clip function (e.g. one that reads the batch), the fuzzer still
-    imports, and each draw that names it is refused with that error."""
-    import fuzz_draw
-    monkeypatch.setitem(fuzz_draw.REFUSED_REGISTRATIONS, "fuzz-batch-max",
-                        tunefree.PrivacyError("a clip function must weigh each example by its own norm"))
+    """If tunefree refuses to register a clip function (e.g. one that reads the batch), each draw that
+    names it is refused with that error."""
+    def refuse(name, **options):
+        raise tunefree.PrivacyError("a clip function must weigh each example by its own norm")
+
+    monkeypatch.setattr(tunefree.extend, "register_clip_function", refuse)
     outcome = check(Draw(ModelSpec("dense"), LoopSpec(steps=1, clipping="fuzz-batch-max"), 1))
     assert outcome.verdict == "refused" and "its own norm" in outcome.refusal
+
+
+def test_the_extension_clip_functions_leave_the_registry_as_they_found_it():
+    """They are registered only while make_private reads them: other tests iterate over the registry."""
+    from tunefree.clipping import CLIP_FUNCTIONS
+    before = set(CLIP_FUNCTIONS)
+    assert not any(name.startswith("fuzz-") for name in before)
+    draw = Draw(ModelSpec("dense"), LoopSpec(steps=1, clipping="fuzz-offset"), 1)
+    trace = run_draw(draw, *draw_data(draw))
+    assert trace.error is None and len(trace.releases) == 1
+    assert set(CLIP_FUNCTIONS) == before
