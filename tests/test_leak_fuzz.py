@@ -51,8 +51,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
 
-# 36 s wall (load 3.2) on main at eb96fc0; with issue 29's draws 32–38 s CPU, 121 s wall at load 6–7 on
-# main at 86531f4, where 23 draws are findings (benchmarks/leak_fuzz_findings.md)
+# 36 s wall (load 3.2) on main at eb96fc0; with issue 29's draws 34 s wall at load 1.9 on main at 86531f4,
+# where 23 draws are findings (benchmarks/leak_fuzz_findings.md)
 CI_SEEDS = range(500)
 
 
