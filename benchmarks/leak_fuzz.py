@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from fuzz_zoo import UNSEEN_STATE  # noqa: E402
 from leak_fuzz import (  # noqa: E402
     CLASSES,
     RANDOM_CHECK,
@@ -105,6 +106,49 @@ def _table(outcomes: list[Outcome], minimal: dict[str, list[Outcome]]) -> list[s
     return lines
 
 
+def issue29_pieces(outcome: Outcome) -> list[str]:
+    """The pieces of the classes a held-out red team found leaking (issue 29) in a draw, leaking or not:
+    state kept on the class, on foreign objects, in long lists, deques and globals (written or only read);
+    gradients rescaled by a statistic of the batch or of each example (a tensor hook, a Function, a full
+    backward hook); token means and target standardisation over the batch or per example; the clip
+    functions of an extension; the samplers under ``poisson_sampling=False``."""
+    spec, loop = outcome.draw.model, outcome.draw.loop
+    found = [f"{b.kind} ({'written' if b.kwargs().get('update', True) else 'only read'})"
+             for b in spec.blocks if b.kind in UNSEEN_STATE]
+    mean = " (mean loss)" if (loop.declared or loop.reduction) == "mean" else ""
+    found += [f"grad_scale {b.kwargs().get('how', 'tensor-hook')} per {b.kwargs().get('over', 'batch')}{mean}"
+              for b in spec.blocks if b.kind == "grad_scale"]
+    found += [f"{h.kind} hook{mean}" for h in spec.hooks if h.kind.startswith("backward_clip")]
+    found += [f"token mean per {loop.token_mean}"] if loop.loss == "token-ce" else []
+    found += [f"targets standardised per {loop.target_norm}"] if loop.target_norm else []
+    found += [f"clipping={loop.clipping}"] if loop.clipping.startswith("fuzz-") else []
+    found += [f"sampler={loop.sampler}"] if loop.sampler else []
+    return sorted(set(found))
+
+
+def _pieces_table(outcomes: list[Outcome]) -> list[str]:
+    """Per piece of issue 29's classes: how the draws that contain it came out (a draw may hold several
+    pieces, and other leak features)."""
+    by_piece: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    findings: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for outcome in outcomes:
+        for piece in issue29_pieces(outcome):
+            by_piece[piece][outcome.verdict] += 1
+            if outcome.verdict == "finding":
+                findings[piece][outcome.invariant] += 1
+    if not by_piece:
+        return []
+    lines = ["## The pieces of issue 29's classes", "",
+             "| piece | draws | exact | refused | finding | random-check | invalid | findings by class |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for piece in sorted(by_piece):
+        c = by_piece[piece]
+        classes = ", ".join(f"{cls} {n}" for cls, n in findings[piece].most_common()) or "–"
+        lines.append(f"| {piece} | {sum(c.values())} | {c['exact']} | {c['refused']} | {c['finding']} "
+                     f"| {c[RANDOM_CHECK]} | {c['invalid']} | {classes} |")
+    return lines + [""]
+
+
 def _random_checks(outcomes: list[Outcome]) -> list[str]:
     chance = [o for o in outcomes if o.verdict == RANDOM_CHECK]
     if not chance:
@@ -118,13 +162,21 @@ def _random_checks(outcomes: list[Outcome]) -> list[str]:
             + ", ".join(str(o.draw.seed) for o in chance[:40]) + (" …" if len(chance) > 40 else ""), ""]
 
 
+def _listing(outcomes: list[Outcome]) -> list[str]:
+    """Every finding: seed, class, what was seen, the leak features of its draw."""
+    findings = [o for o in outcomes if o.verdict == "finding"]
+    return [f"- {o.draw.seed} [{o.invariant}] {'; '.join(f'{v.check}: {v.detail}' for v in o.violations)} "
+            f"— {', '.join(leak_features(o.draw)) or 'no leak feature'}" for o in findings] + [""]
+
+
 def report(outcomes: list[Outcome], minimal: dict[str, list[Outcome]], refusals: dict[str, list[Outcome]],
            command: str, fuzz_seconds: float, shrink_seconds: float) -> str:
     verdicts = collections.Counter(o.verdict for o in outcomes)
     lines = [f"Command: `{command}` ({torch.get_num_threads()} thread; the draws {fuzz_seconds:.0f} s, "
              f"{fuzz_seconds / max(len(outcomes), 1):.2f} s a draw; shrinking {shrink_seconds:.0f} s)", "",
              f"Draws: {len(outcomes)} — " + ", ".join(f"{k} {v}" for k, v in verdicts.most_common()), "",
-             *_table(outcomes, minimal), "", *_random_checks(outcomes), "## Minimal reproducers", ""]
+             *_table(outcomes, minimal), "", *_pieces_table(outcomes), *_random_checks(outcomes),
+             "## Findings", "", *_listing(outcomes), "## Minimal reproducers", ""]
     for cls, members in minimal.items():
         lines += [f"### {cls}", ""]
         for outcome in members:

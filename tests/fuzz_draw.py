@@ -1,25 +1,32 @@
 """The leak fuzzer's draws: an ordinary model (``fuzz_zoo``) and an ordinary private training loop, drawn
 from a seed, and the runner that trains one draw on given data and records what it released.
 
-The runner is the oracle's instrument, not part of the draw: noise 0, Abadi (or AUTO-S) at R, sampling
-rate 1 (the loader's batch size is the data set's size) and learning rate 0, so the weights stay public
-(they never move) and each step's ``.grad`` times the expected batch size is the released clipped sum.
-Everything else — layers, buffers, hooks, mixing, the loop, precision, loss — is what the draw says.
+The runner is the oracle's instrument, not part of the draw: noise 0, a clip function at R (Abadi,
+AUTO-S, or one an extension registers), sampling rate 1 (the loader's batch size is the data set's size)
+and learning rate 0, so the weights stay public (they never move) and each step's ``.grad`` times the
+expected batch size is the released clipped sum. Everything else — layers, buffers, hooks, mixing, the
+loop, its sampler, precision, loss — is what the draw says. ``UncheckedEngine`` runs a draw with no check
+at all (the oracle's reference for a library that refuses nothing), so that the fuzzer's tests can show
+that each leaking piece of the zoo leaks and the oracle sees it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import random
 import traceback
 import warnings
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 from fuzz_zoo import (
     BLOCKS,
     HOOKS,
+    IGNORE,
     INPUTS,
     STATEFUL,
     STEM_LAYOUT,
@@ -28,18 +35,92 @@ from fuzz_zoo import (
     Mix,
     ModelSpec,
     build_model,
+    fresh_process,
     input_batch,
     targets,
 )
 from neighbour import RunTrace
+from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset, WeightedRandomSampler
 
 import tunefree
+from tunefree.clipping.functions import CLIP_FUNCTIONS, clip_function
 from tunefree.guards.independence import Independence, code_masks
 
 R = 1.0
 TUNEFREE_SOURCE = str(Path(tunefree.__file__).parent)
+
+
+# ------------------------------------------------------------------ clip functions of an extension
+# Registered the way docs and tunefree.extend show it (``extension_clip``). Two read the whole batch's norms
+# (each keeps w_i·‖g_i‖ ≤ R, so a per-example bound check passes, yet one example moves every other's
+# weight); two weigh each example by its own norm (exact).
+@dataclass(frozen=True)
+class ClipByLargest(tunefree.extend.ClipFunction):
+    """Scales every example by R over the largest norm of the batch ("normalise by the largest")."""
+
+    def weigh(self, norms: torch.Tensor, threshold: float) -> torch.Tensor:
+        return torch.full_like(norms, threshold) / norms.max().clamp_min(1e-30)
+
+
+@dataclass(frozen=True)
+class ClipAtMeanNorm(tunefree.extend.ClipFunction):
+    """Clips at the batch's mean norm: min(R/‖g_i‖, R/mean_j ‖g_j‖)."""
+
+    def weigh(self, norms: torch.Tensor, threshold: float) -> torch.Tensor:
+        return torch.minimum(threshold / norms.clamp_min(1e-30), threshold / norms.mean().clamp_min(1e-30))
+
+
+@dataclass(frozen=True)
+class SoftClip(tunefree.extend.ClipFunction):
+    """R·tanh(‖g‖/R)/‖g‖, each example by its own norm."""
+
+    def weigh(self, norms: torch.Tensor, threshold: float) -> torch.Tensor:
+        return threshold * torch.tanh(norms / threshold) / norms.clamp_min(1e-30)
+
+
+def _offset_clip(norms: torch.Tensor, threshold: float, clip) -> torch.Tensor:
+    """The older plain-function form: R/(‖g‖ + 0.1), each example by its own norm."""
+    return threshold / (norms + 0.1)
+
+
+EXTENSION_CLIPS: dict[str, tuple[object, dict[str, bool]]] = {  # name: (function, registration options)
+    "fuzz-batch-max": (ClipByLargest, {"normalising": False}),
+    "fuzz-batch-mean": (ClipAtMeanNorm, {"normalising": False}),
+    "fuzz-soft": (SoftClip, {}),
+    "fuzz-offset": (_offset_clip, {"normalising": True}),
+}
+
+
+@contextlib.contextmanager
+def extension_clip(name: str):
+    """The extension's clip function ``name`` registered with ``@tunefree.extend.register_clip_function``,
+    as a user writes it, while ``make_private`` reads it, then unregistered: the registry is the
+    process's, and other tests iterate over it. A refused registration refuses the draw."""
+    if name not in EXTENSION_CLIPS:
+        yield
+        return
+    function, options = EXTENSION_CLIPS[name]
+    tunefree.extend.register_clip_function(name, **options)(function)
+    try:
+        yield
+    finally:
+        CLIP_FUNCTIONS.pop(name, None)
+
+
+def clip_weights(name: str):
+    """``weights(norms, threshold)`` of the clip function ``name``, registered or not."""
+    own = {"fuzz-batch-max": ClipByLargest().weights, "fuzz-batch-mean": ClipAtMeanNorm().weights,
+           "fuzz-soft": SoftClip().weights,
+           "fuzz-offset": lambda norms, threshold: _offset_clip(norms.double(), threshold, None)}
+    return own[name] if name in own else clip_function(name).weights
+
+
+CLIPPINGS = {"abadi": False, "auto-s": False, "fuzz-batch-max": True, "fuzz-batch-mean": True,
+             "fuzz-soft": False, "fuzz-offset": False}  # name: whether its weights read the batch
+SAMPLERS = {None: False, "random": False, "weighted": False, "random-replacement": True,
+            "weighted-replacement": True}  # poisson_sampling=False: whether it may repeat an example
 
 
 @dataclass(frozen=True)
@@ -60,8 +141,17 @@ class LoopSpec:
         engine's state (the ledger).
     precision: ``float32``, ``float64``, ``bf16`` (autocast), ``fp16`` (autocast and a GradScaler with
         ``init_scale``).
-    loss, reduction: ``ce``, ``mse`` or ``energy`` (no targets), summed or averaged over the batch;
-        ``declared``: the ``loss_reduction`` given to make_private (``None``: the true one).
+    loss, reduction: ``ce``, ``mse``, ``energy`` (no targets) or ``token-ce`` (a class per token, the
+        model's ``pool="tokens"``), summed or averaged over the batch; ``declared``: the
+        ``loss_reduction`` given to make_private (``None``: ``reduction``, as a user would write it).
+    token_mean: ``token-ce``: ``example`` (each example's mean over its valid tokens, then ``reduction``
+        over examples) or ``batch`` (a mean over every valid token of the batch, Hugging Face's causal-LM
+        loss: each example weighs its share of the batch's tokens, whatever ``reduction`` says).
+    target_norm: ``mse``: targets standardised inside the loss, by the ``batch``'s mean and std (mixes
+        the examples) or by each ``example``'s own.
+    clipping: a name in ``CLIPPINGS`` (Abadi, AUTO-S, or a clip function of an extension).
+    sampler: ``poisson-off``: the loader's sampler (``SAMPLERS``; ``None``: ``shuffle=True``), drawing
+        as many examples as the data set holds, with or without replacement.
     mix_before: mixing of the batch in the loop, before the model (``mixup``, ``standardise``,
         ``cutmix``, ``token_swap``); it and every ``Mix`` block in the model start at step
         ``mix_start``.
@@ -81,7 +171,10 @@ class LoopSpec:
     loss: str = "ce"
     reduction: str = "sum"
     declared: str | None = None
+    token_mean: str = "example"
+    target_norm: str | None = None
     clipping: str = "abadi"
+    sampler: str | None = None
     groups: str = "all-layer"
     verify_every: int | None = None
     mix_before: str | None = None
@@ -97,11 +190,12 @@ class LoopSpec:
 @dataclass
 class DrawTrace(RunTrace):
     """A ``RunTrace`` that also says, for each release, whether the run checked that step (the
-    independence and input checks) and whether the loop trained the model on data in it (a subset may
-    come out empty)."""
+    independence and input checks), whether the loop trained the model on data in it (a subset may
+    come out empty), and how many times the loop's loader handed out the example it handed out most."""
 
     checked: list[bool] = field(default_factory=list)
     fed: list[bool] = field(default_factory=list)
+    repeats: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -135,25 +229,46 @@ def _block_args(kind: str, layout: str, rng: random.Random) -> dict[str, object]
         return {"when": rng.choice(["train", "always"])}
     if kind == "mix":
         return {"kind": rng.choice(["mean", "pairwise", "positional", "data", "backward"])}
+    if kind in ("class_state", "foreign_state", "prototypes", "recent_deque", "global_state"):
+        args = {"order": rng.choice(["update-first", "use-first"]), "update": rng.random() < 0.65}
+        if kind == "recent_deque":
+            args["maxlen"] = rng.choice([1, 2, 3])
+        return args
+    if kind == "grad_scale":
+        return {"how": rng.choice(["tensor-hook", "function"]), "over": rng.choice(["batch", "example"])}
     return {}
+
+
+# how often each block is drawn: ordinary layers three times as often as a block that keeps state or
+# mixes examples; the state kept where a guard of attributes does not look, and the gradient rescaling,
+# shared out so that exact draws stay common
+_NEW_BLOCKS = {"class_state": 0.5, "foreign_state": 0.5, "prototypes": 0.5, "recent_deque": 0.5,
+               "global_state": 0.5, "grad_scale": 1.0}
+
+
+def _block_weight(kind: str) -> float:
+    if kind in _NEW_BLOCKS:
+        return _NEW_BLOCKS[kind]
+    return 1.0 if kind in STATEFUL or kind == "mix" else 3.0
 
 
 def sample_model(rng: random.Random) -> ModelSpec:
     inputs = rng.choice(INPUTS)
     layout = STEM_LAYOUT[inputs]
     kinds = [k for k, (_, layouts) in BLOCKS.items() if layout in layouts]
-    # ordinary layers three times as often as a block that keeps state or mixes examples
-    weights = [1.0 if k in STATEFUL or k == "mix" else 3.0 for k in kinds]
+    weights = [_block_weight(k) for k in kinds]
     count = rng.choice([0, 1, 1, 2, 2, 3])
     blocks = tuple(B(k, **_block_args(k, layout, rng)) for k in rng.choices(kinds, weights, k=count))
     hooks: tuple[Hook, ...] = ()
     if rng.random() < 0.25:
         hooks = (Hook(rng.choice(list(range(len(blocks))) + [-1, -2]), rng.choice(sorted(HOOKS))),)
     tokens = inputs == "tokens"
+    pool = "mean"
+    if layout == "seq":  # a prediction per token (a token loss) in one sequence draw of five
+        pool = "tokens" if rng.random() < 0.2 else rng.choice(["mean", "last"])
     return ModelSpec(inputs=inputs, blocks=blocks, hooks=hooks,
                      max_norm=1.0 if tokens and rng.random() < 0.3 else None,
-                     tied_head=tokens and rng.random() < 0.2,
-                     pool=rng.choice(["mean", "last"]) if layout == "seq" else "mean")
+                     tied_head=tokens and rng.random() < 0.2, pool=pool)
 
 
 def _weighted(rng: random.Random, options: dict[object, float]) -> object:
@@ -168,6 +283,8 @@ def sample_loop(rng: random.Random, model: ModelSpec, outside: bool = False) -> 
     ``poisson_sampling=False`` (the batches are the user's, whose inputs tunefree does not check: the
     guarantee is labelled an approximation and the loop is the user's)."""
     steps = _weighted(rng, {1: 0.2, 2: 0.5, 3: 0.3})
+    deque = max((b.kwargs().get("maxlen", 0) for b in model.blocks if b.kind == "recent_deque"), default=0)
+    steps = max(steps, deque)  # a deque of recent batches is read within the run
     loader = _weighted(rng, {"poisson": 0.75, "own": 0.1, "poisson-off": 0.15})
     resume_at = rng.randint(1, steps - 1) if steps > 1 and rng.random() < 0.2 else None
     forget = resume_at is not None and rng.random() < 0.2 and outside
@@ -183,6 +300,11 @@ def sample_loop(rng: random.Random, model: ModelSpec, outside: bool = False) -> 
     if loader == "poisson-off" and not outside:
         mix_before = None  # inputs not from tunefree's loader are not checked: outside the invariants
         mix_start = mix_start if mixes else 0
+    loss = "token-ce" if model.pool == "tokens" else _weighted(rng, {"ce": 0.7, "mse": 0.15, "energy": 0.15})
+    sampler = None
+    if loader == "poisson-off":
+        sampler = _weighted(rng, {None: 0.4, "random": 0.15, "weighted": 0.15, "random-replacement": 0.15,
+                                  "weighted-replacement": 0.15})
     return LoopSpec(
         examples=rng.choice([3, 4, 5]), steps=steps, loader=loader,
         physical=2 if loader == "poisson" and rng.random() < 0.25 else None,
@@ -193,9 +315,13 @@ def sample_loop(rng: random.Random, model: ModelSpec, outside: bool = False) -> 
         optimizer=optimizer,
         precision=_weighted(rng, {"float32": 0.55, "float64": 0.1, "bf16": 0.15, "fp16": 0.2}),
         init_scale=rng.choice([2.0 ** 8, 2.0 ** 16, 2.0 ** 24]),
-        loss=_weighted(rng, {"ce": 0.7, "mse": 0.15, "energy": 0.15}), reduction=reduction,
+        loss=loss, reduction=reduction,
         declared={"sum": "mean", "mean": "sum"}[reduction] if misdeclared else None,
-        clipping=_weighted(rng, {"abadi": 0.8, "auto-s": 0.2}),
+        token_mean=rng.choice(["example", "batch"]) if loss == "token-ce" else "example",
+        target_norm=_weighted(rng, {None: 0.5, "batch": 0.3, "example": 0.2}) if loss == "mse" else None,
+        clipping=_weighted(rng, {"abadi": 0.7, "auto-s": 0.15, "fuzz-batch-max": 0.04,
+                                 "fuzz-batch-mean": 0.04, "fuzz-soft": 0.035, "fuzz-offset": 0.035}),
+        sampler=sampler,
         groups=_weighted(rng, {"all-layer": 0.8, "per-layer": 0.2}),
         verify_every=_weighted(rng, {None: 0.8, 1: 0.2}),
         mix_before=mix_before, mix_start=mix_start)
@@ -242,8 +368,19 @@ def _loss(loop: LoopSpec, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if loop.loss == "energy":  # no targets: a per-example energy of the outputs (an autoencoder's kind)
         per_example = out.pow(2).sum(-1)
         return per_example.sum() if loop.reduction == "sum" else per_example.mean()
+    if loop.loss == "token-ce":
+        if loop.token_mean == "batch":  # Hugging Face's causal-LM loss: the mean over the batch's tokens
+            return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+        per_token = F.cross_entropy(out.transpose(1, 2), y, ignore_index=IGNORE, reduction="none")
+        per_example = per_token.sum(1) / (y != IGNORE).sum(1)
+        return per_example.sum() if loop.reduction == "sum" else per_example.mean()
     if loop.loss == "mse":
-        return F.mse_loss(out, y.to(out.dtype), reduction=loop.reduction)
+        y = y.to(out.dtype)
+        if loop.target_norm == "batch":  # targets standardised by the batch's own statistics
+            y = (y - y.mean(0)) / (y.std(0, correction=0) + 1e-3)
+        elif loop.target_norm == "example":
+            y = (y - y.mean(-1, keepdim=True)) / (y.std(-1, correction=0, keepdim=True) + 1e-3)
+        return F.mse_loss(out, y, reduction=loop.reduction)
     return F.cross_entropy(out, y, reduction=loop.reduction)
 
 
@@ -276,22 +413,157 @@ class EveryPairChecked:
         return code_masks(n, bits)
 
 
+class RecordingDataset(TensorDataset):
+    """The private data set as a ``TensorDataset`` that notes which examples are read (``read``), so that
+    the oracle can count how often the loop's loader handed out one example."""
+
+    def __init__(self, *tensors: torch.Tensor):
+        super().__init__(*tensors)
+        self.read: list[int] = []
+
+    def __getitem__(self, index):
+        self.read.append(int(index))
+        return super().__getitem__(index)
+
+
+def make_sampler(kind: str, dataset: TensorDataset) -> torch.utils.data.Sampler:
+    """The sampler a user hands the loader: ``random`` or ``weighted`` (class-balancing weights, 1 / the
+    count of the example's label, for class ids; equal weights otherwise), drawing as many examples as
+    the data set holds, ``-replacement``: with replacement."""
+    n, replacement = len(dataset), kind.endswith("replacement")
+    if kind.startswith("random"):
+        return RandomSampler(dataset, replacement=replacement, num_samples=n)
+    labels = dataset.tensors[1]
+    weights = torch.ones(n, dtype=torch.float64)
+    if labels.dim() == 1 and not labels.is_floating_point():
+        weights = 1.0 / torch.bincount(labels)[labels].double()
+    return WeightedRandomSampler(weights, num_samples=n, replacement=replacement)
+
+
+class UncheckedEngine:
+    """The oracle's reference for "tunefree's checks bypassed": a private step with no check at all, in
+    place of ``make_private``'s engine. Each example's gradient of every ``nn.Linear`` is computed from the
+    batch's own forward and backward — the layer's input rows times its output-gradient rows, the way an
+    engine of hooks computes it — then (times the batch size under a declared mean loss) weighed by the
+    draw's clip function at R over one all-layer group, and summed. Whatever the code does across
+    examples therefore reaches the release, as it would in a library that does not refuse it. Models
+    whose trainable parameters all sit in ``nn.Linear`` layers; loops without micro-batches, resumes or
+    loss scaling. Parts of ``DPEngine``'s interface the runner uses: ``data_loader`` (the user's loader
+    as it is, as under ``poisson_sampling=False``), ``optimizer`` (itself), ``schedule``, ``steps``."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader,
+                 loop: LoopSpec):
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        owned = {p for m in linears for p in m.parameters(recurse=False)}
+        if any(p.requires_grad and p not in owned for p in model.parameters()) or loop.physical \
+                or loop.resume_at is not None or loop.precision == "fp16" or loop.groups != "all-layer":
+            raise NotImplementedError("UncheckedEngine takes models of nn.Linear layers, one all-layer "
+                                      "group, and loops without micro-batches, resumes or loss scaling")
+        self.model, self.inner, self.data_loader = model, optimizer, loader
+        self.optimizer, self.param_groups = self, optimizer.param_groups
+        self.expected_batch_size = len(loader.dataset)
+        self.schedule = SimpleNamespace(checking=False, ends_logical=True)
+        self.weigh, self.mean = clip_weights(loop.clipping), (loop.declared or loop.reduction) == "mean"
+        self.poisson_approximation = loop.loader == "poisson-off"
+        self.steps = 0
+        self.calls: dict[nn.Linear, list[list]] = collections.defaultdict(list)
+        self.handles = [m.register_forward_hook(self._capture) for m in linears]
+        self.pre_hooks: list = []
+        self.post_hooks: list = []
+
+    def _capture(self, module: nn.Linear, inputs: tuple, output: torch.Tensor) -> None:
+        if not (torch.is_grad_enabled() and output.requires_grad):
+            return
+        call = [inputs[0].detach(), None]
+        self.calls[module].append(call)
+        output.register_hook(lambda g: call.__setitem__(1, g.detach()))
+
+    def _per_example(self) -> dict[nn.Parameter, torch.Tensor]:
+        """[B, *shape] gradients of the step's examples, from the captured calls in order."""
+        grads: dict[nn.Parameter, list[torch.Tensor]] = collections.defaultdict(list)
+        for module, calls in self.calls.items():
+            for a, g in calls:
+                if g is None:
+                    continue
+                a, g = a.double().flatten(1, -2) if a.dim() > 2 else a.double().unsqueeze(1), \
+                    g.double().flatten(1, -2) if g.dim() > 2 else g.double().unsqueeze(1)
+                grads[module.weight].append(torch.einsum("bto,bti->boi", g, a))
+                if module.bias is not None:
+                    grads[module.bias].append(g.sum(1))
+        return {p: torch.cat(parts) for p, parts in grads.items()}
+
+    def step(self) -> None:
+        for hook in self.pre_hooks:
+            hook(self, (), {})
+        per_example = self._per_example()
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)  # nothing but the clipped sum is released
+        if per_example:
+            rows = next(iter(per_example.values())).shape[0]
+            scale = rows if self.mean else 1.0
+            norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in per_example.values())) * scale
+            weights = self.weigh(norms, R) * scale
+            for p, g in per_example.items():
+                clipped = torch.einsum("b,b...->...", weights, g)
+                p.grad = (clipped / self.expected_batch_size).to(p.dtype)
+        self.inner.step()
+        self.steps += 1
+        for hook in self.post_hooks:
+            hook(self, (), {})
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+        self.calls.clear()
+
+    def register_step_pre_hook(self, hook) -> None:
+        self.pre_hooks.append(hook)
+
+    def register_step_post_hook(self, hook) -> None:
+        self.post_hooks.append(hook)
+
+    def guarantee(self) -> SimpleNamespace:
+        return SimpleNamespace(poisson_approximation=self.poisson_approximation)
+
+    def detach(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 class _Run:
     """One private training run of a draw on a data set, recording every release into a ``DrawTrace``
-    (``every_pair``: checked by ``EveryPairChecked`` instead of the run's random schedule)."""
+    (``every_pair``: checked by ``EveryPairChecked`` instead of the run's random schedule; ``unchecked``:
+    by ``UncheckedEngine`` instead of tunefree). Each run starts as a fresh process would
+    (``fuzz_zoo.fresh_process``)."""
 
-    def __init__(self, draw: Draw, dataset: TensorDataset, trace: DrawTrace, plain: bool = False,
-                 every_pair: bool = False):
+    def __init__(self, draw: Draw, dataset: RecordingDataset, trace: DrawTrace, plain: bool = False,
+                 every_pair: bool = False, unchecked: bool = False):
+        fresh_process()
         self.draw, self.loop, self.dataset, self.trace, self.plain = draw, draw.loop, dataset, trace, plain
-        self.every_pair = every_pair
+        self.every_pair, self.unchecked = every_pair, unchecked
         self.dtype = dtype_of(self.loop)
         self.public = input_batch(draw.model, 3, draw.seed * 10 + 5, self.dtype)
         self.engine = self.scaler = None
         self.checking = True  # whether the run checks the step under way (private runs)
         self.fed = False      # whether the loop trained the model on data in the step under way
         self._start(build_model(draw.model, draw.seed, self.dtype))
-        self.own = (DataLoader(dataset, batch_size=len(dataset), shuffle=True)
-                    if self.loop.loader == "own" or plain else None)
+        self.own = self._user_loader() if self.loop.loader == "own" or plain else None
+
+    def _user_loader(self) -> DataLoader:
+        """The user's loader over the whole data set (one batch a pass): in order for tunefree's Poisson
+        loader to replace, shuffled (or with the draw's sampler) otherwise."""
+        n, sampler = len(self.dataset), self.loop.sampler
+        if sampler is None:
+            return DataLoader(self.dataset, batch_size=n, shuffle=self.loop.loader != "poisson")
+        return DataLoader(self.dataset, batch_size=n, sampler=make_sampler(sampler, self.dataset))
+
+    def _resample(self) -> None:
+        """After the data set's tensors changed: its weighted sampler's weights computed for the new ones
+        (as a user builds a class-balancing sampler for the data it samples)."""
+        loader = self.own if self.own is not None else self.engine.data_loader
+        sampler = getattr(loader, "sampler", None)
+        if isinstance(sampler, WeightedRandomSampler):
+            sampler.weights = make_sampler(self.loop.sampler, self.dataset).weights
 
     def _start(self, model: torch.nn.Module, moments: dict | None = None) -> None:
         """The model's optimizer (with ``moments``: a saved optimizer state) and private run."""
@@ -303,13 +575,17 @@ class _Run:
             self.scaler = torch.amp.GradScaler("cpu", init_scale=loop.init_scale)
         if self.plain:
             return
-        loader = DataLoader(self.dataset, batch_size=len(self.dataset), shuffle=loop.loader != "poisson")
-        self.engine = tunefree.make_private(
-            model, self.optimizer, loader, target_delta=0.1 / len(self.dataset), noise_multiplier=0.0,
-            steps=loop.steps, clipping=loop.clipping, max_grad_norm=R, groups=loop.groups,
-            loss_reduction=loop.declared or loop.reduction, seed=self.draw.seed,
-            physical_batch_size=loop.physical if loop.loader == "poisson" else None,
-            poisson_sampling=loop.loader != "poisson-off", verify_every=loop.verify_every)
+        loader = self._user_loader()
+        if self.unchecked:
+            self.engine = UncheckedEngine(model, self.optimizer, loader, loop)
+        else:
+            with extension_clip(loop.clipping):
+                self.engine = tunefree.make_private(
+                    model, self.optimizer, loader, target_delta=0.1 / len(self.dataset),
+                    noise_multiplier=0.0, steps=loop.steps, clipping=loop.clipping, max_grad_norm=R,
+                    groups=loop.groups, loss_reduction=loop.declared or loop.reduction, seed=self.draw.seed,
+                    physical_batch_size=loop.physical if loop.loader == "poisson" else None,
+                    poisson_sampling=loop.loader != "poisson-off", verify_every=loop.verify_every)
         if self.scaler is not None:
             self.engine.optimizer.attach_grad_scaler(self.scaler)
         if self.every_pair:
@@ -326,6 +602,8 @@ class _Run:
         names = {p: n for n, p in self.model.named_parameters()}
         self.trace.checked.append(self.checking)
         self.trace.fed.append(self.fed)
+        self.trace.repeats.append(max(collections.Counter(self.dataset.read).values(), default=0))
+        self.dataset.read = []
         self.fed = False
         self.trace.releases.append({
             names[p]: p.grad.detach().double() * optimizer.expected_batch_size
@@ -353,11 +631,13 @@ class _Run:
                 self.resume()
             if history is not None and t == loop.steps - 1:
                 self.dataset.tensors = private  # the carry run's last step sees D
+                self._resample()
             active = t >= loop.mix_start
             for module in self.model.modules():
                 if isinstance(module, Mix):
                     module.active = active
             torch.manual_seed(1000 + t)
+            self.dataset.read = []  # what the loader reads for this step (not make_private's digest)
             for xb, yb in self.own if self.own is not None else self.engine.data_loader:
                 self._physical_step(xb, yb, active)
             if loop.extra_forward in ("eval-public", "eval-private"):
@@ -411,9 +691,35 @@ class _Run:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
 
+def _held(value: object, name: str, state: dict[str, object], depth: int = 0) -> None:
+    """Add to ``state`` the data ``value`` holds under ``name``: tensors, NumPy arrays and numbers, also
+    inside lists, tuples, deques and dicts of any length and inside the user's own helper objects (those
+    of a class outside torch and tunefree), down to a few levels."""
+    if isinstance(value, torch.Tensor):
+        state[name] = value.detach().clone()
+    elif isinstance(value, np.ndarray):
+        state[name] = torch.from_numpy(value.copy())
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        state[name] = value
+    elif depth >= 4 or isinstance(value, (str, bytes, type, nn.Module)) or callable(value):
+        return
+    elif isinstance(value, (list, tuple, collections.deque)):
+        state[name + ".len"] = len(value)
+        for i, item in enumerate(value):
+            _held(item, f"{name}[{i}]", state, depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _held(item, f"{name}[{key!r}]", state, depth + 1)
+    elif hasattr(value, "__dict__") and not type(value).__module__.startswith(("torch", "tunefree")):
+        for key, item in vars(value).items():
+            _held(item, f"{name}.{key}", state, depth + 1)
+
+
 def model_state(model: torch.nn.Module) -> dict[str, object]:
-    """Everything the model object holds after training: parameters, buffers (persistent or not) and the
-    tensor and number attributes of its modules."""
+    """Everything the model object holds after training (what saving the model object keeps):
+    parameters, buffers (persistent or not) and the data its modules' attributes hold (``_held``). State
+    kept on a class or in a module-level global is not the model object's: the oracle sees it where it
+    reaches a release."""
     state: dict[str, object] = {}
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
@@ -421,12 +727,8 @@ def model_state(model: torch.nn.Module) -> dict[str, object]:
             if value is not None:
                 state[prefix + key] = value.detach().clone()
         for key, value in vars(module).items():
-            if key.startswith("_") or key == "training" or isinstance(value, bool):
-                continue
-            if isinstance(value, torch.Tensor):
-                state[prefix + key] = value.detach().clone()
-            elif isinstance(value, (int, float)):
-                state[prefix + key] = value
+            if not key.startswith("_") and key != "training":
+                _held(value, prefix + key, state)
     return state
 
 
@@ -443,16 +745,18 @@ def refused_by_tunefree(error: BaseException) -> bool:
 
 
 def run_draw(draw: Draw, x: torch.Tensor, y: torch.Tensor,
-             history: tuple[torch.Tensor, torch.Tensor] | None = None, every_pair: bool = False) -> DrawTrace:
+             history: tuple[torch.Tensor, torch.Tensor] | None = None, every_pair: bool = False,
+             unchecked: bool = False) -> DrawTrace:
     """Train ``draw`` privately on D = (x, y) (with ``history``: on it for all steps but the last, which
     sees D) and record every release; an exception ends the run and is kept in the trace.
-    ``every_pair``: check every step on every pair of examples (``EveryPairChecked``)."""
+    ``every_pair``: check every step on every pair of examples (``EveryPairChecked``); ``unchecked``: run
+    ``UncheckedEngine`` instead of tunefree (the oracle's reference with no checks)."""
     trace = DrawTrace()
-    dataset = TensorDataset(*(history if history is not None else (x, y)))
+    dataset = RecordingDataset(*(history if history is not None else (x, y)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            run = _Run(draw, dataset, trace, every_pair=every_pair)
+            run = _Run(draw, dataset, trace, every_pair=every_pair, unchecked=unchecked)
             run.train(history, (x, y))
             trace.state = model_state(run.model)
             trace.ledger_steps = run.engine.steps
@@ -470,5 +774,5 @@ def run_plain(draw: Draw, data: tuple[torch.Tensor, torch.Tensor] | None = None,
     x, y = draw_data(draw) if data is None else data
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dataset = TensorDataset(*(history if history is not None else (x, y)))
+        dataset = RecordingDataset(*(history if history is not None else (x, y)))
         _Run(draw, dataset, DrawTrace(), plain=True).train(history, (x, y))

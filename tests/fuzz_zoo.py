@@ -3,16 +3,20 @@
 A model is ``stem → blocks → pool → head``. Between blocks the hidden state is one of three layouts,
 always examples first: ``vec`` (B, D), ``seq`` (B, T, D) or ``img`` (B, D, H, W). Every block is an
 ordinary module (a torch layer, a user module with a bare ``nn.Parameter``, a module that keeps a buffer
-or an attribute, one that mixes examples), and hooks are ordinary hooks. Nothing here knows tunefree: the
-zoo describes what users write; ``fuzz_draw`` trains it privately and ``leak_fuzz`` judges the result.
+or an attribute — or state on its class, in a foreign helper object, a list of 100, a deque or a
+module-level global — one that mixes examples, one that rescales its gradient by a statistic of the
+batch or of each example), and hooks are ordinary hooks. Nothing here knows tunefree: the zoo describes
+what users write; ``fuzz_draw`` trains it privately and ``leak_fuzz`` judges the result.
 
 ``ModelSpec`` is plain data, so a draw prints as a reproducer and shrinks by editing fields.
 """
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -65,7 +69,8 @@ class ModelSpec:
     hooks: tuple[Hook, ...] = ()
     max_norm: float | None = None   # tokens: nn.Embedding(max_norm=…) renormalises rows in place
     tied_head: bool = False         # tokens: the head is an nn.Linear sharing the embedding's weight
-    pool: str = "mean"              # seq: "mean" or "last"
+    pool: str = "mean"              # seq: "mean", "last" or "tokens" (no pooling: a prediction per token,
+    #                                 trained by the loop's token loss)
 
     def __repr__(self) -> str:
         defaults = ModelSpec()
@@ -320,6 +325,194 @@ class Mix(nn.Module):
         return _MixBackward.apply(h)
 
 
+# ------------------------------------------------------- state kept where a guard of attributes does not look
+class _Carried(nn.Module):
+    """A block that keeps a statistic of the training batches (their feature mean) and uses it in its
+    output. ``order``: "update-first" (the batch's own statistic reaches its output at once, and is carried
+    into the next steps) or "use-first" (only earlier batches' statistics, from the next step on);
+    ``update=False``: the state is a public constant that is only read (a variant that does not leak).
+    Subclasses say where the state lives (``remember``, ``recalled``); the output is ``h − recalled``."""
+
+    def __init__(self, layout: str, order: str = "update-first", update: bool = True):
+        super().__init__()
+        self.layout, self.order, self.update = layout, order, update
+
+    def forward(self, h):
+        writes = self.update and self.training
+        if writes and self.order == "update-first":
+            self.remember(_feature_mean(h.detach().float(), self.layout))
+        out = self.use(h)
+        if writes and self.order == "use-first":
+            self.remember(_feature_mean(h.detach().float(), self.layout))
+        return out
+
+    def use(self, h):
+        return h - _as_features(self.recalled().to(h.dtype), self.layout)
+
+    def remember(self, mean: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def recalled(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _public_centre() -> torch.Tensor:
+    return torch.linspace(-0.5, 0.5, D)
+
+
+class ClassCentre(_Carried):
+    """A running mean in a tensor defined on the class (``centre = torch.zeros(D)`` in the class body),
+    updated in place: every instance, and every model built in the process, shares it."""
+
+    centre = _public_centre()
+
+    def remember(self, mean):
+        with torch.no_grad():
+            self.centre.mul_(0.9).add_(0.1 * mean)
+
+    def recalled(self):
+        return self.centre
+
+
+class RunningMeanHelper:
+    """A plain-Python helper a user keeps on the model: a running mean as a NumPy array."""
+
+    def __init__(self, size: int):
+        self.mean, self.count = _public_centre().double().numpy(), 0
+
+    def update(self, value: np.ndarray) -> None:
+        self.count += 1
+        self.mean = 0.9 * self.mean + 0.1 * value
+
+
+class ForeignState(_Carried):
+    """A running mean kept in a foreign (non-torch) object on the module."""
+
+    def __init__(self, layout: str, order: str = "update-first", update: bool = True):
+        super().__init__(layout, order, update)
+        self.stats = RunningMeanHelper(D)
+
+    def remember(self, mean):
+        self.stats.update(mean.double().numpy())
+
+    def recalled(self):
+        return torch.from_numpy(self.stats.mean)
+
+
+class Prototypes(_Carried):
+    """A memory of 100 prototype vectors in a Python list that each example reads by attention; a training
+    forward moves the prototype nearest the batch's mean towards it, in place."""
+
+    COUNT = 100
+
+    def __init__(self, layout: str, order: str = "update-first", update: bool = True):
+        super().__init__(layout, order, update)
+        g = torch.Generator().manual_seed(0)
+        self.prototypes = [torch.randn(D, generator=g) for _ in range(self.COUNT)]
+
+    def remember(self, mean):
+        nearest = int((torch.stack(self.prototypes) @ mean).argmax())
+        self.prototypes[nearest].mul_(0.5).add_(0.5 * mean)
+
+    def use(self, h):
+        memory = torch.stack(self.prototypes).to(h.dtype)
+        f = _features_last(h, self.layout)
+        return _features_back(f + 0.1 * torch.softmax(f @ memory.T, -1) @ memory, self.layout)
+
+
+class RecentFeatures(_Carried):
+    """The feature means of the last ``maxlen`` training batches in a ``collections.deque(maxlen=…)``;
+    once it is full, their mean is subtracted (so a run uses them from its ``maxlen``-th step on, or
+    from the next one with ``order="use-first"``)."""
+
+    def __init__(self, layout: str, order: str = "update-first", update: bool = True, maxlen: int = 2):
+        super().__init__(layout, order, update)
+        self.recent: collections.deque = collections.deque(maxlen=maxlen)
+        if not update:
+            self.recent.extend(_public_centre() * k for k in range(maxlen))
+
+    def remember(self, mean):
+        self.recent.append(mean)
+
+    def use(self, h):
+        if len(self.recent) < self.recent.maxlen:
+            return h
+        return super().use(h)
+
+    def recalled(self):
+        return torch.stack(list(self.recent)).mean(0)
+
+
+RUNNING_MEAN = _public_centre()  # a module-level running mean (GlobalState)
+
+
+class GlobalState(_Carried):
+    """A running mean in a module-level global (``global RUNNING_MEAN`` in forward)."""
+
+    def remember(self, mean):
+        global RUNNING_MEAN
+        RUNNING_MEAN = 0.9 * RUNNING_MEAN + 0.1 * mean
+
+    def recalled(self):
+        return RUNNING_MEAN
+
+
+def fresh_process() -> None:
+    """The state a new Python process starts with: the class-level and module-level values of the blocks
+    above (each private run of the oracle is a process of its own)."""
+    global RUNNING_MEAN
+    ClassCentre.centre = _public_centre()
+    RUNNING_MEAN = _public_centre()
+
+
+# --------------------------------------------------------------------- scales computed in the backward
+def _rows(scale: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return scale.reshape(-1, *([1] * (g.dim() - 1)))
+
+
+def _unit_gradient(g: torch.Tensor, over: str) -> torch.Tensor:
+    """``g / g.norm()``: the whole batch's gradient to norm 1 (``over`` "batch"), or each example's row."""
+    if over == "batch":
+        return g / g.norm().clamp_min(1e-12)
+    return g / _rows(g.flatten(1).norm(dim=1).clamp_min(1e-12), g)
+
+
+class _RescaleBackward(torch.autograd.Function):
+    """Identity forward; the backward divides the output gradient by its mean magnitude, over the whole
+    batch or over each example's row."""
+
+    @staticmethod
+    def forward(ctx, h, over):
+        ctx.over = over
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.over == "batch":
+            return g / g.abs().mean().clamp_min(1e-12), None
+        return g / _rows(g.flatten(1).abs().mean(1).clamp_min(1e-12), g), None
+
+
+class GradScale(nn.Module):
+    """Rescales the gradient flowing back through it, in ways users stabilise training with: ``how``
+    "tensor-hook" (``h.register_hook(lambda g: g / g.norm())``) or "function" (a custom
+    ``autograd.Function`` dividing by the gradient's mean magnitude); ``over`` "batch" (one scalar from the
+    whole batch's gradient: each example's gradient then depends on the others, yet no row is zeroed) or
+    "example" (each example's row by its own statistic: exact)."""
+
+    def __init__(self, layout: str, how: str = "tensor-hook", over: str = "batch"):
+        super().__init__()
+        self.how, self.over = how, over
+
+    def forward(self, h):
+        if self.how == "function":
+            return _RescaleBackward.apply(h, self.over)
+        out = h.clone()
+        if out.requires_grad:
+            out.register_hook(lambda g: _unit_gradient(g, self.over))
+        return out
+
+
 BLOCKS: dict[str, tuple[type[nn.Module], tuple[str, ...]]] = {
     # kind: (class, layouts it accepts)
     "dense": (Dense, ("vec", "seq", "img")),
@@ -335,8 +528,27 @@ BLOCKS: dict[str, tuple[type[nn.Module], tuple[str, ...]]] = {
     "step_counter": (StepCounter, ("vec", "seq", "img")),
     "weight_average": (WeightAverage, ("vec", "seq", "img")),
     "mix": (Mix, ("vec", "seq", "img")),
+    "class_state": (ClassCentre, ("vec", "seq", "img")),
+    "foreign_state": (ForeignState, ("vec", "seq", "img")),
+    "prototypes": (Prototypes, ("vec", "seq", "img")),
+    "recent_deque": (RecentFeatures, ("vec", "seq", "img")),
+    "global_state": (GlobalState, ("vec", "seq", "img")),
+    "grad_scale": (GradScale, ("vec", "seq", "img")),
 }
-STATEFUL = {"running_center", "activation_cache", "running_max", "step_counter", "weight_average"}
+# blocks that keep what they saw of a batch (the unseen ones keep it unless built with update=False)
+UNSEEN_STATE = {"class_state", "foreign_state", "prototypes", "recent_deque", "global_state"}
+STATEFUL = {"running_center", "activation_cache", "running_max", "step_counter", "weight_average",
+            *UNSEEN_STATE}
+
+
+def keeps_state(block: Block) -> bool:
+    """Whether the block writes what it saw of a training batch into the model or the process."""
+    return block.kind in STATEFUL and block.kwargs().get("update", True)
+
+
+def scales_backward_by_batch(block: Block) -> bool:
+    """Whether the block rescales its gradient by a statistic of the whole batch."""
+    return block.kind == "grad_scale" and block.kwargs().get("over", "batch") == "batch"
 
 
 # -------------------------------------------------------------------------------------------- hooks
@@ -370,6 +582,17 @@ def _mix_input_gradient(module, grad_input, grad_output):
     return tuple(None if g is None else g + g.sum(0, keepdim=True) for g in grad_input)
 
 
+def _clip_input_gradient(module, grad_input, grad_output):
+    """Clip the gradient flowing into the trunk to norm 0.01 — its norm over the whole batch."""
+    return tuple(None if g is None else g / torch.clamp(g.norm() / 0.01, min=1.0) for g in grad_input)
+
+
+def _clip_input_gradient_per_example(module, grad_input, grad_output):
+    """Clip each example's row of the gradient flowing into the trunk to norm 0.01."""
+    return tuple(None if g is None else g / _rows(torch.clamp(g.flatten(1).norm(dim=1) / 0.01, min=1.0), g)
+                 for g in grad_input)
+
+
 HOOKS = {
     # kind: (registration, function, whether it needs a 'hook_total' buffer on the module)
     "forward_sin": ("forward", _sin_output, False),
@@ -379,8 +602,12 @@ HOOKS = {
     "backward_halve": ("backward", _halve_input_gradient, False),
     "backward_record": ("backward", _record_gradient_norm, True),
     "backward_mix": ("backward", _mix_input_gradient, False),
+    "backward_clip_batch": ("backward", _clip_input_gradient, False),
+    "backward_clip_example": ("backward", _clip_input_gradient_per_example, False),
 }
 MIXING_HOOKS = {"forward_mix", "backward_mix"}
+BATCH_SCALE_HOOKS = {"backward_clip_batch"}  # a scalar of the whole batch's gradient; no row zeroed
+ROW_SCALE_HOOKS = {"backward_clip_example"}    # each example's row by its own norm (not linear in it)
 RECORDING_HOOKS = {"forward_record", "backward_record"}
 
 
@@ -424,7 +651,7 @@ class FuzzNet(nn.Module):
         h = self.blocks(self.stem(x))
         if self.layout == "img":
             h = h.mean((2, 3))
-        elif self.layout == "seq":
+        elif self.layout == "seq" and self.spec.pool != "tokens":
             h = h.mean(1) if self.spec.pool == "mean" else h[:, -1]
         return self.head(h)
 
@@ -462,9 +689,18 @@ def input_batch(spec: ModelSpec, examples: int, seed: int, dtype: torch.dtype = 
     return (torch.randn(examples, *shape, generator=g) * 5).to(dtype)
 
 
+IGNORE = -100  # a target token that is padding (PyTorch's and Hugging Face's ignore_index)
+
+
 def targets(spec: ModelSpec, examples: int, seed: int, regression: bool,
             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Class ids, regression targets, or (``pool="tokens"``) a class id per token with the padding past
+    each example's own length (1 to LENGTH tokens) set to ``IGNORE``."""
     g = torch.Generator().manual_seed(seed + 7)
+    if spec.pool == "tokens":
+        y = torch.randint(0, spec.classes, (examples, LENGTH), generator=g)
+        lengths = torch.randint(1, LENGTH + 1, (examples, 1), generator=g)
+        return y.masked_fill(torch.arange(LENGTH) >= lengths, IGNORE)
     if regression:
         return torch.randn(examples, spec.classes, generator=g).to(dtype)
     return torch.randint(0, spec.classes, (examples,), generator=g)

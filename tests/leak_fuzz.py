@@ -9,10 +9,17 @@ The oracle (``neighbour.compare_runs``, noise 0, Abadi at R, sampling rate 1, le
 - ``carry``: a run whose earlier steps saw other data releases at its last step (on D) exactly what the
   run on D releases there;
 - ``sampling``: a loop that feeds the model batches of its own loader (not ``engine.data_loader``) is
-  refused before its first release;
+  refused before its first release, and no release comes from a batch that holds one example more than
+  once (a sampler with replacement under ``poisson_sampling=False``: its sensitivity is a multiple of R);
 - ``ledger``: a finished run's ledger holds every step taken (also across a resume), and a run without
   Poisson sampling says that its guarantee is the Poisson approximation;
 - ``crash``: tunefree fails with an error it did not raise on purpose, on code plain PyTorch runs.
+
+A finding's class (``classify``) is the invariant it breaks, read from the failed checks and what the
+draw holds: state written or carried (also state on a class, in foreign objects, long containers, deques
+and globals), mixing in the model or before it, a batch-wide scale in the backward, mixing in the loss
+(a token mean over the batch, targets standardised by the batch), clip weights that read the batch, a
+sampling or ledger fault, a batch-dependent sensitivity, or anything else.
 
 Refused means a ``PrivacyError``, or a ValueError/TypeError/RuntimeError raised by a ``raise`` statement
 in tunefree (a named refusal). A refusal after a leaky release does not excuse the release: released
@@ -35,8 +42,30 @@ import time
 from dataclasses import dataclass, field, replace
 
 import torch
-from fuzz_draw import Draw, LoopSpec, R, draw_data, refused_by_tunefree, run_draw, run_plain, sample_draw
-from fuzz_zoo import BLOCKS, MIXING_HOOKS, RECORDING_HOOKS, STATEFUL, STEM_LAYOUT, ModelSpec, build_model
+from fuzz_draw import (
+    CLIPPINGS,
+    SAMPLERS,
+    Draw,
+    LoopSpec,
+    R,
+    draw_data,
+    refused_by_tunefree,
+    run_draw,
+    run_plain,
+    sample_draw,
+)
+from fuzz_zoo import (
+    BATCH_SCALE_HOOKS,
+    BLOCKS,
+    MIXING_HOOKS,
+    RECORDING_HOOKS,
+    ROW_SCALE_HOOKS,
+    STEM_LAYOUT,
+    ModelSpec,
+    build_model,
+    keeps_state,
+    scales_backward_by_batch,
+)
 from neighbour import MultiStepReport, RunTrace, StepExcess, compare_runs, release_distance
 
 # Rounding: a float32/float64 release of N clipped gradients is exact to ~N·R·1e-7. Under bf16/fp16
@@ -49,14 +78,17 @@ WRITTEN = "model state written from the batch"
 CARRIED = "state carried across batches"
 MIXING_INSIDE = "mixing in the model the independence check misses"
 MIXING_OUTSIDE = "mixing outside the model"
+BACKWARD_SCALE = "a batch-wide scale in the backward"
+MIXING_LOSS = "mixing in the loss"
+CLIP_BATCH = "clip weights that read the batch"
 BATCH_SENSITIVITY = "batch-dependent sensitivity"
 SAMPLING = "sampling not as the guarantee says"
 LEDGER = "ledger"
 UNNOISED = "unnoised outputs"
 OTHER = "anything else"
 RANDOM_CHECK = "random-check"  # the verdict of a leak the random checks missed by chance (see check)
-CLASSES = (WRITTEN, CARRIED, MIXING_INSIDE, MIXING_OUTSIDE, BATCH_SENSITIVITY, SAMPLING, LEDGER, UNNOISED,
-           OTHER)
+CLASSES = (WRITTEN, CARRIED, MIXING_INSIDE, MIXING_OUTSIDE, BACKWARD_SCALE, MIXING_LOSS, CLIP_BATCH,
+           BATCH_SENSITIVITY, SAMPLING, LEDGER, UNNOISED, OTHER)
 
 
 @dataclass
@@ -114,6 +146,15 @@ def _violations(draw: Draw, report: MultiStepReport) -> list[Violation]:
     if loop.loader == "own" and trained:
         found.append(Violation("sampling", f"{trained} step(s) released from the user's own loader's "
                                            "batches, accounted as Poisson samples"))
+    runs = [("D", full), *((f"D∖{{{j}}}", n) for j, n in enumerate(report.neighbours)),
+            ("carry", report.carry)]
+    repeated = [(name, t, m) for name, run in runs if run is not None
+                for t, (m, fed) in enumerate(zip(run.repeats, run.fed)) if m > 1 and fed]
+    if repeated:
+        name, t, m = max(repeated, key=lambda r: r[2])
+        found.append(Violation("sampling", f"{len(repeated)} release(s) from batches that hold an example "
+                                           f"more than once (the run on {name}, step {t}: {m} times), "
+                                           "accounted at sensitivity R"))
     if full.state is not None:
         if full.ledger_steps != loop.steps:
             found.append(Violation("ledger", f"the ledger holds {full.ledger_steps} steps of {loop.steps} "
@@ -147,24 +188,78 @@ def _mixes_in_model(spec: ModelSpec) -> bool:
     return any(b.kind == "mix" for b in spec.blocks) or any(h.kind in MIXING_HOOKS for h in spec.hooks)
 
 
+def _scales_backward(draw: Draw) -> bool:
+    """A scalar of the whole batch's gradient rescales it (a hook, a tensor hook, a Function), or each
+    example's row is rescaled by its own statistic under a mean loss: the rescaling then takes the
+    mean's 1/B out of some parameters' gradients but not others', so an example's clipped gradient
+    depends on how many others the batch holds."""
+    spec = draw.model
+    return any(map(scales_backward_by_batch, spec.blocks)) or \
+        any(h.kind in BATCH_SCALE_HOOKS for h in spec.hooks) or _rescales_a_mean(draw)
+
+
+def _rescales_a_mean(draw: Draw) -> bool:
+    """A per-example gradient rescaling (not linear in the loss) under a declared mean loss."""
+    spec = draw.model
+    per_example = any(b.kind == "grad_scale" and not scales_backward_by_batch(b) for b in spec.blocks) or \
+        any(h.kind in ROW_SCALE_HOOKS for h in spec.hooks)
+    return per_example and (draw.loop.declared or draw.loop.reduction) == "mean"
+
+
+def _mixes_in_loss(loop: LoopSpec) -> bool:
+    """A token mean over the whole batch, or targets standardised by the batch's statistics."""
+    return (loop.loss == "token-ce" and loop.token_mean == "batch") or \
+        (loop.loss == "mse" and loop.target_norm == "batch")
+
+
+def _randomly_checked(draw: Draw) -> bool:
+    """Whether the draw holds something the checks look for on random steps and halves: mixing in the
+    model or before it, or a batch-wide scale in the backward (which a gradient check may see)."""
+    return draw.loop.mix_before is not None or _mixes_in_model(draw.model) or _scales_backward(draw)
+
+
+def without_sampled_mixing(draw: Draw) -> Draw:
+    """``draw`` without what the checks look for on random steps and halves (``_randomly_checked``): its
+    mixing blocks and hooks, its gradient rescalings that read the batch (or that rescale a mean loss
+    per example), its mixing before the model."""
+    spec, loop = draw.model, draw.loop
+    mean = (loop.declared or loop.reduction) == "mean"
+    for i in reversed(range(len(spec.blocks))):
+        b = spec.blocks[i]
+        if b.kind == "mix" or (b.kind == "grad_scale" and (scales_backward_by_batch(b) or mean)):
+            spec = _without_block(spec, i)
+    sampled = MIXING_HOOKS | BATCH_SCALE_HOOKS | (ROW_SCALE_HOOKS if mean else set())
+    spec = replace(spec, hooks=tuple(h for h in spec.hooks if h.kind not in sampled))
+    return _consistent(replace(draw, model=spec, loop=replace(loop, mix_before=None, mix_start=0)))
+
+
 def _writes_state(spec: ModelSpec) -> bool:
-    return (spec.max_norm is not None or any(b.kind in STATEFUL for b in spec.blocks)
+    return (spec.max_norm is not None or any(map(keeps_state, spec.blocks))
             or any(b.kwargs().get("running") for b in spec.blocks)
             or any(h.kind in RECORDING_HOOKS for h in spec.hooks))
 
 
 def leak_features(draw: Draw) -> list[str]:
     """What in the draw may leak (and so may rightly be refused): a block that keeps state or mixes, a
-    norm with running statistics or batch statistics, a mixing or recording hook, a renormalising
-    embedding, mixing before the model, the user's own loader, a forgotten engine state, a wrongly
-    declared loss reduction. A refusal of a draw with none of them refuses code that does not leak."""
+    norm with running statistics or batch statistics, a mixing, recording or batch-scaling hook, a
+    gradient rescaled by a batch statistic (or per example under a mean loss), a renormalising
+    embedding, mixing before the model or in the loss, a clip function that reads the batch, a sampler
+    that repeats examples, the user's own loader, a forgotten engine state, a wrongly declared loss
+    reduction. A refusal of a draw with none of them refuses code that does not leak."""
     spec, loop = draw.model, draw.loop
-    found = [b.kind for b in spec.blocks if b.kind == "mix" or b.kind in STATEFUL]
+    found = [b.kind for b in spec.blocks if b.kind == "mix" or keeps_state(b)]
+    found += ["grad_scale over the batch"] if any(map(scales_backward_by_batch, spec.blocks)) else []
+    found += ["gradient rescaled per example under a mean loss"] if _rescales_a_mean(draw) else []
     found += [f"{b.kwargs()['kind']} norm" for b in spec.blocks
               if b.kind == "norm" and (b.kwargs().get("running") or b.kwargs()["kind"] == "batch")]
-    found += [h.kind for h in spec.hooks if h.kind in MIXING_HOOKS | RECORDING_HOOKS]
+    found += [h.kind for h in spec.hooks if h.kind in MIXING_HOOKS | RECORDING_HOOKS | BATCH_SCALE_HOOKS]
     found += ["max_norm"] if spec.max_norm is not None else []
     found += [f"mix_before={loop.mix_before}"] if loop.mix_before else []
+    found += ["token mean over the batch"] if loop.loss == "token-ce" and loop.token_mean == "batch" else []
+    found += ["targets standardised by the batch"] if loop.loss == "mse" and loop.target_norm == "batch" \
+        else []
+    found += [f"clipping={loop.clipping}"] if CLIPPINGS[loop.clipping] else []
+    found += [f"sampler={loop.sampler}"] if SAMPLERS[loop.sampler] else []
     found += ["own loader"] if loop.loader == "own" else []
     found += ["forgotten engine state"] if not loop.resume_engine_state else []
     found += ["misdeclared loss_reduction"] if loop.declared not in (None, loop.reduction) else []
@@ -183,6 +278,12 @@ def classify(draw: Draw, violations: list[Violation], report: MultiStepReport | 
             return MIXING_OUTSIDE
         if _mixes_in_model(draw.model):
             return MIXING_INSIDE
+        if _scales_backward(draw):
+            return BACKWARD_SCALE
+        if _mixes_in_loss(draw.loop):
+            return MIXING_LOSS
+        if CLIPPINGS[draw.loop.clipping]:
+            return CLIP_BATCH
     if "state" in checks and report is not None:
         params = {n for n, _ in build_model(draw.model, draw.seed).named_parameters()}
         if any(name in params for names in report.state_diffs.values() for name in names):
@@ -238,14 +339,14 @@ def _missed_by_chance(draw: Draw, violations: list[Violation], report: MultiStep
     1/verify_every), the independence check on a random half of the batch (a mixing pair is caught with
     probability ≥ 1/8 per check; ``ProbeSchedule``): a leak from mixing on a step they skip, or on a
     checked step whose half missed it, is the detection probability the design states, not a hole. It is
-    that only when the only violation is sensitivity, the draw mixes (in the model or before it), and
-    the same draw checked at every step on every pair (``EveryPairChecked``) releases nothing beyond R
+    that only when the only violation is sensitivity, the draw mixes (in the model or before it, or
+    rescales its gradients by a statistic of the batch, which a gradient check may see), the draw without
+    them (``without_sampled_mixing``) does not leak (``check``: the caller's), and the same draw checked
+    at every step on every pair (``EveryPairChecked``) releases nothing beyond R
     (exact, or refused first); a leak that such checking still lets through stays a finding. Returns
     ``"unchecked step"`` (every leaky release was on a step the run did not check) or ``"random half"``
     (some leaky release was on a checked step)."""
-    if any(v.check != "sensitivity" for v in violations):
-        return None
-    if draw.loop.mix_before is None and not _mixes_in_model(draw.model):
+    if any(v.check != "sensitivity" for v in violations) or not _randomly_checked(draw):
         return None
     again = _compare(draw, x, y, history, every_pair=True)
     if again is None or again[1]:
@@ -271,7 +372,14 @@ def check(draw: Draw) -> Outcome:
     refusal = next((_first_line(e) for e in errors if refused_by_tunefree(e)), None)
     verdict = "finding" if violations else "refused" if refusal else "exact"
     invariant = classify(draw, violations, report) if violations else None
-    missed = _missed_by_chance(draw, violations, report, x, y, history) if violations else None
+    missed = None
+    if violations and all(v.check == "sensitivity" for v in violations) and _randomly_checked(draw):
+        rest = without_sampled_mixing(draw)
+        apart = check(rest) if leak_features(rest) else None
+        if apart is not None and apart.verdict == "finding":
+            invariant = apart.invariant  # the rest leaks on its own: the class of its leak
+        else:
+            missed = _missed_by_chance(draw, violations, report, x, y, history)
     if missed is not None:
         verdict = RANDOM_CHECK
     split = report.full.error is None and any(t.error is not None and refused_by_tunefree(t.error)
@@ -302,6 +410,15 @@ def _valid(draw: Draw) -> bool:
         return False
     if spec.inputs != "tokens" and (spec.max_norm is not None or spec.tied_head):
         return False
+    if (spec.pool == "tokens") != (loop.loss == "token-ce") or (spec.pool != "mean" and layout != "seq"):
+        return False
+    if (loop.token_mean != "example" and loop.loss != "token-ce") or \
+            (loop.target_norm is not None and loop.loss != "mse"):
+        return False
+    if loop.sampler is not None and loop.loader != "poisson-off":
+        return False
+    if any(b.kind == "recent_deque" and b.kwargs().get("maxlen", 2) > loop.steps for b in spec.blocks):
+        return False  # a deque of recent batches is read within the run
     if loop.resume_at is not None and not 1 <= loop.resume_at < loop.steps:
         return False
     if loop.mix_start >= loop.steps or (loop.physical is not None and loop.loader != "poisson"):
@@ -318,8 +435,28 @@ def _without_block(spec: ModelSpec, i: int) -> ModelSpec:
     return replace(spec, blocks=spec.blocks[:i] + spec.blocks[i + 1:], hooks=hooks)
 
 
+def _consistent(draw: Draw) -> Draw:
+    """``draw`` with the fields that depend on a simplified one set to match it: a prediction per token
+    goes with the token loss (whichever of the two was simplified away), a sampler and a target
+    standardisation, a token mean with what they belong to."""
+    spec, loop = draw.model, draw.loop
+    if spec.pool == "tokens" and loop.loss != "token-ce":
+        spec = replace(spec, pool="mean")
+    if loop.loss == "token-ce" and (spec.pool != "tokens" or STEM_LAYOUT[spec.inputs] != "seq"):
+        loop = replace(loop, loss="ce")
+        spec = replace(spec, pool="mean") if spec.pool == "tokens" else spec
+    if loop.loss != "token-ce":
+        loop = replace(loop, token_mean="example")
+    if loop.loss != "mse":
+        loop = replace(loop, target_norm=None)
+    if loop.loader != "poisson-off":
+        loop = replace(loop, sampler=None)
+    return replace(draw, model=spec, loop=loop)
+
+
 def simpler(draw: Draw) -> list[Draw]:
-    """Drafts one simplification away from ``draw``: a block or hook fewer, a field at its default."""
+    """Drafts one simplification away from ``draw``: a block or hook fewer, a field at its default (and
+    the fields that depend on it made consistent, ``_consistent``)."""
     spec, loop = draw.model, draw.loop
     models = [_without_block(spec, i) for i in range(len(spec.blocks))]
     models += [replace(spec, hooks=spec.hooks[:k] + spec.hooks[k + 1:]) for k in range(len(spec.hooks))]
@@ -337,7 +474,8 @@ def simpler(draw: Draw) -> list[Draw]:
         drafts.append(replace(draw, loop=replace(loop, steps=loop.steps - 1)))
     if loop.examples > 3:
         drafts.append(replace(draw, loop=replace(loop, examples=loop.examples - 1)))
-    return [d for d in drafts if _valid(d)]
+    drafts = [_consistent(d) for d in drafts]
+    return [d for d in drafts if _valid(d) and d != draw]
 
 
 def shrink(draw: Draw, still_fails, budget: int = 200) -> Draw:
