@@ -110,11 +110,13 @@ def extension_clip(name: str):
 
 
 def clip_weights(name: str):
-    """``weights(norms, threshold)`` of the clip function ``name``, registered or not."""
-    own = {"fuzz-batch-max": ClipByLargest().weights, "fuzz-batch-mean": ClipAtMeanNorm().weights,
-           "fuzz-soft": SoftClip().weights,
+    """``weigh(norms, threshold)`` of the clip function ``name``, registered or not, as its code is
+    written: called on every norm of the batch at once (what tunefree no longer does, for the check-free
+    reference)."""
+    own = {"fuzz-batch-max": ClipByLargest().weigh, "fuzz-batch-mean": ClipAtMeanNorm().weigh,
+           "fuzz-soft": SoftClip().weigh,
            "fuzz-offset": lambda norms, threshold: _offset_clip(norms.double(), threshold, None)}
-    return own[name] if name in own else clip_function(name).weights
+    return own[name] if name in own else clip_function(name).weigh
 
 
 CLIPPINGS = {"abadi": False, "auto-s": False, "fuzz-batch-max": True, "fuzz-batch-mean": True,
@@ -281,7 +283,9 @@ def sample_loop(rng: random.Random, model: ModelSpec, outside: bool = False) -> 
     resume that forgets the engine's state (the optimizer's state, loaded before make_private, is taken
     for training outside the guarantee, such as public pre-training); mixing before the model with
     ``poisson_sampling=False`` (the batches are the user's, whose inputs tunefree does not check: the
-    guarantee is labelled an approximation and the loop is the user's)."""
+    guarantee is labelled an approximation and the loop is the user's); a loss the loop writes that mixes
+    examples (a token mean over the batch, targets standardised by the batch: the loss is outside the
+    model, and its own code is all that says how it combines the examples)."""
     steps = _weighted(rng, {1: 0.2, 2: 0.5, 3: 0.3})
     deque = max((b.kwargs().get("maxlen", 0) for b in model.blocks if b.kind == "recent_deque"), default=0)
     steps = max(steps, deque)  # a deque of recent batches is read within the run
@@ -317,8 +321,12 @@ def sample_loop(rng: random.Random, model: ModelSpec, outside: bool = False) -> 
         init_scale=rng.choice([2.0 ** 8, 2.0 ** 16, 2.0 ** 24]),
         loss=loss, reduction=reduction,
         declared={"sum": "mean", "mean": "sum"}[reduction] if misdeclared else None,
-        token_mean=rng.choice(["example", "batch"]) if loss == "token-ce" else "example",
-        target_norm=_weighted(rng, {None: 0.5, "batch": 0.3, "example": 0.2}) if loss == "mse" else None,
+        # a loss written in the loop that mixes examples (a token mean over the batch, targets standardised
+        # by the batch) is the user's, like a misdeclared reduction: outside what tunefree sees
+        token_mean=rng.choice(["example", "batch"] if outside else ["example"]) if loss == "token-ce"
+        else "example",
+        target_norm=_weighted(rng, {None: 0.5, "batch": 0.3, "example": 0.2} if outside
+                              else {None: 0.6, "example": 0.4}) if loss == "mse" else None,
         clipping=_weighted(rng, {"abadi": 0.7, "auto-s": 0.15, "fuzz-batch-max": 0.04,
                                  "fuzz-batch-mean": 0.04, "fuzz-soft": 0.035, "fuzz-offset": 0.035}),
         sampler=sampler,

@@ -379,10 +379,10 @@ def test_predict_reads_image_arrays_and_folders_by_their_storage_type(short_run,
             predictor.predict(predictor.read(str(tmp_path / data))[1], data)
 
 
-def test_predict_refuses_a_text_run_and_a_directory_without_a_model(tmp_path, capsys):
+def test_predict_refuses_an_unfinished_text_run_and_a_directory_without_a_model(tmp_path, capsys):
     (tmp_path / "text" / "model").mkdir(parents=True)
     (tmp_path / "empty").mkdir()
-    for run, match in (("text", "holds a text model .model/., which `tunefree predict` does not serve yet"),
+    for run, match in (("text", "holds a model/ folder without tunefree_text.json"),
                        ("empty", "holds no model.json .table and image runs. and no model/")):
         assert main(["predict", "--run", str(tmp_path / run), "--data", "x.csv"]) == 2
         err = capsys.readouterr().err

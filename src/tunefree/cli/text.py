@@ -525,6 +525,9 @@ def predict_command(args: argparse.Namespace) -> int:
     were (text column, token length: ``model/tunefree_text.json``), classified by the saved model."""
     import sys
 
+    if not holds_text_model(args.run):
+        raise ValueError(f"{args.run} holds a model/ folder without {text_models.TEXT_CONFIG}: give the "
+                         "--out directory of a finished `tunefree train` run on a text column")
     if args.na_values:
         raise ValueError("--na-values applies to table models: a text run reads its text column as it is")
     model, tokenizer, description = text_models.load_classifier(Path(args.run) / "model")
