@@ -96,11 +96,11 @@ def measure_check(name: str, repeats: int) -> dict[str, list[float]]:
     schedule = engine.guards.of(Independence).probes
     times: dict[str, list[float]] = {kind: [] for kind in (*KINDS, "step")}
     for k in range(repeats):
-        kinds = dict(zip(KINDS, (schedule.masks(1, len(x), first=True),
-                                 schedule.masks(k + 2, len(x), first=False))))
-        for kind, masks in kinds.items():
-            times[kind].append(_seconds(lambda masks=masks: verify_example_independence(
-                model, engine.clipper, (x,), masks=masks)))
+        kinds = dict(zip(KINDS, (schedule.levels(1, len(x), first=True),
+                                 schedule.levels(k + 2, len(x), first=False))))
+        for kind, levels in kinds.items():
+            times[kind].append(_seconds(lambda levels=levels: verify_example_independence(
+                model, engine.clipper, (x,), levels=levels)))
         times["step"].append(_seconds(step))
     return times
 

@@ -46,7 +46,8 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset, WeightedR
 
 import tunefree
 from tunefree.clipping.functions import CLIP_FUNCTIONS, clip_function
-from tunefree.guards.independence import Independence, code_masks
+from tunefree.guards.independence import Independence
+from tunefree.guards.probe import row_levels
 
 R = 1.0
 TUNEFREE_SOURCE = str(Path(tunefree.__file__).parent)
@@ -283,7 +284,8 @@ def sample_loop(rng: random.Random, model: ModelSpec, outside: bool = False) -> 
     resume that forgets the engine's state (the optimizer's state, loaded before make_private, is taken
     for training outside the guarantee, such as public pre-training); mixing before the model with
     ``poisson_sampling=False`` (the batches are the user's, whose inputs tunefree does not check: the
-    guarantee is labelled an approximation and the loop is the user's); a loss the loop writes that mixes
+    guarantee is labelled an approximation and the loop is the user's), or a swap of a few tokens between
+    examples (below the half of a row that the integer input check sees); a loss the loop writes that mixes
     examples (a token mean over the batch, targets standardised by the batch: the loss is outside the
     model, and its own code is all that says how it combines the examples)."""
     steps = _weighted(rng, {1: 0.2, 2: 0.5, 3: 0.3})
@@ -301,8 +303,10 @@ def sample_loop(rng: random.Random, model: ModelSpec, outside: bool = False) -> 
         mix_before = {"tokens": "token_swap", "image": rng.choice(["mixup", "standardise", "cutmix"])}.get(
             model.inputs, rng.choice(["mixup", "standardise"]))
     mix_start = 1 if (mixes or mix_before) and steps > 1 and rng.random() < 0.3 else 0
-    if loader == "poisson-off" and not outside:
-        mix_before = None  # inputs not from tunefree's loader are not checked: outside the invariants
+    if (loader == "poisson-off" or mix_before == "token_swap") and not outside:
+        # inputs not from tunefree's loader are not checked; a swap of two tokens between examples is
+        # below what the integer input check sees (half of a row, docs/refusals.md): outside the invariants
+        mix_before = None
         mix_start = mix_start if mixes else 0
     loss = "token-ce" if model.pool == "tokens" else _weighted(rng, {"ce": 0.7, "mse": 0.15, "energy": 0.15})
     sampler = None
@@ -410,15 +414,16 @@ def mix_inputs(kind: str, x: torch.Tensor) -> torch.Tensor:
 
 class EveryPairChecked:
     """The oracle's instrument in place of a run's ``ProbeSchedule``: every step checked (the independence
-    check and the input check), each with the masks of the first check, which see every pair (i, j).
+    check and the input check), each with the levels of the first check, which see every pair (i, j).
     Mixing that the checks can see is then refused at the first step it happens; a run's random steps and
     halves catch it only with the probability ``ProbeSchedule`` states."""
 
     def due(self, step: int, every: int) -> bool:
         return True
 
-    def masks(self, step: int, n: int, first: bool, bits: int | None = None) -> tuple[torch.Tensor, ...]:
-        return code_masks(n, bits)
+    def levels(self, step: int, n: int, first: bool, ordered: bool = False, passes: int | None = None
+               ) -> torch.Tensor:
+        return row_levels(n, passes, 2 if ordered else None)
 
 
 class RecordingDataset(TensorDataset):

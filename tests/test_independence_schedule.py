@@ -172,7 +172,7 @@ def test_every_check_catches_mixing_that_gradients_carry(model):
     schedule = ProbeSchedule(SeededSource(11))
     for step in range(2, 42):
         with pytest.raises(tunefree.PrivacyError, match="mixes examples"):
-            verify_example_independence(net, engine, (x,), masks=schedule.masks(step, N, first=False))
+            verify_example_independence(net, engine, (x,), levels=schedule.levels(step, N, first=False))
 
 
 def test_a_gradient_hook_that_is_per_example_but_not_linear_passes():
@@ -192,7 +192,7 @@ def test_a_later_check_catches_a_forward_only_pair_with_the_stated_probability()
     caught = 0
     for step in range(2, 402):
         try:
-            verify_example_independence(net, engine, (x,), masks=schedule.masks(step, N, first=False))
+            verify_example_independence(net, engine, (x,), levels=schedule.levels(step, N, first=False))
         except tunefree.PrivacyError:
             caught += 1
     p = 1 / 4 / (1 - 2 ** -7)
@@ -207,7 +207,7 @@ def test_the_first_check_catches_a_forward_only_pair_with_certainty():
     for n in (5, 8, 33):
         x = torch.randn(n, 3)
         with pytest.raises(tunefree.PrivacyError, match="mixes examples in its forward"):
-            verify_example_independence(net, _engine(net), (x,), masks=schedule.masks(1, n, first=True))
+            verify_example_independence(net, _engine(net), (x,), levels=schedule.levels(1, n, first=True))
 
 
 def test_the_checked_steps_are_random_at_the_stated_rate_and_replay_with_the_seed():
@@ -228,14 +228,21 @@ def test_a_later_check_changes_a_proper_random_half_and_the_first_check_every_pa
     schedule = ProbeSchedule(SeededSource(5))
     sizes = []
     for step in range(2, 502):
-        (mask,) = schedule.masks(step, 3, first=False)
+        levels = schedule.levels(step, 3, first=False)
+        assert levels.shape == (3, 2) and not levels[:, 0].any()
+        mask = levels[:, 1].bool()
         assert 0 < int(mask.sum()) < 3  # never all examples nor none
         sizes.append(int(mask.sum()))
     assert abs(sum(sizes) / len(sizes) - 1.5) < 0.15
     for n in (2, 7, 64, 300):
-        masks = torch.stack(schedule.masks(1, n, first=True))  # [m, n]
-        separated = (masks[:, :, None] & ~masks[:, None, :]).any(0)  # [j, i]: some mask holds j, not i
-        assert bool((separated | torch.eye(n, dtype=torch.bool)).all())
+        for ordered in (False, True):
+            levels = schedule.levels(1, n, first=True, ordered=ordered)
+            assert not levels[:, 0].any()  # the first pass is the batch as it is
+            same = levels[:, :, None] == levels[:, None, :]  # [i, p, q]: i's input the same in p and q
+            # [i, j]: two passes give i one input and j two
+            separated = (same[:, None] & ~same[None, :]).flatten(2).any(-1)
+            assert bool((separated | torch.eye(n, dtype=torch.bool)).all())
+            assert int(levels.max()) <= (1 if ordered else 3)
 
 
 class MixBeforeAnyUnit(nn.Module):
@@ -302,3 +309,31 @@ def test_the_checks_change_no_batch_of_a_seeded_run():
         return seen
 
     assert all(torch.equal(a, b) for a, b in zip(batches(1), batches(10**6)))
+
+
+class Tokens(nn.Module):
+    """Embedded tokens, pooled per example; ``pair``: each example's ids shifted by the previous example's
+    first id (integer mixing, which no gradient carries)."""
+
+    def __init__(self, pair: bool = False):
+        super().__init__()
+        self.embed, self.fc, self.pair = nn.Embedding(50, 4), nn.Linear(4, 2), pair
+
+    def forward(self, ids):
+        if self.pair:
+            ids = (ids + ids.roll(1, 0)[:, :1]) % 50
+        return self.fc(self.embed(ids).mean(1))
+
+
+@pytest.mark.parametrize("n", [40, 300])
+def test_the_first_check_with_three_levels_passes_tokens_and_catches_a_token_pair(n):
+    """Batches of 40 and 300 examples take three levels per pass: each example takes another's ids at a
+    distance its level sets, the same in every pass."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (n, 6))
+    assert int(ProbeSchedule(SeededSource(1)).levels(1, n, first=True).max()) == 2
+    net = Tokens()
+    verify_example_independence(net, _engine(net), (ids,))
+    mixing = Tokens(pair=True)
+    with pytest.raises(tunefree.PrivacyError, match="mixes examples in its forward"):
+        verify_example_independence(mixing, _engine(mixing), (ids,))

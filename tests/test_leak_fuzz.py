@@ -236,7 +236,7 @@ def test_draws_are_deterministic_and_cover_the_vocabulary():
     assert seen["inputs"] == set(INPUTS) and seen["blocks"] == set(BLOCKS) and seen["hooks"] == set(HOOKS)
     assert seen["loader"] == {"poisson", "own", "poisson-off"}
     assert seen["precision"] == {"float32", "float64", "bf16", "fp16"}
-    assert seen["mix_before"] == {None, "mixup", "standardise", "cutmix", "token_swap"}
+    assert seen["mix_before"] == {None, "mixup", "standardise", "cutmix"}  # a token swap: --outside
     assert seen["split"] == {None, "halves", "examples", "accumulate", "subset"}
     assert seen["loss"] == {"ce", "mse", "energy", "token-ce"}
     assert seen["target_norm"] == {None, "example"}
@@ -260,6 +260,7 @@ def test_draws_are_deterministic_and_cover_the_vocabulary():
     # inputs under poisson_sampling=False are the user's, not checked: mixing them is outside too
     assert not any(d.loop.loader == "poisson-off" and d.loop.mix_before for d in draws)
     assert any(d.loop.loader == "poisson-off" and d.loop.mix_before for d in outside)
+    assert any(d.loop.mix_before == "token_swap" for d in outside)  # a swap of a few tokens: outside
 
 
 def test_shrink_keeps_what_still_fails_and_drops_the_rest():

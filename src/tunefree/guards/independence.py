@@ -15,14 +15,20 @@ gradients by a value computed over the batch. The check watches what the model d
   batch (a gradient divided by the batch's norm) — breaks the proportion. A backward that is not linear
   in the loss but mixes nothing (a hook that clamps each gradient) breaks it too: then the check confirms
   with one backward per mask of a code (:func:`probe.row_codes`) that silences the mask's examples, and
-  refuses only if some other example's gradient changed.
-- **Forward.** Passes that change the examples of a mask (floats get a pattern added, integers take the
-  next example's values): every other example's activations at every unit must stay as they were, bit
-  for bit. This sees mixing along paths without gradients too (``x + x[perm].detach()``, gates decided by
-  a comparison). With the code's masks (the run's first check) every ordered pair is seen; a later check
-  changes one random half, and sees a pair (j reaching i) when j is in it and i is not: probability ≥ ¼.
+  refuses if some other example's gradient changed — and under ``loss_reduction="mean"`` in any case:
+  the loss weighs each example by 1/B, so a gradient not proportional to it depends on the batch's size.
+- **Forward.** Passes that change examples (floats get a pattern added, integers take another
+  example's values), each example in one of a few ways (levels) per pass: an example's activations at
+  every unit must be bit-identical in any two passes that give it the same input. This sees mixing along
+  paths without gradients too (``x + x[perm].detach()``, gates decided by a comparison). In the run's
+  first check each example's levels over the k passes are a distinct partition of the passes into m
+  blocks (:func:`probe.row_levels`): no two such partitions refine each other, so for every ordered pair
+  (j, i) two passes give i the same input and j two different ones — every pair is seen, with k − 1 = 5
+  extra forwards for 64 examples, 6 for 256, 7 for 1,024 (a code of masks against the first pass needs
+  8, 11, 13). A later check changes one random half, and sees a pair (j reaching i) when j is in it and
+  i is not: probability ≥ ¼.
 
-A private run checks the first step's every physical batch with the code's masks, then each step with
+A private run checks the first step's every physical batch with the partitions, then each step with
 probability 1/``verify_every`` with one random half (:class:`ProbeSchedule`), each check before the
 step's release.
 """
@@ -65,14 +71,21 @@ def ratio_exponents(n: int, digits: int | None = None) -> torch.Tensor:
     return torch.stack([(index // _RATIO_BASE ** k) % _RATIO_BASE for k in range(d)])
 
 
-def perturbed(args: tuple, kwargs: dict, n: int, mask: torch.Tensor, dim: int = 0) -> tuple[tuple, dict]:
-    """Change the examples of ``mask`` in every batched tensor input (``n`` in dimension ``dim``): floats
-    get a pattern added, integers take the next example's values (the last one its predecessor's, unless
-    that one changes too). A batch whose rows are in order (sorted lengths) stays in order."""
+def perturbed(args: tuple, kwargs: dict, n: int, levels: torch.Tensor, dim: int = 0, cyclic: bool = True
+              ) -> tuple[tuple, dict]:
+    """Change each example by its level (``levels``: [n], 0 leaves it as it is) in every batched tensor
+    input (``n`` in dimension ``dim``): floats get the pattern plus the level added (each level another
+    value everywhere); integers take example i + level's values (``cyclic``, as every pass of a check with
+    more than two levels must: one level, one value). Else (two levels) each changed example takes the
+    next one's values (the last one its predecessor's, unless that one changes too), so that a batch whose
+    rows are in order (sorted lengths) stays in order."""
     index = torch.arange(n)
-    source = torch.where(mask, (index + 1).clamp(max=n - 1), index)
-    if mask[-1] and n > 1 and not mask[-2]:
-        source[-1] = n - 2
+    if cyclic:
+        source = torch.where(levels > 0, (index + levels) % n, index)
+    else:
+        source = torch.where(levels > 0, (index + 1).clamp(max=n - 1), index)
+        if levels[-1] and n > 1 and not levels[-2]:
+            source[-1] = n - 2
 
     def change(t: object) -> object:
         if not isinstance(t, torch.Tensor) or t.dim() <= dim or t.shape[dim] != n:
@@ -81,10 +94,29 @@ def perturbed(args: tuple, kwargs: dict, n: int, mask: torch.Tensor, dim: int = 
             return t.detach().index_select(dim, source.to(t.device))
         t = t.detach().clone()
         rows = t.movedim(dim, 0)  # a view: writing its rows writes t
-        where = mask.to(t.device)
-        rows[where] += probe.pattern(rows[where], 1.0)
+        for level in levels.unique().tolist():
+            if level:
+                rows[(levels == level).to(t.device)] += probe.row_pattern(rows[0], float(level))
         return t
     return tuple(change(a) for a in args), {key: change(v) for key, v in kwargs.items()}
+
+
+def first_levels(n: int, args: tuple, kwargs: dict, dim: int = 0) -> torch.Tensor:
+    """The first check's levels (:func:`probe.row_levels`) for a batch of ``n``: two levels only when an
+    integer input is in order along the examples (sorted lengths), which only level 1 keeps in order."""
+    return probe.row_levels(n, None, 2 if ordered_integers(args, kwargs, n, dim) else None)
+
+
+def ordered_integers(args: tuple, kwargs: dict, n: int, dim: int = 0) -> bool:
+    """Whether an integer input of one value per example (lengths) is in order along the ``n`` > 2
+    examples (dimension ``dim``)."""
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, torch.Tensor) and t.dim() == dim + 1 and not t.is_floating_point() and \
+                t.shape[dim] == n > 2:
+            steps = t[1:] - t[:-1]
+            if bool((steps >= 0).all() or (steps <= 0).all()):
+                return True
+    return False
 
 
 def code_masks(n: int, bits: int | None = None) -> tuple[torch.Tensor, ...]:
@@ -94,25 +126,33 @@ def code_masks(n: int, bits: int | None = None) -> tuple[torch.Tensor, ...]:
     return tuple(codes[:, bit].clone() for bit in range(codes.shape[1]))
 
 
+def levels_of(masks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[n, 1 + len(masks)] levels: a pass as it is, then one per mask, changing its examples."""
+    return torch.stack([torch.zeros_like(masks[0], dtype=torch.int64)] + [m.long() for m in masks], 1)
+
+
 def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: dict | None = None,
                                 seed: int = 0, examples: int | None = None,
-                                masks: Sequence[torch.Tensor] | None = None) -> None:
+                                levels: torch.Tensor | None = None) -> None:
     """Raise PrivacyError unless example i's activations and output gradients at every trainable unit
     depend on example i alone. ``args``/``kwargs`` are one real batch's root-call inputs, examples in
     the dimension declared for the model's inputs (``engine.declared.root``, 0 by default; at least 2).
     Each unit's tensors are read where its calls' layout puts their examples. ``examples``: the batch's
-    count by provenance (the private loader's); without it, that of the first input tensor. ``masks``:
-    the examples the forward check changes, one pass each (default: the code's, which see every pair; a
-    private run's later checks draw one random half). Costs, on the whole batch, one forward with
-    gradients and 1 + ⌈log₈ n⌉ backward passes to the units' tensors (no parameter gradient), plus one
-    forward per mask."""
+    count by provenance (the private loader's); without it, that of the first input tensor. ``levels``:
+    [n, k], how the forward check changes each example in each of k passes (pass 0 as it is; default:
+    the first check's, :func:`first_levels`, which see every pair; a private run's later checks change
+    one random half, :meth:`ProbeSchedule.levels`). Costs, on the whole batch, one forward with
+    gradients and 1 + ⌈log₈ n⌉ backward passes to the units' tensors (no parameter gradient), plus k − 1
+    forwards."""
     kwargs = kwargs or {}
     root = engine.declared.root
     n = examples if examples is not None else examples_in(args, kwargs, root)
     if n < 2:
         raise ValueError("verify_example_independence needs a batch of at least 2 examples in dimension "
                          f"{root} of the model's inputs")
-    check(model, engine, args, kwargs, n, code_masks(n) if masks is None else tuple(masks), seed=seed)
+    if levels is None:
+        levels = first_levels(n, args, kwargs, root)
+    check(model, engine, args, kwargs, n, levels, seed=seed)
 
 
 def examples_in(args: tuple, kwargs: dict, root: int = 0) -> int:
@@ -121,10 +161,10 @@ def examples_in(args: tuple, kwargs: dict, root: int = 0) -> int:
     return next((t.shape[root] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > root), 0)
 
 
-def check(model: nn.Module, engine, args: tuple, kwargs: dict, n: int, masks: Sequence[torch.Tensor],
+def check(model: nn.Module, engine, args: tuple, kwargs: dict, n: int, levels: torch.Tensor,
           seed: int = 0, agree: Callable[[bool], bool] | None = None) -> None:
     """:func:`verify_example_independence` on a batch of ``n`` ≥ 2 examples with the forward check's
-    ``masks``. ``agree`` (processes whose passes are collectives, FSDP2): whether a flag holds on every
+    ``levels``. ``agree`` (processes whose passes are collectives, FSDP2): whether a flag holds on every
     process; the processes run as many passes as the one that needs most, and the confirmation if any
     needs it."""
     root = engine.declared.root
@@ -135,18 +175,20 @@ def check(model: nn.Module, engine, args: tuple, kwargs: dict, n: int, masks: Se
     base_factors = probe.example_factors(n)
     factors = [base_factors] + [base_factors * 2.0 ** e.double() for e in exponents]
     with probe.preserved_randomness(), engine.no_capture():
-        base = probe.record(model, units, args, kwargs, examples=n, root=root, seed=seed, factors=factors,
-                            model_inputs=inputs)
-        for mask in masks:
-            changed = probe.record(model, units, *perturbed(args, kwargs, n, mask, root), examples=n,
-                                   root=root, seed=seed, like=base)
-            _raise_forward_mixing(base, changed, mask)
-        confirm = _disproportion(base, exponents) is not None
-        if agree is not None:
-            confirm = not agree(not confirm)
+        tapes = [probe.record(model, units, args, kwargs, examples=n, root=root, seed=seed, factors=factors,
+                              model_inputs=inputs)]
+        for column in levels.unbind(1)[1:]:
+            changed = perturbed(args, kwargs, n, column, root, cyclic=int(levels.max()) > 1)
+            tapes.append(probe.record(model, units, *changed, examples=n, root=root, seed=seed,
+                                      like=tapes[0]))
+            _raise_forward_mixing(tapes, levels)
+        disproportion = _disproportion(tapes[0], exponents)
+        confirm = disproportion is not None if agree is None else not agree(disproportion is None)
         if confirm:
             _confirm_backward_mixing(model, units, args, kwargs, n, root, seed, base_factors,
                                      agreed(probe.code_bits(n), agree))
+            if engine.loss_reduction == "mean":
+                raise PrivacyError(_not_linear_under_mean(disproportion))
 
 
 def agreed(local: int, agree: Callable[[bool], bool] | None) -> int:
@@ -157,31 +199,36 @@ def agreed(local: int, agree: Callable[[bool], bool] | None) -> int:
 
 
 # ------------------------------------------------------------------------------------------ forward
-def _raise_forward_mixing(base: Tape, changed: Tape, mask: torch.Tensor) -> None:
-    """Every unit call of ``changed`` must match ``base`` outside ``mask`` (one host read)."""
+def _raise_forward_mixing(tapes: list[Tape], levels: torch.Tensor) -> None:
+    """The last of ``tapes`` against each earlier one: every unit call must match where an example's
+    level is the same in both passes (one host read)."""
     flags = Flags()
-    regrouped = False  # whether a call's structure (hence the kernels' grouping of examples) changed
-    for name, calls in changed.calls.items():
-        before = base.calls.get(name, [])
-        for index, call in enumerate(calls):
-            if index >= len(before) or len(call.values) != len(before[index].values):
-                flags.certain = flags.certain or (call, None, None, None)
-                continue
-            old = before[index]
-            regrouped |= len(call.structure) != len(old.structure) or not all(
-                torch.equal(x, y) for x, y in zip(call.structure, old.structure))
-            for slot, a, b in zip(call.slots, old.values, call.values):
-                rows = probe.changed_rows(a, b, regrouped)
-                if rows is None:
-                    flags.certain = flags.certain or (call, slot, a, b)
-                else:
-                    flags.add(probe.outside(rows, a, mask), (call, slot, a, b))
-    if len(changed.calls) != len(base.calls) and flags.certain is None:
-        missing = next(calls[0] for name, calls in base.calls.items() if name not in changed.calls)
-        flags.certain = (missing, None, None, None)
+    p = len(tapes) - 1
+    changed = tapes[p]
+    for q, base in enumerate(tapes[:p]):
+        mask = levels[:, q] != levels[:, p]  # the examples whose inputs differ between the two passes
+        regrouped = False  # whether a call's structure (hence the kernels' grouping of examples) changed
+        for name, calls in changed.calls.items():
+            before = base.calls.get(name, [])
+            for index, call in enumerate(calls):
+                if index >= len(before) or len(call.values) != len(before[index].values):
+                    flags.certain = flags.certain or (call, None, None, None, mask)
+                    continue
+                old = before[index]
+                regrouped |= len(call.structure) != len(old.structure) or not all(
+                    torch.equal(x, y) for x, y in zip(call.structure, old.structure))
+                for slot, a, b in zip(call.slots, old.values, call.values):
+                    rows = probe.changed_rows(a, b, regrouped)
+                    if rows is None:
+                        flags.certain = flags.certain or (call, slot, a, b, mask)
+                    else:
+                        flags.add(probe.outside(rows, a, mask), (call, slot, a, b, mask))
+        if len(changed.calls) != len(base.calls) and flags.certain is None:
+            missing = next(calls[0] for name, calls in base.calls.items() if name not in changed.calls)
+            flags.certain = (missing, None, None, None, mask)
     failure = flags.first()
     if failure is not None:
-        raise PrivacyError(_forward_mixing(*failure, mask))
+        raise PrivacyError(_forward_mixing(*failure))
 
 
 def _forward_mixing(call: Call, slot: Slot | None, a: Fingerprint | None, b: Fingerprint | None,
@@ -256,18 +303,31 @@ def _backward_mixing(call: Call, index: int, mask: torch.Tensor, a: Fingerprint,
             f"(examples combined, or a scale computed over the batch). {_FIX}")
 
 
+def _not_linear_under_mean(where: tuple[Call, int] | None) -> str:
+    if where is None:
+        place = "a module's tensors"
+    else:
+        call, index = where
+        place = f"module {call.unit.name!r}'s {call.slots[index].what}"
+    return (f"the gradient at {place} is not proportional to the loss (a hook or Function that clips or "
+            "rescales each example's gradient by its own size), and loss_reduction='mean' weighs each "
+            "example's loss by 1/B, B the batch's size: each example's gradient then depends on how many "
+            "other examples the batch holds, which per-example clipping does not bound. Sum the loss over "
+            "the batch and pass make_private(..., loss_reduction='sum'), or make the backward linear")
+
+
 # ------------------------------------------------------------------------------------- the schedule
 class ProbeSchedule:
     """When a private run checks example independence, and which examples its forward check changes:
     drawn from the run's noise source (secret by default; in a seeded run keyed by the step, so that the
     run replays), so that a model cannot tell a checked step from another.
 
-    The run's first step is checked on every physical batch with the code's masks (every pair seen, in
-    both checks). Later, each step is checked with probability ``1/every``, independently, the forward
-    check on one random half of the batch (each example in it with probability ½, drawn again while it
-    holds all examples or none). A pair (i, j) in which j's data reaches i is caught at a later check
-    with certainty where gradients carry it (the backward check), else with probability ≥ ¼. Mixing
-    present in T later steps is missed by all of them with probability at most (1 − 1/(4·every))^T.
+    The run's first step is checked on every physical batch with every pair seen (in both checks). Later,
+    each step is checked with probability ``1/every``, independently, the forward check on one random half
+    of the batch (each example in it with probability ½, drawn again while it holds all examples or none).
+    A pair (i, j) in which j's data reaches i is caught at a later check with certainty where gradients
+    carry it (the backward check), else with probability ≥ ¼. Mixing present in T later steps is missed by
+    all of them with probability at most (1 − 1/(4·every))^T.
     """
 
     _KEY = 1 << 62  # keys of the run's randomness far beyond any step number the sampling uses
@@ -279,10 +339,14 @@ class ProbeSchedule:
         """Whether logical step ``step`` (after the first) is checked (with probability ``1/every``)."""
         return every == 1 or bool(self._draw(step, 0, 1, 1 / every)[0])
 
-    def masks(self, step: int, n: int, first: bool, bits: int | None = None) -> tuple[torch.Tensor, ...]:
-        """The forward check's masks on a batch of ``n`` ≥ 2 examples: the code's (of ``bits`` masks, at
-        least as many as it needs) for the ``first`` check, else one random half."""
-        return code_masks(n, bits) if first else (self._half(step, 2, n),)
+    def levels(self, step: int, n: int, first: bool, ordered: bool = False, passes: int | None = None
+               ) -> torch.Tensor:
+        """The forward check's levels ([n, k]) on a batch of ``n`` ≥ 2 examples: for the ``first`` check
+        :func:`probe.row_levels` (two levels if ``ordered``: an integer input in order along the examples;
+        at least ``passes`` passes), else one pass changing a random half."""
+        if first:
+            return probe.row_levels(n, passes, 2 if ordered else None)
+        return levels_of((self._half(step, 2, n),))
 
     def _half(self, step: int, purpose: int, n: int) -> torch.Tensor:
         """A random subset of the n examples, neither empty nor all of them (drawn again up to 64 times,
@@ -349,9 +413,11 @@ class Independence(Guard):
         batches = [batch for batch in batches if batch[2] >= 2]
         if batches:
             for args, kwargs, n in batches:
-                bits = agreed(probe.code_bits(n), self.every_rank) if not self.first_done else None
-                masks = self.probes.masks(step, n, first=not self.first_done, bits=bits)
-                check(self.model, self.engine, args, kwargs, n, masks, agree=self.every_rank)
+                first, ordered = not self.first_done, ordered_integers(args, kwargs, n, root)
+                passes = agreed(probe.level_design(n, most=2 if ordered else None)[0], self.every_rank) \
+                    if first else None
+                levels = self.probes.levels(step, n, first, ordered, passes)
+                check(self.model, self.engine, args, kwargs, n, levels, agree=self.every_rank)
             if self.after_probes is not None:
                 self.after_probes("after the example-independence check")
             self.first_done = True

@@ -191,6 +191,50 @@ def row_codes(n: int, bits: int | None = None) -> torch.Tensor:
     return codes
 
 
+@functools.lru_cache(maxsize=256)
+def partitions(passes: int, blocks: int) -> int:
+    """S(passes, blocks): the partitions of ``passes`` passes into ``blocks`` non-empty blocks."""
+    if blocks == 0:
+        return int(passes == 0)
+    if passes == 0 or blocks > passes:
+        return 0
+    return blocks * partitions(passes - 1, blocks) + partitions(passes - 1, blocks - 1)
+
+
+def level_design(n: int, passes: int | None = None, most: int | None = None) -> tuple[int, int]:
+    """(k, m) for :func:`row_levels`: the fewest passes k (at least ``passes``), then the fewest levels m
+    (at most ``most``, at least 2), with S(k, m) ≥ n partitions of the k passes into m blocks."""
+    top = most or 1 << 30
+    for k in itertools.count(max(2, passes or 0)):
+        m = next((m for m in range(2, min(k, top) + 1) if partitions(k, m) >= n), None)
+        if m is not None:
+            return k, m
+
+
+@functools.lru_cache(maxsize=64)
+def row_levels(n: int, passes: int | None = None, most: int | None = None) -> torch.Tensor:
+    """[n, k] levels: row i's input in each of k passes (0: as it is, in pass 0 always; v > 0: changed in
+    the v-th way), (k, m) from :func:`level_design`. Row i's levels are a distinct partition of the passes
+    into m blocks (its restricted growth string). Partitions into one number of blocks never refine each
+    other, so for any rows i ≠ j two passes give i one level and j two: comparing row i's outputs between
+    passes where its input is the same sees every example j that reaches it."""
+    k, m = level_design(n, passes, most)
+    rows: list[list[int]] = []
+
+    def grow(prefix: list[int], used: int) -> None:
+        if len(rows) == n:
+            return
+        if len(prefix) == k:
+            if used == m:
+                rows.append(list(prefix))
+            return
+        for level in range(min(used + 1, m)):
+            if m - max(used, level + 1) <= k - len(prefix) - 1:  # enough passes left to use every level
+                grow(prefix + [level], max(used, level + 1))
+    grow([0], 1)
+    return torch.tensor(rows, dtype=torch.int64)
+
+
 def autocast_regions() -> tuple[tuple[str, torch.dtype], ...]:
     """The autocast regions active now (device type, dtype): a pass run later replays them."""
     return tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
