@@ -46,8 +46,7 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset, WeightedR
 
 import tunefree
 from tunefree.clipping.functions import CLIP_FUNCTIONS, clip_function
-from tunefree.guards.independence import Independence
-from tunefree.guards.probe import row_levels
+from tunefree.guards.independence import Independence, first_levels
 
 R = 1.0
 TUNEFREE_SOURCE = str(Path(tunefree.__file__).parent)
@@ -423,7 +422,7 @@ class EveryPairChecked:
 
     def levels(self, step: int, n: int, first: bool, ordered: bool = False, passes: int | None = None
                ) -> torch.Tensor:
-        return row_levels(n, passes, 2 if ordered else None)
+        return first_levels(n, ordered, passes)
 
 
 class RecordingDataset(TensorDataset):

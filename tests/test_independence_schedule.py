@@ -238,9 +238,12 @@ def test_a_later_check_changes_a_proper_random_half_and_the_first_check_every_pa
         for ordered in (False, True):
             levels = schedule.levels(1, n, first=True, ordered=ordered)
             assert not levels[:, 0].any()  # the first pass is the batch as it is
-            same = levels[:, :, None] == levels[:, None, :]  # [i, p, q]: i's input the same in p and q
-            # [i, j]: two passes give i one input and j two
-            separated = (same[:, None] & ~same[None, :]).flatten(2).any(-1)
+            if ordered:  # each pass against the first: [i, j], a pass changes j and not i
+                changed = levels[:, 1:] > 0
+                separated = (~changed[:, None] & changed[None, :]).any(-1)
+            else:  # [i, j]: two passes give i one input and j two
+                same = levels[:, :, None] == levels[:, None, :]  # [i, p, q]: i's input the same in p and q
+                separated = (same[:, None] & ~same[None, :]).flatten(2).any(-1)
             assert bool((separated | torch.eye(n, dtype=torch.bool)).all())
             assert int(levels.max()) <= (1 if ordered else 3)
 

@@ -75,10 +75,10 @@ def perturbed(args: tuple, kwargs: dict, n: int, levels: torch.Tensor, dim: int 
               ) -> tuple[tuple, dict]:
     """Change each example by its level (``levels``: [n], 0 leaves it as it is) in every batched tensor
     input (``n`` in dimension ``dim``): floats get the pattern plus the level added (each level another
-    value everywhere); integers take example i + level's values (``cyclic``, as every pass of a check with
-    more than two levels must: one level, one value). Else (two levels) each changed example takes the
-    next one's values (the last one its predecessor's, unless that one changes too), so that a batch whose
-    rows are in order (sorted lengths) stays in order."""
+    value everywhere); integers take example i + level's values, ``cyclic``ally (one level, one value in
+    every pass). Not ``cyclic`` (levels 0 and 1, a batch whose integer rows are in order, e.g. sorted
+    lengths, which must stay in order): each changed example takes the next one's values, the last one
+    its predecessor's unless that one changes too."""
     index = torch.arange(n)
     if cyclic:
         source = torch.where(levels > 0, (index + levels) % n, index)
@@ -101,10 +101,19 @@ def perturbed(args: tuple, kwargs: dict, n: int, levels: torch.Tensor, dim: int 
     return tuple(change(a) for a in args), {key: change(v) for key, v in kwargs.items()}
 
 
-def first_levels(n: int, args: tuple, kwargs: dict, dim: int = 0) -> torch.Tensor:
-    """The first check's levels (:func:`probe.row_levels`) for a batch of ``n``: two levels only when an
-    integer input is in order along the examples (sorted lengths), which only level 1 keeps in order."""
-    return probe.row_levels(n, None, 2 if ordered_integers(args, kwargs, n, dim) else None)
+def first_levels(n: int, ordered: bool, passes: int | None = None) -> torch.Tensor:
+    """The first check's levels for a batch of ``n`` (at least ``passes`` passes): the partitions of
+    :func:`probe.row_levels`, or, when an integer input is ``ordered`` along the examples (sorted lengths,
+    which only the next example's values keep in order), one pass per mask of a code, each compared with
+    the first pass only."""
+    if ordered:
+        return levels_of(code_masks(n, None if passes is None else passes - 1))
+    return probe.row_levels(n, passes)
+
+
+def first_passes(n: int, ordered: bool) -> int:
+    """The passes of :func:`first_levels` for a batch of ``n``."""
+    return probe.code_bits(n) + 1 if ordered else probe.level_design(n)[0]
 
 
 def ordered_integers(args: tuple, kwargs: dict, n: int, dim: int = 0) -> bool:
@@ -150,9 +159,9 @@ def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: d
     if n < 2:
         raise ValueError("verify_example_independence needs a batch of at least 2 examples in dimension "
                          f"{root} of the model's inputs")
-    if levels is None:
-        levels = first_levels(n, args, kwargs, root)
-    check(model, engine, args, kwargs, n, levels, seed=seed)
+    ordered = ordered_integers(args, kwargs, n, root)
+    check(model, engine, args, kwargs, n, first_levels(n, ordered) if levels is None else levels,
+          seed=seed, cyclic=not ordered)
 
 
 def examples_in(args: tuple, kwargs: dict, root: int = 0) -> int:
@@ -162,9 +171,10 @@ def examples_in(args: tuple, kwargs: dict, root: int = 0) -> int:
 
 
 def check(model: nn.Module, engine, args: tuple, kwargs: dict, n: int, levels: torch.Tensor,
-          seed: int = 0, agree: Callable[[bool], bool] | None = None) -> None:
+          seed: int = 0, agree: Callable[[bool], bool] | None = None, cyclic: bool = True) -> None:
     """:func:`verify_example_independence` on a batch of ``n`` ≥ 2 examples with the forward check's
-    ``levels``. ``agree`` (processes whose passes are collectives, FSDP2): whether a flag holds on every
+    ``levels`` (``cyclic``: see :func:`perturbed`; if not, each pass is compared with the first only).
+    ``agree`` (processes whose passes are collectives, FSDP2): whether a flag holds on every
     process; the processes run as many passes as the one that needs most, and the confirmation if any
     needs it."""
     root = engine.declared.root
@@ -178,10 +188,11 @@ def check(model: nn.Module, engine, args: tuple, kwargs: dict, n: int, levels: t
         tapes = [probe.record(model, units, args, kwargs, examples=n, root=root, seed=seed, factors=factors,
                               model_inputs=inputs)]
         for column in levels.unbind(1)[1:]:
-            changed = perturbed(args, kwargs, n, column, root, cyclic=int(levels.max()) > 1)
+            changed = perturbed(args, kwargs, n, column, root, cyclic)
             tapes.append(probe.record(model, units, *changed, examples=n, root=root, seed=seed,
                                       like=tapes[0]))
-            _raise_forward_mixing(tapes, levels)
+            _raise_forward_mixing(tapes if cyclic else [tapes[0], tapes[-1]],
+                                  levels if cyclic else levels[:, [0, len(tapes) - 1]])
         disproportion = _disproportion(tapes[0], exponents)
         confirm = disproportion is not None if agree is None else not agree(disproportion is None)
         if confirm:
@@ -342,10 +353,10 @@ class ProbeSchedule:
     def levels(self, step: int, n: int, first: bool, ordered: bool = False, passes: int | None = None
                ) -> torch.Tensor:
         """The forward check's levels ([n, k]) on a batch of ``n`` ≥ 2 examples: for the ``first`` check
-        :func:`probe.row_levels` (two levels if ``ordered``: an integer input in order along the examples;
-        at least ``passes`` passes), else one pass changing a random half."""
+        :func:`first_levels` (``ordered``: an integer input in order along the examples; at least
+        ``passes`` passes), else one pass changing a random half."""
         if first:
-            return probe.row_levels(n, passes, 2 if ordered else None)
+            return first_levels(n, ordered, passes)
         return levels_of((self._half(step, 2, n),))
 
     def _half(self, step: int, purpose: int, n: int) -> torch.Tensor:
@@ -414,10 +425,10 @@ class Independence(Guard):
         if batches:
             for args, kwargs, n in batches:
                 first, ordered = not self.first_done, ordered_integers(args, kwargs, n, root)
-                passes = agreed(probe.level_design(n, most=2 if ordered else None)[0], self.every_rank) \
-                    if first else None
+                passes = agreed(first_passes(n, ordered), self.every_rank) if first else None
                 levels = self.probes.levels(step, n, first, ordered, passes)
-                check(self.model, self.engine, args, kwargs, n, levels, agree=self.every_rank)
+                check(self.model, self.engine, args, kwargs, n, levels, agree=self.every_rank,
+                      cyclic=not ordered)
             if self.after_probes is not None:
                 self.after_probes("after the example-independence check")
             self.first_done = True

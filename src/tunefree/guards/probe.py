@@ -201,24 +201,23 @@ def partitions(passes: int, blocks: int) -> int:
     return blocks * partitions(passes - 1, blocks) + partitions(passes - 1, blocks - 1)
 
 
-def level_design(n: int, passes: int | None = None, most: int | None = None) -> tuple[int, int]:
+def level_design(n: int, passes: int | None = None) -> tuple[int, int]:
     """(k, m) for :func:`row_levels`: the fewest passes k (at least ``passes``), then the fewest levels m
-    (at most ``most``, at least 2), with S(k, m) ≥ n partitions of the k passes into m blocks."""
-    top = most or 1 << 30
+    (at least 2), with S(k, m) ≥ n partitions of the k passes into m blocks."""
     for k in itertools.count(max(2, passes or 0)):
-        m = next((m for m in range(2, min(k, top) + 1) if partitions(k, m) >= n), None)
+        m = next((m for m in range(2, k + 1) if partitions(k, m) >= n), None)
         if m is not None:
             return k, m
 
 
 @functools.lru_cache(maxsize=64)
-def row_levels(n: int, passes: int | None = None, most: int | None = None) -> torch.Tensor:
+def row_levels(n: int, passes: int | None = None) -> torch.Tensor:
     """[n, k] levels: row i's input in each of k passes (0: as it is, in pass 0 always; v > 0: changed in
     the v-th way), (k, m) from :func:`level_design`. Row i's levels are a distinct partition of the passes
     into m blocks (its restricted growth string). Partitions into one number of blocks never refine each
     other, so for any rows i ≠ j two passes give i one level and j two: comparing row i's outputs between
     passes where its input is the same sees every example j that reaches it."""
-    k, m = level_design(n, passes, most)
+    k, m = level_design(n, passes)
     rows: list[list[int]] = []
 
     def grow(prefix: list[int], used: int) -> None:
