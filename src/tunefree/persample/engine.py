@@ -128,32 +128,24 @@ class ClippingEngine:
                  inputs: InputCheck | None = None):
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        self.model, self.groups, self.clip = model, groups, clip
         check_clip_function(clip, tuple(g.threshold for g in groups))  # per example, bounded (issue 29.4)
-        self.loss_reduction = loss_reduction
+        self.model, self.groups, self.loss_reduction = model, groups, loss_reduction
         self.declared = DeclaredDims.of(model, batch_dim)
         self.units = build_units(model, self.declared)
         self._has_fallback = any(unit.rule is None for unit in self.units)
         self.accumulator = StepAccumulator() if accumulator is None else accumulator
-        self.booking = Booking(groups, clip, loss_reduction, self.accumulator)
-        self.loss_scaling = amp.LossScaling(loss_reduction)
-        covered = {p for u in self.units for p in u.direct.values()}
-        for name, p in self.model.named_parameters():
-            if p.requires_grad and p not in covered:  # pragma: no cover - every owner is a unit
-                raise PrivacyError(f"trainable parameter {name!r} is not reachable by any layer "
-                                   "rule or the fallback")
-        self._anchor = torch.zeros((), requires_grad=True)
-        self._handles: list[Any] = []
-        self.batch_source = batch_source
+        self.booking = Booking(groups, clip, loss_reduction, self.accumulator)  # thresholds, clip weights
+        self.loss_scaling = amp.LossScaling(loss_reduction)  # the GradScaler, once one is attached
+        self.batch_source, self.guards = batch_source, guards
         # With the Poisson loader (``batch_source``): the model must train on the loader's last batch.
         self.input_provenance = inputs if batch_source is not None else None
-        self._pass = PassState()
-        self._recomputing = False
-        self._suspended = 0
-        self._broadcast: capture.Broadcast | None = None  # the model call in progress
         self.path_chooser = PathChooser() if path_chooser is None else path_chooser
+        self._pass = PassState()
+        self._broadcast: capture.Broadcast | None = None  # the model call in progress
+        self._recomputing, self._suspended = False, 0
+        self._anchor = torch.zeros((), requires_grad=True)
         self._leaked: set[str] = set()
-        self.guards = guards
+        self._handles: list[Any] = []
         self._attach()
 
     def _attach(self) -> None:
@@ -230,7 +222,7 @@ class ClippingEngine:
         expand = torch.is_grad_enabled() and self.model.training and not self._recomputing \
             and not self._pass.in_backward
         self._broadcast = capture.broadcast_for(args, kwargs, self._expected_examples(),
-                                        None if training else self.declared.root) if expand else None
+                                                None if training else self.declared.root) if expand else None
         return None if self.input_provenance is None else (args, kwargs)
 
     def _end_forward(self) -> None:
@@ -269,7 +261,7 @@ class ClippingEngine:
             if not hooked:
                 return None
             use = capture.new_use(state, frame, args, kwargs, [leaves[i] for i in hooked], shared,
-                              self._expected_examples)
+                                  self._expected_examples)
             for slot, i in enumerate(hooked):
                 leaves[i] = capture.EnableGrad.apply(self._anchor, leaves[i])
                 leaves[i].register_hook(lambda g, use=use, slot=slot: self._on_grad(use, slot, g))
