@@ -21,7 +21,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..errors import PrivacyError
 from ..rules import Capture
 from ..rules.layout import Axis, CallLayout, Dim
-from .amp import autocast_of
 from .layout import expand_rows, has_one_row, layout_hint, only_from_batch
 from .units import Frame, PassState, Unit, Use
 
@@ -125,7 +124,7 @@ def leave_unit(state: PassState, unit: Unit, model: nn.Module) -> Frame:
 def new_use(state: PassState, frame: Frame, args: tuple, kwargs: dict, outputs: list[torch.Tensor],
                 shared: int | None, examples: Callable[[], int | None]) -> Use:
     """The call as its backward will need it: inputs (a rule's shared inputs expanded to ``shared``
-    rows), version counters, layout, the parameters it answers for, its autocast (fallback units)."""
+    rows), version counters, layout, the parameters it answers for."""
     unit = frame.unit
     leaves, spec = flatten_call(args, kwargs)
     leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -144,8 +143,7 @@ def new_use(state: PassState, frame: Frame, args: tuple, kwargs: dict, outputs: 
             count = layout.outputs[0].examples(outputs[0])
         layout = only_from_batch(layout, leaves, _from_batch(state, args, kwargs), count)
     return Use(unit=unit, capture=capture, layout=layout, params=_use_params(unit, frame), versions=versions,
-               n_outputs=len(outputs), grads=[None] * len(outputs),
-               autocast=autocast_of(unit) if unit.rule is None else None)
+               n_outputs=len(outputs), grads=[None] * len(outputs))
 
 
 def _from_batch(state: PassState, args: tuple, kwargs: dict) -> tuple[bool, ...]:

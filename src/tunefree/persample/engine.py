@@ -262,6 +262,8 @@ class ClippingEngine:
                 return None
             use = capture.new_use(state, frame, args, kwargs, [leaves[i] for i in hooked], shared,
                                   self._expected_examples)
+            if unit.rule is None:  # the fallback re-runs the call in its precision
+                use.autocast = amp.autocast_of(unit)
             for slot, i in enumerate(hooked):
                 leaves[i] = capture.EnableGrad.apply(self._anchor, leaves[i])
                 leaves[i].register_hook(lambda g, use=use, slot=slot: self._on_grad(use, slot, g))
