@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
 from tunefree.guards.base import Guards
+from tunefree.persample.booking import Booking
 from tunefree.persample.engine import ClippingEngine
 from tunefree.privacy.ledger import Ledger
 from tunefree.privacy.mechanisms import GradientRelease
@@ -43,8 +44,8 @@ PARTS: dict[str, list[tuple[type, str]]] = {
                       ("_new_forward", "_pre_forward", "_post_forward", "_end_forward")],
     "backward hooks (bookkeeping)": [(ClippingEngine, m) for m in ("_on_grad", "_process")],
     "per-sample norms (rules)": [(ClippingEngine, "_per_sample"),
-                                 (ClippingEngine, "_add_use")],
-    "clip weights": [(ClippingEngine, "_clip_group")],
+                                 (Booking, "_add_use")],
+    "clip weights": [(Booking, "clip_group")],
     "end of backward (finite check)": [(ClippingEngine, "_end_of_backward")],
     "privacy checks (guards: trainable set, state, function, independence)": [
         (Guards, "before_forward"), (Guards, "before_release"), (Guards, "before_update"),

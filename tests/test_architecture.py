@@ -101,6 +101,22 @@ def test_the_import_graph_has_no_cycles():
     assert cycle == []
 
 
+# Inside persample/ the engine's parts are layers too: capture, mixed precision and booking are each
+# functions of the pass state (units.py, with the other modules at 0), none imports another, and the
+# engine's hooks sit on top.
+PERSAMPLE_LAYERS = {"capture": 1, "amp": 1, "booking": 1, "engine": 2}
+
+
+def test_the_engine_parts_import_only_the_pass_state_and_below():
+    def level(module: str) -> int:
+        return PERSAMPLE_LAYERS.get(module.removeprefix("persample."), 0)
+
+    upward = [f"tunefree.{module} → tunefree.{target}" for module, targets in _graph().items()
+              if module.startswith("persample.") for target in targets if target.startswith("persample.")
+              and (level(target) > level(module) or level(target) == level(module) > 0)]
+    assert upward == []
+
+
 def test_the_library_never_imports_the_command_line():
     offenders = [m for m, targets in _graph().items() if not m.startswith("cli")
                  and any(t.split(".")[0] == "cli" for t in targets)]

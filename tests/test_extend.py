@@ -21,7 +21,8 @@ from tunefree.clipping.functions import CLIP_FUNCTIONS
 from tunefree.clipping.groups import make_groups
 from tunefree.extend import ClipFunction, register_clip_function, register_example_mixing, register_rule
 from tunefree.parallel.fsdp import _check_layer_rules
-from tunefree.persample.engine import SAMPLE_MIXING, ClippingEngine
+from tunefree.persample.engine import ClippingEngine
+from tunefree.persample.units import SAMPLE_MIXING
 from tunefree.rules import RULES, FunctionRule, rule_for
 
 

@@ -33,7 +33,7 @@ from torch import nn
 
 from .clipping.functions import ClipFunction, register_clip_function
 from .clipping.groups import register_grouping
-from .persample.engine import SAMPLE_MIXING
+from .persample.units import SAMPLE_MIXING
 from .rules import register_rule
 from .rules.base import Capture, LayerRule, Materialized, PerSampleGrad
 

@@ -7,7 +7,7 @@ their released ``.grad``.
 
 In each layer's forward FSDP2 all-gathers the layer's full, *unsharded* parameters and swaps them into
 the module (its pre-forward hook runs before the engine's). The engine takes those tensors out of
-autograd's graph for the call (``engine._tensors_in_call``), so autograd computes no ordinary gradient
+autograd's graph for the call (``capture.tensors_in_call``), so autograd computes no ordinary gradient
 for them and FSDP2's own reduce-scatter has nothing to reduce (it is switched off as well, from
 :meth:`ShardedDataParallel.take_over` to :meth:`ShardedDataParallel.release_model`). The per-sample
 norms need no communication: a layer rule computes them from the layer's inputs and output gradients,

@@ -1,4 +1,4 @@
-"""One backward pass → clipped per-sample gradient sums. Releases nothing: the engine (hooks, per-sample
-norms, clip weights, book-keeping), the step accumulator, where each call carries its examples (layouts),
-and the checks of what a step trains on: the inputs' provenance, the model's state between steps and the
-example-independence check."""
+"""One backward pass → clipped per-sample gradient sums; releases nothing. The engine (its hooks'
+lifecycle) and its parts, each a function of the pass state: units, capture, mixed precision, clip weights
+and booking; the step accumulator; where each call carries its examples (layouts); and the refusals it
+names with their fix (a model's own loss, parametrized layers, a call on part of the batch)."""

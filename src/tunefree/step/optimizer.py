@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 
 from ..data.poisson import StepSchedule
-from ..errors import PrivacyError
 from ..persample.engine import ClippingEngine
 from .component import StepReport
 from .private_step import PrivateStep
@@ -39,9 +39,7 @@ class DPOptimizer(torch.optim.Optimizer):
     private step, as torch's do; micro-batch calls that only accumulate do not fire them.
 
     Mixed precision: after :meth:`attach_grad_scaler`, ``scaler.scale(loss).backward();
-    scaler.step(optimizer); scaler.update()`` trains privately. The scaler hands the step to this class
-    (``_step_supports_amp_scaling``), which releases on schedule and only then lets the scaler check the
-    released (noisy) gradient for overflow: its skip and scale decisions see public values only.
+    scaler.step(optimizer); scaler.update()`` trains privately (``persample/amp.py``: the contract).
     """
 
     # GradScaler.step calls our step() directly instead of unscaling ``.grad`` itself: the engine writes
@@ -54,13 +52,12 @@ class DPOptimizer(torch.optim.Optimizer):
             raise ValueError("the optimizer is already private; pass the original optimizer")
         self.original, self.engine, self.schedule = optimizer, engine, schedule
         self.private_step = private_step
-        private_step.overflowed = self._release_overflows
+        private_step.overflowed = partial(engine.loss_scaling.overflowed, self)
         self.ledger, self.release = private_step.ledger, private_step.release
         self.accumulator, self.components = private_step.accumulator, private_step.components
         self.expected_batch_size = private_step.expected_batch_size
         self.closure_gives_per_sample_losses = any(c.closure_gives_per_sample_losses for c in self.components)
         self.last_step: StepReport | None = None
-        self.grad_scaler: torch.amp.GradScaler | None = None
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
         self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
@@ -80,12 +77,7 @@ class DPOptimizer(torch.optim.Optimizer):
         as planned. Call it before the first backward pass. It needs ``loss_reduction="sum"``: under a
         mean loss each example's scaled gradient is divided by the batch size, so whether it overflows
         would depend on how many other examples were sampled."""
-        if not isinstance(scaler, torch.amp.GradScaler):
-            raise TypeError(f"attach_grad_scaler needs a torch.amp.GradScaler, got {type(scaler).__name__}")
-        if self.engine.loss_reduction == "mean":
-            raise PrivacyError(_MEAN_LOSS_UNDER_SCALING)
-        self.grad_scaler = scaler
-        self.engine.attach_grad_scaler(scaler)
+        self.engine.loss_scaling.attach(scaler)
 
     # -- the wrapped optimizer's state, shared (LR schedulers edit param_groups in place)
     @property
@@ -139,7 +131,7 @@ class DPOptimizer(torch.optim.Optimizer):
         points of the learning-rate fit.
         """
         logical = self.schedule.ends_logical
-        self._check_scaler_call(logical)
+        self.engine.loss_scaling.check_step_call(self, logical)
         if logical:
             closure = self._run_pre_hooks(closure)
         loss = None
@@ -170,33 +162,6 @@ class DPOptimizer(torch.optim.Optimizer):
         self.private_step.hand_over_thresholds()
         self.private_step.updates_before_run = 0
 
-    def _check_scaler_call(self, logical: bool) -> None:
-        """``scaler.step(optimizer)`` (which sets ``grad_scale``) needs the scaler attached, so that the
-        engine divided its scale out, and only one call per logical step, as ``scaler.update()`` needs
-        the step's overflow check."""
-        if getattr(self, "grad_scale", None) is None:
-            return
-        if self.grad_scaler is None:
-            raise ValueError(
-                "scaler.step(optimizer) was called but the GradScaler is not attached: the gradients "
-                "were clipped with the loss scale in them; call optimizer.attach_grad_scaler(scaler) "
-                "(engine.optimizer) before the first backward pass")
-        if not logical:
-            raise ValueError(
-                "scaler.step(optimizer) was called in the middle of a logical batch: with physical "
-                "micro-batches call scaler.step(optimizer) and scaler.update() only when "
-                "engine.schedule.ends_logical (the engine books each backward pass without a step)")
-
-    def _release_overflows(self) -> bool:
-        """Whether the released gradient, in the parameters' dtype, holds an inf or NaN (a float16
-        parameter can overflow where the float32 release did not). The scaler records the check for its
-        ``update()``; the check reads the public release only, and the step is already in the ledger."""
-        if self.grad_scaler is None or getattr(self, "grad_scale", None) is None:
-            return False
-        # The check GradScaler's contract asks a `_step_supports_amp_scaling` optimizer to run itself.
-        found = self.grad_scaler._check_inf_per_device(self)
-        return bool(sum(v.item() for v in found.values()))
-
     # -- step hooks, as torch.optim runs them (torch's wrapper does not run for this class)
     def _hook_arguments(self, closure: Callable[[], Any] | None) -> tuple[tuple, dict[str, Any]]:
         return ((self,) if closure is None else (self, closure)), {}
@@ -213,11 +178,3 @@ class DPOptimizer(torch.optim.Optimizer):
             closure = args[1] if len(args) > 1 else kwargs.get("closure")
         return closure
 
-
-_MEAN_LOSS_UNDER_SCALING = (
-    "a GradScaler with loss_reduction='mean' is refused: a mean loss divides every example's scaled "
-    "gradient by the number of examples in the batch, so under float16 whether an example's gradient "
-    "overflows (and is dropped) would depend on how many other examples were sampled, and one example "
-    "could change the others' contributions. Sum the per-example losses (loss_fn(..., reduction='sum')) "
-    "with make_private(..., loss_reduction='sum'), and give the scaler a scale that suits a summed loss, "
-    "e.g. torch.amp.GradScaler(init_scale=2**8); or train in bfloat16, which needs no loss scaling")
