@@ -26,10 +26,10 @@
 - **A step component** (:class:`StepComponent`): a part of the private step beyond the gradient release,
   run after the noisy gradient is in ``.grad`` (``before_update``) and after the optimizer's update
   (``after_update``). It sees a :class:`StepContext`: the released gradient and the weights, and the
-  wrapped optimizer's learning rate and trial update (:class:`UpdateControl`); q·N and the clip
-  thresholds (public); the batch's per-sample norms and the closure's per-sample losses (private). Every
-  value it computes from private data leaves only through ``step.release(sums, sensitivity,
-  noise_multiplier)``: Gaussian noise, and the release recorded in the ledger (in the step's
+  wrapped optimizer's learning rate and trial update (:class:`UpdateControl`); q·N and the thresholds
+  the step clipped with (public); the batch's per-sample norms and the closure's per-sample losses
+  (private). Every value it computes from private data leaves only through ``step.release(sums,
+  sensitivity, noise_multiplier)``: Gaussian noise, and the release recorded in the ledger (in the step's
   Poisson-sampled event) before the value is returned, so ``engine.epsilon()`` accounts for it. Its
   releases are declared ahead by a :class:`Share` (what each step releases, as a function of the step's
   noise, and its own noise if the plan is to solve it), so that the run's noise is calibrated for the

@@ -41,4 +41,4 @@ def component_step(report: StepReport, optimizer: torch.optim.Optimizer | None =
         return noisy
 
     update = None if optimizer is None else UpdateControl(optimizer)
-    return StepContext(report, closure, update, report.thresholds, expected_batch_size, release), events
+    return StepContext(report, closure, update, expected_batch_size, release), events

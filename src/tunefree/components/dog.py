@@ -154,7 +154,7 @@ class DistanceOverGradients(StepComponent):
             weights = [p.detach() for p in params]
             moved, energy = _squared_norms(torch._foreach_sub(weights, self.origin),
                                            [p.grad for p in params if p.grad is not None])
-        variances = self.coordinate_variances(step.thresholds)
+        variances = self.coordinate_variances(step.report.thresholds)
         if not self.walk_variances:
             self.walk_variances = [0.0] * len(variances)
         walk, walk_deviation = self.noise_walk([d for d, _ in variances])

@@ -112,7 +112,7 @@ class OptimizerDoG(DistanceOverGradients):
             else:  # Adagrad: a sum
                 torch._foreach_add_(self.moments, squares)
                 correction = 1.0
-            variances = [v for _, v in self.coordinate_variances(step.thresholds)]
+            variances = [v for _, v in self.coordinate_variances(step.report.thresholds)]
             # A second moment below the noise's variance is the noise's own fluctuation (at the first
             # steps v̂ is a handful of squares): the expected moment is at least s².
             expected = [torch.clamp(m / correction, min=v) for m, v in zip(self.moments, variances)]

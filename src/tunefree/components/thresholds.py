@@ -92,10 +92,11 @@ class QuantileEstimator(StepComponent):
         count_noise: σ_c, the noise multiplier of the joint release of the groups' counts (each count
             gets noise of standard deviation σ_b = σ_c·√K/2; 0 only when privacy is off, for debugging).
         scale: ``None`` for ``Cₖ = Qₖ``; otherwise the constant total sensitivity ``√(Σₖ Cₖ²)``.
-        parallelism: the run's; under several processes each count is the sum of every process's
-            (the norms never leave their process), noised once. Where other processes hold other clip
-            groups of the run (pipeline stages), this estimator's counts are some of the run's joint
-            release of one count per group, and the common scale is over every group's estimate.
+        parallelism: the run's. Where other processes hold other clip groups of the run (pipeline
+            stages), this estimator's counts are some of the run's joint release of one count per group,
+            and the common scale is over every group's estimate. (Under data parallelism the step's
+            release sums every process's counts and noises them once: the norms never leave their
+            process.)
     """
 
     state_key = "QuantileEstimator"

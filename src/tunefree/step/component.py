@@ -19,8 +19,9 @@ class StepComponent:
     is in ``.grad`` (:meth:`before_update`) and after the wrapped optimizer stepped (:meth:`after_update`).
 
     What it sees is a :class:`StepContext`, never the optimizer itself: the released gradient and the
-    weights (``step.update``), public facts of the run (``expected_batch_size``, ``thresholds``) and
-    private values of the batch (``step.report``'s norms, ``step.closure``'s losses). Whatever it lets out
+    weights (``step.update``), public facts of the run (``expected_batch_size``, ``step.report``'s
+    thresholds) and private values of the batch (``step.report``'s norms and example count,
+    ``step.closure``'s losses). Whatever it lets out
     that depends on private values goes through :meth:`StepContext.release`, which noises it and records
     it in the ledger, joined to the step's Poisson-sampled event, before returning it; everything else it
     computes is post-processing of released values. Its option declares those releases ahead as a
@@ -91,16 +92,15 @@ class UpdateControl:
 class StepContext:
     """One private step as a component sees it.
 
-    ``report`` says what the step released from; ``closure`` is the user's closure (with HyFreeDP's
-    learning rate, the batch's per-sample losses); ``update`` controls the wrapped optimizer's update;
-    ``thresholds`` are those the step clipped with (a component that adapts them says the next ones
-    through :meth:`StepComponent.thresholds`); ``expected_batch_size`` is q·N, by which released sums are
-    divided (never by the private batch size)."""
+    ``report`` says what the step released from (and the thresholds it clipped with: a component that adapts
+    them says the next ones through :meth:`StepComponent.thresholds`); ``closure`` is the user's closure
+    (with HyFreeDP's learning rate, the batch's per-sample losses); ``update`` controls the wrapped
+    optimizer's update; ``expected_batch_size`` is q·N, by which released sums are divided (never by the
+    private batch size)."""
 
     report: StepReport
     closure: Callable[[], Any] | None
     update: UpdateControl
-    thresholds: dict[str, float]
     expected_batch_size: float
     # the private step's: noises the values and records their release in the ledger
     recorded_release: Callable[[torch.Tensor, float, float], torch.Tensor] = field(repr=False)

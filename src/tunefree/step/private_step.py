@@ -79,8 +79,8 @@ class PrivateStep:
                             thresholds=thresholds)
         if self.overflowed():
             return report  # released and recorded; the update alone is skipped
-        context = StepContext(report, closure, UpdateControl(self.optimizer), thresholds,
-                              self.expected_batch_size, partial(self._release_values, events))
+        context = StepContext(report, closure, UpdateControl(self.optimizer), self.expected_batch_size,
+                              partial(self._release_values, events))
         for component in self.components:
             component.before_update(context)
         self.guards.before_update(step)
