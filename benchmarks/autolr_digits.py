@@ -25,9 +25,10 @@ from torch.utils.data import DataLoader
 import tunefree
 from tunefree.cli import models, preprocess
 from tunefree.cli.training import TrainConfig, default_delta, train
+from tunefree.components.hyfreedp import LossShare
 from tunefree.privacy.accounting import epsilon_of
 from tunefree.privacy.calibrate import calibrate
-from tunefree.privacy.plan import LossShare, Plan
+from tunefree.privacy.plan import Plan
 
 GRID = (0.001, 0.003, 0.01, 0.02, 0.03, 0.1)
 INTERVALS = (1, 5, 10)
@@ -52,7 +53,7 @@ def _timed_steps(data, interval: int | None, steps: int = 60, warmup: int = 5) -
         model, torch.optim.AdamW(model.parameters(), lr=0.02),
         DataLoader(data.train, batch_size=256), noise_multiplier=3.0, target_delta=1e-5,
         steps=steps + warmup, seed=0,
-        lr=tunefree.AutoLR(mode="safeguarded", interval=interval) if interval else None)
+        lr=tunefree.HyFreeDP(interval=interval) if interval else None)
     times = []
     while len(times) < steps + warmup:
         for x, y in engine.data_loader:
@@ -120,13 +121,16 @@ def main() -> None:
     sigma_g = 1.01 * sigma
     for k in INTERVALS:
         joint = runs[f"auto K={k}"][0]
-        plan = Plan(q, steps, n, delta, noise_multiplier=sigma, losses=LossShare(k))
-        sigma_l_joint = calibrate(lambda s, plan=plan: replace(plan, loss_noise=s).event(),
-                                  args.epsilon, delta)
+        plan = Plan(q, steps, n, delta, noise_multiplier=sigma, shares=(LossShare(k),))
+
+        def with_loss_noise(noise: float, plan: Plan = plan, k: int = k) -> Plan:
+            return replace(plan, shares=(LossShare(k, noise=noise),))
+
+        sigma_l_joint = calibrate(lambda s: with_loss_noise(s).event(), args.epsilon, delta)
         sigma_l_separate = calibrate(lambda s, k=k: separate_accounting(sigma_g, s, q, steps, k),
                                      args.epsilon, delta)
         under = epsilon_of(separate_accounting(sigma_g, sigma_l_joint, q, steps, k), delta)
-        assert abs(joint["epsilon"] - replace(plan, loss_noise=sigma_l_joint).epsilon()) < 0.05
+        assert abs(joint["epsilon"] - with_loss_noise(sigma_l_joint).epsilon()) < 0.05
         print(f"| {k} | {sigma:.3f} | {sigma_g:.3f} | {sigma_l_joint:.2f} | {sigma_l_separate:.2f} "
               f"| {under:.3f} |")
 

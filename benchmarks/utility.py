@@ -40,15 +40,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.components.hyfreedp import AutoLearningRate
+from tunefree.components.hyfreedp import HyFreeDPStep
 
 SGD_GRID = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 ADAMW_GRID = (0.001, 0.003, 0.01, 0.03, 0.1)
-AUTO_VARIANTS = {  # name: AutoLR fields
-    "paper": {"mode": "paper"},
-    "safeguarded": {"mode": "safeguarded"},
-    "paper-differences": {"mode": "paper", "probes": "differences"},
-    "safeguarded-differences": {"mode": "safeguarded", "probes": "differences"},
+AUTO_VARIANTS = {  # name: HyFreeDP fields (the paper's rule; the other variants of RESULTS §5 were removed)
+    "paper": {},
 }
 LR_FREE = {  # name: the optimizer, run privately on the released gradient (lr 1.0: their own scale)
     "dog": lambda params: _package("dog").DoG(params, lr=1.0),
@@ -57,7 +54,7 @@ LR_FREE = {  # name: the optimizer, run privately on the released gradient (lr 1
     "dadapt-adam": lambda params: _package("dadaptation").DAdaptAdam(params, lr=1.0),
     "dadapt-sgd": lambda params: _package("dadaptation").DAdaptSGD(params, lr=1.0),
 }
-POST_PROCESSING = {  # tunefree's DoG on the released gradient of SGD: lr=AutoLR(mode="dog") (the library's
+POST_PROCESSING = {  # tunefree's DoG on the released gradient of SGD: lr=DoG() (the library's
     "tf-dog-noise-aware": {},  # default), without its noise budget, and without its noise correction
     "tf-dog-no-budget": {"noise_budget": None},
     "tf-dog": {"noise_aware": False},
@@ -166,7 +163,7 @@ def accuracy(model: nn.Module, data: TensorDataset) -> float:
 
 
 def run(task: Task, method: str, lr: float | None, sigma: float | None, seed: int,
-        auto: tunefree.AutoLR | None = None) -> dict:
+        auto: tunefree.DoG | tunefree.HyFreeDP | None = None) -> dict:
     """One training run; ``sigma`` None is non-private. Returns accuracies (of the averaged weights and
     of the last iterate), ε, lr at the end, time."""
     from tunefree.components.dog import update_average
@@ -186,13 +183,13 @@ def run(task: Task, method: str, lr: float | None, sigma: float | None, seed: in
     steps = math.ceil(task.epochs * len(task.train) / task.batch_size)
     engine = None
     if method in POST_PROCESSING:
-        auto = tunefree.AutoLR(mode="dog", **POST_PROCESSING[method])
+        auto = tunefree.DoG(**POST_PROCESSING[method])
     if sigma is not None:
         engine = tunefree.make_private(model, optimizer, loader, noise_multiplier=sigma, target_delta=DELTA,
                                        steps=steps, lr=auto, seed=seed)
         loader, optimizer = engine.data_loader, engine.optimizer
     rule = None if engine is None else engine.lr_rule
-    component = rule if isinstance(rule, AutoLearningRate) else None  # HyFreeDP's: it takes the losses
+    component = rule if isinstance(rule, HyFreeDPStep) else None  # HyFreeDP's: the closure gives losses
     params = list(model.parameters())
     average = [p.detach().clone() for p in params]  # DoG's polynomial average, for every method
     start, taken = time.perf_counter(), 0
@@ -200,8 +197,6 @@ def run(task: Task, method: str, lr: float | None, sigma: float | None, seed: in
         for x, y in loader:
             optimizer.zero_grad()
             losses = F.cross_entropy(model(x), y, reduction="none")
-            if component is not None:
-                component.record_training_losses(losses)  # L(w) of the fit, from this forward
             (losses.mean() if len(y) else losses.sum()).backward()
             optimizer.step((lambda x=x, y=y: F.cross_entropy(model(x), y, reduction="none"))
                            if component is not None else None)
@@ -289,7 +284,7 @@ def main() -> None:
                           "seed": seed, **run(task, method, None, sigma, seed)})
                 for variant in args.variants:
                     for interval in args.intervals:
-                        auto = tunefree.AutoLR(interval=interval, **AUTO_VARIANTS[variant])
+                        auto = tunefree.HyFreeDP(interval=interval, **AUTO_VARIANTS[variant])
                         emit({**where, "privacy": epsilon, "sigma": sigma, "method": "adamw",
                               "lr": f"auto:{variant}:K={interval}", "seed": seed,
                               **run(task, "adamw", None, sigma, seed, auto)})

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from brute_force import clipped_sum, per_example_grads
 from dp_accounting.pld import pld_privacy_accountant
 from models import MLP
+from support import component_step
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -128,10 +129,11 @@ def _groups(thresholds: dict[str, float]) -> list[ClipGroup]:
 def test_update_divides_by_the_expected_batch_size():
     groups = _groups({"a": 1.0, "b": 2.0, "unused": 0.5})
     settings = AdaptiveQuantile(target=0.7, lr=0.3, budget=0.01)
-    estimator = QuantileEstimator(groups, settings, 0.0, SeededSource(0), expected_batch_size=8.0)
+    estimator = QuantileEstimator(groups, settings, 0.0)
     norms = {"a": torch.tensor([0.5, 0.9, 1.0, 1.5, 3.0], dtype=torch.float64),
              "b": torch.tensor([0.1, 2.5, 4.0, 5.0, 9.0], dtype=torch.float64)}
-    events = estimator.update(StepReport(step=1, examples=5, group_norms=norms))
+    step, events = component_step(StepReport(step=1, examples=5, group_norms=norms), expected_batch_size=8.0)
+    estimator.after_update(step)
     thresholds = estimator.thresholds()
     # unclipped counts: a 3 of 5, b 1 of 5, unused 5 of 5 (no gradient: norm 0); b̃ = count/(q·N)
     # with the centring undone: ((count − 5/2) / 8 + 1/2)
@@ -144,9 +146,9 @@ def test_update_divides_by_the_expected_batch_size():
 
     # with a scale: the same estimates, and thresholds at that constant total sensitivity
     groups = _groups({"a": 1.0, "b": 2.0, "unused": 0.5})
-    scaled = QuantileEstimator(groups, settings, 0.0, SeededSource(0), 8.0, scale=3.0)
+    scaled = QuantileEstimator(groups, settings, 0.0, scale=3.0)
     assert math.hypot(*scaled.thresholds().values()) == pytest.approx(3.0, rel=1e-12)
-    scaled.update(StepReport(step=1, examples=5, group_norms=norms))
+    scaled.after_update(step)
     assert scaled.quantiles == pytest.approx(estimator.quantiles, rel=1e-12)
     total = math.hypot(*estimator.quantiles.values())
     for name, threshold in scaled.thresholds().items():
@@ -157,14 +159,17 @@ def test_count_noise_has_standard_deviation_sigma_b():
     groups = _groups({"a": 1.0, "b": 1.0})
     settings = AdaptiveQuantile(target=0.5, lr=1e-9, budget=0.05)
     count_noise, expected_batch = 3.0, 10.0
-    estimator = QuantileEstimator(groups, settings, count_noise, SeededSource(1), expected_batch)
+    estimator = QuantileEstimator(groups, settings, count_noise)
     count_std = count_noise * math.sqrt(2) / 2
     assert estimator.count_std == count_std
     norms = {"a": torch.tensor([0.5, 2.0]), "b": torch.tensor([0.5, 0.7])}
     exact = torch.tensor([(1 - 1) / expected_batch + 0.5, (2 - 1) / expected_batch + 0.5])
     draws = []
-    for step in range(4000):
-        events = estimator.update(StepReport(step, 2, norms))
+    randomness = SeededSource(1)
+    for t in range(4000):
+        step, events = component_step(StepReport(t, 2, norms), expected_batch_size=expected_batch,
+                                      randomness=randomness)
+        estimator.after_update(step)
         draws.append(torch.tensor([estimator.unclipped_fractions[g.name] for g in groups]))
     assert events == [dpa.GaussianDpEvent(count_noise)]
     noise = (torch.stack(draws) - exact) * expected_batch

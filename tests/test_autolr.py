@@ -1,20 +1,24 @@
-"""Automatic learning rate (HyFreeDP / GeN-DP): the fit, the probes, the end-to-end accounting."""
+"""HyFreeDP's learning rate (GeN-DP): the fit, the probes, the end-to-end accounting, and its build on the
+public extension points alone."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import math
+import pathlib
 
 import dp_accounting as dpa
 import pytest
 import torch
 import torch.nn.functional as F
-from support import pop_step
+from support import component_step, pop_step
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
-from tunefree.privacy.accounting import dominating_gaussian, epsilon_of
-from tunefree.step.component import UpdateControl
+from tunefree.privacy.accounting import epsilon_of
+from tunefree.step.component import StepReport
 
 
 def quadratic_problem(h=2.0, d=8):
@@ -52,22 +56,21 @@ def quadratic_engine(h=2.0, interval=1, optimizer=torch.optim.SGD, **kwargs):
     engine = tunefree.make_private(
         model, optimizer(model.parameters(), lr=0.1), DataLoader(data, batch_size=8),
         noise_multiplier=0.0, target_delta=1e-2, clipping="abadi", max_grad_norm=1e6, steps=60,
-        lr=tunefree.AutoLR(mode="safeguarded", interval=interval), seed=0, **kwargs)
+        lr=tunefree.HyFreeDP(interval=interval), seed=0, **kwargs)
     return model, engine, w_star
 
 
 def test_noise_free_fit_is_the_exact_gen_learning_rate_and_converges_to_it():
     h = 2.0
     model, engine, w_star = quadratic_engine(h)
-    auto = engine.optimizer.components[-1]
-    run(model, engine, 40)
-    fits = [f for f in auto.state.history if f.decision == "fit"]
-    assert len(fits) > 10
-    # SGD on ½h‖w − w*‖²: m = G, so GᵀG / GᵀHG = 1/h exactly, whatever w is
-    for fit in fits:
-        assert fit.estimate == pytest.approx(1 / h, rel=1e-6)
-    assert auto.lr == pytest.approx(1 / h, rel=0.02)
-    torch.testing.assert_close(model.weight.detach().squeeze(0), w_star, atol=1e-6, rtol=0)
+    auto = engine.lr_rule
+    run(model, engine, 5)
+    # SGD on ½h‖w − w*‖²: m = G, so b = GᵀG and a = GᵀHG = h·b, and b/a = 1/h exactly, whatever w is: the
+    # first step (from η = 10⁻⁴) lands on w*, and later fits (of rounding-sized updates, or none) keep 1/h
+    first, *later = auto.history
+    assert first.slope > 0 and first.curvature == pytest.approx(h * first.slope, rel=1e-9)
+    assert len(later) == 4 and all(fit.lr == pytest.approx(1 / h, rel=1e-6) for fit in [first, *later])
+    torch.testing.assert_close(model.weight.detach().squeeze(0), w_star, atol=1e-9, rtol=0)
 
 
 def test_probes_leave_weights_and_optimizer_state_bit_identical():
@@ -82,8 +85,10 @@ def test_probes_leave_weights_and_optimizer_state_bit_identical():
     before = [p.detach().clone() for p in model.parameters()]
     state_before = {k: {n: (t.clone() if torch.is_tensor(t) else t) for n, t in v.items()}
                     for k, v in engine.optimizer.original.state_dict()["state"].items()}
-    auto = engine.optimizer.components[-1]
-    auto._probe(UpdateControl(engine.optimizer.original), lambda: squared_errors(model, x, y), len(y))
+    step, events = component_step(StepReport(step=4, examples=len(y)), engine.optimizer.original,
+                                  lambda: squared_errors(model, x, y), expected_batch_size=8.0)
+    engine.lr_rule.released_losses(step)
+    assert events == [dpa.GaussianDpEvent(engine.lr_rule.loss_noise)] * 3
     for b, p in zip(before, model.parameters()):
         assert torch.equal(b, p)
     after = engine.optimizer.original.state_dict()["state"]
@@ -107,7 +112,7 @@ def classifier_engine(interval=5, **kwargs):
     model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
     engine = tunefree.make_private(
         model, torch.optim.AdamW(model.parameters()), DataLoader(data, batch_size=40),
-        target_epsilon=2.0, target_delta=1e-4, lr=tunefree.AutoLR(mode="safeguarded", interval=interval),
+        target_epsilon=2.0, target_delta=1e-4, lr=tunefree.HyFreeDP(interval=interval),
         seed=0, **kwargs)
     return model, engine
 
@@ -171,28 +176,7 @@ def test_lr_auto_needs_the_planned_length():
     with pytest.raises(ValueError, match="epochs or steps"):
         tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
                               DataLoader(data, batch_size=4), noise_multiplier=1.0,
-                              target_delta=1e-2, lr=tunefree.AutoLR(mode="safeguarded"))
-
-
-@pytest.mark.parametrize("scale", [0.5, 1.0, 3.0, 20.0])
-def test_laplace_is_dominated_by_its_gaussian(scale):
-    laplace = dpa.LaplaceDpEvent(scale)
-    gaussian = dominating_gaussian(laplace)
-    for delta in (1e-3, 1e-6, 1e-9):
-        assert epsilon_of(laplace, delta) <= epsilon_of(gaussian, delta) + 1e-6
-
-
-def test_laplace_loss_privacy_runs_and_is_accounted():
-    model, engine, _ = quadratic_engine()
-    data, _ = quadratic_problem()
-    torch.manual_seed(0)
-    model = nn.Linear(8, 1, bias=False).double()
-    engine = tunefree.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=4),
-        target_epsilon=5.0, target_delta=1e-2, steps=10,
-        lr=tunefree.AutoLR(mode="safeguarded", loss_privacy="laplace"), seed=0)
-    run(model, engine, 10)
-    assert 0.99 * 5.0 <= engine.epsilon() <= 5.0
+                              target_delta=1e-2, lr=tunefree.HyFreeDP())
 
 
 def test_checkpoint_keeps_the_learning_rate_state():
@@ -218,3 +202,23 @@ def test_adaptive_thresholds_and_auto_lr_share_one_budget():
     releases = {len(e.event.event.events) for e in first}  # gradient + counts (+ 3 losses)
     assert releases == {2, 5}
     assert 0.99 * 2.0 <= engine.epsilon() <= 2.0
+
+
+def test_hyfreedp_is_built_on_the_public_extension_points_alone():
+    """components/hyfreedp.py imports from tunefree only what tunefree.extend or tunefree offer (besides the
+    argument checks every option shares): its loss releases go through StepContext.release, which records
+    them in the ledger, and its accounting is its Share."""
+    import tunefree.extend
+
+    path = pathlib.Path(tunefree.__file__).parent / "components" / "hyfreedp.py"
+    public = {name: getattr(module, name) for module in (tunefree, tunefree.extend)
+              for name in module.__all__}
+    package = {1: "tunefree.components.", 2: "tunefree."}
+    imported = [(package[node.level] + node.module, alias.name)
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ImportFrom) and node.level and node.module != "_validate"
+                for alias in node.names]
+    assert {name for _, name in imported} >= {"Share", "StepComponent", "StepContext"}
+    private = [f"{module}.{name}" for module, name in imported
+               if public.get(name) is not getattr(importlib.import_module(module), name)]
+    assert private == []

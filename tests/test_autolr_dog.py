@@ -1,4 +1,4 @@
-"""AutoLR(mode="dog"): DoG (Ivgi et al. 2023) on the released gradient, aware of the known privacy noise.
+"""lr="auto" (DoG()): DoG (Ivgi et al. 2023) on the released gradient, aware of the known privacy noise.
 The rule's equations on hand-made steps (noise-free and noisy), that it reads only released quantities,
 that it adds nothing to the ledger, and that the averaged weights follow DoG's polynomial average."""
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import MLP
+from support import component_step
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -25,7 +26,7 @@ from tunefree.components.dog import (
     input_scale_factor,
 )
 from tunefree.privacy.ledger import to_dict
-from tunefree.step.component import StepContext, StepReport, UpdateControl
+from tunefree.step.component import StepReport
 
 
 class KnownNoise:
@@ -50,12 +51,13 @@ def run_rule(gradients, std=0.0, batch=4.0, initial_distance=1e-2, noise_aware=T
     for t, g in enumerate(gradients):
         weights.append(weight.detach().clone())
         weight.grad = torch.as_tensor(g, dtype=torch.float64).clone()
-        step = StepContext(report or StepReport(step=t + 1, examples=4), closure, UpdateControl(optimizer),
-                           thresholds={"all": 1.0})
-        assert rule.before_update(step) == []  # nothing released
+        step, released = component_step(report or StepReport(step=t + 1, examples=4, thresholds={"all": 1.0}),
+                                        optimizer, closure)
+        rule.before_update(step)
         lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
-        assert rule.after_update(step) == []
+        rule.after_update(step)
+        assert released == []  # nothing released
     return rule, lrs, weights, weight
 
 
@@ -181,10 +183,10 @@ def test_a_public_input_scale_releases_nothing_and_is_part_of_the_plan():
     """input_rms is a public statement: the run's noise, ledger and ε are the fixed-lr run's, and a
     checkpoint of another input scale is refused (another budget)."""
     _, plain = private_run(None)
-    _, scaled = private_run(tunefree.AutoLR(mode="dog", input_rms=4.0))
+    _, scaled = private_run(tunefree.DoG(input_rms=4.0))
     assert to_dict(scaled.ledger.event()) == to_dict(plain.ledger.event())
     assert scaled.epsilon() == plain.epsilon()
-    _, other = private_run(tunefree.AutoLR(mode="dog"))
+    _, other = private_run(tunefree.DoG())
     factor = (INPUT_RMS_REFERENCE / 4) ** 2
     assert scaled.lr_rule.walk_budget == pytest.approx(other.lr_rule.walk_budget * factor, rel=1e-12)
     with pytest.raises(ValueError, match="input_rms"):
@@ -290,7 +292,7 @@ def private_run(lr, optimizer=None, steps=6):
 def test_make_private_with_dog_spends_exactly_the_plain_run():
     """No release of its own: the same noise, the same ledger and ε as the fixed-lr run."""
     _, plain = private_run(None)
-    model, dog = private_run(tunefree.AutoLR(mode="dog"))
+    model, dog = private_run(tunefree.DoG())
     assert dog.plan.gradient_noise == plain.plan.gradient_noise
     assert to_dict(dog.ledger.event()) == to_dict(plain.ledger.event())
     assert dog.epsilon() == plain.epsilon()
@@ -305,22 +307,22 @@ def test_dog_takes_plain_sgd_as_it_is_and_translates_other_optimizers():
     (tests/test_autolr_optimizers.py)."""
     from tunefree.components.dog_optimizers import OptimizerDoG
 
-    assert type(private_run(tunefree.AutoLR(mode="dog"))[1].lr_rule) is DistanceOverGradients
+    assert type(private_run(tunefree.DoG())[1].lr_rule) is DistanceOverGradients
     for make in (lambda m: torch.optim.AdamW(m.parameters()),
                  lambda m: torch.optim.SGD(m.parameters(), lr=1.0, momentum=0.9)):
-        assert isinstance(private_run(tunefree.AutoLR(mode="dog"), make, steps=1)[1].lr_rule, OptimizerDoG)
+        assert isinstance(private_run(tunefree.DoG(), make, steps=1)[1].lr_rule, OptimizerDoG)
 
 
 def test_make_private_spends_the_noise_budget_over_the_planned_steps():
     """The rule gets the plan's length and the option's κ; the run's expected noise walk stays within
     (κ(1 + ‖x₀‖))², and a checkpoint of another budget is refused (it is in the plan's fingerprint)."""
-    model, engine = private_run(tunefree.AutoLR(mode="dog", noise_budget=0.05), steps=6)
+    model, engine = private_run(tunefree.DoG(noise_budget=0.05), steps=6)
     rule = engine.lr_rule
     assert rule.planned_steps == engine.planned_steps == 6 and rule.noise_budget == 0.05
     energy = sum(d * v for d, v in rule.coordinate_variances(engine.clip_thresholds))
     assert sum(lr ** 2 for lr in rule.history) * energy <= rule.walk_budget * (1 + 1e-9)
     assert rule.history[-1] == pytest.approx(rule.budget_lr, rel=1e-12)  # the budget binds at this noise
-    _, other = private_run(tunefree.AutoLR(mode="dog", noise_budget=None), steps=6)
+    _, other = private_run(tunefree.DoG(noise_budget=None), steps=6)
     assert other.lr_rule.noise_budget is None and max(other.lr_rule.history) > max(rule.history)
     with pytest.raises(ValueError, match="noise_budget"):
         other.load_state_dict(engine.state_dict())
@@ -337,20 +339,19 @@ def test_lr_auto_without_a_planned_length_is_refused_unless_its_budget_is_off():
                                      target_delta=1e-3, lr=auto, seed=0)
     with pytest.raises(ValueError, match="give epochs or steps"):
         make("auto")
-    engine = make(tunefree.AutoLR(noise_budget=None))
+    engine = make(tunefree.DoG(noise_budget=None))
     assert engine.lr_rule.noise_budget is None and engine.lr_rule.planned_steps is None
 
 
 def test_dog_options():
-    assert tunefree.AutoLR(mode="dog").releases_per_update == 0
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="noise_budget"):
-            tunefree.AutoLR(mode="dog", noise_budget=bad)
+            tunefree.DoG(noise_budget=bad)
     with pytest.raises(ValueError, match="initial_distance"):
-        tunefree.AutoLR(mode="dog", initial_distance=0.0)
+        tunefree.DoG(initial_distance=0.0)
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="input_rms"):
-            tunefree.AutoLR(mode="dog", input_rms=bad)
+            tunefree.DoG(input_rms=bad)
 
 
 def test_component_state_round_trip_continues_the_same_learning_rates():
@@ -367,8 +368,7 @@ def test_component_state_round_trip_continues_the_same_learning_rates():
     through, straight = [], []
     for t, g in enumerate(GRADIENTS[2:], start=2):
         weight.grad = torch.as_tensor(g, dtype=torch.float64).clone()
-        step = StepContext(StepReport(step=t + 1, examples=4), None, UpdateControl(optimizer),
-                           thresholds={"all": 1.0})
+        step, _ = component_step(StepReport(step=t + 1, examples=4, thresholds={"all": 1.0}), optimizer)
         resumed.before_update(step)
         through.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
@@ -383,12 +383,12 @@ def test_component_state_round_trip_continues_the_same_learning_rates():
 def test_engine_checkpoint_resumes_the_rule_bit_for_bit():
     """engine.state_dict() carries the rule's state: a seeded run resumed from it after 3 of 6 steps ends
     with the same weights and learning rates as the run that was never interrupted."""
-    model, straight = private_run(tunefree.AutoLR(mode="dog"), steps=6)
+    model, straight = private_run(tunefree.DoG(), steps=6)
     torch.manual_seed(0)
     first = MLP()
     engine = tunefree.make_private(first, torch.optim.SGD(first.parameters(), lr=0.1),
                                    DataLoader(data(), batch_size=16), noise_multiplier=1.0, target_delta=1e-3,
-                                   steps=6, lr=tunefree.AutoLR(mode="dog"), seed=0, accountant="rdp")
+                                   steps=6, lr=tunefree.DoG(), seed=0, accountant="rdp")
     batches = iter(engine.data_loader)
     for _ in range(3):
         x, y = next(batches)
@@ -401,7 +401,7 @@ def test_engine_checkpoint_resumes_the_rule_bit_for_bit():
     second.load_state_dict(saved["model"])
     resumed = tunefree.make_private(second, torch.optim.SGD(second.parameters(), lr=0.1),
                                     DataLoader(data(), batch_size=16), noise_multiplier=1.0,
-                                    target_delta=1e-3, steps=6, lr=tunefree.AutoLR(mode="dog"), seed=0,
+                                    target_delta=1e-3, steps=6, lr=tunefree.DoG(), seed=0,
                                     accountant="rdp")
     resumed.load_state_dict(saved["engine"])
     taken = 3

@@ -9,13 +9,14 @@ import math
 
 import pytest
 import torch
+from support import component_step
 from test_autolr_dog import KnownNoise, private_run
 from torch import nn
 
 from tunefree.components.dog import NOISE_BUDGET, DistanceOverGradients, DoG
 from tunefree.components.dog_optimizers import OptimizerDoG
 from tunefree.privacy.ledger import to_dict
-from tunefree.step.component import StepContext, StepReport, UpdateControl
+from tunefree.step.component import StepReport
 
 GRADIENTS = [[0.5, -1.0, 0.25, 0.0], [0.4, -0.7, 0.1, 0.02], [0.1, -0.9, 0.3, -0.01]]
 
@@ -25,12 +26,13 @@ def steps_of(rule, optimizer, weight, gradients, std):
     lrs = []
     for t, g in enumerate(gradients):
         weight.grad = torch.as_tensor(g, dtype=torch.float64).clone()
-        step = StepContext(StepReport(step=t + 1, examples=4), None, UpdateControl(optimizer),
-                           thresholds={"all": 1.0})
-        assert rule.before_update(step) == []  # nothing released
+        report = StepReport(step=t + 1, examples=4, thresholds={"all": 1.0})
+        step, released = component_step(report, optimizer)
+        rule.before_update(step)
         lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
-        assert rule.after_update(step) == []
+        rule.after_update(step)
+        assert released == []  # nothing released
     return lrs
 
 
@@ -128,7 +130,7 @@ def test_refuses_what_it_cannot_translate(make, message):
     with pytest.raises(ValueError, match=message) as refused:
         private_run("auto", make)
     if message == "RMSprop":
-        assert "AdamW" in str(refused.value) and "safeguarded" in str(refused.value)
+        assert "AdamW" in str(refused.value) and "HyFreeDP" in str(refused.value)
 
 
 def test_state_round_trip_continues_the_same_learning_rates():

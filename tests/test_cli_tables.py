@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 import torch
 
-from tunefree import PSAC, AdaptiveQuantile, AutoLR, AutoS
+from tunefree import PSAC, AdaptiveQuantile, AutoS, DoG, HyFreeDP
 from tunefree.cli import main, models, report, scaling
 from tunefree.cli import training as training_module
 from tunefree.cli.releases import CATEGORY_SHARE, LABEL_SHARE, Budget
@@ -230,9 +230,9 @@ KNOB_RUNS = [
       "--quantile-budget", "0.05"],
      {"thresholds": AdaptiveQuantile(target=0.7, lr=0.1, budget=0.05)}),
     (["--thresholds", "adaptive"], {"thresholds": "adaptive"}),
-    ([], {"lr": AutoLR()}),  # the default: SGD's automatic step size
-    (["--lr", "hyfreedp", "--lr-update-interval", "3", "--loss-privacy", "laplace"],
-     {"lr": AutoLR(mode="safeguarded", interval=3, loss_privacy="laplace")}),
+    ([], {"lr": DoG()}),  # the default: SGD's automatic step size
+    (["--lr", "hyfreedp", "--lr-update-interval", "3"], {"lr": HyFreeDP(interval=3)}),
+    (["--lr", "hyfreedp"], {"lr": HyFreeDP()}),
     (["--optimizer", "adam", "--lr", "0.01"], {"lr": None}),
 ]
 
@@ -259,17 +259,17 @@ def test_the_noise_budget_sees_the_input_scale_that_the_encoding_makes_public(tm
     (tmp_path / "schema.json").write_text(json.dumps({"categorical": {"colour": colours}}))
     table = _table(tmp_path / "t.csv")
     schema = ["--schema", str(tmp_path / "schema.json"), "--labels", "0,1"]
-    public = AutoLR(input_rms=math.sqrt(3 / 6))  # age, income (standardised), colour (4 indicators)
+    public = DoG(input_rms=math.sqrt(3 / 6))  # age, income (standardised), colour (4 indicators)
     assert _auto_lr_given(monkeypatch, "--dataset", str(table), *schema) == public
     neighbour = pd.read_csv(table).iloc[1:]
     neighbour.to_csv(tmp_path / "n.csv", index=False)
     assert _auto_lr_given(monkeypatch, "--dataset", str(tmp_path / "n.csv"), *schema) == public
     raw = _auto_lr_given(monkeypatch, "--dataset", str(table), *schema, "--numeric-scaling", "none")
-    assert raw == AutoLR()
+    assert raw == DoG()
     (tmp_path / "ranges.json").write_text(json.dumps({"numeric": {"age": [0, 120]}}))
     assert _auto_lr_given(monkeypatch, "--dataset", str(table), "--schema", str(tmp_path / "ranges.json")
-                          ) == AutoLR()
-    assert _auto_lr_given(monkeypatch, "--dataset", "digits") == AutoLR()  # images: the budget as it was
+                          ) == DoG()
+    assert _auto_lr_given(monkeypatch, "--dataset", "digits") == DoG()  # images: the budget as it was
 
 
 @pytest.mark.parametrize("flags, keywords", KNOB_RUNS)
@@ -295,7 +295,6 @@ def test_each_knob_reaches_make_private_in_its_option(monkeypatch, flags, keywor
     (["--target-quantile", "0.7"], "--target-quantile applies only to --thresholds adaptive"),
     (["--thresholds", "adaptive", "--target-quantile", "1.5"], r"--target-quantile must be in \(0, 1\)"),
     (["--lr-update-interval", "3"], "--lr-update-interval only apply to --lr hyfreedp"),
-    (["--loss-privacy", "laplace"], "--loss-privacy only apply to --lr hyfreedp"),
     (["--quantile-budget", "1.5"], r"must be in \(0, 1\)"),
     (["--hidden", "256,0"], "every width must be at least 1"),
     (["--hidden", "wide"], "expected widths like 256,256"),

@@ -33,7 +33,7 @@ GROUPED = {"groups": "per-layer", "physical_batch_size": 3, "clipping": "abadi"}
 # Adaptive thresholds that move visibly in a few steps; Abadi clips at them, so the release shows them.
 ADAPTIVE = {"groups": "per-layer", "clipping": "abadi",
             "thresholds": tunefree.AdaptiveQuantile(lr=1.0, budget=0.1)}
-HYFREEDP = {"lr": tunefree.AutoLR(mode="safeguarded", interval=2, loss_privacy="laplace")}
+HYFREEDP = {"lr": tunefree.HyFreeDP(interval=2)}
 CANARIES = 8
 
 
@@ -124,7 +124,7 @@ def _training_scenario(rank: int) -> dict:
 
 
 def _components_scenario(rank: int) -> dict:
-    """Noisy seeded runs with adaptive thresholds and with HyFreeDP's learning rate (Laplace loss noise):
+    """Noisy seeded runs with adaptive thresholds and with HyFreeDP's learning rate:
     their counts and losses are summed over the ranks and noised once."""
     out: dict = {}
     adaptive = _private(DistributedDataParallel(_model()), SIGMA, **ADAPTIVE)
@@ -134,7 +134,7 @@ def _components_scenario(rank: int) -> dict:
     out["secret_thresholds"] = _train_noting_thresholds(secret, STEPS)  # each rank noises its own slice
     hyfreedp = _private(DistributedDataParallel(_model()), 2.0, **HYFREEDP)
     _train(hyfreedp, STEPS, with_losses=True)
-    out["hyfreedp_lrs"] = [fit.lr_after for fit in hyfreedp.lr_rule.state.history]
+    out["hyfreedp_lrs"] = [fit.lr for fit in hyfreedp.lr_rule.history]
     out["hyfreedp_weights"], out["hyfreedp_ledger"] = _weights(hyfreedp), hyfreedp.ledger.state_dict()
     for name, seed in (("canaries", SEED), ("secret canaries", None)):
         audited = _private(DistributedDataParallel(_model()), SIGMA, audit_canaries=CANARIES, seed=seed)
@@ -340,15 +340,15 @@ def test_adaptive_thresholds_under_ddp_are_those_of_one_process(components):
 
 
 def test_hyfreedp_under_ddp_fits_the_learning_rate_of_one_process(components):
-    """Each rank's clipped loss sums are summed over the ranks and noised once (the Laplace noise drawn by
-    one rank): the same learning rates and weights on every rank, and those of one process."""
+    """Each rank's clipped loss sums are summed over the ranks and noised once (each coordinate's noise added
+    by one rank): the same learning rates and weights on every rank, and those of one process."""
     first, second = components
     assert first["hyfreedp_lrs"] == second["hyfreedp_lrs"] and len(first["hyfreedp_lrs"]) == 2
     for name, weight in first["hyfreedp_weights"].items():
         assert torch.equal(weight, second["hyfreedp_weights"][name])
     single = _private(_model(), 2.0, **HYFREEDP)
     _train(single, STEPS, with_losses=True)
-    expected = [fit.lr_after for fit in single.lr_rule.state.history]
+    expected = [fit.lr for fit in single.lr_rule.history]
     assert first["hyfreedp_lrs"] == pytest.approx(expected, rel=1e-6)
     assert first["hyfreedp_ledger"] == single.ledger.state_dict()
     for name, weight in _weights(single).items():

@@ -231,7 +231,7 @@ def _training_scenario(rank: int) -> dict:
 
 def _refusal_scenario(rank: int) -> dict:
     out: dict = {"refused": []}
-    for options in ({"lr": tunefree.AutoLR(mode="safeguarded")}, {"lr": "auto"}, {"audit_canaries": 8},
+    for options in ({"lr": tunefree.HyFreeDP()}, {"lr": "auto"}, {"audit_canaries": 8},
                     {"physical_batch_size": 4}):
         try:
             _private(_sharded(_model()), SIGMA, **options)
@@ -474,7 +474,7 @@ def test_refusals_and_a_raw_gradient_fail_closed(tmp_path):
         assert len(rank["refused"]) == 6
         assert "'0' (Conv1d) has a layer rule that reads its parameters" in rank["refused"][4]
         assert "'1' (PReLU) has no layer rule" in rank["refused"][5]
-        refused = ("lr=AutoLR(mode='safeguarded')", "lr=AutoLR(mode='dog')", "audit_canaries",
+        refused = ("lr=HyFreeDP()", "lr=DoG()", "audit_canaries",
                    "physical_batch_size=4")
         for option, message in zip(refused, rank["refused"]):
             assert f"{option} is not supported with FSDP2 (fully_shard)" in message

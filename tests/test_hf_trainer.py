@@ -192,7 +192,7 @@ def test_privacy_options_the_trainer_sets_itself_and_resuming_are_refused(tmp_pa
     with pytest.raises(ValueError, match="epochs"):
         PrivateTrainer(bert(), arguments(tmp_path), train_dataset=text_data(8), noise_multiplier=1.0,
                        target_delta=1e-2, privacy={"epochs": 3})
-    for lr, reason in (("auto", "over the Trainer's scheduler"), (tunefree.AutoLR(mode="safeguarded"),
+    for lr, reason in (("auto", "over the Trainer's scheduler"), (tunefree.HyFreeDP(),
                                                                     "closure")):
         with pytest.raises(ValueError, match=reason):
             PrivateTrainer(bert(), arguments(tmp_path), train_dataset=text_data(8), noise_multiplier=1.0,

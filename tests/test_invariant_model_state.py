@@ -365,7 +365,7 @@ def test_a_write_in_a_step_components_probe_forward_is_refused_before_the_update
 
     x, y = features()
     model = NoGradWrites()
-    engine = private(model, x, y, lr=tunefree.AutoLR(mode="safeguarded", interval=1), noise_multiplier=None,
+    engine = private(model, x, y, lr=tunefree.HyFreeDP(interval=1), noise_multiplier=None,
                      target_epsilon=4.0, verify_every=10**9)  # steps 1 and 2 checked, step 3 not
     for step in range(3):
         xb, yb = next(iter(engine.data_loader))

@@ -7,7 +7,7 @@ import re
 import dp_accounting as dpa
 import torch
 
-from tunefree.privacy.mechanisms import release_counts, release_loss_sum
+from tunefree.privacy.mechanisms import release_values
 from tunefree.privacy.randomness import SecretSource, SeededSource
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "tunefree"
@@ -26,41 +26,31 @@ def test_no_noise_is_drawn_outside_the_mechanisms():
     assert offenders == []
 
 
-def test_count_noise_has_the_stated_scale_and_event():
+def test_component_release_noise_has_the_stated_scale_and_event():
+    """A step component's release (clip counts, losses): noise of standard deviation σ·sensitivity on each
+    coordinate, accounted as one Gaussian event of multiplier σ."""
     draws, multiplier = 20000, 3.0
     counts = torch.zeros(4, dtype=torch.float64)
     std = multiplier * math.sqrt(4) / 2  # the joint release of 4 counts has sensitivity √4/2
-    samples = torch.stack([release_counts(counts, multiplier, SeededSource(1 + i))[0]
+    samples = torch.stack([release_values(counts, math.sqrt(4) / 2, multiplier, SeededSource(1 + i))[0]
                            for i in range(draws // 4)])
     assert abs(float(samples.std()) / std - 1) < 0.02
-    _, event = release_counts(counts, multiplier, SeededSource(0))
+    _, event = release_values(counts, 1.0, multiplier, SeededSource(0))
     assert event == dpa.GaussianDpEvent(multiplier)
-    one = torch.stack([release_counts(counts[:1], multiplier, SeededSource(i), joint=4)[0]
+    # one count of a joint release of 4 (a pipeline stage's): the same noise
+    one = torch.stack([release_values(counts[:1], math.sqrt(4) / 2, multiplier, SeededSource(i))[0]
                        for i in range(draws)])
-    assert abs(float(one.std()) / std - 1) < 0.02  # one count of a joint release of 4: the same noise
-
-
-def test_gaussian_loss_noise_has_the_stated_scale():
-    rng, bound, sigma = SeededSource(3), 2.0, 1.5
-    values = torch.tensor([release_loss_sum(0.0, bound, sigma, "gaussian", rng)[0] for _ in range(20000)])
-    assert abs(float(values.std()) / (sigma * bound) - 1) < 0.02
-    assert release_loss_sum(0.0, bound, sigma, "gaussian", rng)[1] == dpa.GaussianDpEvent(sigma)
-
-
-def test_laplace_loss_noise_has_the_stated_scale():
-    rng, bound, sigma = SeededSource(4), 2.0, 1.5
-    values = torch.tensor([release_loss_sum(0.0, bound, sigma, "laplace", rng)[0] for _ in range(20000)],
-                          dtype=torch.float64)
-    scale = sigma * bound  # Laplace(b): E|X| = b
-    assert abs(float(values.abs().mean()) / scale - 1) < 0.02
-    assert release_loss_sum(0.0, bound, sigma, "laplace", rng)[1] == dpa.LaplaceDpEvent(sigma)
+    assert abs(float(one.std()) / std - 1) < 0.02
+    loss_sums = torch.stack([release_values(torch.zeros(1), 2.0, 1.5, SeededSource(i))[0]
+                             for i in range(draws)])
+    assert abs(float(loss_sums.std()) / (1.5 * 2.0) - 1) < 0.02  # a loss sum clipped to R_l = 2, σ_l = 1.5
 
 
 def test_seeded_releases_replay_and_secure_releases_differ():
     counts = torch.zeros(3, dtype=torch.float64)
-    a = release_counts(counts, 1.0, SeededSource(7))[0]
-    assert torch.equal(a, release_counts(counts, 1.0, SeededSource(7))[0])
-    secure = [release_counts(counts, 1.0, SecretSource())[0] for _ in range(2)]
+    a = release_values(counts, 0.5, 1.0, SeededSource(7))[0]
+    assert torch.equal(a, release_values(counts, 0.5, 1.0, SeededSource(7))[0])
+    secure = [release_values(counts, 0.5, 1.0, SecretSource())[0] for _ in range(2)]
     assert not torch.equal(secure[0], secure[1])
     assert not torch.equal(secure[0], a)
 

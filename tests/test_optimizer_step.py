@@ -16,7 +16,7 @@ import tunefree
 from tunefree import PrivacyError
 from tunefree.guards import independence
 
-HYFREEDP_EVERY_STEP = tunefree.AutoLR(mode="safeguarded", interval=1)
+HYFREEDP_EVERY_STEP = tunefree.HyFreeDP(interval=1)
 
 
 def data(n=60):
@@ -54,7 +54,7 @@ def _full_run():
     """A run whose step has every part: both components (adaptive thresholds, lr='auto'). σ = 0 spares
     the budget split's calibration; the releases and their ledger records are those of any σ."""
     # verify_every=1: the independence check runs on the failing step too
-    return private(thresholds="adaptive", lr=tunefree.AutoLR(mode="safeguarded"), steps=8,
+    return private(thresholds="adaptive", lr=tunefree.HyFreeDP(), steps=8,
                    noise_multiplier=0.0, verify_every=1)
 
 
@@ -68,10 +68,10 @@ INJECTION_POINTS = {  # where step() calls out, and whether that point comes bef
     "accumulator pop": (lambda e: (e.optimizer.accumulator, "pop"), True),
     "gradient release": (lambda e: (e.optimizer.release, "release"), True),
     "thresholds before_update": (lambda e: (_component(e, "QuantileEstimator"), "before_update"), False),
-    "auto lr before_update": (lambda e: (_component(e, "AutoLearningRate"), "before_update"), False),
+    "auto lr before_update": (lambda e: (_component(e, "HyFreeDPStep"), "before_update"), False),
     "wrapped optimizer step": (lambda e: (e.optimizer.original, "step"), False),
     "thresholds after_update": (lambda e: (_component(e, "QuantileEstimator"), "after_update"), False),
-    "auto lr after_update": (lambda e: (_component(e, "AutoLearningRate"), "after_update"), False),
+    "auto lr after_update": (lambda e: (_component(e, "HyFreeDPStep"), "after_update"), False),
     "ledger amendment": (lambda e: (e.ledger, "amend_last_step"), False),
     "engine thresholds": (lambda e: (e.clipper, "begin_step"), False),
 }

@@ -16,7 +16,6 @@ from tunefree.config import (
     PSAC,
     Abadi,
     AdaptiveQuantile,
-    AutoLR,
     AutoS,
     AutoV,
     DoG,
@@ -40,9 +39,8 @@ def test_defaults_unchanged():
     assert options.performance == Performance() and options.poisson_sampling
     assert (options.groups, options.max_grad_norm, options.accountant) == ("all-layer", 1.0, "pld")
     assert resolve(thresholds="adaptive").thresholds == AdaptiveQuantile(0.5, 0.3, 0.01)
-    assert resolve(lr="auto").lr == AutoLR() == DoG() and AutoLR().mode == "dog"
-    assert AutoLR().noise_budget == 4.0 and AutoLR().initial_distance == 0.1
-    assert AutoLR(mode="paper", interval=3) == HyFreeDP(interval=3, mode="paper")
+    assert resolve(lr="auto").lr == DoG() and DoG().noise_budget == 4.0 and DoG().initial_distance == 0.1
+    assert HyFreeDP() == HyFreeDP(interval=5, gradient_noise_increase=1.01, initial_lr=1e-4)  # the paper's
     assert resolve(clipping="psac").clipping == PSAC(r=0.1)
 
 
@@ -53,7 +51,7 @@ def test_defaults_unchanged():
     ({"clipping": "abadi"}, {"clipping": Abadi()}),
     ({"thresholds": "fixed"}, {"thresholds": Fixed()}),
     ({"thresholds": "adaptive"}, {"thresholds": AdaptiveQuantile(target=0.5, lr=0.3, budget=0.01)}),
-    ({"lr": "auto"}, {"lr": AutoLR()}),
+    ({"lr": "auto"}, {"lr": DoG()}),
 ])
 def test_shortcut_equals_typed_form(shortcut, typed):
     assert resolve(**shortcut) == resolve(**typed)
@@ -83,27 +81,24 @@ def test_invalid_or_irrelevant_options_are_refused(kwargs, error, words):
         resolve(**kwargs)
 
 
-@pytest.mark.parametrize("fields, error, words", [
-    ({"mode": "safeguarded", "loss_privacy": "bogus"}, ValueError, "loss_privacy"),
-    ({"mode": "safeguarded", "interval": -3}, ValueError, "interval"),
-    ({"mode": "safeguarded", "interval": True}, TypeError, "interval"),
-    ({"mode": "safeguarded", "gradient_noise_increase": 1.0}, ValueError, "> 1"),
-    ({"mode": "fast"}, ValueError, "mode"),
-    ({"noise_budget": 0.0}, ValueError, "noise_budget"),
-    ({"probes": "differences"}, ValueError, r"AutoLR\(probes\) has no effect with mode='dog'"),
-    ({"interval": 3, "initial_lr": 0.1}, ValueError, r"AutoLR\(interval, initial_lr\) has no effect"),
-    ({"mode": "paper", "noise_budget": 2.0}, ValueError,
-     r"AutoLR\(noise_budget\) has no effect with mode='paper'"),
+@pytest.mark.parametrize("rule, fields, error, words", [
+    (HyFreeDP, {"interval": -3}, ValueError, "interval"),
+    (HyFreeDP, {"interval": True}, TypeError, "interval"),
+    (HyFreeDP, {"gradient_noise_increase": 1.0}, ValueError, "> 1"),
+    (HyFreeDP, {"mode": "safeguarded"}, TypeError, "mode"),  # the paper's rule only
+    (HyFreeDP, {"loss_privacy": "laplace"}, TypeError, "loss_privacy"),  # Gaussian only: exact accounting
+    (DoG, {"noise_budget": 0.0}, ValueError, "noise_budget"),
+    (DoG, {"interval": 3}, TypeError, "interval"),  # a field of the other rule
 ])
-def test_auto_lr_fields_are_validated(fields, error, words):
+def test_learning_rate_rule_fields_are_validated(rule, fields, error, words):
     with pytest.raises(error, match=words):
-        AutoLR(**fields)
+        rule(**fields)
 
 
-def test_hyfreedp_keywords_are_fields_of_auto_lr_only():
-    """lr_update_interval, loss_privacy and gradient_noise_increase were make_private keywords for
-    HyFreeDP; lr='auto' is DoG now, so they live in AutoLR(mode='safeguarded', ...) only."""
-    for keyword in ("lr_update_interval", "loss_privacy", "gradient_noise_increase"):
+def test_hyfreedp_keywords_are_fields_of_hyfreedp_only():
+    """lr_update_interval and gradient_noise_increase were make_private keywords for HyFreeDP; they live in
+    HyFreeDP(...) only."""
+    for keyword in ("lr_update_interval", "gradient_noise_increase"):
         with pytest.raises(TypeError, match=keyword):
             resolve(lr="auto", **{keyword: 3})
 

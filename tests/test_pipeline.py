@@ -341,8 +341,7 @@ def test_an_adaptive_stage_checkpoint_restores_every_stage_estimate():
     def stage_estimator(other: float) -> QuantileEstimator:
         module = nn.Linear(4, 2)
         group = ClipGroup("stage0", ["weight", "bias"], list(module.parameters()), R[0])
-        return QuantileEstimator([group], AdaptiveQuantile(), 2.0, SecretSource(), 16.0, scale=1.0,
-                                 parallelism=_OtherStage(other))
+        return QuantileEstimator([group], AdaptiveQuantile(), 2.0, scale=1.0, parallelism=_OtherStage(other))
 
     saved = stage_estimator(R[1])
     assert saved.joint_counts == STAGES  # its count is one of the two stages' joint release

@@ -13,11 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tunefree import AdaptiveQuantile, AutoLR, make_private
+from tunefree import AdaptiveQuantile, DoG, HyFreeDP, make_private
+from tunefree.components.hyfreedp import LossShare
 from tunefree.errors import SettingsRefused
 from tunefree.privacy.accounting import epsilon_of
 from tunefree.privacy.ledger import to_dict
-from tunefree.privacy.plan import CountShare, LossShare, Plan, data_digest
+from tunefree.privacy.plan import CountShare, Plan, data_digest
 
 
 @pytest.fixture(autouse=True)
@@ -54,15 +55,21 @@ COMPONENTS = {
     "fixed thresholds, fixed lr": {},
     "adaptive thresholds, fixed lr": {"shares": (CountShare(0.1, 3),)},
     "fixed thresholds, HyFreeDP": {"shares": (LossShare(4),)},
-    "adaptive thresholds, HyFreeDP": {"shares": (CountShare(0.1, 3), LossShare(4, "laplace"))},
+    "adaptive thresholds, HyFreeDP": {"shares": (CountShare(0.1, 3), LossShare(4))},
 }
+
+
+def loss_noise(plan: Plan) -> float:
+    """σ_l of HyFreeDP's loss releases (0 without them)."""
+    share = plan.share(LossShare)
+    return 0.0 if share is None else share.noise
 
 
 @pytest.mark.parametrize("components", COMPONENTS.values(), ids=COMPONENTS.keys())
 def test_solved_plan_spends_the_target_within_one_percent_never_above(components):
     plan = Plan(sample_rate=0.05, steps=30, num_examples=1000, delta=1e-5, **components).solve(2.0)
     assert plan.noise_multiplier > 0
-    assert (plan.loss_noise > 0) == any(isinstance(s, LossShare) for s in components.get("shares", ()))
+    assert (loss_noise(plan) > 0) == any(isinstance(s, LossShare) for s in components.get("shares", ()))
     assert 0.99 * 2.0 <= plan.epsilon() <= 2.0
 
 
@@ -71,7 +78,7 @@ def test_combined_plan_does_not_depend_on_the_order_its_components_are_declared_
     counts, losses = CountShare(0.1, 3), LossShare(4)
     first = replace(base, shares=(counts, losses)).solve(2.0)
     second = replace(base, shares=(losses, counts)).solve(2.0)
-    assert first.noise_multiplier == second.noise_multiplier and first.loss_noise == second.loss_noise
+    assert first.noise_multiplier == second.noise_multiplier and loss_noise(first) == loss_noise(second)
     assert first.step_releases(1) == second.step_releases(1) and first.event() == second.event()
     # the count share stays inside the gradient's step, at γσ jointly (Proposition 3.1)
     joint = (first.gradient_noise ** -2 + first.count_noise ** -2) ** -0.5
@@ -81,7 +88,7 @@ def test_combined_plan_does_not_depend_on_the_order_its_components_are_declared_
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"thresholds": "adaptive", "groups": "per-layer",
-                                         "lr": AutoLR(mode="safeguarded", interval=3)}],
+                                         "lr": HyFreeDP(interval=3)}],
                          ids=["plain", "adaptive+auto"])
 def test_recorded_ledger_spends_what_the_plan_said(kwargs):
     engine = engine_for(dataset(), **kwargs)
@@ -89,7 +96,7 @@ def test_recorded_ledger_spends_what_the_plan_said(kwargs):
     assert engine.optimizer.release.noise_multiplier == plan.gradient_noise
     for component in engine.optimizer.components:
         noise = getattr(component, "count_std", None)
-        assert (plan.count_std if noise is not None else plan.loss_noise) == (
+        assert (plan.count_std if noise is not None else loss_noise(plan)) == (
             noise if noise is not None else component.loss_noise)
     taken = 0
     for step in (1, 4, plan.steps):  # midway too, the recorded ledger is the plan's first steps
@@ -100,9 +107,8 @@ def test_recorded_ledger_spends_what_the_plan_said(kwargs):
 
 
 THRESHOLD_RULES = {"fixed": "fixed", "adaptive": AdaptiveQuantile(budget=0.1)}
-LR_RULES = {"optimizer's lr": None, "DoG": AutoLR(), "HyFreeDP": AutoLR(mode="safeguarded", interval=2),
-            "HyFreeDP differences": AutoLR(mode="paper", interval=3, probes="differences",
-                                           loss_privacy="laplace")}
+LR_RULES = {"optimizer's lr": None, "DoG": DoG(), "HyFreeDP K=2": HyFreeDP(interval=2),
+            "HyFreeDP K=3": HyFreeDP(interval=3, gradient_noise_increase=1.05)}
 
 
 @pytest.mark.parametrize("lr", LR_RULES)
@@ -158,24 +164,24 @@ def test_fingerprint_changes_with_every_part_of_the_plan(change, named):
 
 
 def test_checkpoint_of_an_auto_lr_run_is_refused_by_a_fixed_lr_run():
-    auto = engine_for(dataset(), lr=AutoLR(mode="safeguarded"))
+    auto = engine_for(dataset(), lr=HyFreeDP())
     train(auto, 2)
     fixed = engine_for(dataset())
-    with pytest.raises(ValueError, match="other privacy settings(.|\n)*losses"):
+    with pytest.raises(ValueError, match="other privacy settings(.|\n)*LossShare"):
         fixed.load_state_dict(auto.state_dict())
     assert fixed.steps == 0
 
 
 def test_component_states_are_restored_strictly():
-    engine = engine_for(dataset(), lr=AutoLR(mode="safeguarded"))
+    engine = engine_for(dataset(), lr=HyFreeDP())
     train(engine, 2)
     state = copy.deepcopy(engine.state_dict())
-    resumed = engine_for(dataset(), lr=AutoLR(mode="safeguarded"))
+    resumed = engine_for(dataset(), lr=HyFreeDP())
     resumed.load_state_dict(state)
     assert resumed.steps == 2
     state["components"] = {}
     with pytest.raises(ValueError, match="step components"):
-        engine_for(dataset(), lr=AutoLR(mode="safeguarded")).load_state_dict(state)
+        engine_for(dataset(), lr=HyFreeDP()).load_state_dict(state)
 
 
 @pytest.mark.parametrize("other,named", [(dataset(seed=1), "settings.data"),

@@ -79,7 +79,7 @@ def test_a_partition_selection_is_accounted_as_its_gaussian_at_delta_minus_p():
     both = dpa.ComposedDpEvent([dpa.GaussianDpEvent(sigma), dpa.GaussianDpEvent(2.0)])
     assert copy.epsilon(delta) == ledger.epsilon(delta) == epsilon_of(both, delta - p)
     nested = dpa.PoissonSampledDpEvent(0.5, event)  # a threshold inside a sampled event is not taken off
-    with pytest.raises(ValueError, match="only Gaussian and Laplace releases"):
+    with pytest.raises(ValueError, match="only Gaussian releases can share one sampled batch"):
         epsilon_of(nested, delta)
 
 

@@ -4,7 +4,7 @@ from . import audit, extend
 from .api import make_private
 from .clipping.functions import CLIP_FUNCTIONS
 from .clipping.groups import GROUPINGS
-from .config import PSAC, Abadi, AdaptiveQuantile, AutoLR, AutoS, AutoV, Fixed
+from .config import PSAC, Abadi, AdaptiveQuantile, AutoS, AutoV, DoG, Fixed, HyFreeDP
 from .errors import ModelRefused, PrivacyError, SettingsRefused
 from .guards.independence import verify_example_independence
 from .persample.model_loss import token_losses_per_example
@@ -16,8 +16,8 @@ from .step.optimizer import DPOptimizer
 
 __all__ = [
     "CLIP_FUNCTIONS", "DPEngine", "DPOptimizer", "GROUPINGS", "PSAC", "Abadi", "AdaptiveQuantile",
-    "AutoLR", "AutoS", "AutoV", "Fixed", "audit", "extend", "Guarantee", "ModelRefused", "PrivacyError",
-    "SettingsRefused", "StepReport", "epsilon", "token_losses_per_example",
+    "AutoS", "AutoV", "DoG", "Fixed", "HyFreeDP", "audit", "extend", "Guarantee", "ModelRefused",
+    "PrivacyError", "SettingsRefused", "StepReport", "epsilon", "token_losses_per_example",
     "make_private", "make_private_pipeline", "noise_multiplier", "PrivatePipelineStage",
     "verify_example_independence",
 ]

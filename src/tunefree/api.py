@@ -90,16 +90,16 @@ def make_private(
             update, take them as relative group scales at the constant total sensitivity of
             ``max_grad_norm``.
             σ (given or calibrated) is that of the step's joint release: the gradient gets σ/√(1−r).
-        lr: ``None`` keeps the optimizer's learning rate (and any scheduler). ``"auto"`` (``AutoLR()``)
-            sets the step size of plain ``torch.optim.SGD`` from the released gradients alone: noise-aware
-            DoG within a noise budget over the planned run (no release, no ε, no closure; see
+        lr: ``None`` keeps the optimizer's learning rate (and any scheduler). ``"auto"`` (``DoG()``)
+            sets the step size of the optimizer from the released gradients alone: noise-aware DoG within
+            a noise budget over the planned run (no release, no ε, no closure; see
             ``tunefree.components.dog``); after training, ``engine.lr_rule.apply_average()`` loads its
-            averaged weights, the model to evaluate and keep. ``AutoLR(mode="safeguarded")``
-            (or ``"paper"``) is HyFreeDP for any optimizer: GeN-DP every ``interval`` steps from privatised
-            losses of the current batch, which ``optimizer.step(closure)`` must supply (the closure returns
-            per-sample losses; with ``physical_batch_size``, those of the whole logical batch); the
-            gradient noise grows by ``gradient_noise_increase`` and the loss noise is solved so that the
-            whole run, every release included, spends what plain DP-SGD at σ would.
+            averaged weights, the model to evaluate and keep. ``HyFreeDP()`` is the HyFreeDP paper's
+            learning rate for any optimizer: GeN-DP every ``interval`` steps from privatised losses of the
+            current batch, which ``optimizer.step(closure)`` must supply (the closure returns per-sample
+            losses; with ``physical_batch_size``, those of the whole logical batch); the gradient noise
+            grows by ``gradient_noise_increase`` and the loss noise is solved so that the whole run, every
+            release included, spends what plain DP-SGD at σ would.
         verify_every: besides the checks of the first two steps, each step checks example
             independence (``tunefree.verify_example_independence``) with probability 1/verify_every, at
             steps drawn from the run's secret randomness (``None``: 24, about 3% of a long run's time; 1:
@@ -132,9 +132,7 @@ def make_private(
             the whole ledger: σ is calibrated on their composition with the planned steps (refused when
             they alone spend the target).
 
-    Every setting is defined and validated once, in :class:`tunefree.config.RunConfig`. An option given
-    where it has no effect (a field of the other ``AutoLR`` mode) is refused with a ``ValueError`` naming
-    it.
+    Every setting is defined and validated once, in :class:`tunefree.config.RunConfig`.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from .clipping.groups import ClipGroup, make_groups
 from .components.dog import DistanceOverGradients, DoG
 from .components.dog_optimizers import OptimizerDoG
-from .components.hyfreedp import AutoLearningRate, HyFreeDP
+from .components.hyfreedp import HyFreeDP, HyFreeDPStep, LossShare
 from .components.thresholds import AdaptiveQuantile, QuantileEstimator
 from .config import RunConfig
 from .data.own_loader import own_loader
@@ -34,7 +34,7 @@ from .guards.inputs import InputProvenance
 from .guards.purity import Purity
 from .guards.state import StateGuard
 from .guards.trainable import TrainableSet
-from .parallel.base import FSDP2, ONE_PROCESS, STAGES, Parallelism, Single
+from .parallel.base import DDP, FSDP2, ONE_PROCESS, STAGES, Parallelism, Single
 from .parallel.ddp import check_same_run, data_parallel, run_identity
 from .parallel.fsdp import check_sharded_options, sharded_data_parallel
 from .persample.accumulator import StepAccumulator
@@ -151,7 +151,8 @@ def assemble(run: PlannedRun, model: nn.Module, optimizer: torch.optim.Optimizer
         for event in plan.prior:  # the releases made before training come first in the run's ledger
             ledger.record(event)
         private_step = PrivateStep(optimizer, engine, release, ledger, accumulator, guards, plan.sample_rate,
-                                   plan.expected_batch_size, components, planned_steps=plan.steps)
+                                   plan.expected_batch_size, components, planned_steps=plan.steps,
+                                   parallelism=parallel)
         private_optimizer = DPOptimizer(optimizer, engine, schedule, private_step)
     except ValueError:
         engine.detach()
@@ -204,22 +205,21 @@ def threshold_component(run: PlannedRun) -> QuantileEstimator | None:
             "groups to a fixed total; with one group the threshold would never move: use "
             "groups='per-layer' (or similar) or rescale=False")
     scale = math.sqrt(sum(t ** 2 for t, _ in every_group.values())) if normalising or rule.rescale else None
-    return QuantileEstimator(groups, rule, run.plan.count_noise, run.randomness, run.plan.expected_batch_size,
-                             scale, run.parallel)
+    return QuantileEstimator(groups, rule, run.plan.count_noise, scale, run.parallel)
 
 
 def _learning_rate(run: PlannedRun, optimizer: torch.optim.Optimizer,
                    release: GradientRelease) -> StepComponent | None:
-    """The component of ``lr``: HyFreeDP at the plan's loss noise, or DoG (its SGD step, translated to
-    the learning rate of another optimizer: ``components/dog_optimizers.py``)."""
+    """The component of ``lr``: HyFreeDP at the loss noise the plan solved, or DoG (its SGD step, translated
+    to the learning rate of another optimizer: ``components/dog_optimizers.py``)."""
     rule, plan = run.config.lr, run.plan
     if isinstance(rule, HyFreeDP):
-        return AutoLearningRate(rule, plan.loss_noise, plan.expected_batch_size, run.randomness, run.parallel)
+        return HyFreeDPStep(rule, plan.share(LossShare).noise)
     if not isinstance(rule, DoG):
         return None
     if plan.steps is None and rule.noise_budget is not None:
         raise ValueError("lr='auto' spends its noise budget over the planned run: give epochs or steps "
-                         "(or lr=tunefree.AutoLR(noise_budget=None) for DoG without it)")
+                         "(or lr=tunefree.DoG(noise_budget=None) for DoG without it)")
     plain = all(not (g.get("momentum") or g.get("weight_decay") or g.get("nesterov"))
                 for g in optimizer.param_groups)
     if type(optimizer) is torch.optim.SGD and plain:
@@ -229,15 +229,15 @@ def _learning_rate(run: PlannedRun, optimizer: torch.optim.Optimizer,
 
 def check_parallel_options(config: RunConfig, parallel: Parallelism) -> None:
     """Refuse the options the run's parallelism does not run: each option lists the kinds it runs under
-    (``parallelisms``). Several processes need tunefree's Poisson sampler (it gives each rank its shard);
-    FSDP2 releases sharded parameters only, so the audit canaries' block is not released there."""
+    (``parallelisms``; a learning-rate rule reads norms of the weights, which FSDP2 shards, so it runs in
+    one process or under DDP). Several processes need tunefree's Poisson sampler (it gives each rank its
+    shard); FSDP2 releases sharded parameters only, so the audit canaries' block is not released there."""
     if parallel.kind == ONE_PROCESS:
         return
     lr = config.lr
     unsupported = [name for name, refused in (
         ("thresholds='adaptive'", parallel.kind not in config.thresholds.parallelisms),
-        (f"lr=AutoLR(mode={lr.mode!r})" if lr else "",
-         lr is not None and parallel.kind not in lr.parallelisms),
+        (f"lr={type(lr).__name__}()", lr is not None and parallel.kind not in (ONE_PROCESS, DDP)),
         ("poisson_sampling=False", not config.poisson_sampling),
         ("audit_canaries", config.audit_canaries is not None and parallel.kind == FSDP2)) if refused]
     if unsupported:

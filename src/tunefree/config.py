@@ -4,8 +4,8 @@
 Every ``make_private`` setting is a field here, defined and validated once; ``make_private`` keeps its
 explicit signature, and a test checks that the two agree. Options are typed strategies: the clip
 function (``AutoS``, ``AutoV``, ``PSAC``, ``Abadi``), the threshold rule (``Fixed``,
-``AdaptiveQuantile``) and the learning-rate rule (``DoG``, ``HyFreeDP``; ``AutoLR(mode=...)`` makes
-either). :meth:`RunConfig.from_keywords` maps the string shortcuts onto them.
+``AdaptiveQuantile``) and the learning-rate rule (``DoG``, ``HyFreeDP``). :meth:`RunConfig.from_keywords`
+maps the string shortcuts onto them.
 """
 
 from __future__ import annotations
@@ -28,32 +28,11 @@ from .privacy.ledger import to_dict
 from .privacy.mechanisms import NOISE_ALLOCATIONS
 from .rules.paths import NORM_PATHS
 
-__all__ = ["PSAC", "Abadi", "AdaptiveQuantile", "AutoLR", "AutoS", "AutoV", "DoG", "Fixed", "HyFreeDP",
-           "Performance", "RunConfig"]
+__all__ = ["PSAC", "Abadi", "AdaptiveQuantile", "AutoS", "AutoV", "DoG", "Fixed", "HyFreeDP", "Performance",
+           "RunConfig"]
 
 Thresholds = Fixed | AdaptiveQuantile
 LearningRateRule = DoG | HyFreeDP
-
-
-def AutoLR(mode: str = "dog", **settings: Any) -> LearningRateRule:  # noqa: N802 - the option's name
-    """The automatic learning rate (``lr="auto"`` is ``AutoLR()``): ``mode="dog"`` is :class:`DoG`
-    (plain SGD's step size from the released gradients alone, no release); ``"safeguarded"`` or
-    ``"paper"`` is :class:`HyFreeDP` (GeN-DP from privatised losses, for any optimizer). ``settings``
-    are the fields of that rule; a field of the other rule is refused."""
-    rule = DoG if mode == "dog" else HyFreeDP
-    if mode != "dog":
-        settings = {"mode": one_of("AutoLR.mode", mode, ("dog", "safeguarded", "paper")), **settings}
-    own = {f.name for f in fields(rule)}
-    foreign = [name for name in settings if name not in own]
-    if foreign:
-        other = HyFreeDP if rule is DoG else DoG
-        raise ValueError(
-            f"AutoLR({', '.join(foreign)}) has no effect with mode={mode!r}: drop them, or choose their "
-            f"mode ('dog': {', '.join(f.name for f in fields(DoG))}; 'safeguarded'/'paper': "
-            f"{', '.join(f.name for f in fields(HyFreeDP) if f.name != 'mode')})"
-            if all(name in {f.name for f in fields(other)} for name in foreign)
-            else f"AutoLR has no setting {', '.join(foreign)}")
-    return rule(**settings)
 
 
 @dataclass(frozen=True)
@@ -134,7 +113,7 @@ class RunConfig:
         _typed("thresholds", self.thresholds, (Fixed, AdaptiveQuantile),
                "'fixed', 'adaptive', Fixed() or AdaptiveQuantile()")
         if self.lr is not None:
-            _typed("lr", self.lr, (DoG, HyFreeDP), "None, 'auto' or AutoLR(...)")
+            _typed("lr", self.lr, (DoG, HyFreeDP), "None, 'auto', DoG(...) or HyFreeDP(...)")
         if self.audit_canaries is not None and count("audit_canaries", self.audit_canaries) < 2:
             raise ValueError(f"audit_canaries must be at least 2 (half are members, half not), "
                              f"got {self.audit_canaries}")
@@ -189,7 +168,7 @@ THRESHOLD_SHORTCUTS: dict[str, Thresholds] = {"fixed": Fixed(), "adaptive": Adap
 def _named(option: str, name: str, shortcuts: Mapping[str, Any]) -> Any:
     if name not in shortcuts:
         raise ValueError(f"unknown {option} {name!r}: use one of {', '.join(map(repr, shortcuts))} or the "
-                         "typed form (e.g. AdaptiveQuantile(...), AutoLR(...))")
+                         "typed form (e.g. AdaptiveQuantile(...), DoG(...), HyFreeDP(...))")
     return shortcuts[name]
 
 

@@ -23,8 +23,18 @@
   that cannot run so (control flow on a value, ``.item()``) or breaks ``wᵢ·‖gᵢ‖ ≤ R`` on a grid of norms is
   refused at ``make_private``.
 - **A grouping** of parameters into clip groups: ``@register_grouping("name")`` on ``layout(model)``.
-
-Step components and release mechanisms are not pluggable into ``make_private`` yet.
+- **A step component** (:class:`StepComponent`): a part of the private step beyond the gradient release,
+  run after the noisy gradient is in ``.grad`` (``before_update``) and after the optimizer's update
+  (``after_update``). It sees a :class:`StepContext`: the released gradient and the weights, and the
+  wrapped optimizer's learning rate and trial update (:class:`UpdateControl`); q·N and the thresholds
+  the step clipped with (public); the batch's per-sample norms and the closure's per-sample losses
+  (private). Every value it computes from private data leaves only through ``step.release(sums,
+  sensitivity, noise_multiplier)``: Gaussian noise, and the release recorded in the ledger (in the step's
+  Poisson-sampled event) before the value is returned, so ``engine.epsilon()`` accounts for it. Its
+  releases are declared ahead by a :class:`Share` (what each step releases, as a function of the step's
+  noise, and its own noise if the plan is to solve it), so that the run's noise is calibrated for the
+  ε of everything released. HyFreeDP's learning rate (``components/hyfreedp.py``) is built on these
+  points alone. Step components are not pluggable into ``make_private`` yet.
 """
 
 from __future__ import annotations
@@ -34,11 +44,14 @@ from torch import nn
 from .clipping.functions import ClipFunction, register_clip_function
 from .clipping.groups import register_grouping
 from .persample.units import SAMPLE_MIXING
+from .privacy.plan import Share
 from .rules import register_rule
 from .rules.base import Capture, LayerRule, Materialized, PerSampleGrad
+from .step.component import StepComponent, StepContext, StepReport, UpdateControl
 
-__all__ = ["Capture", "ClipFunction", "LayerRule", "Materialized", "PerSampleGrad", "register_clip_function",
-           "register_example_mixing", "register_grouping", "register_rule"]
+__all__ = ["Capture", "ClipFunction", "LayerRule", "Materialized", "PerSampleGrad", "Share", "StepComponent",
+           "StepContext", "StepReport", "UpdateControl", "register_clip_function", "register_example_mixing",
+           "register_grouping", "register_rule"]
 
 
 def register_example_mixing(module_type: type[nn.Module], replacement: str) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 
 from .clipping.groups import ClipGroup, sensitivity
 from .components.dog import DistanceOverGradients
-from .components.hyfreedp import AutoLearningRate
+from .components.hyfreedp import HyFreeDPStep
 from .components.thresholds import QuantileEstimator
 from .data.poisson import PoissonDataLoader, StepSchedule
 from .errors import PrivacyError
@@ -112,12 +112,12 @@ class DPEngine:
         return next((c for c in components if isinstance(c, QuantileEstimator)), None)
 
     @property
-    def lr_rule(self) -> AutoLearningRate | DistanceOverGradients | None:
+    def lr_rule(self) -> HyFreeDPStep | DistanceOverGradients | None:
         """The learning-rate rule of the run (``None`` when the optimizer's own learning rate is kept): DoG
         for ``lr="auto"`` (after training, ``engine.lr_rule.apply_average()`` loads its averaged weights),
-        HyFreeDP for ``AutoLR(mode="safeguarded"/"paper")``."""
+        HyFreeDP's for ``lr=HyFreeDP()``."""
         return next((c for c in self.optimizer.components
-                     if isinstance(c, (AutoLearningRate, DistanceOverGradients))), None)
+                     if isinstance(c, (HyFreeDPStep, DistanceOverGradients))), None)
 
     @property
     def clip_fractions(self) -> dict[str, float] | None:

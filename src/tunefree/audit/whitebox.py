@@ -16,7 +16,7 @@ import torch
 from numpy.random import Generator
 
 from ..api import make_private
-from ..config import AutoLR
+from ..config import HyFreeDP
 from ..run import DPEngine
 from .design import CanaryModel, canary_data, per_example_losses
 
@@ -95,7 +95,7 @@ def build_run(settings: AuditSettings, included: np.ndarray, generator: Generato
     data = canary_data(torch.as_tensor(included), settings.sample_rate, settings.real_examples,
                        generator)
     model = CanaryModel(len(included))
-    automatic = {"auto": "auto", "hyfreedp": AutoLR(mode="safeguarded")}
+    automatic = {"auto": "auto", "hyfreedp": HyFreeDP()}
     auto = automatic.get(settings.lr) if isinstance(settings.lr, str) else None
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1 if auto else float(settings.lr))
     loader = torch.utils.data.DataLoader(data.dataset, batch_size=data.batch_size)
@@ -111,7 +111,7 @@ def observe(engine: DPEngine, model: CanaryModel, steps: int) -> Observation:
     """Train ``steps`` steps, recording the canary coordinates of every release."""
     canary_weight = model.canary.weight
     group = next(g for g in engine.groups if any(p is canary_weight for p in g.params))
-    auto = engine.plan.losses is not None
+    auto = engine.optimizer.closure_gives_per_sample_losses
     z, shift = [], []
 
     def record(optimizer, *args, **kwargs) -> None:

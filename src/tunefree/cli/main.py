@@ -178,8 +178,6 @@ def parser() -> argparse.ArgumentParser:
                             "losses; or a number")
     train.add_argument("--lr-update-interval", type=_positive_int, default=None,
                        help="with --lr hyfreedp only: K, steps between learning-rate updates (default: 5)")
-    train.add_argument("--loss-privacy", choices=("gaussian", "laplace"), default=None,
-                       help="with --lr hyfreedp only: noise of the privatised losses (default: gaussian)")
     train.add_argument("--accountant", choices=ACCOUNTANTS, default=defaults.accountant)
     train.add_argument("--seed", type=int, default=defaults.seed,
                        help="seed initialisation, sampling and noise for a reproducible run; anyone "
@@ -257,7 +255,7 @@ def _train_in_this_process(args: argparse.Namespace) -> int:
         target_quantile=args.target_quantile, quantile_lr=args.quantile_lr,
         quantile_budget=args.quantile_budget, clip_gamma=args.clip_gamma, psac_r=args.psac_r,
         noise_allocation=args.noise_allocation, lr_update_interval=args.lr_update_interval,
-        loss_privacy=args.loss_privacy, optimizer=args.optimizer or TrainConfig.optimizer,
+        optimizer=args.optimizer or TrainConfig.optimizer,
         lr=TrainConfig.lr if args.lr is None else args.lr,
         accountant=args.accountant, seed=args.seed,
         audit_canaries=args.audit_canaries, reference=args.reference,

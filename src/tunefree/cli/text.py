@@ -462,7 +462,7 @@ def check_no_text_flags(args: argparse.Namespace) -> None:
 TABLE_FLAGS = {"schema": None, "hidden": None, "numeric_scaling": "private", "thresholds": "fixed",
                "target_quantile": None, "quantile_lr": None, "quantile_budget": None, "clip_gamma": None,
                "psac_r": None, "noise_allocation": "global", "lr_update_interval": None,
-               "loss_privacy": None, "audit_canaries": None, "na_values": (), "drop_rows_with_missing": False}
+               "audit_canaries": None, "na_values": (), "drop_rows_with_missing": False}
 
 
 def command(args: argparse.Namespace) -> int:

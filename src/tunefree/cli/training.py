@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import CLIP_FUNCTIONS, GROUPINGS, PSAC, AdaptiveQuantile, AutoLR, AutoS, DPEngine, make_private
+from .. import CLIP_FUNCTIONS, GROUPINGS, PSAC, AdaptiveQuantile, AutoS, DoG, DPEngine, HyFreeDP, make_private
 from .. import audit as auditing
 from ..privacy import MIN_NOISE_MULTIPLIER, NOISE_ALLOCATIONS
 from . import datasets, launch, models, preprocess, tables
@@ -57,8 +57,8 @@ KNOBS = {"clip_gamma": ("--clip-gamma", "--clipping auto-s", "gamma"),
          "target_quantile": ("--target-quantile", "--thresholds adaptive", "target"),
          "quantile_lr": ("--quantile-lr", "--thresholds adaptive", "lr"),
          "quantile_budget": ("--quantile-budget", "--thresholds adaptive", "budget")}
-# HyFreeDP's knobs (--lr hyfreedp): fields of its AutoLR.
-HYFREEDP_KNOBS = {"lr_update_interval": "--lr-update-interval", "loss_privacy": "--loss-privacy"}
+# HyFreeDP's knob (--lr hyfreedp): a field of HyFreeDP.
+HYFREEDP_KNOBS = {"lr_update_interval": "--lr-update-interval"}
 
 
 @dataclass
@@ -75,8 +75,7 @@ class TrainConfig:
     typed options (:meth:`options`), ``noise_allocation`` its keyword.
     ``lr`` is ``"auto"`` (the optimizer's step size from the released gradients: ``make_private``'s
     ``lr="auto"``; the model kept is its averaged one), ``"hyfreedp"`` (HyFreeDP's learning rate from
-    privatised losses, any optimizer; ``lr_update_interval`` and ``loss_privacy`` are its knobs) or a
-    number."""
+    privatised losses, any optimizer; ``lr_update_interval`` is its knob) or a number."""
 
     dataset: str = "digits"
     label_column: str = "label"
@@ -96,7 +95,6 @@ class TrainConfig:
     psac_r: float | None = None
     noise_allocation: str = "global"
     lr_update_interval: int | None = None
-    loss_privacy: str | None = None
     schema: str | None = None
     labels: tuple[str, ...] | None = None
     numeric_scaling: str = "private"
@@ -142,17 +140,14 @@ class TrainConfig:
         """The learning rate the optimizer is built with (an automatic learning rate sets its own)."""
         return 1.0 if self.lr in ("auto", "hyfreedp") else float(self.lr)
 
-    def auto_lr(self, input_rms: float | None = None) -> AutoLR | None:
+    def auto_lr(self, input_rms: float | None = None) -> DoG | HyFreeDP | None:
         """``make_private``'s ``lr``: the automatic learning rate asked for, or ``None`` for a number.
         ``input_rms``: the features' root mean square where the encoding makes it public (it scales the
         automatic rate's noise budget)."""
         if self.lr == "auto":
-            return AutoLR(input_rms=input_rms)
+            return DoG(input_rms=input_rms)
         if self.lr == "hyfreedp":
-            fields = {name: value for name, value in (("interval", self.lr_update_interval),
-                                                      ("loss_privacy", self.loss_privacy))
-                      if value is not None}
-            return AutoLR(mode="safeguarded", **fields)
+            return HyFreeDP() if self.lr_update_interval is None else HyFreeDP(self.lr_update_interval)
         return None
 
 
@@ -463,5 +458,5 @@ def _step_record(engine: DPEngine, config: TrainConfig, epoch: int) -> dict[str,
     if engine.last_step is not None:
         record["thresholds"] = dict(engine.last_step.thresholds)
     if config.lr == "hyfreedp":
-        record["loss_bound"] = engine.lr_rule.state.loss_bound
+        record["loss_bound"] = engine.lr_rule.loss_bound
     return record

@@ -47,13 +47,11 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
-import dp_accounting as dpa
 import torch
 
 from .._validate import flag, positive
-from ..parallel.base import DDP, ONE_PROCESS
 from ..privacy.mechanisms import GradientRelease
 from ..step.component import StepComponent, StepContext
 
@@ -77,24 +75,18 @@ class DoG:
     model's input coordinates where it is public (never measured on private data: that would be a
     release); above ``INPUT_RMS_REFERENCE`` it shrinks the budget in proportion. ``None``: unknown."""
 
-    mode: ClassVar[str] = "dog"
-    # it reads only the released gradient and the weights, the same on every DDP rank; under FSDP2 both are
-    # sharded and its norms would be this rank's only
-    parallelisms: ClassVar[tuple[str, ...]] = (ONE_PROCESS, DDP)
-    releases_per_update: ClassVar[int] = 0  # values released at each learning-rate update
-
     initial_distance: float = INITIAL_DISTANCE
     noise_budget: float | None = NOISE_BUDGET
     noise_aware: bool = True  # False: DoG on the noisy gradient as it is (a baseline, benchmarks/utility.py)
     input_rms: float | None = None
 
     def __post_init__(self) -> None:
-        positive("AutoLR.initial_distance", self.initial_distance)
+        positive("DoG.initial_distance", self.initial_distance)
         if self.noise_budget is not None:
-            positive("AutoLR.noise_budget", self.noise_budget)
+            positive("DoG.noise_budget", self.noise_budget)
         if self.input_rms is not None:
-            positive("AutoLR.input_rms", self.input_rms)
-        flag("AutoLR.noise_aware", self.noise_aware)
+            positive("DoG.input_rms", self.input_rms)
+        flag("DoG.noise_aware", self.noise_aware)
 
     def share(self) -> None:
         """No share of the budget: DoG is post-processing."""
@@ -153,7 +145,7 @@ class DistanceOverGradients(StepComponent):
         pairs = list(zip(sizes, self.walk_variances))
         return sum(d * w for d, w in pairs), math.sqrt(sum(2 * d * w * w for d, w in pairs))
 
-    def before_update(self, step: StepContext) -> list[dpa.DpEvent]:
+    def before_update(self, step: StepContext) -> None:
         params = step.update.params
         with torch.no_grad():
             if self.origin is None:
@@ -162,7 +154,7 @@ class DistanceOverGradients(StepComponent):
             weights = [p.detach() for p in params]
             moved, energy = _squared_norms(torch._foreach_sub(weights, self.origin),
                                            [p.grad for p in params if p.grad is not None])
-        variances = self.coordinate_variances(step.thresholds)
+        variances = self.coordinate_variances(step.report.thresholds)
         if not self.walk_variances:
             self.walk_variances = [0.0] * len(variances)
         walk, walk_deviation = self.noise_walk([d for d, _ in variances])
@@ -179,7 +171,6 @@ class DistanceOverGradients(StepComponent):
         self.walk_variances = [w + self.lr ** 2 * v for w, (_, v) in zip(self.walk_variances, variances)]
         self.history.append(self.lr)
         step.update.set_lr(self.lr)
-        return []
 
     def _origin_scale(self) -> float:
         """1 + ‖x₀‖, the scale of DoG's first move and of the noise budget; sets the walk budget
@@ -200,7 +191,7 @@ class DistanceOverGradients(StepComponent):
             self.budget_lr = math.sqrt(max(self.walk_budget - walk, 0.0) / (steps_left * noise_energy))
         return self.budget_lr
 
-    def after_update(self, step: StepContext) -> list[dpa.DpEvent]:
+    def after_update(self, step: StepContext) -> None:
         self.updates += 1
         self.params = step.update.params
         with torch.no_grad():
@@ -208,7 +199,6 @@ class DistanceOverGradients(StepComponent):
                 self.average = [p.detach().clone() for p in self.params]
             else:
                 update_average(self.average, self.params, self.updates)
-        return []
 
     def apply_average(self, params: list[torch.Tensor] | None = None) -> None:
         """Write the averaged weights into the optimizer's parameters (or into ``params``, the same

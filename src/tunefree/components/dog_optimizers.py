@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import dp_accounting as dpa
 import torch
 
 from ..privacy.mechanisms import GradientRelease
@@ -56,7 +55,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
         return
     raise ValueError(f"lr='auto' sets the step size of {SUPPORTED}; got {type(optimizer).__name__}: use "
                      "one of those, give a learning rate (lr=None keeps the optimizer's own), or "
-                     "lr=tunefree.AutoLR(mode='safeguarded') (HyFreeDP, any optimizer)")
+                     "lr=tunefree.HyFreeDP() (any optimizer)")
 
 
 class OptimizerDoG(DistanceOverGradients):
@@ -87,13 +86,12 @@ class OptimizerDoG(DistanceOverGradients):
         self.sgd_lr = math.nan  # η_t, DoG's SGD step
         self.factor = math.nan  # lr_t / η_t
 
-    def before_update(self, step: StepContext) -> list[dpa.DpEvent]:
-        events = super().before_update(step)
+    def before_update(self, step: StepContext) -> None:
+        super().before_update(step)
         self.sgd_lr = self.lr
         self.factor = self._factor(step)
         self.history[-1] = self.sgd_lr * self.factor  # the optimizer's learning rate at this step
         step.update.set_lr(self.history[-1])
-        return events
 
     def _factor(self, step: StepContext) -> float:
         """lr_t / η_t: √(Σ s_j² / Σ P_j² s_j²) over the coordinates."""
@@ -114,7 +112,7 @@ class OptimizerDoG(DistanceOverGradients):
             else:  # Adagrad: a sum
                 torch._foreach_add_(self.moments, squares)
                 correction = 1.0
-            variances = [v for _, v in self.coordinate_variances(step.thresholds)]
+            variances = [v for _, v in self.coordinate_variances(step.report.thresholds)]
             # A second moment below the noise's variance is the noise's own fluctuation (at the first
             # steps v̂ is a handful of squares): the expected moment is at least s².
             expected = [torch.clamp(m / correction, min=v) for m, v in zip(self.moments, variances)]

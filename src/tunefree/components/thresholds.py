@@ -21,15 +21,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import dp_accounting as dpa
 import torch
 
 from .._validate import flag, fraction, positive
 from ..clipping.groups import ClipGroup
 from ..parallel.base import DDP, FSDP2, ONE_PROCESS, STAGES
-from ..privacy.mechanisms import SINGLE_PROCESS, Reduction, release_counts
+from ..privacy.mechanisms import SINGLE_PROCESS, Reduction
 from ..privacy.plan import CountShare
-from ..privacy.randomness import NoiseSource
 from ..step.component import StepComponent, StepContext, StepReport
 
 
@@ -93,23 +91,20 @@ class QuantileEstimator(StepComponent):
             ``scale``).
         count_noise: σ_c, the noise multiplier of the joint release of the groups' counts (each count
             gets noise of standard deviation σ_b = σ_c·√K/2; 0 only when privacy is off, for debugging).
-        randomness: the run's source of noise.
-        expected_batch_size: q·N; the noisy count is divided by it, never by the private batch size.
         scale: ``None`` for ``Cₖ = Qₖ``; otherwise the constant total sensitivity ``√(Σₖ Cₖ²)``.
-        parallelism: the run's; under several processes each count is the sum of every process's
-            (the norms never leave their process), noised once. Where other processes hold other clip
-            groups of the run (pipeline stages), this estimator's counts are some of the run's joint
-            release of one count per group, and the common scale is over every group's estimate.
+        parallelism: the run's. Where other processes hold other clip groups of the run (pipeline
+            stages), this estimator's counts are some of the run's joint release of one count per group,
+            and the common scale is over every group's estimate. (Under data parallelism the step's
+            release sums every process's counts and noises them once: the norms never leave their
+            process.)
     """
 
     state_key = "QuantileEstimator"
 
     def __init__(self, groups: Sequence[ClipGroup], settings: AdaptiveQuantile, count_noise: float,
-                 randomness: NoiseSource, expected_batch_size: float, scale: float | None = None,
-                 parallelism: Reduction = SINGLE_PROCESS):
+                 scale: float | None = None, parallelism: Reduction = SINGLE_PROCESS):
         assert count_noise >= 0 and (scale is None or scale > 0), (count_noise, scale)  # from the plan
         self.groups, self.settings, self.count_noise = list(groups), settings, count_noise
-        self.randomness, self.expected_batch_size = randomness, expected_batch_size
         self.scale, self.parallelism = scale, parallelism
         self.quantiles = {g.name: g.threshold for g in self.groups}
         self._sizes = {g.name: g.size for g in self.groups}
@@ -156,16 +151,13 @@ class QuantileEstimator(StepComponent):
             counts[[k for k, _ in pairs]] += values
         return counts
 
-    def after_update(self, step: StepContext) -> list[dpa.DpEvent]:
-        """Release the counts against the estimates this step clipped with and update them (the next
-        step's thresholds follow from them: :meth:`thresholds`)."""
-        return self.update(step.report)
-
-    def update(self, report: StepReport) -> list[dpa.DpEvent]:
-        """Release the counts of ``report``'s norms against the current estimates and move them."""
-        counts, event = release_counts(self.centred_counts(report), self.count_noise, self.randomness,
-                                       self.joint_counts, self.parallelism)
-        fractions = (counts / self.expected_batch_size + 0.5).tolist()
+    def after_update(self, step: StepContext) -> None:
+        """Release the counts against the estimates this step clipped with, as this process's part of the
+        joint release of K counts (sensitivity √K/2), and move the estimates (the next step's thresholds
+        follow from them: :meth:`thresholds`)."""
+        counts = step.release(self.centred_counts(step.report), math.sqrt(self.joint_counts) / 2,
+                              self.count_noise)
+        fractions = (counts / step.expected_batch_size + 0.5).tolist()
         q, eta = self.settings.target, self.settings.lr
         for g, below in zip(self.groups, fractions, strict=True):
             self.quantiles[g.name] *= math.exp(-eta * (below - q))
@@ -174,7 +166,6 @@ class QuantileEstimator(StepComponent):
             self.estimates = self._every_estimate()
         else:
             self.estimates.update(self.quantiles)
-        return [event]
 
     def state_dict(self) -> dict[str, Any]:
         state = {"quantiles": dict(self.quantiles), "unclipped_fractions": self.unclipped_fractions}

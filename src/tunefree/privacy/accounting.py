@@ -4,8 +4,6 @@ Releases that share one Poisson-sampled batch are one ``PoissonSampledDpEvent`` 
 ``dp_accounting`` accepts only a single Gaussian or Laplace mechanism inside a sampled event, so a
 composition of Gaussian releases is reduced to the one Gaussian it is exactly equivalent to:
 noise multipliers σₖ (each relative to its own sensitivity) compose to ``σ = (Σₖ σₖ⁻²)^(-1/2)``.
-A Laplace release composed with others on one batch is replaced by a Gaussian that dominates it (a
-sound upper bound).
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ import math
 import dp_accounting as dpa
 from dp_accounting.pld import pld_privacy_accountant, privacy_loss_distribution
 from dp_accounting.rdp import rdp_privacy_accountant
-from scipy.stats import norm
 
 from .._validate import fraction
 from ..errors import SettingsRefused
@@ -48,29 +45,14 @@ def check_delta(delta: float, num_examples: int | None = None, option: str = "de
     return float(delta)
 
 
-def dominating_gaussian(event: dpa.LaplaceDpEvent) -> dpa.GaussianDpEvent:
-    """A Gaussian event whose privacy dominates a Laplace release: Laplace noise of scale b on a
-    sensitivity-1 query is ε₀-DP with ε₀ = 1/b, and every ε₀-DP mechanism is μ-GDP with
-    μ = 2Φ⁻¹(e^ε₀/(1 + e^ε₀)) (its trade-off function lies above G_μ: both are symmetric, and they
-    meet at the kink of the ε₀-DP trade-off function). An upper bound, not exact."""
-    if event.noise_multiplier == 0:
-        return dpa.GaussianDpEvent(0.0)
-    eps0 = 1.0 / event.noise_multiplier
-    mu = 2 * norm.ppf(1.0 / (1.0 + math.exp(-eps0)))
-    return dpa.GaussianDpEvent(1.0 / mu)
-
-
 def combined_gaussian(events: list[dpa.DpEvent]) -> dpa.DpEvent:
-    """The single Gaussian event equivalent to a composition of Gaussian events on one batch
-    (Laplace releases among them enter through their dominating Gaussian: then an upper bound)."""
+    """The single Gaussian event exactly equivalent to a composition of Gaussian events on one batch."""
     if len(events) == 1:
         return events[0]
-    events = [dominating_gaussian(e) if isinstance(e, dpa.LaplaceDpEvent) else e for e in events]
     if not all(isinstance(e, dpa.GaussianDpEvent) for e in events):
         raise ValueError(
-            "only Gaussian and Laplace releases can share one sampled batch in the accountant; draw "
-            f"a separate batch for the other releases (got {events})"
-        )
+            "only Gaussian releases can share one sampled batch in the accountant (their composition is "
+            f"exactly one Gaussian); draw a separate batch for the other releases (got {events})")
     if any(e.noise_multiplier == 0 for e in events):
         return dpa.GaussianDpEvent(0.0)
     return dpa.GaussianDpEvent(sum(e.noise_multiplier ** -2 for e in events) ** -0.5)

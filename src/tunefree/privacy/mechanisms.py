@@ -261,42 +261,15 @@ def add_shard_noise(shards: Mapping[nn.Parameter, torch.Tensor], params: Sequenc
             shards[p] += std * noise.view(shards[p].shape)
 
 
-def release_counts(centred_counts: torch.Tensor, noise_multiplier: float, randomness: NoiseSource,
-                   joint: int | None = None, parallelism: Reduction = SINGLE_PROCESS
-                   ) -> tuple[torch.Tensor, dpa.DpEvent]:
-    """Releases centred clip counts (each of sensitivity ½; under several processes, summed over them) as
-    part of one Gaussian release of ``joint`` counts (by default these; a pipeline stage releases its one
-    count of the stages' K) of noise multiplier σ_c: each count gets noise of standard deviation
-    ``σ_c·√joint/2`` (the joint release's sensitivity is √joint/2), once; the event is that of the joint
-    release, Gaussian of multiplier σ_c."""
+def release_values(values: torch.Tensor, sensitivity: float, noise_multiplier: float, randomness: NoiseSource,
+                   parallelism: Reduction = SINGLE_PROCESS) -> tuple[torch.Tensor, dpa.DpEvent]:
+    """A Gaussian release of a few sums (a step component's: clip counts, losses; under several processes,
+    summed over them) whose joint L2 sensitivity is ``sensitivity``: each coordinate gets noise of standard
+    deviation ``noise_multiplier·sensitivity``, once. Its event is Gaussian of that multiplier."""
     if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
-        raise ValueError(f"the counts' noise multiplier must be a finite number ≥ 0, got {noise_multiplier}")
-    counts = centred_counts.to(torch.float64)
-    std = noise_multiplier * math.sqrt(counts.numel() if joint is None else joint) / 2
-    noise = std * randomness.normal(counts.shape, torch.device("cpu"), torch.float64) if std > 0 \
-        else torch.zeros_like(counts)
-    return parallelism.noisy_values(counts, noise, randomness), dpa.GaussianDpEvent(noise_multiplier)
-
-
-LOSS_PRIVACY = ("gaussian", "laplace")
-
-
-def release_loss_sum(clipped_sum: float, bound: float, noise_multiplier: float, kind: str,
-                     randomness: NoiseSource, parallelism: Reduction = SINGLE_PROCESS
-                     ) -> tuple[float, dpa.DpEvent]:
-    """Releases a sum of losses clipped to ``|Lᵢ| ≤ bound`` (under several processes, summed over them) with
-    noise of scale ``noise_multiplier·bound``, once: Gaussian (standard deviation) or Laplace (scale b,
-    drawn as the difference of two exponentials, each ½ of a χ² with two degrees of freedom)."""
-    if kind not in LOSS_PRIVACY:
-        raise ValueError(f"unknown loss_privacy {kind!r}: use one of {LOSS_PRIVACY}")
-    scale = noise_multiplier * bound
-    if kind == "gaussian":
-        noise = float(randomness.normal(torch.Size([1]), torch.device("cpu"), torch.float64)[0])
-        event: dpa.DpEvent = dpa.GaussianDpEvent(noise_multiplier)
-    else:
-        u = randomness.normal(torch.Size([4]), torch.device("cpu"), torch.float64)
-        noise = float(u[:2].pow(2).sum() - u[2:].pow(2).sum()) / 2
-        event = dpa.LaplaceDpEvent(noise_multiplier)
-    noisy = parallelism.noisy_values(torch.tensor([clipped_sum], dtype=torch.float64),
-                                     torch.tensor([scale * noise], dtype=torch.float64), randomness)
-    return float(noisy[0]), event
+        raise ValueError(f"a release's noise multiplier must be a finite number ≥ 0, got {noise_multiplier}")
+    values = values.detach().to("cpu", torch.float64)
+    std = noise_multiplier * sensitivity
+    noise = std * randomness.normal(values.shape, torch.device("cpu"), torch.float64) if std > 0 \
+        else torch.zeros_like(values)
+    return parallelism.noisy_values(values, noise, randomness), dpa.GaussianDpEvent(noise_multiplier)

@@ -1,15 +1,9 @@
 """The planned run as one object: what every step releases, as a function of the run's noise.
 
 A private run is Poisson sampling at rate q for T planned steps over N examples, accounted at δ. Each
-step releases the noisy gradient sum and whatever the run's components release, each component declaring
-its **share** of the budget (:class:`Share`):
-
-- adaptive thresholds (:class:`CountShare`): K clip counts, spending a fraction r of the step's budget
-  (group-wise clipping paper, Prop. 3.1): the gradient gets ``σ/√(1−r)``, the counts ``σ/√r``, and
-  together they are one Gaussian mechanism of multiplier σ;
-- HyFreeDP's learning rate (:class:`LossShare`): every K-th step, three privatised losses (or two loss
-  differences) of noise σ_l; the gradient noise grows by γ and σ_l is solved so that the whole run
-  spends what the run without them would (HyFreeDP, Algorithm 2).
+step releases the noisy gradient sum and whatever the run's step components release, each component's
+option declaring its **share** of the budget ahead (:class:`Share`): adaptive thresholds' clip counts
+(:class:`CountShare`), HyFreeDP's privatised losses (``components/hyfreedp.py``).
 
 :meth:`Plan.solve` calibrates σ (for a target ε) and then the noise of each share that has its own, once
 and jointly on the planned ledger of the whole run; the result does not depend on the order the shares
@@ -23,8 +17,8 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Protocol
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, ClassVar
 
 import dp_accounting as dpa
 import numpy as np
@@ -37,62 +31,55 @@ from .accounting import epsilon_of
 from .calibrate import calibrate
 from .ledger import to_dict
 
-LOSS_RELEASES_PER_UPDATE = 3  # privatised losses at w − Δ, w, w + Δ
 EVERY_EXAMPLE = "every-example:"  # the prefix of a data digest that covers every example
 DESCRIPTION_FORMAT = 2
 
 
-class Share(Protocol):
-    """A component's share of the run's budget: what it releases on each step, as a function of the
-    step's noise multiplier, and what it takes from the gradient's noise for it.
+class Share:
+    """A step component's share of the run's budget (public: ``tunefree.extend``): the releases its
+    component makes on each step, declared ahead, so that the plan calibrates the run's noise for them.
+    ε itself is accounted from the ledger, where each release is recorded as it is made
+    (:meth:`~tunefree.extend.StepContext.release`): a component must release what its share declares, or
+    the run spends another ε than the one it was calibrated for.
 
-    ``kind`` names it in the plan's description; ``increase`` multiplies the noise of every release of
-    every step (1: none); ``budget`` is the fraction of each step's joint release (of σ⁻²) its releases
-    take (0: none; the gradient gets ``σ/√(1 − Σ budgets)``); ``period``: its releases repeat every this
-    many steps; ``before_update``: it releases before the wrapped optimizer's update (the order the
-    optimizer records releases in); ``noise``: its own noise multiplier, solved by the plan after σ
+    A frozen dataclass subclass overrides :meth:`releases` and what differs from these defaults:
+    ``increase`` multiplies the noise of every release of every step (1: none); ``budget`` is the fraction
+    of each step's joint Gaussian release (of σ⁻²) its releases take (0: none; the gradient gets
+    ``σ/√(1 − Σ budgets)``); ``period``: its releases repeat every this many steps; ``before_update``: it
+    releases before the wrapped optimizer's update (the order of the step's releases in the ledger);
+    ``noise``: its own noise multiplier, solved by the plan after σ so that the run spends the target
     (``None``: it has none, its noise follows from σ)."""
 
-    kind: ClassVar[str]
-    before_update: ClassVar[bool]
-
-    @property
-    def increase(self) -> float: ...
-    @property
-    def budget(self) -> float: ...
-    @property
-    def period(self) -> int: ...
-    @property
-    def noise(self) -> float | None: ...
+    before_update: ClassVar[bool] = False
+    increase: float = 1.0
+    budget: float = 0.0
+    period: int = 1
+    noise: float | None = None
 
     def releases(self, step: int, sigma: float) -> list[dpa.DpEvent]:
         """Its releases on 1-based ``step``, whose joint noise multiplier (σ times every increase) is
         ``sigma``."""
+        raise NotImplementedError
 
     def with_noise(self, noise: float) -> Share:
         """The share with its own noise multiplier set (only for shares whose ``noise`` is not None)."""
+        return replace(self, noise=noise)
 
     def describe(self) -> dict[str, Any]:
-        """Its settings and noise, as plain values."""
+        """Its kind and settings, as plain values."""
+        return {"kind": type(self).__name__, **asdict(self)}
 
 
 @dataclass(frozen=True)
-class CountShare:
+class CountShare(Share):
     """Adaptive thresholds: each step releases ``num_groups`` clip counts (sensitivity ½ each) with a
     fraction ``budget`` (r) of the step's budget — of σ⁻², the share of Rényi-DP at every order."""
 
-    kind: ClassVar[str] = "counts"
-    before_update: ClassVar[bool] = False  # the counts are released after the update (QuantileEstimator)
-
-    budget: float
-    num_groups: int
+    budget: float = field()  # a field without default (Share's class default would become one)
+    num_groups: int = field()
 
     def __post_init__(self) -> None:  # made from a validated AdaptiveQuantile
         assert 0 < self.budget < 1 and self.num_groups >= 1, self
-
-    increase: ClassVar[float] = 1.0
-    period: ClassVar[int] = 1
-    noise: ClassVar[None] = None
 
     def multiplier(self, sigma: float) -> float:
         """The joint noise multiplier of the K count releases: σ/√r."""
@@ -104,61 +91,6 @@ class CountShare:
 
     def releases(self, step: int, sigma: float) -> list[dpa.DpEvent]:
         return [dpa.GaussianDpEvent(self.multiplier(sigma))]
-
-    def with_noise(self, noise: float) -> CountShare:  # pragma: no cover - its noise follows from σ
-        raise TypeError("the counts' noise follows from σ")
-
-    def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "budget": self.budget, "num_groups": self.num_groups}
-
-
-@dataclass(frozen=True)
-class LossShare:
-    """HyFreeDP's learning rate: every ``interval``-th step (the first included) releases ``releases``
-    values (three losses, or two loss differences) with ``privacy`` noise (``"gaussian"`` or
-    ``"laplace"``) of multiplier ``noise`` (σ_l, solved by the plan); the gradient noise is multiplied by
-    ``increase`` (γ > 1) to leave room for them in the budget."""
-
-    kind: ClassVar[str] = "losses"
-    before_update: ClassVar[bool] = True  # the learning rate is fitted before the update (AutoLearningRate)
-    budget: ClassVar[float] = 0.0
-
-    interval: int
-    privacy: str = "gaussian"
-    increase: float = 1.01
-    releases_per_update: int = LOSS_RELEASES_PER_UPDATE
-    noise: float = 0.0
-
-    def __post_init__(self) -> None:  # made from a validated HyFreeDP option
-        assert self.interval >= 1 and self.increase > 1 and self.releases_per_update >= 1, self
-
-    @property
-    def period(self) -> int:
-        return self.interval
-
-    def updates(self, steps: int) -> int:
-        """Steps among the first ``steps`` that release losses: ⌈T/K⌉."""
-        return math.ceil(steps / self.interval)
-
-    def releases_on(self, step: int) -> bool:
-        """Whether 1-based ``step`` refits the learning rate (and so releases losses)."""
-        return (step - 1) % self.interval == 0
-
-    def event(self) -> dpa.DpEvent:
-        """One loss release."""
-        if self.privacy == "laplace":
-            return dpa.LaplaceDpEvent(self.noise)
-        return dpa.GaussianDpEvent(self.noise)
-
-    def releases(self, step: int, sigma: float) -> list[dpa.DpEvent]:
-        return [self.event()] * self.releases_per_update if self.releases_on(step) else []
-
-    def with_noise(self, noise: float) -> LossShare:
-        return replace(self, noise=noise)
-
-    def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "interval": self.interval, "privacy": self.privacy,
-                "increase": self.increase, "releases": self.releases_per_update, "noise": self.noise}
 
 
 @dataclass(frozen=True)
@@ -221,10 +153,6 @@ class Plan:
         return self.share(CountShare)
 
     @property
-    def losses(self) -> LossShare | None:
-        return self.share(LossShare)
-
-    @property
     def count_noise(self) -> float:
         """The joint noise multiplier of the K count releases (0 without adaptive thresholds)."""
         return 0.0 if self.counts is None else self.counts.multiplier(self.step_noise)
@@ -233,11 +161,6 @@ class Plan:
     def count_std(self) -> float:
         """σ_b, the noise standard deviation of each count (0 without adaptive thresholds)."""
         return 0.0 if self.counts is None else self.counts.std(self.step_noise)
-
-    @property
-    def loss_noise(self) -> float:
-        """σ_l of each loss release (0 without HyFreeDP's learning rate)."""
-        return 0.0 if self.losses is None else self.losses.noise
 
     def step_releases(self, step: int) -> list[dpa.DpEvent]:
         """The releases of 1-based ``step``, in the order the optimizer records them: the gradient, then
@@ -295,8 +218,8 @@ class Plan:
                               target_epsilon, self.delta, self.accountant)
             plan = replace(plan, noise_multiplier=sigma)
         if own and plan.steps is None:
-            raise ValueError("HyFreeDP's learning rate (AutoLR(mode='safeguarded'/'paper')) splits the "
-                             "budget over the planned run: give epochs or steps")
+            name = type(self.shares[own[0]]).__name__
+            raise ValueError(f"{name} has its own noise, solved over the planned run: give epochs or steps")
         if plan.noise_multiplier == 0:
             return plan
         for index in own:

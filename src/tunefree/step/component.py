@@ -1,5 +1,6 @@
-"""The step component protocol: what a part of the private step beyond the gradient release (adaptive
-thresholds, a learning-rate rule) sees of the step and may do to the update."""
+"""The step component protocol (public: ``tunefree.extend``): what a part of the private step beyond the
+gradient release (adaptive thresholds, a learning-rate rule) sees of the step, may do to the update, and
+how it releases what it computes from private data."""
 
 from __future__ import annotations
 
@@ -10,16 +11,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import dp_accounting as dpa
 import torch
 
 
 class StepComponent:
-    """A piece of the private step beyond the gradient release (adaptive thresholds, automatic
-    learning rate...). It sees the step through a :class:`StepContext`, never the optimizer itself.
-    Every release it makes returns its DpEvent, which the optimizer records with the gradient's in the
-    step's single Poisson-sampled event; the plan accounts for it through the component's option's
-    ``share()``."""
+    """A part of the private step beyond the gradient release, run by the step after the noisy gradient
+    is in ``.grad`` (:meth:`before_update`) and after the wrapped optimizer stepped (:meth:`after_update`).
+
+    What it sees is a :class:`StepContext`, never the optimizer itself: the released gradient and the
+    weights (``step.update``), public facts of the run (``expected_batch_size``, ``step.report``'s
+    thresholds) and private values of the batch (``step.report``'s norms and example count,
+    ``step.closure``'s losses). Whatever it lets out
+    that depends on private values goes through :meth:`StepContext.release`, which noises it and records
+    it in the ledger, joined to the step's Poisson-sampled event, before returning it; everything else it
+    computes is post-processing of released values. Its option declares those releases ahead as a
+    :class:`~tunefree.extend.Share`, so that the plan calibrates the run's noise for them."""
 
     # Whether the user's closure returns the batch's per-sample losses (read by this component) instead
     # of the loss torch.optim expects.
@@ -35,13 +41,11 @@ class StepComponent:
         """The clip thresholds (by group name) it sets for the next step; ``None``: it sets none."""
         return None
 
-    def before_update(self, step: StepContext) -> list[dpa.DpEvent]:
+    def before_update(self, step: StepContext) -> None:  # noqa: B027 - a component may do nothing here
         """After the noisy gradient is in ``.grad``, before the wrapped optimizer steps."""
-        return []
 
-    def after_update(self, step: StepContext) -> list[dpa.DpEvent]:
+    def after_update(self, step: StepContext) -> None:  # noqa: B027
         """After the wrapped optimizer stepped."""
-        return []
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to continue identically."""
@@ -88,15 +92,26 @@ class UpdateControl:
 class StepContext:
     """One private step as a component sees it.
 
-    ``report`` says what the step released from; ``closure`` is the user's closure (with HyFreeDP's
-    learning rate, the batch's per-sample losses); ``update`` controls the wrapped optimizer's update;
-    ``thresholds`` are those the step clipped with (a component that adapts them says the next ones
-    through :meth:`StepComponent.thresholds`)."""
+    ``report`` says what the step released from (and the thresholds it clipped with: a component that adapts
+    them says the next ones through :meth:`StepComponent.thresholds`); ``closure`` is the user's closure
+    (with HyFreeDP's learning rate, the batch's per-sample losses); ``update`` controls the wrapped
+    optimizer's update; ``expected_batch_size`` is q·N, by which released sums are divided (never by the
+    private batch size)."""
 
     report: StepReport
     closure: Callable[[], Any] | None
     update: UpdateControl
-    thresholds: dict[str, float]
+    expected_batch_size: float
+    # the private step's: noises the values and records their release in the ledger
+    recorded_release: Callable[[torch.Tensor, float, float], torch.Tensor] = field(repr=False)
+
+    def release(self, sums: torch.Tensor, sensitivity: float, noise_multiplier: float) -> torch.Tensor:
+        """Release ``sums`` of the batch's examples (under several processes, summed over them), whose
+        joint L2 sensitivity is ``sensitivity`` (one example changes the vector by at most that much), with
+        Gaussian noise of standard deviation ``noise_multiplier·sensitivity`` per coordinate. The release is
+        recorded in the ledger, in the step's Poisson-sampled event, before the noisy values (float64, CPU)
+        are returned."""
+        return self.recorded_release(sums, sensitivity, noise_multiplier)
 
 
 @dataclass
@@ -109,7 +124,6 @@ class StepReport:
     examples: int
     group_norms: dict[str, torch.Tensor] = field(default_factory=dict)
     thresholds: dict[str, float] = field(default_factory=dict)  # those the step clipped with
-
 
 
 @contextmanager

@@ -126,7 +126,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
         ``closure``, if given, is evaluated first with gradients enabled, as ``torch.optim`` does: it
         runs the forward and backward pass of the current batch and returns the loss. With HyFreeDP's
-        learning rate (``AutoLR(mode="safeguarded"/"paper")``) it instead returns the current batch's
+        learning rate (``lr=HyFreeDP()``) it instead returns the current batch's
         per-sample losses (a 1-D tensor) and tunefree evaluates it, without gradients, at the probe
         points of the learning-rate fit.
         """

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import dp_accounting as dpa
@@ -19,7 +20,7 @@ from ..errors import PrivacyError
 from ..guards.base import Guards
 from ..persample.accumulator import StepAccumulator
 from ..privacy.ledger import Ledger
-from ..privacy.mechanisms import GradientRelease
+from ..privacy.mechanisms import SINGLE_PROCESS, GradientRelease, Reduction, release_values
 from .component import StepComponent, StepContext, StepReport, UpdateControl
 
 
@@ -40,17 +41,19 @@ class PrivateStep:
             first step beyond it warns that ε now grows past the target.
         overflowed: whether the released gradient overflowed under a GradScaler (the update alone is then
             skipped; the release stays recorded).
+        parallelism: the run's; a component's release sums every process's values and noises them once.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine, release: GradientRelease, ledger: Ledger,
                  accumulator: StepAccumulator, guards: Guards, sample_rate: float,
                  expected_batch_size: float, components: Sequence[StepComponent] = (),
-                 planned_steps: int | None = None, overflowed: Callable[[], bool] = lambda: False):
+                 planned_steps: int | None = None, overflowed: Callable[[], bool] = lambda: False,
+                 parallelism: Reduction = SINGLE_PROCESS):
         self.optimizer, self.engine, self.release, self.ledger = optimizer, engine, release, ledger
         self.accumulator, self.guards = accumulator, guards
         self.sample_rate, self.expected_batch_size = sample_rate, expected_batch_size
         self.components = tuple(components)
-        self.planned_steps, self.overflowed = planned_steps, overflowed
+        self.planned_steps, self.overflowed, self.parallelism = planned_steps, overflowed, parallelism
         self._warned_past_plan = False
         self._updating = False
         # The wrapped optimizer's updates before this run (0 again once a checkpoint's ledger is loaded).
@@ -76,9 +79,10 @@ class PrivateStep:
                             thresholds=thresholds)
         if self.overflowed():
             return report  # released and recorded; the update alone is skipped
-        context = StepContext(report, closure, UpdateControl(self.optimizer), thresholds)
+        context = StepContext(report, closure, UpdateControl(self.optimizer), self.expected_batch_size,
+                              partial(self._release_values, events))
         for component in self.components:
-            self._record(events, component.before_update(context))
+            component.before_update(context)
         self.guards.before_update(step)
         check_updates_recorded(self.optimizer, self.ledger.steps - 1, self.updates_before_run)
         self._updating = True
@@ -88,7 +92,7 @@ class PrivateStep:
             self._updating = False
         self.guards.after_update(step)
         for component in self.components:
-            self._record(events, component.after_update(context))
+            component.after_update(context)
         self.hand_over_thresholds()
         return report
 
@@ -110,11 +114,15 @@ class PrivateStep:
         self.thresholds = dict(proposed[-1]) if proposed else own
         self.engine.begin_step(self.thresholds)
 
-    def _record(self, events: list[dpa.DpEvent], more: list[dpa.DpEvent]) -> None:
-        """Join a component's releases to the step's ledger record."""
-        if more:
-            events += more
-            self.ledger.amend_last_step(self.sample_rate, events)
+    def _release_values(self, events: list[dpa.DpEvent], sums: torch.Tensor, sensitivity: float,
+                        noise_multiplier: float) -> torch.Tensor:
+        """A component's release (:meth:`StepContext.release`), joined to the step's ledger record
+        (``events``) before its values are returned."""
+        noisy, event = release_values(sums, sensitivity, noise_multiplier, self.release.randomness,
+                                      self.parallelism)
+        events.append(event)
+        self.ledger.amend_last_step(self.sample_rate, events)
+        return noisy
 
     def _refuse_direct_step(self, optimizer, args, kwargs) -> None:
         if not self._updating:
