@@ -10,8 +10,6 @@ that check's own reads).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -50,29 +48,37 @@ class Mixed(nn.Module):
 MODELS = {"mlp": (mlp, (6,)), "cnn": (cnn, (1, 6, 6)), "mixed": (Mixed, (6,))}
 
 
-def steady_step_reads(name: str, depth: int, groups: str, **options):
-    """The host reads of the third private step of the model at ``depth`` (batches of 8 expected)."""
+OPTIMIZERS = {  # fused AdamW keeps its step counts on the parameters' device; Adam and AdamW on the host
+    "SGD": lambda params: torch.optim.SGD(params, lr=0.1),
+    "Adam": lambda params: torch.optim.Adam(params, lr=0.01),
+    "fused AdamW": lambda params: torch.optim.AdamW(params, lr=0.01, fused=True),
+}
+
+
+def step_reads(name: str, depth: int, groups: str, step: int = 3, optimizer: str = "SGD", **options):
+    """The host reads of private step ``step`` of the model at ``depth`` (batches of 8 expected; step 1 is
+    checked, the later ones not). The run is counted from the start (the optimizer's state is made then),
+    only ``step``'s reads are kept."""
     torch.manual_seed(0)
     build, shape = MODELS[name]
-    model = build(depth)
-    x, y = torch.randn(64, *shape), torch.randint(0, 3, (64,))
-    engine = tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                   DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0,
-                                   target_delta=1e-3, steps=40, groups=groups, loss_reduction="sum",
-                                   verify_every=10**9, **options)  # no independence check drawn later
-    batches = iter(engine.data_loader)
-
-    def step(counted: bool):
-        xb, yb = next(batches)
-        with counted_host_reads() if counted else nullcontext() as reads:
+    with counted_host_reads() as reads:
+        model = build(depth)
+        x, y = torch.randn(64, *shape), torch.randint(0, 3, (64,))
+        engine = tunefree.make_private(model, OPTIMIZERS[optimizer](model.parameters()),
+                                       DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0,
+                                       target_delta=1e-3, steps=40, groups=groups, loss_reduction="sum",
+                                       verify_every=10**9, **options)  # no independence check drawn later
+        for _, (xb, yb) in zip(range(step), engine.data_loader):
+            reads.sites.clear()
             engine.optimizer.zero_grad()
             F.cross_entropy(model(xb), yb, reduction="sum").backward()
             engine.optimizer.step()
-        return reads
+    return reads
 
-    step(False)
-    step(False)
-    return step(True)
+
+def steady_step_reads(name: str, depth: int, groups: str, **options):
+    """The host reads of the third private step (not checked: the first step was)."""
+    return step_reads(name, depth, groups, **options)
 
 
 CONFIGS = {"default": ({}, 1), "adaptive thresholds": ({"thresholds": "adaptive"}, 3),
@@ -97,14 +103,60 @@ def test_lr_auto_reads_parameters_of_two_precisions_in_one_transfer():
     assert deep.sites == shallow.sites and deep.total == 2, dict(deep.sites)
 
 
-def test_the_counter_sees_each_kind_of_host_read():
+READS = {  # each kind of host read: a read on a GPU, the host waiting for the device
+    "item": lambda t, mask: t.sum().item(),
+    "bool": lambda t, mask: bool(t.any()),
+    "if": lambda t, mask: 1 if t.sum() > 0 else 0,
+    "float": lambda t, mask: float(t[0]),
+    "int": lambda t, mask: int(t.long().max()),
+    "index": lambda t, mask: [0, 1, 2, 3][t.long()[1]],
+    "f-string": lambda t, mask: f"{t.sum():.2f}",
+    "tolist": lambda t, mask: t.tolist(),
+    "numpy": lambda t, mask: t.numpy(),
+    "cpu": lambda t, mask: t.cpu(),
+    "to cpu": lambda t, mask: t.to("cpu"),
+    "equal": lambda t, mask: torch.equal(t, t + 0),
+    "allclose": lambda t, mask: torch.allclose(t, t + 0),
+    "nonzero": lambda t, mask: mask.nonzero(),
+    "where": lambda t, mask: torch.where(mask),
+    "boolean mask": lambda t, mask: t[mask],
+    "boolean assignment": lambda t, mask: t.clone().__setitem__(mask, 0.0),
+    "masked_select": lambda t, mask: t.masked_select(mask),
+    "unique": lambda t, mask: t.unique(),
+    "unique_consecutive": lambda t, mask: t.unique_consecutive(),
+    "bincount": lambda t, mask: torch.bincount(t.long()),
+    "histc": lambda t, mask: torch.histc(t),
+    "repeat_interleave": lambda t, mask: torch.repeat_interleave(t.long()),
+}
+
+
+@pytest.mark.parametrize("kind", list(READS))
+def test_the_counter_sees_each_kind_of_host_read(kind):
     t, mask = torch.arange(4.0), torch.tensor([True, False, True, False])
     with counted_host_reads() as reads:
-        t.sum().item()
+        READS[kind](t, mask)
+    assert reads.total == 1, dict(reads.sites)
+
+
+def test_the_counter_counts_no_device_work_and_no_second_read_of_a_host_copy():
+    t, mask = torch.arange(4.0), torch.tensor([True, False, True, False])
+    with counted_host_reads() as reads:
         host = (t + 1).cpu()  # one copy; the host copy's values, and what is computed from them, are free
         host.tolist()
         (host * 2).sum().item()
-        bool(t.any())
-        t[mask]  # the result's size depends on the values
-        t * 2  # no read
-    assert reads.total == 4, dict(reads.sites)
+        torch.equal(host, host * 1)
+        host[host > 1]
+        t * 2, t.masked_fill(mask, 0.0), t.topk(2), torch.where(mask, t, 0.0), t.to(torch.float64)  # no read
+        torch.repeat_interleave(t, 2), torch.nonzero_static(mask, size=4), t.index_select(0, mask.long())
+    assert reads.total == 1, dict(reads.sites)
+
+
+def test_a_tensor_made_on_the_host_is_read_for_free_until_it_moves_to_the_device():
+    with counted_host_reads() as reads:
+        levels = torch.tensor([0, 1, 2, 1])  # no device named: the host
+        levels.unique().tolist(), (levels == 1).nonzero(), bool(levels.any()), torch.arange(4)[levels > 0]
+        assert reads.total == 0, dict(reads.sites)
+        moved = levels.to(torch.device("cpu"))  # a device's tensor, on a GPU
+        bool(moved.any())
+        torch.zeros(3, device=torch.device("cpu")).tolist()
+    assert reads.total == 2, dict(reads.sites)

@@ -114,6 +114,10 @@ class ForwardGuard(Protocol):
 
     def before_forward(self, call: ModelCall) -> None: ...
 
+    def carried(self, device: torch.device) -> torch.Tensor | None: ...  # flags read with the transfer
+
+    def carried_read(self, refused: list[bool]) -> None: ...
+
 
 class _EnableGrad(torch.autograd.Function):
     """Identity on a layer output that ties it to the engine's anchor leaf. It makes the output part of
@@ -780,10 +784,14 @@ class ClippingEngine:
                     self._process(use)
             for group in self.groups:
                 self._clip_group(group)
-        if self._pass.finite_checks:  # every group's norms in one check and one transfer to the host
+        carried = None
+        if self._pass.finite_checks:  # every group's norms in one check, the guards' flags with them (their
+            # comparisons of the model's state, guards/base.py), in one transfer to the host
             norms = torch.stack([norms for _, norms in self._pass.finite_checks])
-            finite = (norms < NORM_LIMIT).all(1).cpu()
-            bad = [name for (name, _), ok in zip(self._pass.finite_checks, finite.tolist()) if not ok]
+            finite = (norms < NORM_LIMIT).all(1)
+            carried = self.guards.carried(finite.device) if self.guards is not None else None
+            read = (finite if carried is None else torch.cat([finite, carried])).cpu().tolist()
+            bad = [name for (name, _), ok in zip(self._pass.finite_checks, read) if not ok]
             if bad:
                 self._reset_pass()
                 self.accumulator.pop()  # the logical step's sums are tainted: nothing of them may be released
@@ -794,7 +802,10 @@ class ClippingEngine:
                     "inputs, or use float32/bfloat16 instead of float16)"
                 )
         self.accumulator.add_examples(self._pass.batch or 0)
+        groups = len(self._pass.finite_checks)
         self._reset_pass()
+        if carried is not None:
+            self.guards.carried_read(read[groups:])
 
     def _reset_pass(self) -> None:
         self._pass = _PassState()
