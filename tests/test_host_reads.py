@@ -96,6 +96,14 @@ def test_a_private_step_reads_the_host_as_often_at_any_depth(name, groups, confi
     assert 1 <= deep.total <= most, dict(deep.sites)  # at least the overflow check
 
 
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_a_default_step_reads_the_host_once_with_any_optimizer(optimizer):
+    """The optimizer's own count of its updates is compared with the ledger before each update; kept on
+    the device (fused AdamW), it is read only when the optimizer's state is not the one the last update
+    left (a loaded state)."""
+    assert steady_step_reads("mlp", 2, "all-layer", optimizer=optimizer).total == 1
+
+
 def test_lr_auto_reads_parameters_of_two_precisions_in_one_transfer():
     """DoG's norms of bfloat16 and float32 parameters: one transfer (it was one per parameter)."""
     shallow, deep = steady_step_reads("mixed", 1, "all-layer", lr="auto"), \
