@@ -34,7 +34,7 @@ from tunefree.privacy.plan import data_digest
 
 # StateGuard's entry points, each with what it returns when the guard is off (those absent are skipped)
 GUARDED = {"before_forward": None, "before_release": None, "before_update": None, "after_update": None,
-           "after_probes": None, "carried": [], "carried_read": None, "check": None, "updated": None,
+           "after_probes": None, "carried": None, "carried_read": None, "check": None, "updated": None,
            "snapshot": None}
 _NO_KERNEL = {torch.ops.aten.detach, torch.ops.aten.lift_fresh, torch.ops.aten.alias}
 

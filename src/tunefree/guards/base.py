@@ -72,7 +72,7 @@ class Guards:
         """The guards' flags for the engine's transfer at the end of a backward pass (``None``: none)."""
         self._carried = [(guard, guard.carried(device)) for guard in self.guards]
         flags = [f for _, f in self._carried if f is not None]
-        return torch.cat(flags) if flags else None
+        return flags[0] if len(flags) == 1 else torch.cat(flags) if flags else None
 
     def carried_read(self, refused: list[bool]) -> None:
         """Hand each guard the values of its flags (a guard refuses by raising)."""

@@ -267,7 +267,8 @@ class StateGuard(Guard):
         pending, the flags the engine's transfer reads (:meth:`carried_read`)."""
         self._certain += self._walk()[0]
         self._pending += self._compare(self._groups, _BACKWARD)
-        return torch.stack([c.flag.to(device) for c in self._pending]) if self._pending else None
+        flags = [c.flag.to(device) for c in self._pending]
+        return torch.stack(flags) if len(flags) > 1 else flags[0].reshape(1) if flags else None
 
     def carried_read(self, changed: list[bool]) -> None:
         """The transfer's values of the flags :meth:`carried` handed it. A change found is refused at the
@@ -325,6 +326,7 @@ class StateGuard(Guard):
         storages = {_storage(p) for p in self.trainable}
         with torch.no_grad():
             self._seen = {path: (kind, self._entry(path, kind, value)) for path, kind, value in self._state()}
+            self._immutable = self._immutable_attributes()
             by_group: dict[tuple[torch.device, bool], list[_Tensor]] = {}
             for _, entry in self._seen.values():
                 if isinstance(entry, _Tensor):
@@ -350,8 +352,13 @@ class StateGuard(Guard):
             self.snapshot()
 
     # -- the state and its comparison
-    def _state(self) -> Iterator[tuple[str, str, Any]]:
-        """(path, kind, value) of every parameter, buffer and attribute leaf of the model's modules."""
+    def _state(self, unchanged: dict[int, dict[str, tuple[Any, int]]] | None = None
+               ) -> Iterator[tuple[str, str, Any]]:
+        """(path, kind, value) of every parameter, buffer and attribute leaf of the model's modules.
+        ``unchanged``: for each module (by id), immutable attributes as last seen (the object and its
+        number of leaves); one that is still the same object is skipped, its leaves counted in
+        ``self._skipped``."""
+        self._skipped = 0
         for prefix, module in self.model.named_modules():
             dot = f"{prefix}." if prefix else ""
             for name, p in module._parameters.items():
@@ -360,9 +367,26 @@ class StateGuard(Guard):
             for name, b in module._buffers.items():
                 if b is not None and dot + name not in self.public:
                     yield dot + name, "buffer", b
+            kept = unchanged.get(id(module), {}) if unchanged is not None else {}
             for name, value in vars(module).items():
-                if name not in _MODULE_MACHINERY and dot + name not in self.public:
+                if name in _MODULE_MACHINERY or (self.public and dot + name in self.public):
+                    continue
+                before = kept.get(name)
+                if before is not None and before[0] is value:
+                    self._skipped += before[1]
+                else:
                     yield from _leaves(dot + name, value, 0)
+
+    def _immutable_attributes(self) -> dict[int, dict[str, tuple[Any, int]]]:
+        """For each module (by id), its attributes that cannot change while they are the same object
+        (numbers, strings, tuples of them...), with their number of leaves."""
+        found: dict[int, dict[str, tuple[Any, int]]] = {}
+        for prefix, module in self.model.named_modules():
+            dot = f"{prefix}." if prefix else ""
+            found[id(module)] = {name: (value, sum(1 for _ in _leaves(dot + name, value, 0)))
+                                 for name, value in vars(module).items()
+                                 if name not in _MODULE_MACHINERY and _immutable(value)}
+        return found
 
     def _entry(self, path: str, kind: str, value: Any) -> _Tensor | _Value:
         if not isinstance(value, torch.Tensor):
@@ -378,13 +402,13 @@ class StateGuard(Guard):
         replaced since last seen: each adopts the tensor now at its path, to be compared by value."""
         changes: list[str] = []
         written: set[int] = set()
-        present = set()
-        for path, kind, value in self._state():
-            present.add(path)
+        present = 0
+        for path, kind, value in self._state(self._immutable):
             before = self._seen.get(path)
             if before is None:
                 changes.append(f"{kind} '{path}' appeared")
                 continue
+            present += 1
             entry = before[1]
             if isinstance(value, torch.Tensor) and isinstance(entry, _Tensor):
                 if entry.layout != _layout(value):
@@ -395,8 +419,10 @@ class StateGuard(Guard):
             elif isinstance(value, torch.Tensor) or isinstance(entry, _Tensor) \
                     or not _same_value(entry, value):
                 changes.append(f"{kind} '{path}' was set to another value")
-        changes += [f"{kind} '{path}' was removed" for path, (kind, _) in self._seen.items()
-                    if path not in present]
+        if present + self._skipped < len(self._seen):  # some path is gone: which, by a walk of every leaf
+            paths = {path for path, _, _ in self._state()}
+            changes += [f"{kind} '{path}' was removed" for path, (kind, _) in self._seen.items()
+                        if path not in paths]
         return changes, written
 
     def _quick(self, when: str, released: bool = False) -> list[_Group]:
@@ -461,6 +487,13 @@ def _leaves(path: str, value: Any, depth: int) -> Iterator[tuple[str, str, Any]]
         yield path, "attribute", _Value(type(value), len(value))
         for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
             yield from _leaves(f"{path}[{key!r}]", item, depth + 1)
+
+
+def _immutable(value: Any) -> bool:
+    """Whether ``value`` cannot change while it is the same object (a number, a string, a tuple of them)."""
+    if isinstance(value, tuple):
+        return all(_immutable(item) for item in value)
+    return value is None or isinstance(value, (*_NUMBERS, str, bool, bytes))
 
 
 def _same_value(entry: _Value, value: Any) -> bool:
