@@ -135,6 +135,9 @@ READS = {  # each kind of host read: a read on a GPU, the host waiting for the d
     "bincount": lambda t, mask: torch.bincount(t.long()),
     "histc": lambda t, mask: torch.histc(t),
     "repeat_interleave": lambda t, mask: torch.repeat_interleave(t.long()),
+    "upload": lambda t, mask: torch.arange(4.0).to(t.device),  # a copy to the device that waits for it
+    "upload by copy_": lambda t, mask: t.clone().copy_(torch.arange(4.0)),
+    "tensor on a device": lambda t, mask: torch.tensor([1.0, 2.0], device=t.device),
 }
 
 
@@ -156,6 +159,8 @@ def test_the_counter_counts_no_device_work_and_no_second_read_of_a_host_copy():
         host[host > 1]
         t * 2, t.masked_fill(mask, 0.0), t.topk(2), torch.where(mask, t, 0.0), t.to(torch.float64)  # no read
         torch.repeat_interleave(t, 2), torch.nonzero_static(mask, size=4), t.index_select(0, mask.long())
+        torch.arange(4.0).to(t.device, non_blocking=True)
+        t.clone().copy_(torch.arange(4.0), non_blocking=True)
     assert reads.total == 1, dict(reads.sites)
 
 
@@ -164,7 +169,7 @@ def test_a_tensor_made_on_the_host_is_read_for_free_until_it_moves_to_the_device
         levels = torch.tensor([0, 1, 2, 1])  # no device named: the host
         levels.unique().tolist(), (levels == 1).nonzero(), bool(levels.any()), torch.arange(4)[levels > 0]
         assert reads.total == 0, dict(reads.sites)
-        moved = levels.to(torch.device("cpu"))  # a device's tensor, on a GPU
+        moved = levels.to(torch.device("cpu"), non_blocking=True)  # a device's tensor, on a GPU
         bool(moved.any())
         torch.zeros(3, device=torch.device("cpu")).tolist()
     assert reads.total == 2, dict(reads.sites)

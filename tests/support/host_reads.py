@@ -1,5 +1,5 @@
-"""Counting a step's reads of tensor values by the host: what would each be a device→host copy, and a
-synchronisation, on a GPU.
+"""Counting a step's synchronisations: its reads of tensor values by the host, and the copies to a device
+that make the host wait for it — on a GPU each waits for every kernel queued before it.
 
 On a CPU nothing is copied and ``.cpu()``/``.tolist()`` dispatch no operator, so the reads are counted
 where the code asks for them: the ``Tensor`` methods that hand values to Python or to the host
@@ -8,20 +8,23 @@ that makes the host wait for the device (:data:`SYNCHRONISING`): ``aten::_local_
 (``bool(t)``, ``float(t)``, ``int(t)``, ``if t.any():``, an f-string of a tensor), ``equal`` and
 ``allclose`` (a Python bool), and the operators whose output size depends on the values (``nonzero``,
 boolean-mask indexing and assignment, ``masked_select``, ``unique``, ``bincount``, ``histc``,
-``repeat_interleave`` without its output size). A tensor returned by a counted ``.cpu()`` is on the
-host: reading it again is free. Each read is recorded with the innermost tunefree source line that asked
+``repeat_interleave`` without its output size). Copies to a device count too where they wait for it: a
+host tensor moved without ``non_blocking=True`` (``.to(device)``, ``t.copy_(host)``) and
+``torch.tensor(data, device=...)`` (not the secret noise's move to the CPU from the host, where it is drawn
+for a CPU only). Each is recorded with the innermost tunefree source line that asked
 for it.
 
-Tensors known to be on the host are not counted: those a counted ``.cpu()`` returned, those made by a
-factory (``torch.tensor``, ``torch.arange``, ``torch.zeros``…) on the host (no device named, the default
-device being the CPU, or ``device="cpu"``), the sampling draws of the run's randomness (``inclusion``: CPU by contract), and
-whatever an operator computes from host tensors only. A host tensor moved with ``.to(device)`` is on the
-device from there on (on a CPU the move is a no-op: the counter hands out an alias it treats as on the
-device). The count is still an upper bound — a tensor the code makes on the host otherwise is read for
-free on a GPU too — and copies the CPU cannot tell from no-ops are not counted: ``.to(p.device)`` of a
-device tensor (``cpu`` here) and ``host.copy_(t)``. Counting starts when the block is entered: tensors
-made before it are on the device unless a counted ``.cpu()`` made them (``reads.sites.clear()`` inside
-the block counts the reads of a later part only).
+Tensors on the host are read for free: those a counted ``.cpu()`` returned, those made by a factory
+(``torch.tensor``, ``torch.arange``, ``torch.zeros``…) on the host (no device named, the default device
+being the CPU, or ``device="cpu"``), the sampling draws of the run's randomness (``inclusion``: CPU by
+contract), and whatever an operator computes from host tensors only. A host tensor moved with
+``.to(device)`` is on the device from there on (on a CPU the move is a no-op: the counter hands out an
+alias it treats as on the device). The count is still an upper bound — a tensor the code makes on the
+host otherwise is read for free on a GPU too, and ``torch.tensor(data, device=p.device)`` is on the host
+when ``p`` is — and copies the CPU cannot tell from no-ops are not counted: ``.to(p.device)`` of a device
+tensor (``cpu`` here) and ``host.copy_(t)``. Counting starts when the block is entered: tensors made
+before it are on the device unless a counted ``.cpu()`` made them (``reads.sites.clear()`` inside the
+block counts the reads of a later part only).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tunefree.privacy import randomness
+from tunefree.privacy import chacha20, randomness
 
 _SOURCE = str(Path(__import__("tunefree").__file__).parent)
 aten = torch.ops.aten
@@ -54,6 +57,7 @@ _FACTORIES = frozenset({
     torch.tensor, torch.as_tensor, torch.from_numpy, torch.arange, torch.zeros, torch.ones, torch.empty,
     torch.full, torch.rand, torch.randn, torch.randint, torch.randperm, torch.linspace, torch.logspace,
     torch.eye})
+_UPLOADS = frozenset({torch.tensor, torch.as_tensor})  # with a device named: data copied to it
 
 
 def _site() -> str:
@@ -98,8 +102,15 @@ class HostReads:
 
         def counted(tensor, *args, **kwargs):
             if name == "to" and not _to_the_host(args, kwargs):
-                out = original(tensor, *args, **kwargs)
-                if out is tensor and reads.on_host(tensor) and _names_a_device(args, kwargs):
+                uploaded = reads.on_host(tensor) and _names_a_device(args, kwargs)
+                if uploaded and not _non_blocking(args, kwargs):
+                    reads.count(None)  # a copy to the device that waits for it
+                reads._depth += 1
+                try:
+                    out = original(tensor, *args, **kwargs)
+                finally:
+                    reads._depth -= 1
+                if out is tensor and uploaded:
                     alias = tensor.view_as(tensor)  # on a GPU a copy on the device: not on the host
                     reads.unmark(alias)
                     return alias
@@ -125,7 +136,8 @@ class _Dispatched(TorchDispatchMode):
         kwargs = kwargs or {}
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         on_host = bool(inputs) and all(self.reads.on_host(t) for t in inputs)
-        if _synchronising(func, args, kwargs) and not on_host:
+        if (_synchronising(func, args, kwargs) and not on_host) or \
+                _blocking_upload(self.reads, func, args, kwargs):
             self.reads.count(None)
         out = func(*args, **kwargs)
         if on_host:
@@ -161,7 +173,19 @@ class _Factories(TorchFunctionMode):
         if func in _FACTORIES and (_is_host(device) or device is None and
                                    torch.get_default_device().type == "cpu"):
             self.reads.mark_on_host(out)
+        elif func in _UPLOADS and device is not None:
+            self.reads.count(None)  # Python's data copied to the device, which the host waits for
         return out
+
+
+def _blocking_upload(reads: HostReads, func, args: tuple, kwargs: dict) -> bool:
+    """Whether the operator copies a host tensor into a device's without ``non_blocking``."""
+    return func.overloadpacket is aten.copy_ and reads.on_host(args[1]) and not reads.on_host(args[0]) \
+        and not kwargs.get("non_blocking", len(args) > 2 and args[2])
+
+
+def _non_blocking(args: tuple, kwargs: dict) -> bool:
+    return kwargs.get("non_blocking", next((a for a in args if isinstance(a, bool)), False))
 
 
 def _names_a_device(args: tuple, kwargs: dict) -> bool:
@@ -187,6 +211,20 @@ def _sampling_sources() -> list[type]:
             if isinstance(c, type) and "inclusion" in vars(c) and c is not randomness.NoiseSource]
 
 
+def _noise_on_the_device(reads: HostReads, normals_by):
+    """The secret noise drawn on the host (``chacha20.OPENSSL``: the path for a CPU; a GPU draws on the
+    device, ``KERNEL``/``TORCH_OPS``) and moved to the CPU, a no-op: not counted."""
+    def drawn(self, path, *args, **kwargs):
+        if path != chacha20.OPENSSL:
+            return normals_by(self, path, *args, **kwargs)
+        reads._depth += 1
+        try:
+            return normals_by(self, path, *args, **kwargs)
+        finally:
+            reads._depth -= 1
+    return drawn
+
+
 def _marked(reads: HostReads, inclusion):
     def on_host(self, *args, **kwargs):
         flags = inclusion(self, *args, **kwargs)
@@ -205,6 +243,8 @@ def counted_host_reads():
         setattr(torch.Tensor, name, reads._method(name, original))
     for source, inclusion in sources.items():
         source.inclusion = _marked(reads, inclusion)
+    normals_by = chacha20.ChaCha20Generator.normals_by
+    chacha20.ChaCha20Generator.normals_by = _noise_on_the_device(reads, normals_by)
     try:
         with _Factories(reads), _Dispatched(reads):
             yield reads
@@ -213,3 +253,4 @@ def counted_host_reads():
             setattr(torch.Tensor, name, original)
         for source, inclusion in sources.items():
             source.inclusion = inclusion
+        chacha20.ChaCha20Generator.normals_by = normals_by
