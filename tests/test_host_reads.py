@@ -1,11 +1,27 @@
-"""A private step reads tensor values on the host a fixed number of times, whatever the number of layers and
-clip groups: on a GPU each read is a device→host copy that waits for every kernel queued before it.
+"""A private step synchronises with the device a fixed number of times, whatever the number of layers and
+clip groups: on a GPU each read of a tensor's values by the host (a device→host copy, ``torch.equal``,
+``.item()``, a boolean mask…) waits for every kernel queued before it. Counted with
+``tests/support/host_reads.py`` on a CPU, which counts every synchronising operation (each kind shown by a
+test below).
 
-The default step reads once (every clip group's overflow check, in one transfer); the adaptive thresholds
-add their released counts, ``lr="auto"`` its distance and gradient norms (one transfer per device, whatever
-the parameters' precisions). Counted with ``tests/support/host_reads.py`` on a CPU, in the steady state
-(after the first step's independence check and path choices; a step that draws an independence check does
-that check's own reads).
+- A default step reads the host once: every clip group's overflow check and the state guard's comparison
+  of the model's state, in one transfer at the end of the backward pass; the optimizer's own update count
+  is read only when its state was replaced (fused AdamW keeps it on the device). A step whose Poisson
+  batch is empty (no backward pass) reads once too: the state guard's own full comparison.
+- Adaptive thresholds add their released counts, ``lr="auto"`` its distance and gradient norms (one
+  transfer per device, whatever the parameters' precisions).
+- A checked step (the first, then each drawn one) reads 3 times: the end of the backward pass's transfer;
+  the purity probe's comparison of its two passes (one read); the example-independence check (one read for
+  every forward pass and the backward's proportions of every physical batch; a backward found not
+  proportional to the loss adds its confirmation's read). Not 1: both checks run the model after the backward
+  pass whose transfer carried the step's other flags, and their verdicts must be on the host before the
+  release; each is a guard that refuses before the next runs (a model whose function changed in the step
+  is refused before the independence check runs it again).
+
+The steps counted are chosen by their batches, which the Poisson loader draws: the first step with two
+examples or more is the checked one; a later step with examples is a default one (a test that took the
+third step whatever its batch read no transfer when that batch was empty, and a checked step when the
+first two held fewer than two examples).
 """
 
 from __future__ import annotations
@@ -18,6 +34,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
+from tunefree.guards.independence import Independence
+from tunefree.privacy import randomness
 
 
 def mlp(depth: int) -> nn.Module:
@@ -55,10 +73,12 @@ OPTIMIZERS = {  # fused AdamW keeps its step counts on the parameters' device; A
 }
 
 
-def step_reads(name: str, depth: int, groups: str, step: int = 3, optimizer: str = "SGD", **options):
-    """The host reads of private step ``step`` of the model at ``depth`` (batches of 8 expected; step 1 is
-    checked, the later ones not). The run is counted from the start (the optimizer's state is made then),
-    only ``step``'s reads are kept."""
+def step_reads(name: str, depth: int, groups: str, checked: bool = False, optimizer: str = "SGD",
+               **options):
+    """The host reads of one private step of the model at ``depth`` (Poisson batches of 8 expected): the
+    first check (the first step with two examples or more) if ``checked``, else the first step with
+    examples from the third on, after the check. The run is counted from the start (the optimizer's state
+    is made then); only that step's reads are kept."""
     torch.manual_seed(0)
     build, shape = MODELS[name]
     with counted_host_reads() as reads:
@@ -68,16 +88,23 @@ def step_reads(name: str, depth: int, groups: str, step: int = 3, optimizer: str
                                        DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0,
                                        target_delta=1e-3, steps=40, groups=groups, loss_reduction="sum",
                                        verify_every=10**9, **options)  # no independence check drawn later
-        for _, (xb, yb) in zip(range(step), engine.data_loader):
-            reads.sites.clear()
-            engine.optimizer.zero_grad()
-            F.cross_entropy(model(xb), yb, reduction="sum").backward()
-            engine.optimizer.step()
-    return reads
+        independence = engine.guards.of(Independence)
+        while True:
+            for xb, yb in engine.data_loader:
+                if checked:
+                    counted = not independence.first_done and len(xb) >= 2
+                else:
+                    counted = independence.first_done and engine.steps >= 2 and len(xb) > 0
+                reads.sites.clear()
+                engine.optimizer.zero_grad()
+                F.cross_entropy(model(xb), yb, reduction="sum").backward()
+                engine.optimizer.step()
+                if counted:
+                    return reads
 
 
 def steady_step_reads(name: str, depth: int, groups: str, **options):
-    """The host reads of the third private step (not checked: the first step was)."""
+    """The host reads of a default (not checked) step with examples."""
     return step_reads(name, depth, groups, **options)
 
 
@@ -102,6 +129,44 @@ def test_a_default_step_reads_the_host_once_with_any_optimizer(optimizer):
     the device (fused AdamW), it is read only when the optimizer's state is not the one the last update
     left (a loaded state)."""
     assert steady_step_reads("mlp", 2, "all-layer", optimizer=optimizer).total == 1
+
+
+@pytest.mark.parametrize("groups", ["all-layer", "per-layer"])
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_a_checked_step_reads_the_host_three_times_at_any_depth(name, groups):
+    """The transfer at the end of the backward pass, the purity probe's comparison, the independence check
+    (all its passes at once): see the module's docstring for why not once."""
+    shallow = step_reads(name, 1, groups, checked=True)
+    deep = step_reads(name, 4, groups, checked=True)
+    assert deep.sites == shallow.sites, (dict(shallow.sites), dict(deep.sites))
+    assert deep.total == 3, dict(deep.sites)
+
+
+def test_a_step_without_examples_reads_the_host_once(monkeypatch):
+    """An empty Poisson batch (drawn here on the third step): no backward pass carries a transfer, and the
+    state guard's comparison before the release reads the host itself."""
+    draws = iter([True, True, False])  # all examples in steps 1 and 2 (the first is checked), none in 3
+    inclusion = randomness.SecretSource.inclusion
+
+    def drawn(self, step, count, rate):
+        flags = inclusion(self, step, count, rate)
+        return flags if count != 64 else torch.full_like(flags, next(draws, True))
+
+    monkeypatch.setattr(randomness.SecretSource, "inclusion", drawn)
+    torch.manual_seed(0)
+    with counted_host_reads() as reads:
+        model = mlp(2)
+        data = TensorDataset(torch.randn(64, 6), torch.randint(0, 3, (64,)))
+        engine = tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                       DataLoader(data, batch_size=8), noise_multiplier=1.0,
+                                       target_delta=1e-3, steps=40, loss_reduction="sum")
+        for examples, (xb, yb) in zip((64, 64, 0), engine.data_loader):
+            assert len(xb) == examples
+            reads.sites.clear()
+            engine.optimizer.zero_grad()
+            F.cross_entropy(model(xb), yb, reduction="sum").backward()
+            engine.optimizer.step()
+    assert reads.total == 1 and engine.steps == 3, dict(reads.sites)
 
 
 def test_lr_auto_reads_parameters_of_two_precisions_in_one_transfer():
