@@ -34,7 +34,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
+from tunefree.clipping.functions import clip_function
+from tunefree.clipping.groups import make_groups
+from tunefree.errors import PrivacyError
+from tunefree.guards import independence, probe
 from tunefree.guards.independence import Independence
+from tunefree.persample.engine import ClippingEngine
 from tunefree.privacy import randomness
 
 
@@ -174,6 +179,38 @@ def test_lr_auto_reads_parameters_of_two_precisions_in_one_transfer():
     shallow, deep = steady_step_reads("mixed", 1, "all-layer", lr="auto"), \
         steady_step_reads("mixed", 4, "all-layer", lr="auto")
     assert deep.sites == shallow.sites and deep.total == 2, dict(deep.sites)
+
+
+class TwoMixers(nn.Module):
+    """Two layers that mix examples in the forward, each a pair of its own (example 1 into 2, 6 into 3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = torch.cat([h[:2], h[2:3] + h[1:2], h[3:]])
+        h = self.b(torch.tanh(h))
+        return self.out(torch.cat([h[:3], h[3:4] + h[6:7], h[4:]]))
+
+
+def test_the_independence_check_reads_once_and_refuses_what_reading_each_pass_would(monkeypatch):
+    """All the check's flags are read at the end, once; the refusal is the one a read after each forward
+    pass would have made: the first failure of the first pass that fails."""
+    read = []
+    failures = probe.failures
+    monkeypatch.setattr(probe, "failures", lambda comparisons: read.append(list(comparisons)) or
+                        failures(comparisons))
+    model = TwoMixers()
+    engine = ClippingEngine(model, make_groups(model, "all-layer", 1.0), clip_function("abadi"), "sum")
+    with counted_host_reads() as reads, \
+            pytest.raises(PrivacyError, match="mixes examples in its forward") as refusal:
+        independence.verify_example_independence(model, engine, (torch.randn(8, 3),), {})
+    assert reads.total == 1 and len(read) == 1, dict(reads.sites)
+    per_pass = next(f.first() for f in read[0] if f.first() is not None)  # a read after each pass, in order
+    assert str(refusal.value) == independence._forward_mixing(*per_pass)
+    assert sum(f.first() is not None for f in read[0]) > 1  # later passes failed too: the order decided
 
 
 READS = {  # each kind of host read: a read on a GPU, the host waiting for the device
