@@ -293,10 +293,15 @@ def test_each_state_write_is_refused_before_anything_is_released(case):
 
 
 def test_a_write_in_one_physical_batch_is_refused_at_the_next_ones_forward():
+    """Seen at the end of the first micro-batch's backward pass (with its finite check, one read of the
+    host), refused when the next one starts."""
     x, y = token_ids(12)
     engine = private(EmbeddingMaxNorm(), x, y, physical_batch_size=4)
-    with pytest.raises(PrivacyError, match=r"at the start of a training forward pass(.|\n)*emb\.weight"):
+    forwards = []
+    engine.model.register_forward_pre_hook(lambda module, args: forwards.append(len(args[0])))
+    with pytest.raises(PrivacyError, match=r"at the end of a backward pass(.|\n)*emb\.weight"):
         train(engine, 1)
+    assert len(forwards) == 2  # the second micro-batch's forward was refused
     assert_nothing_released(engine)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import torch
+
 from ..errors import PrivacyError
 from ..persample.engine import ModelCall
 
@@ -33,6 +35,14 @@ class Guard:
     def after_update(self, step: int) -> None:
         """After the wrapped optimizer's update."""
 
+    def carried(self, device: torch.device) -> torch.Tensor | None:
+        """At the end of each backward pass: flags (a bool vector, True where refused) for the engine's one
+        transfer to the host, on ``device``; ``None``: none."""
+        return None
+
+    def carried_read(self, refused: list[bool]) -> None:
+        """The values of the flags :meth:`carried` gave the transfer that read them."""
+
 
 class Guards:
     """The run's guards, called in order at each point of the step. A refusal drops the sums booked for
@@ -40,6 +50,7 @@ class Guards:
 
     def __init__(self, guards: Sequence[Guard], drop: Callable[[], object]):
         self.guards, self.drop = tuple(guards), drop
+        self._carried: list[tuple[Guard, torch.Tensor | None]] = []
 
     def of(self, kind: type) -> Guard | None:
         """The run's guard of type ``kind``, if it has one."""
@@ -56,6 +67,23 @@ class Guards:
 
     def after_update(self, step: int) -> None:
         self._each("after_update", step)
+
+    def carried(self, device: torch.device) -> torch.Tensor | None:
+        """The guards' flags for the engine's transfer at the end of a backward pass (``None``: none)."""
+        self._carried = [(guard, guard.carried(device)) for guard in self.guards]
+        flags = [f for _, f in self._carried if f is not None]
+        return flags[0] if len(flags) == 1 else torch.cat(flags) if flags else None
+
+    def carried_read(self, refused: list[bool]) -> None:
+        """Hand each guard the values of its flags (a guard refuses by raising)."""
+        try:
+            for guard, flags in self._carried:
+                if flags is not None:
+                    guard.carried_read(refused[:len(flags)])
+                    refused = refused[len(flags):]
+        except PrivacyError:
+            self.drop()
+            raise
 
     def _each(self, point: str, argument: object) -> None:
         try:

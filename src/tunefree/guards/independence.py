@@ -38,6 +38,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -91,13 +92,15 @@ def perturbed(args: tuple, kwargs: dict, n: int, levels: torch.Tensor, dim: int 
         if not isinstance(t, torch.Tensor) or t.dim() <= dim or t.shape[dim] != n:
             return t
         if not t.is_floating_point():
-            return t.detach().index_select(dim, source.to(t.device))
-        t = t.detach().clone()
-        rows = t.movedim(dim, 0)  # a view: writing its rows writes t
-        for level in levels.unique().tolist():
+            return t.detach().index_select(dim, source.to(t.device, non_blocking=True))
+        rows = t.detach().movedim(dim, 0)
+        out = rows
+        for level in levels.unique().tolist():  # the levels are on the host
             if level:
-                rows[(levels == level).to(t.device)] += probe.row_pattern(rows[0], float(level))
-        return t
+                chosen = (levels == level).to(t.device, non_blocking=True)
+                chosen = chosen.reshape(-1, *[1] * (rows.dim() - 1))
+                out = torch.where(chosen, out + probe.row_pattern(rows[0], float(level)), out)
+        return (out if out is not rows else rows.clone()).movedim(0, dim)
     return tuple(change(a) for a in args), {key: change(v) for key, v in kwargs.items()}
 
 
@@ -118,14 +121,23 @@ def first_passes(n: int, ordered: bool) -> int:
 
 def ordered_integers(args: tuple, kwargs: dict, n: int, dim: int = 0) -> bool:
     """Whether an integer input of one value per example (lengths) is in order along the ``n`` > 2
-    examples (dimension ``dim``)."""
+    examples (dimension ``dim``); reads the host where such an input is on a device."""
+    flag = ordered_flag(args, kwargs, n, dim)
+    return bool(flag.item()) if isinstance(flag, torch.Tensor) else flag
+
+
+def ordered_flag(args: tuple, kwargs: dict, n: int, dim: int = 0) -> torch.Tensor | bool:
+    """:func:`ordered_integers` without reading the host: a flag on the device, or ``False`` where no
+    input could be such (known from the inputs' shapes and types)."""
+    flags = []
     for t in tree_flatten((args, kwargs))[0]:
         if isinstance(t, torch.Tensor) and t.dim() == dim + 1 and not t.is_floating_point() and \
                 t.shape[dim] == n > 2:
             steps = t[1:] - t[:-1]
-            if bool((steps >= 0).all() or (steps <= 0).all()):
-                return True
-    return False
+            flags.append((steps >= 0).all() | (steps <= 0).all())
+    if len(flags) > 1:
+        return torch.stack([f.to(flags[0].device) for f in flags]).any()
+    return flags[0] if flags else False
 
 
 def code_masks(n: int, bits: int | None = None) -> tuple[torch.Tensor, ...]:
@@ -171,12 +183,16 @@ def examples_in(args: tuple, kwargs: dict, root: int = 0) -> int:
 
 
 def check(model: nn.Module, engine, args: tuple, kwargs: dict, n: int, levels: torch.Tensor,
-          seed: int = 0, agree: Callable[[bool], bool] | None = None, cyclic: bool = True) -> None:
+          seed: int = 0, agree: Callable[[bool], bool] | None = None, cyclic: bool = True,
+          verdicts: list[Verdict] | None = None) -> None:
     """:func:`verify_example_independence` on a batch of ``n`` ≥ 2 examples with the forward check's
     ``levels`` (``cyclic``: see :func:`perturbed`; if not, each pass is compared with the first only).
     ``agree`` (processes whose passes are collectives, FSDP2): whether a flag holds on every
     process; the processes run as many passes as the one that needs most, and the confirmation if any
-    needs it."""
+    needs it. Every comparison stays on the device; the whole check reads the host once, at the end
+    (:func:`settle`; ``verdicts``: append the check's :class:`Verdict` there instead, for the caller to
+    settle with others). A failure the host sees (a call missing or reshaped) stops the passes: the
+    flags before it are read then, and the first failure refused."""
     root = engine.declared.root
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > root]
     units = [u for u in engine.units if any(p.requires_grad for p in u.direct.values())]
@@ -184,22 +200,91 @@ def check(model: nn.Module, engine, args: tuple, kwargs: dict, n: int, levels: t
     exponents = ratio_exponents(n, agreed(ratio_digits(n), agree))
     base_factors = probe.example_factors(n)
     factors = [base_factors] + [base_factors * 2.0 ** e.double() for e in exponents]
+    earlier = [] if verdicts is None else verdicts
     with probe.preserved_randomness(), engine.no_capture():
         tapes = [probe.record(model, units, args, kwargs, examples=n, root=root, seed=seed, factors=factors,
                               model_inputs=inputs)]
+        forward: list[Flags] = []
+        masks = _DeviceMasks()
         for column in levels.unbind(1)[1:]:
             changed = perturbed(args, kwargs, n, column, root, cyclic)
             tapes.append(probe.record(model, units, *changed, examples=n, root=root, seed=seed,
                                       like=tapes[0]))
-            _raise_forward_mixing(tapes if cyclic else [tapes[0], tapes[-1]],
-                                  levels if cyclic else levels[:, [0, len(tapes) - 1]])
-        disproportion = _disproportion(tapes[0], exponents)
+            forward.append(_forward_flags(tapes if cyclic else [tapes[0], tapes[-1]],
+                                          levels if cyclic else levels[:, [0, len(tapes) - 1]], masks))
+            if forward[-1].certain is not None:  # refused whatever the device says: no more passes
+                settle(earlier, agree)
+                failure = next(f for f in probe.failures(forward) if f is not None)
+                raise PrivacyError(_forward_mixing(*failure))
+        verdict = Verdict(forward, _disproportion_flags(tapes[0], exponents),
+                          _Confirmation(model, engine, units, args, kwargs, n, seed, base_factors))
+    earlier.append(verdict)
+    if verdicts is None:
+        settle(earlier, agree)
+
+
+@dataclass
+class Verdict:
+    """A check of one batch whose comparisons are on the device, not read yet: the forward passes' flags
+    (one :class:`probe.Flags` per pass), the backward's proportion flags, and the confirmation a
+    disproportion calls for."""
+
+    forward: list[Flags]
+    disproportion: Flags
+    confirmation: _Confirmation
+
+
+def settle(verdicts: list[Verdict], agree: Callable[[bool], bool] | None = None) -> None:
+    """Read the flags of ``verdicts`` at once (one host read) and refuse the first failure, in the order
+    the checks ran: a batch's forward passes, then its backward (a disproportion runs the confirmation,
+    with a read of its own), then the next batch's."""
+    if not verdicts:
+        return
+    failures = iter(probe.failures([f for v in verdicts for f in (*v.forward, v.disproportion)]))
+    for verdict in verdicts:
+        forward = [next(failures) for _ in verdict.forward]
+        failure = next((f for f in forward if f is not None), None)
+        if failure is not None:
+            raise PrivacyError(_forward_mixing(*failure))
+        disproportion = next(failures)
         confirm = disproportion is not None if agree is None else not agree(disproportion is None)
         if confirm:
-            _confirm_backward_mixing(model, units, args, kwargs, n, root, seed, base_factors,
-                                     agreed(probe.code_bits(n), agree))
-            if engine.loss_reduction == "mean":
+            verdict.confirmation.run(agreed(probe.code_bits(verdict.confirmation.n), agree))
+            if verdict.confirmation.engine.loss_reduction == "mean":
                 raise PrivacyError(_not_linear_under_mean(disproportion))
+    verdicts.clear()
+
+
+@dataclass
+class _Confirmation:
+    """What the backward's confirmation needs (:func:`_confirm_backward_mixing`)."""
+
+    model: nn.Module
+    engine: object
+    units: list
+    args: tuple
+    kwargs: dict
+    n: int
+    seed: int
+    factors: torch.Tensor
+
+    def run(self, bits: int) -> None:
+        with probe.preserved_randomness(), self.engine.no_capture():
+            _confirm_backward_mixing(self.model, self.units, self.args, self.kwargs, self.n,
+                                     self.engine.declared.root, self.seed, self.factors, bits)
+
+
+class _DeviceMasks:
+    """Host masks of examples moved to a device once each (without waiting for it)."""
+
+    def __init__(self) -> None:
+        self._moved: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def on(self, mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+        kept = self._moved.get((id(mask), device))
+        if kept is None or kept[0] is not mask:
+            kept = self._moved[id(mask), device] = (mask, mask.to(device, non_blocking=True))
+        return kept[1]
 
 
 def agreed(local: int, agree: Callable[[bool], bool] | None) -> int:
@@ -210,15 +295,17 @@ def agreed(local: int, agree: Callable[[bool], bool] | None) -> int:
 
 
 # ------------------------------------------------------------------------------------------ forward
-def _raise_forward_mixing(tapes: list[Tape], levels: torch.Tensor) -> None:
+def _forward_flags(tapes: list[Tape], levels: torch.Tensor, masks: _DeviceMasks) -> Flags:
     """The last of ``tapes`` against each earlier one: every unit call must match where an example's
-    level is the same in both passes (one host read)."""
+    level is the same in both passes (flags on the device, not read)."""
     flags = Flags()
     p = len(tapes) - 1
     changed = tapes[p]
     for q, base in enumerate(tapes[:p]):
         mask = levels[:, q] != levels[:, p]  # the examples whose inputs differ between the two passes
-        regrouped = False  # whether a call's structure (hence the kernels' grouping of examples) changed
+        # whether a call's structure (hence the kernels' grouping of examples) changed: on the host, or a
+        # flag on the device where the structures' values decide it
+        regrouped: bool | torch.Tensor = False
         for name, calls in changed.calls.items():
             before = base.calls.get(name, [])
             for index, call in enumerate(calls):
@@ -226,20 +313,34 @@ def _raise_forward_mixing(tapes: list[Tape], levels: torch.Tensor) -> None:
                     flags.certain = flags.certain or (call, None, None, None, mask)
                     continue
                 old = before[index]
-                regrouped |= len(call.structure) != len(old.structure) or not all(
-                    torch.equal(x, y) for x, y in zip(call.structure, old.structure))
+                regrouped = _regrouped(regrouped, call.structure, old.structure)
                 for slot, a, b in zip(call.slots, old.values, call.values):
-                    rows = probe.changed_rows(a, b, regrouped)
+                    rows = probe.changed_rows(a, b)
                     if rows is None:
                         flags.certain = flags.certain or (call, slot, a, b, mask)
-                    else:
-                        flags.add(probe.outside(rows, a, mask), (call, slot, a, b, mask))
+                        continue
+                    if regrouped is True:
+                        rows = probe.changed_rows(a, b, True)
+                    elif regrouped is not False:
+                        rows = torch.where(regrouped.to(rows.device), probe.changed_rows(a, b, True), rows)
+                    device_mask = masks.on(mask, rows.device) if a.batched else None
+                    flags.add(probe.outside(rows, a, device_mask), (call, slot, a, b, mask))
         if len(changed.calls) != len(base.calls) and flags.certain is None:
             missing = next(calls[0] for name, calls in base.calls.items() if name not in changed.calls)
             flags.certain = (missing, None, None, None, mask)
-    failure = flags.first()
-    if failure is not None:
-        raise PrivacyError(_forward_mixing(*failure))
+    return flags
+
+
+def _regrouped(regrouped: bool | torch.Tensor, now: list[torch.Tensor], before: list[torch.Tensor]
+               ) -> bool | torch.Tensor:
+    """``regrouped``, or whether a call's structure tensors differ from the earlier pass's: on the host
+    where their number or shapes differ, else a flag on the device."""
+    if regrouped is True or len(now) != len(before) or any(x.shape != y.shape for x, y in zip(now, before)):
+        return True
+    for x, y in zip(now, before):
+        differs = (x != y.to(x.device, non_blocking=True)).any()
+        regrouped = differs if regrouped is False else regrouped | differs.to(regrouped.device)
+    return regrouped
 
 
 def _forward_mixing(call: Call, slot: Slot | None, a: Fingerprint | None, b: Fingerprint | None,
@@ -268,20 +369,23 @@ def _which(mask: torch.Tensor, noun: str = "example") -> str:
 
 
 # ----------------------------------------------------------------------------------------- backward
-def _disproportion(base: Tape, exponents: torch.Tensor) -> tuple[Call, int] | None:
-    """A unit tensor whose gradients do not scale with each example's loss weight, exactly (one host
-    read), or ``None``."""
+def _disproportion_flags(base: Tape, exponents: torch.Tensor) -> Flags:
+    """Flags of the unit tensors whose gradients do not scale with each example's loss weight, exactly
+    (on the device, not read)."""
     flags = Flags()
+    scales: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for _, _, call in base.all_calls():
         for index, grads in call.grads.items():
             if len(grads) != base.backwards:
                 flags.certain = flags.certain or (call, index)
                 continue
             first = grads[0]
-            for exponent, grad in zip(exponents, grads[1:]):
-                scale = (2.0 ** exponent.double()).to(first.rows.device, first.rows.dtype)
+            key = (first.rows.device, first.rows.dtype)
+            if key not in scales:
+                scales[key] = [(2.0 ** e.double()).to(*key, non_blocking=True) for e in exponents]
+            for scale, grad in zip(scales[key], grads[1:]):
                 flags.add(grad.rows != first.rows * scale, (call, index))
-    return flags.first()
+    return flags
 
 
 def _confirm_backward_mixing(model: nn.Module, units: list, args: tuple, kwargs: dict, n: int, root: int,
@@ -292,12 +396,13 @@ def _confirm_backward_mixing(model: nn.Module, units: list, args: tuple, kwargs:
     masks = code_masks(n, bits)
     silenced = [factors] + [factors.masked_fill(mask, 0.0) for mask in masks]
     tape = probe.record(model, units, args, kwargs, examples=n, root=root, seed=seed, factors=silenced)
-    flags = Flags()
+    flags, moved = Flags(), _DeviceMasks()
     for _, _, call in tape.all_calls():
         for index, grads in call.grads.items():
             for mask, grad in zip(masks, grads[1:]):
                 rows = probe.changed_rows(grads[0], grad)
-                flags.add(probe.outside(rows, grads[0], mask), (call, index, mask, grads[0], grad))
+                flags.add(probe.outside(rows, grads[0], moved.on(mask, rows.device)),
+                          (call, index, mask, grads[0], grad))
     failure = flags.first()
     if failure is not None:
         raise PrivacyError(_backward_mixing(*failure))
@@ -305,9 +410,8 @@ def _confirm_backward_mixing(model: nn.Module, units: list, args: tuple, kwargs:
 
 def _backward_mixing(call: Call, index: int, mask: torch.Tensor, a: Fingerprint, b: Fingerprint) -> str:
     slot = call.slots[index]
-    rows = probe.outside(probe.changed_rows(a, b), a, mask)
-    others = (~mask).nonzero().flatten()
-    k = int(others[rows.nonzero()[0]]) if rows.any() else int(others[0])
+    rows = probe.outside(probe.changed_rows(a, b), a, mask).cpu()
+    k = int(rows.nonzero()[0]) if rows.any() else int((~mask).nonzero()[0])
     return (f"module {call.unit.name!r} mixes examples in its backward: giving {_which(mask)} zero loss "
             f"weight changed the gradient of example {k} at its {slot.what} (shape {slot.shape}, read with "
             f"its examples in {slot.axis.describe()}): one example's gradient depends on the others "
@@ -405,30 +509,55 @@ class Independence(Guard):
         self.model, self.engine, self.schedule, self.probes = model, engine, schedule, probes
         self.verify_every, self.every_rank, self.after_probes = verify_every, every_rank, after_probes
         self.first_done = False  # whether the first (certain) check has run and passed
-        self.retained: list[tuple[tuple, dict, int | None]] = []
+        # the retained batches: inputs, examples, and whether an integer input is in order (a flag on the
+        # device until the engine's transfer reads it, :meth:`carried`)
+        self.retained: list[tuple[tuple, dict, int, bool | torch.Tensor]] = []
+        self._carried: list[int] = []
         self.schedule.checking = True
 
     def before_forward(self, call: ModelCall) -> None:
         if self.schedule.checking:
-            self.retained.append(_detached(call))
+            args, kwargs, n = _detached(call)
+            root = self.engine.declared.root
+            n = examples_in(args, kwargs, root) if n is None else n
+            self.retained.append((args, kwargs, n, ordered_flag(args, kwargs, n, root)))
+
+    def carried(self, device: torch.device) -> torch.Tensor | None:
+        """The retained batches' order flags, for the engine's transfer at the end of a backward pass."""
+        self._carried = [k for k, batch in enumerate(self.retained) if isinstance(batch[3], torch.Tensor)]
+        if not self._carried:
+            return None
+        return torch.stack([self.retained[k][3].to(device) for k in self._carried])
+
+    def carried_read(self, refused: list[bool]) -> None:
+        """Not refusals: whether each batch's integer input is in order."""
+        for k, ordered in zip(self._carried, refused):
+            self.retained[k] = (*self.retained[k][:3], ordered)
+        self._carried = []
 
     def before_release(self, step: int) -> None:
         retained, self.retained = self.retained, []
-        root = self.engine.declared.root
-        batches = [(args, kwargs, examples_in(args, kwargs, root) if n is None else n)
-                   for args, kwargs, n in retained]
+        batches = [(args, kwargs, n, ordered) for args, kwargs, n, ordered in retained]
         if self.every_rank is not None:  # a check is due: on every rank alike, one batch each
             batches = batches[:1]
             if batches and not self.every_rank(batches[0][2] >= 2):
                 batches = []
         batches = [batch for batch in batches if batch[2] >= 2]
         if batches:
-            for args, kwargs, n in batches:
-                first, ordered = not self.first_done, ordered_integers(args, kwargs, n, root)
+            unread = [k for k, batch in enumerate(batches) if isinstance(batch[3], torch.Tensor)]
+            if unread:  # no transfer carried them (a batch without a backward pass): one read
+                device = batches[unread[0]][3].device
+                values = torch.stack([batches[k][3].to(device) for k in unread]).tolist()
+                for k, ordered in zip(unread, values):
+                    batches[k] = (*batches[k][:3], ordered)
+            verdicts: list[Verdict] = []
+            for args, kwargs, n, ordered in batches:
+                first = not self.first_done
                 passes = agreed(first_passes(n, ordered), self.every_rank) if first else None
                 levels = self.probes.levels(step, n, first, ordered, passes)
                 check(self.model, self.engine, args, kwargs, n, levels, agree=self.every_rank,
-                      cyclic=not ordered)
+                      cyclic=not ordered, verdicts=verdicts)
+            settle(verdicts, self.every_rank)  # every batch's flags in one read
             if self.after_probes is not None:
                 self.after_probes("after the example-independence check")
             self.first_done = True

@@ -9,8 +9,8 @@ gradient each per-example unit tensor receives in each backward pass taken from 
 taken with respect to an anchor alone: it runs through every unit's output and what follows, forms no
 parameter gradient and writes no ``.grad``. Nothing is released.
 
-Comparisons read the host once (:func:`first_failure`): each compares tensors on the device and adds one
-flag; only a failure is then located and described.
+Comparisons read the host once (:class:`Flags`; several at once, :func:`failures`): each compares tensors
+on the device and adds one flag; only a failure is then located and described.
 """
 
 from __future__ import annotations
@@ -167,11 +167,11 @@ def unchanged_elsewhere(a: Fingerprint, b: Fingerprint | None, mask: torch.Tenso
 
 
 def outside(changed: torch.Tensor, a: Fingerprint, mask: torch.Tensor | None) -> torch.Tensor:
-    """The rows of ``changed`` outside ``mask`` (all of them: a tensor without the batch on its example
-    axis must not change at all)."""
+    """``changed`` where the rows are outside ``mask``, False inside it (all of them: a tensor without the
+    batch on its example axis must not change at all); on the device, no read."""
     if mask is None or not a.batched:
         return changed
-    return changed[~mask.to(changed.device)]
+    return changed & ~mask.to(changed.device, non_blocking=True)
 
 
 def code_bits(n: int) -> int:
@@ -179,16 +179,19 @@ def code_bits(n: int) -> int:
     return next(m for m in itertools.count(2) if math.comb(m, m // 2) >= n)
 
 
-@functools.lru_cache(maxsize=64)
 def row_codes(n: int, bits: int | None = None) -> torch.Tensor:
     """[n, m] flags: row i's code, a distinct set of ⌊m/2⌋ of m bits, m = ``bits`` (at least
     :func:`code_bits`). Two distinct codes of one size are never nested, so for any rows i ≠ j some bit is
-    i's and not j's: the m masks (columns) hold, for every ordered pair (j, i), one with j and without i."""
+    i's and not j's: the m masks (columns) hold, for every ordered pair (j, i), one with j and without i.
+    A new tensor on the host each time (the codes are kept as numbers)."""
+    return torch.tensor(_code_rows(n, bits), dtype=torch.bool)
+
+
+@functools.lru_cache(maxsize=64)
+def _code_rows(n: int, bits: int | None) -> tuple[tuple[bool, ...], ...]:
     m = max(code_bits(n), bits or 0)
-    codes = torch.zeros(n, m, dtype=torch.bool)
-    for row, bits in enumerate(itertools.islice(itertools.combinations(range(m), m // 2), n)):
-        codes[row, list(bits)] = True
-    return codes
+    return tuple(tuple(bit in chosen for bit in range(m))
+                 for chosen in itertools.islice(itertools.combinations(range(m), m // 2), n))
 
 
 @functools.lru_cache(maxsize=256)
@@ -210,13 +213,18 @@ def level_design(n: int, passes: int | None = None) -> tuple[int, int]:
             return k, m
 
 
-@functools.lru_cache(maxsize=64)
 def row_levels(n: int, passes: int | None = None) -> torch.Tensor:
     """[n, k] levels: row i's input in each of k passes (0: as it is, in pass 0 always; v > 0: changed in
     the v-th way), (k, m) from :func:`level_design`. Row i's levels are a distinct partition of the passes
     into m blocks (its restricted growth string). Partitions into one number of blocks never refine each
     other, so for any rows i ≠ j two passes give i one level and j two: comparing row i's outputs between
-    passes where its input is the same sees every example j that reaches it."""
+    passes where its input is the same sees every example j that reaches it. A new tensor on the host each
+    time (the levels are kept as numbers)."""
+    return torch.tensor(_level_rows(n, passes), dtype=torch.int64)
+
+
+@functools.lru_cache(maxsize=64)
+def _level_rows(n: int, passes: int | None) -> tuple[tuple[int, ...], ...]:
     k, m = level_design(n, passes)
     rows: list[list[int]] = []
 
@@ -231,7 +239,7 @@ def row_levels(n: int, passes: int | None = None) -> torch.Tensor:
             if m - max(used, level + 1) <= k - len(prefix) - 1:  # enough passes left to use every level
                 grow(prefix + [level], max(used, level + 1))
     grow([0], 1)
-    return torch.tensor(rows, dtype=torch.int64)
+    return tuple(map(tuple, rows))
 
 
 def autocast_regions() -> tuple[tuple[str, torch.dtype], ...]:
@@ -360,7 +368,8 @@ def loss_weights(t: torch.Tensor, dim: int, factors: torch.Tensor) -> torch.Tens
     pattern times each example's ``factor`` (distinct, so that one example's gradient reaching two others
     cancels between them only by coincidence)."""
     rows = t.detach().movedim(dim, 0)
-    scale = factors.to(device=t.device, dtype=rows.dtype).reshape(-1, *[1] * (rows.dim() - 1))
+    scale = factors.to(device=t.device, dtype=rows.dtype, non_blocking=True)
+    scale = scale.reshape(-1, *[1] * (rows.dim() - 1))
     return (scale * row_pattern(rows[0])).movedim(0, dim)
 
 
@@ -473,15 +482,22 @@ class Flags:
 
     def first(self) -> object | None:
         """The meaning of the first failure (one host read for all flags), or ``None``."""
-        if self.certain is not None:
-            return self.certain
-        if not self.flags:
-            return None
-        by_device: dict[torch.device, list[int]] = {}
-        for k, flag in enumerate(self.flags):
-            by_device.setdefault(flag.device, []).append(k)
-        failed = []
-        for indices in by_device.values():
-            stacked = torch.cat([self.flags[k] for k in indices])
-            failed += [indices[k] for k in stacked.nonzero().flatten().tolist()]
-        return self.meanings[min(failed)] if failed else None
+        return failures([self])[0]
+
+
+def failures(comparisons: Sequence[Flags]) -> list[object | None]:
+    """The first failure of each comparison (its ``certain`` one, else its first failed flag), ``None``
+    where none failed: the flags of all of them read at once (one transfer per device)."""
+    read = [(k, i, flag) for k, c in enumerate(comparisons) if c.certain is None
+            for i, flag in enumerate(c.flags)]
+    by_device: dict[torch.device, list[tuple[int, int, torch.Tensor]]] = {}
+    for item in read:
+        by_device.setdefault(item[2].device, []).append(item)
+    failed: dict[int, int] = {}  # comparison: its first failed flag
+    for items in by_device.values():
+        values = torch.cat([flag for _, _, flag in items]).cpu().tolist()
+        for (k, i, _), value in zip(items, values):
+            if value:
+                failed[k] = min(failed.get(k, i), i)
+    return [c.certain if c.certain is not None else c.meanings[failed[k]] if k in failed else None
+            for k, c in enumerate(comparisons)]

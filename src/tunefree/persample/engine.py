@@ -77,6 +77,10 @@ class ForwardGuard(Protocol):
 
     def before_forward(self, call: ModelCall) -> None: ...
 
+    def carried(self, device: torch.device) -> torch.Tensor | None: ...  # flags read with the transfer
+
+    def carried_read(self, refused: list[bool]) -> None: ...
+
 
 class ClippingEngine:
     """Hooks a model and produces, after each backward pass, the clipped per-sample gradient sums.
@@ -360,7 +364,9 @@ class ClippingEngine:
             for group in self.groups:
                 self.booking.clip_group(state, group)
         self._reset_pass()
-        self.booking.close(state)
+        carried_read = self.booking.close(state, self.guards)
+        if carried_read is not None:
+            self.guards.carried_read(carried_read)
 
     def _reset_pass(self) -> None:
         self._pass = PassState()

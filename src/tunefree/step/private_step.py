@@ -58,6 +58,7 @@ class PrivateStep:
         self._updating = False
         # The wrapped optimizer's updates before this run (0 again once a checkpoint's ledger is loaded).
         self.updates_before_run = updates_applied(optimizer)
+        self._count_after_update: tuple[object, int] | None = None  # the count's tensor, its version
         self._direct = optimizer.register_step_pre_hook(self._refuse_direct_step)
         self.thresholds: dict[str, float] = {}
         self.hand_over_thresholds()
@@ -84,12 +85,14 @@ class PrivateStep:
         for component in self.components:
             component.before_update(context)
         self.guards.before_update(step)
-        check_updates_recorded(self.optimizer, self.ledger.steps - 1, self.updates_before_run)
+        if not _same_count(self._count_after_update, _count_version(self.optimizer)):
+            check_updates_recorded(self.optimizer, self.ledger.steps - 1, self.updates_before_run)
         self._updating = True
         try:
             self.optimizer.step()
         finally:
             self._updating = False
+        self._count_after_update = _count_version(self.optimizer)
         self.guards.after_update(step)
         for component in self.components:
             component.after_update(context)
@@ -151,6 +154,18 @@ def updates_applied(optimizer: torch.optim.Optimizer) -> int:
     0 for one that keeps none (SGD)."""
     counted = next((state["step"] for state in optimizer.state.values() if "step" in state), None)
     return 0 if counted is None else int(counted)
+
+
+def _count_version(optimizer: torch.optim.Optimizer) -> tuple[object, int] | None:
+    """The tensor holding the optimizer's count of its updates, and its version: while both are those the
+    last update left, the count is that update's, already checked (a loaded state is another tensor); a
+    count kept on the device (fused, capturable) is then not read. ``None``: not a tensor."""
+    counted = next((state["step"] for state in optimizer.state.values() if "step" in state), None)
+    return (counted, counted._version) if isinstance(counted, torch.Tensor) else None
+
+
+def _same_count(before: tuple[object, int] | None, now: tuple[object, int] | None) -> bool:
+    return before is not None and now is not None and before[0] is now[0] and before[1] == now[1]
 
 
 def check_updates_recorded(optimizer: torch.optim.Optimizer, recorded: int, before: int = 0) -> None:
