@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_harness import free_port
 from sklearn.datasets import load_digits
+from support.gloo_harness import free_port
 from torch import nn
 from torch.utils.data import TensorDataset
 
