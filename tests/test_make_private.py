@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from support.training import train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 
@@ -31,18 +32,6 @@ def private(model=None, data=None, batch_size=20, **kwargs):
     options = {"noise_multiplier": 1.0, "target_delta": 1e-4, "seed": 0, **kwargs}
     return tunefree.make_private(model, opt, DataLoader(data or dataset(), batch_size=batch_size),
                                  **options)
-
-
-def train(engine, steps):
-    taken = 0
-    while taken < steps:
-        for x, y in engine.data_loader:
-            engine.optimizer.zero_grad()
-            F.cross_entropy(engine.model(x), y).backward()
-            engine.optimizer.step()
-            taken += engine.schedule.ends_logical
-            if taken == steps:
-                return
 
 
 # ----------------------------------------------------------------------------- validation

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from support.training import train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -201,10 +202,7 @@ def _train_digits_like(dataset):
     engine = tunefree.make_private(model, torch.optim.Adam(model.parameters(), lr=0.05),
                                    DataLoader(dataset, batch_size=64), target_delta=1e-5,
                                    noise_multiplier=0.8, epochs=3, seed=0)
-    for x, y in engine.data_loader:
-        engine.optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        engine.optimizer.step()
+    train(engine)
     return engine
 
 

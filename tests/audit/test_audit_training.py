@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from support.training import train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -33,13 +34,7 @@ def _train(steps: int, canaries: int | None, seed: int | None = 0, **options) ->
                                    DataLoader(_data(), batch_size=BATCH), target_delta=1e-5,
                                    noise_multiplier=options.pop("noise_multiplier", 2.0), steps=steps,
                                    seed=seed, audit_canaries=canaries, **options)
-    while engine.steps < steps:
-        for x, y in engine.data_loader:
-            engine.optimizer.zero_grad()
-            F.binary_cross_entropy_with_logits(model(x).squeeze(-1), y).backward()
-            engine.optimizer.step()
-            if engine.steps == steps:
-                break
+    train(engine, steps, loss=lambda model, x, y: F.binary_cross_entropy_with_logits(model(x).squeeze(-1), y))
     return engine, model
 
 

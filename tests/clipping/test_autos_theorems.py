@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from support.training import train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -34,15 +34,7 @@ def trajectory(make_optimizer, max_grad_norm, groups="all-layer", clipping="auto
     engine = tunefree.make_private(model, optimizer, DataLoader(data(), batch_size=16),
                                    noise_multiplier=0.7, target_delta=1e-3, clipping=clipping,
                                    max_grad_norm=max_grad_norm, groups=groups, seed=11)
-    taken = 0
-    while taken < steps:
-        for x, y in engine.data_loader:
-            engine.optimizer.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            engine.optimizer.step()
-            taken += 1
-            if taken == steps:
-                break
+    train(engine, steps)
     engine.detach()
     return model, optimizer
 

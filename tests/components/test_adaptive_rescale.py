@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from support.models import MLP
+from support.training import train
 from torch.utils.data import DataLoader, TensorDataset
 
 from tunefree import AdaptiveQuantile, make_private
@@ -24,18 +24,10 @@ def engine_for(thresholds, groups="per-layer"):
                         max_grad_norm=1.0, thresholds=thresholds, seed=0)
 
 
-def steps(engine, n):
-    for _ in range(n):
-        x, y = next(iter(engine.data_loader))
-        engine.optimizer.zero_grad()
-        F.cross_entropy(engine.model(x), y).backward()
-        engine.optimizer.step()
-
-
 def test_rescaled_thresholds_keep_the_total_and_follow_the_estimates():
     engine = engine_for(AdaptiveQuantile(target=0.7, rescale=True))
     initial = math.sqrt(sum(c ** 2 for c in engine.clip_thresholds.values()))
-    steps(engine, 5)
+    train(engine, 5)
     estimates = engine.quantile_estimator.quantiles
     norm = math.sqrt(sum(q ** 2 for q in estimates.values()))
     expected = {k: initial * q / norm for k, q in estimates.items()}
@@ -43,7 +35,7 @@ def test_rescaled_thresholds_keep_the_total_and_follow_the_estimates():
     assert math.hypot(*engine.clip_thresholds.values()) == pytest.approx(initial, rel=1e-12)
     assert engine.clip_thresholds != pytest.approx(estimates)  # not the estimates themselves
     plain = engine_for(AdaptiveQuantile(target=0.7))  # without rescaling Abadi clips at the estimates
-    steps(plain, 5)
+    train(plain, 5)
     assert plain.clip_thresholds == pytest.approx(plain.quantile_estimator.quantiles, rel=1e-12)
 
 

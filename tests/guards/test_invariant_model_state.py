@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from support.training import train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -248,18 +249,6 @@ def private(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **options) -> tu
     settings = {"noise_multiplier": 1.0, "steps": 4, "seed": 0, **options}
     return tunefree.make_private(model, optimizer, DataLoader(TensorDataset(x, y), batch_size=len(x)),
                                  target_delta=1e-3, **settings)
-
-
-def train(engine: tunefree.DPEngine, steps: int) -> None:
-    taken = 0
-    while True:
-        for xb, yb in engine.data_loader:
-            engine.optimizer.zero_grad()
-            F.cross_entropy(engine.model(xb), yb).backward()
-            engine.optimizer.step()
-            taken += engine.schedule.ends_logical
-            if taken == steps:
-                return
 
 
 def assert_nothing_released(engine: tunefree.DPEngine) -> None:

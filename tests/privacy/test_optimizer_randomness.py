@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
+from support.training import train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -28,14 +28,6 @@ def private(**kwargs):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     return tunefree.make_private(model, optimizer, DataLoader(data(), batch_size=10),
                                  noise_multiplier=1.0, target_delta=1e-3, **kwargs)
-
-
-def train(engine, steps):
-    for _ in range(steps):
-        x, y = next(iter(engine.data_loader))
-        engine.optimizer.zero_grad()
-        F.cross_entropy(engine.model(x), y).backward()
-        engine.optimizer.step()
 
 
 def test_default_run_draws_sampling_and_noise_from_one_key_read_from_os_urandom(monkeypatch):
