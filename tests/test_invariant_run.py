@@ -160,6 +160,7 @@ def _different_data_scenario(rank: int) -> dict:
     return {"refused": None}
 
 
+@pytest.mark.distributed
 def test_data_parallel_ranks_holding_different_data_are_refused(tmp_path: Path):
     ranks = run_processes(_different_data_scenario, tmp_path, world=2, deadline_s=90, collective_timeout_s=4)
     for rank, other in ((0, 1), (1, 0)):

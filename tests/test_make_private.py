@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from support import slow_case
 from support.training import train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
@@ -92,6 +93,7 @@ def test_model_is_the_same_object_and_detaches_cleanly():
 
 
 # ----------------------------------------------------------------------------- calibration
+@pytest.mark.slow
 def test_target_epsilon_is_met_by_the_planned_run():
     engine = private(noise_multiplier=None, target_epsilon=2.0, epochs=3)
     assert engine.planned_steps == 3 * 10
@@ -225,7 +227,7 @@ def _fresh(seed=3):
     return model, opt, engine
 
 
-@pytest.mark.parametrize("stop_after", [10, 14])  # an epoch boundary and mid-epoch
+@pytest.mark.parametrize("stop_after", [slow_case(10), 14])  # an epoch boundary and mid-epoch
 def test_checkpoint_and_resume_continue_the_same_run(stop_after):
     model, _, engine = _fresh()
     train(engine, 25)

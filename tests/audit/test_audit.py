@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from support import slow_case
 from support.training import train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -105,7 +106,7 @@ def test_bad_settings_are_refused():
 
 
 # ---------------------------------------------------------------------------------------- correct runs
-@pytest.mark.parametrize("settings", [FULL_BATCH, HALF_BATCH], ids=["q=1", "q=0.5"])
+@pytest.mark.parametrize("settings", [FULL_BATCH, slow_case(HALF_BATCH)], ids=["q=1", "q=0.5"])
 def test_a_correct_run_is_consistent(settings):
     result = one_run_audit(AuditSettings(**settings))
     assert result.epsilon_lower_bound <= result.epsilon
@@ -131,6 +132,7 @@ def test_the_claimed_epsilon_is_the_ledgers():
 
 
 # ---------------------------------------------------------------------------------------- broken runs
+@pytest.mark.slow
 def test_noise_four_times_too_small_breaks_the_lower_bound(monkeypatch):
     original = GradientRelease.noise_stds
     monkeypatch.setattr(GradientRelease, "noise_stds",
@@ -142,6 +144,7 @@ def test_noise_four_times_too_small_breaks_the_lower_bound(monkeypatch):
     assert noise.ratio == pytest.approx(0.25, rel=0.05) and not noise.passed
 
 
+@pytest.mark.slow
 def test_a_release_at_twice_its_recorded_sensitivity_is_caught(monkeypatch):
     original = GradientRelease.release
     monkeypatch.setattr(GradientRelease, "release",
@@ -212,6 +215,7 @@ def _minus_loss(model, canaries):
         return (-F.cross_entropy(model(x), y, reduction="none")).numpy()
 
 
+@pytest.mark.slow
 def test_black_box_audit_is_loose_and_valid():
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(512, 10, generator=generator)
@@ -227,7 +231,7 @@ def test_black_box_audit_is_loose_and_valid():
 
 
 # ---------------------------------------------------------------------------------------- command line
-@pytest.mark.parametrize("budget", [["--noise-multiplier", "2.0"], ["--target-epsilon", "2"]])
+@pytest.mark.parametrize("budget", [["--noise-multiplier", "2.0"], slow_case(["--target-epsilon", "2"])])
 def test_cli_audit_writes_the_json_keys(tmp_path, capsys, budget):
     path = tmp_path / "audit.json"
     status = main(["audit", *budget, "--sample-rate", "0.5", "--steps", "4", "--canaries", "300",

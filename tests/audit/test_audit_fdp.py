@@ -109,6 +109,7 @@ def test_the_test_is_valid_for_the_mechanism_it_hypothesises():
 
 
 @pytest.mark.parametrize("q, sigma", [(1.0, 2.5), (0.5, 1.5)])
+@pytest.mark.slow
 def test_f_dp_bound_is_below_epsilon_and_above_the_steinke_bound(q, sigma):
     rng = np.random.default_rng(2)
     steps, m, delta = 10, 1000, 1e-5

@@ -38,6 +38,7 @@ def _train(steps: int, canaries: int | None, seed: int | None = 0, **options) ->
     return engine, model
 
 
+@pytest.mark.slow
 def test_an_audited_correct_run_is_consistent():
     engine, _ = _train(10, 1000, verify_every=5)  # the independence check runs at steps 1, 5 and 10
     result = audit_training(engine)
@@ -56,6 +57,7 @@ def test_an_audited_run_with_groups_and_adaptive_thresholds_is_consistent():
     assert result.verdict == "consistent", result.explain()
 
 
+@pytest.mark.slow
 def test_an_audited_run_with_noise_four_times_too_small_is_caught(monkeypatch):
     original = GradientRelease.noise_stds
     monkeypatch.setattr(GradientRelease, "noise_stds",

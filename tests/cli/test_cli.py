@@ -31,6 +31,7 @@ def short_run(tmp_path_factory):
     return code, out
 
 
+@pytest.mark.slow
 def test_train_writes_result_and_run_directory(short_run):
     code, out = short_run
     assert code == 0
@@ -60,6 +61,7 @@ RELEASED_STEP_KEYS = {"kind", "epoch", "step", "lr", "thresholds", "loss_bound"}
 EPOCH_KEYS = {"kind", "epoch", "step", "epsilon", "test_accuracy"}
 
 
+@pytest.mark.slow
 def test_nothing_computed_from_the_training_rows_without_noise_is_written(short_run):
     _, out = short_run
     records = [json.loads(line) for line in (out / "dir" / "metrics.jsonl").read_text().splitlines()]
@@ -73,6 +75,7 @@ def test_nothing_computed_from_the_training_rows_without_noise_is_written(short_
     assert result["guarantee"].startswith(f"covers the {result['dataset']['train_examples']} training rows")
 
 
+@pytest.mark.slow
 def test_progress_shows_epsilon_and_a_labelled_test_accuracy_and_says_nothing_was_kept(capsys):
     assert main(["train", "--epochs", "1", "--epsilon", "2"]) == 0
     captured = capsys.readouterr()
@@ -82,6 +85,7 @@ def test_progress_shows_epsilon_and_a_labelled_test_accuracy_and_says_nothing_wa
     assert captured.out.splitlines()[-1].startswith("no --out: the model was not saved")
 
 
+@pytest.mark.slow
 def test_epsilon_calculator(capsys):
     assert main(["epsilon", "--noise-multiplier", "1.0", "--sample-rate", "0.01", "--steps",
                  "1000", "--delta", "1e-5"]) == 0
@@ -125,6 +129,7 @@ def test_errors_are_one_line_without_traceback(tmp_path, capsys, argv, match):
     assert re.search(match, err), err
 
 
+@pytest.mark.slow
 def test_console_entry_point_exits_2_on_error():
     proc = subprocess.run([sys.executable, "-m", "tunefree.cli", "train", "--dataset",
                            "/nonexistent.csv"], capture_output=True, text=True, timeout=300)
@@ -132,12 +137,14 @@ def test_console_entry_point_exits_2_on_error():
     assert proc.stderr.startswith("tunefree: error: dataset '/nonexistent.csv' not found")
 
 
+@pytest.mark.slow
 def test_debug_shows_the_traceback():
     proc = subprocess.run([sys.executable, "-m", "tunefree.cli", "--debug", "train", "--dataset",
                            "/nonexistent.csv"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "Traceback" in proc.stderr
 
 
+@pytest.mark.slow
 def test_adaptive_per_layer_flags(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "--epochs", "1", "--groups", "per-layer", "--thresholds", "adaptive",
@@ -155,6 +162,7 @@ def test_adaptive_per_layer_flags(tmp_path):
     assert (out / "thresholds.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_the_default_learning_rate_is_automatic_and_the_averaged_model_is_kept(tmp_path):
     """No --lr, no --optimizer: SGD with lr='auto' (its step set from the released gradients, no ε of its
     own); every epoch's test accuracy, and the result's, is of the averaged weights the run keeps."""
@@ -175,6 +183,7 @@ def test_the_default_learning_rate_is_automatic_and_the_averaged_model_is_kept(t
     assert accuracy(model, data.test) == result["test_accuracy"]
 
 
+@pytest.mark.slow
 def test_lr_auto_sets_the_step_of_any_optimizer_offered(tmp_path):
     """--optimizer adamw without --lr: the automatic learning rate, translated to AdamW's (no ε)."""
     assert main(["train", "--epochs", "1", "--optimizer", "adamw", "--quiet", "--seed", "0",
@@ -184,6 +193,7 @@ def test_lr_auto_sets_the_step_of_any_optimizer_offered(tmp_path):
     assert 0.99 * 3.0 <= result["epsilon"] <= 3.0 and result["test_accuracy"] > 0.3
 
 
+@pytest.mark.slow
 def test_hyfreedp_learning_rate(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "--epochs", "2", "--optimizer", "adamw", "--lr", "hyfreedp", "--quiet", "--seed",
@@ -198,6 +208,7 @@ def test_hyfreedp_learning_rate(tmp_path):
     assert (out / "learning_rate.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_default_run_is_secure_and_a_seeded_run_says_the_seed_removes_the_noise(short_run, tmp_path, capsys):
     _, out = short_run
     seeded = json.loads((out / "result.json").read_text())
@@ -224,6 +235,7 @@ def test_refuses_silently_ignored_arguments(args, expected, capsys):
     assert expected in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_calculator_is_bounded_for_tiny_noise_and_huge_targets(capsys):
     common = ["--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5"]
     assert main(["epsilon", "--noise-multiplier", "1e-3", *common]) == 0  # 38 GiB by PLD: RDP here
@@ -238,6 +250,7 @@ def test_calculator_is_bounded_for_tiny_noise_and_huge_targets(capsys):
 
 
 @pytest.mark.parametrize("length, planned", [(["--epochs", "1.5"], 5), (["--steps", "4"], 4)])
+@pytest.mark.slow
 def test_training_runs_exactly_the_planned_steps(tmp_path, length, planned):
     # 431 of the 1,437 digits training examples: q ≈ 0.3, round(1/q) = 3 steps per epoch, so 1.5 epochs
     # plan ⌈4.5⌉ = 5 steps, in make_private's calibration and in the loop alike.
@@ -256,6 +269,7 @@ def test_training_runs_exactly_the_planned_steps(tmp_path, length, planned):
     assert result["epsilon"] <= 3.0
 
 
+@pytest.mark.slow
 def test_a_target_looser_than_any_useful_noise_ends_and_says_so(tmp_path, capsys):
     assert main(["train", "--epsilon", "1e6", "--steps", "3", "--quiet",
                  "--json", str(tmp_path / "r.json")]) == 0
@@ -268,6 +282,7 @@ def test_a_target_looser_than_any_useful_noise_ends_and_says_so(tmp_path, capsys
     assert result["note"] in out
 
 
+@pytest.mark.slow
 def test_a_reachable_target_gets_no_note(short_run):
     _, out = short_run
     assert json.loads((out / "result.json").read_text())["note"] is None
@@ -315,6 +330,7 @@ def test_bad_data_is_one_line_error(tmp_path, capsys, case, match):
     assert re.search(match, err), err
 
 
+@pytest.mark.slow
 def test_audit_canaries_report_a_lower_bound_below_the_runs_epsilon(tmp_path, capsys):
     # seeded: the verdict is a 95%-confidence test, so a secure (unseeded) run fails it now and then
     code = main(["train", "--dataset", "digits", "--epsilon", "8", "--steps", "20", "--batch-size", "512",
@@ -328,12 +344,14 @@ def test_audit_canaries_report_a_lower_bound_below_the_runs_epsilon(tmp_path, ca
     assert "audit: ε_LB" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_run_without_canaries_reports_no_audit(short_run):
     _, out = short_run
     assert json.loads((out / "result.json").read_text())["audit"] is None
 
 
 # ---------------------------------------------------------------------------- tunefree predict
+@pytest.mark.slow
 def test_predict_serves_an_image_model_as_it_was_evaluated(short_run, tmp_path, capsys):
     """`make run` trains digits into runs/digits and advertises `tunefree predict --run runs/digits`."""
     from tunefree.cli.predict import ImagePredictor, load
@@ -355,6 +373,7 @@ def test_predict_serves_an_image_model_as_it_was_evaluated(short_run, tmp_path, 
     assert hits == pytest.approx(result["test_accuracy"])
 
 
+@pytest.mark.slow
 def test_predict_reads_image_arrays_and_folders_by_their_storage_type(short_run, tmp_path):
     from PIL import Image
 
@@ -402,6 +421,7 @@ def table_run(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 def test_predict_counts_unseen_categories_and_suggests_only_its_own_flags(table_run, tmp_path, capsys):
     capsys.readouterr()
     new = pd.DataFrame({"age": [30, 40, 50, 60], "colour": ["red", "green", "violet", "blue"]})
@@ -445,6 +465,7 @@ def test_majority_class_rate_against_a_count():
         majority_class_rate([], ["a"])
 
 
+@pytest.mark.slow
 def test_every_run_shows_the_majority_rate_in_its_output_report_and_plot(short_run):
     from tunefree.cli.report import majority_class_rate, test_accuracy_figure
 
@@ -462,6 +483,7 @@ def test_every_run_shows_the_majority_rate_in_its_output_report_and_plot(short_r
     assert [line.get_ydata()[0] for line in figure.axes[0].lines[1:]] == [baseline[0]["test_accuracy"]]
 
 
+@pytest.mark.slow
 def test_a_reference_run_without_noise_is_shown_beside(table_run, tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", "--dataset", str(table_run / "t.csv"), "--steps", "2", "--quiet", "--seed", "0",
@@ -488,6 +510,7 @@ def test_one_class_training_rows_are_refused_with_the_true_reason(tmp_path, caps
                            "classes")
 
 
+@pytest.mark.slow
 def test_small_epsilon_calibrates_in_the_calculator_and_in_training(tmp_path, capsys):
     """Issue 30's examples: PLD did not converge at ε = 0.1 (q = 0.01, 1,000 steps), nor training at
     ε ≤ 0.15."""

@@ -127,6 +127,7 @@ def _run(tmp_path, *args):
     return code, (json.loads((tmp_path / "r.json").read_text()) if code == 0 else None)
 
 
+@pytest.mark.slow
 def test_a_table_with_categories_trains_and_every_release_is_in_the_ledger(tmp_path, capsys):
     code, result = _run(tmp_path, "--dataset", str(_table(tmp_path / "t.csv")))
     assert code == 0
@@ -159,6 +160,7 @@ def test_a_table_with_categories_trains_and_every_release_is_in_the_ledger(tmp_p
         epsilon_of(dpa.ComposedDpEvent(releases), delta, "rdp"), rel=1e-9)
 
 
+@pytest.mark.slow
 def test_the_run_spends_the_target_with_components_that_split_the_budget_too(tmp_path):
     """HyFreeDP's loss releases and adaptive thresholds' counts are solved on the same ledger as the
     preprocessing releases: the whole run still spends the target ε."""
@@ -168,6 +170,7 @@ def test_the_run_spends_the_target_with_components_that_split_the_budget_too(tmp
     assert 0.99 * 4.0 <= result["epsilon"] <= 4.0
 
 
+@pytest.mark.slow
 def test_a_public_schema_spends_nothing_on_the_encoding(tmp_path, capsys):
     (tmp_path / "schema.json").write_text(json.dumps({
         "categorical": {"colour": ["red", "green", "blue", "violet"]},
@@ -182,6 +185,7 @@ def test_a_public_schema_spends_nothing_on_the_encoding(tmp_path, capsys):
     assert result["epsilon"] == pytest.approx(epsilon_of(training, result["delta"], "rdp"), rel=1e-9)
 
 
+@pytest.mark.slow
 def test_numeric_scaling_none_feeds_the_columns_raw_and_hidden_sizes_the_mlp(tmp_path, capsys):
     code, result = _run(tmp_path, "--dataset", str(_table(tmp_path / "t.csv")), "--numeric-scaling", "none",
                         "--hidden", "16,8")
@@ -415,6 +419,7 @@ def test_learning_rate_plot_reads_well_when_the_rate_is_constant():
     assert not auto.axes[0].yaxis.get_major_formatter().get_useOffset()
 
 
+@pytest.mark.slow
 def test_plot_labels_fit_and_long_runs_are_smoothed():
     records = _records(10_000, auto_lr=True)
     for figure, _ in report.FIGURES.values():
@@ -426,6 +431,7 @@ def test_plot_labels_fit_and_long_runs_are_smoothed():
 
 
 # ---------------------------------------------------------------------------- δ
+@pytest.mark.slow
 def test_the_default_delta_is_stated_with_how_it_was_chosen(tmp_path, capsys):
     code, result = _run(tmp_path)
     n = result["dataset"]["train_examples"]

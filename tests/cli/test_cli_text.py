@@ -22,6 +22,8 @@ from tunefree.cli.split import held_out, split_key, table_rows
 from tunefree.privacy import threshold_event
 from tunefree.privacy.accounting import epsilon_of, planned_event
 
+pytestmark = pytest.mark.hf
+
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "good", "great", "fun", "bad", "awful", "dull"]
 SPECIAL = ["[PAD]", "[UNK]", "<eos>"]
 
@@ -192,6 +194,7 @@ def test_mean_pooling_ignores_padding(files):
     assert not torch.allclose(pooled[0], layers[-1][0].mean(0), atol=1e-3)
 
 
+@pytest.mark.slow
 def test_the_weights_rule_trains_every_weight_only_where_the_noise_is_below_the_signal():
     # the issue's case: N = 1,897, ε = 8, all-MiniLM-L6-v2's 22.7M weights, batch 256, 3 epochs
     weights, why = text_defaults.choose_weights("auto", 22_713_986, 1897, 8.0, 1 / 1897 ** 1.1, None, None,
@@ -430,6 +433,7 @@ def test_the_reference_run_trains_the_private_recipe_without_noise(files, tmp_pa
     assert f"tunefree predict --run {out}" in printed
 
 
+@pytest.mark.slow
 def test_test_data_gives_the_test_rows(files, tmp_path):
     frame = pd.read_csv(files / "reviews.csv")
     frame.iloc[:45].to_csv(tmp_path / "train.csv", index=False)

@@ -44,6 +44,8 @@ def _table(path: Path, rows: int = 6000) -> str:
     return str(path)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_train_in_two_processes_spends_the_epsilon_of_one_and_writes_once(tmp_path, capfd):
     data = _table(tmp_path / "t.csv")
     # ε = 1 and large batches: the noise is calibrated in a few seconds per process
@@ -130,6 +132,7 @@ def _once_scenario(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 def test_a_release_outside_the_steps_is_made_once_and_seen_by_every_rank(tmp_path):
     for process in _spawn(_once_scenario, tmp_path):
         assert process.exitcode == 0
@@ -179,6 +182,7 @@ def _killed_rank_scenario(rank: int, port: int, out: str) -> None:
                 "ledger_steps": engine.ledger.steps}, Path(out) / f"rank{rank}.pt")
 
 
+@pytest.mark.distributed
 def test_a_rank_killed_inside_the_step_fails_the_step_on_the_other_without_an_update(tmp_path):
     survivor, killed = _spawn(_killed_rank_scenario, tmp_path)
     assert killed.exitcode == -signal.SIGKILL
@@ -229,6 +233,7 @@ def _resume_scenario(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 def test_a_one_process_checkpoint_resumes_in_two_ranks_as_the_same_run(tmp_path):
     """The sampler re-partitions exactly (step t's union batch does not depend on the world size), so a
     checkpoint resumes at another world size and continues the same run: same batches, same noise."""

@@ -79,6 +79,7 @@ def _engine(model, data, *, batch_size, **kwargs):
                         target_delta=kwargs.pop("target_delta", 1e-5), **kwargs)
 
 
+@pytest.mark.slow
 def test_joint_accounting_equals_target():
     torch.manual_seed(3)
     model, data = MLP().double(), dataset(1000)
@@ -190,6 +191,7 @@ CONVERGENCE_CASES = [("all-layer", "auto-s", 0.5, 30.0), ("per-layer", "auto-s",
 
 
 @pytest.mark.parametrize("grouping,clipping,quantile,start", CONVERGENCE_CASES)
+@pytest.mark.slow
 def test_thresholds_converge_to_the_empirical_quantile(grouping, clipping, quantile, start):
     """Noise off, fixed weights, every example in every batch: each threshold settles at the
     empirical quantile of its group's per-sample norms. With a constant step η it may end in a
@@ -325,6 +327,7 @@ def test_training_noise_per_group_follows_the_moving_thresholds(allocation):
 
 
 # ---------------------------------------------------------------- checkpoints and bad input
+@pytest.mark.slow
 def test_resumed_run_continues_identically():
     def build():
         torch.manual_seed(11)

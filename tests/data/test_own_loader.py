@@ -117,6 +117,7 @@ def test_a_batch_holding_an_example_twice_is_refused_before_the_first_release():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
+@pytest.mark.slow
 def test_a_shuffled_loader_trains_epoch_after_epoch_each_example_once_per_epoch():
     loader = DataLoader(data(), batch_size=BATCH, shuffle=True)
     model, engine = private(loader, steps=8)

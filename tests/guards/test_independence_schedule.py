@@ -180,6 +180,7 @@ def test_a_gradient_hook_that_is_per_example_but_not_linear_passes():
     verify_example_independence(net, _engine(net), (torch.randn(N, 3) * 3,))
 
 
+@pytest.mark.slow
 def test_a_later_check_catches_a_forward_only_pair_with_the_stated_probability():
     """400 later checks as a run draws them (seeded): a directed pair only a forward pass shows is caught
     when its source is in the half and its target is not, probability 1/4 (× 1/(1 − 2^-7) for halves
@@ -210,6 +211,7 @@ def test_the_first_check_catches_a_forward_only_pair_with_certainty():
             verify_example_independence(net, _engine(net), (x,), levels=schedule.levels(1, n, first=True))
 
 
+@pytest.mark.slow
 def test_the_checked_steps_are_random_at_the_stated_rate_and_replay_with_the_seed():
     def schedule(randomness: NoiseSource) -> list[bool]:
         probes = ProbeSchedule(randomness)

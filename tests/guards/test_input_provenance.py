@@ -102,6 +102,7 @@ def test_a_batch_kept_from_an_earlier_step_is_refused():
         engine.optimizer.step()
 
 
+@pytest.mark.slow
 def test_poisson_sampling_false_trains_on_the_users_loader_as_an_approximation():
     x, y = images()
     model = Net()
@@ -247,6 +248,7 @@ def test_per_example_augmentation_trains_and_its_release_is_exact():
         torch.testing.assert_close(looped[name], reference[name], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_the_augmentation_loop_docs_refusals_md_shows_trains(capsys):
     text = (Path(__file__).parents[2] / "docs" / "refusals.md").read_text()
     section = text[text.index("## The model trains on the loader's examples"):]

@@ -336,6 +336,7 @@ def test_evaluation_forwards_and_a_weight_swap_undone_need_no_declaration():
     assert engine.steps == 3
 
 
+@pytest.mark.slow
 def test_a_write_in_a_step_components_probe_forward_is_refused_before_the_update():
     """HyFreeDP's probe forwards (no grad, after the release) write a buffer, from the third step on (an
     unchecked one: a forward probe's no-grad forwards would see the write first), of a module that writes

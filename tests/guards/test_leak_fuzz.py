@@ -57,6 +57,7 @@ CI_SEEDS = range(500)
 
 
 # -------------------------------------------------------------------------------- the CI budget
+@pytest.mark.slow
 def test_fixed_seed_budget_is_exact_or_refused():
     """Every draw is exact, refused, or (counted apart) a leak from mixing that the run's random checks
     missed by chance and checking every step on every pair catches (``random-check``: the detection
@@ -176,6 +177,7 @@ _MEAN_FROM_STEP_2 = Draw(ModelSpec("dense", blocks=(B("mix", kind="mean"),)),
                          LoopSpec(examples=3, steps=3, mix_start=2), seed=1)  # h − h.mean(0) from step 2
 
 
+@pytest.mark.slow
 def test_mixing_on_a_step_the_run_does_not_check_is_a_random_check():
     """Mixing from step 2 on: the run (seed 1) checks its first step only (the certain first check), so
     the third is released unchecked — a random-check leak, counted apart; the same

@@ -14,6 +14,8 @@ from torch.utils.data import DataLoader
 import tunefree
 from tunefree.guards.independence import Independence
 
+pytestmark = pytest.mark.hf
+
 
 def dataset(n: int = 16) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)

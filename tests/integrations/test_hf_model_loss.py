@@ -34,6 +34,8 @@ from tunefree.clipping.groups import make_groups
 from tunefree.integrations.hf_trainer import default_example_loss
 from tunefree.persample.engine import ClippingEngine
 
+pytestmark = pytest.mark.hf
+
 
 def engine_on(model: nn.Module, loss_reduction: str = "mean") -> ClippingEngine:
     model.train()

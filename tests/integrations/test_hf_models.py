@@ -18,6 +18,8 @@ from tunefree.clipping.groups import make_groups
 from tunefree.errors import PrivacyError
 from tunefree.persample.engine import ClippingEngine
 
+pytestmark = pytest.mark.hf
+
 B, L, V = 3, 6, 50
 NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 ENCODER = {"vocab_size": V, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,

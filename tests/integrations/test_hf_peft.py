@@ -16,6 +16,8 @@ from tunefree.clipping.groups import make_groups
 from tunefree.persample.engine import ClippingEngine
 from tunefree.rules.linear import LinearRule
 
+pytestmark = pytest.mark.hf
+
 
 def lora(model, targets, **kwargs):
     config = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=targets,

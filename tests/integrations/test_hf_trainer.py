@@ -20,6 +20,8 @@ from tunefree.clipping.groups import make_groups
 from tunefree.guards.independence import Independence
 from tunefree.integrations.hf_trainer import PrivateTrainer, default_example_loss
 
+pytestmark = pytest.mark.hf
+
 L = 6
 
 
@@ -65,6 +67,7 @@ class Recorder:
         return default_example_loss(model, inputs)
 
 
+@pytest.mark.slow
 def test_epsilon_is_logged_from_the_ledger_and_the_trainer_takes_the_planned_steps(tmp_path):
     recorder = Recorder()
     trainer = PrivateTrainer(bert(), arguments(tmp_path, gradient_accumulation_steps=2, num_train_epochs=1.5,

@@ -202,6 +202,7 @@ def training(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("run, options", [("quiet_released", {}), ("grouped_released", GROUPED),
                                           ("adaptive_released", ADAPTIVE)])
+@pytest.mark.distributed
 def test_noise_free_release_equals_one_process_on_the_union_batch(training, run, options):
     reference = _train(_private(_model(), 0.0, **options), STEPS)
     for rank in training:
@@ -211,6 +212,7 @@ def test_noise_free_release_equals_one_process_on_the_union_batch(training, run,
     assert any(g.abs().max() > 1e-3 for g in reference[0].values())  # the comparison is not of zeros
 
 
+@pytest.mark.distributed
 def test_ranks_end_every_step_bit_identical_with_one_ledger(training):
     first, second = training
     for name, weight in first["noisy_weights"].items():
@@ -219,6 +221,7 @@ def test_ranks_end_every_step_bit_identical_with_one_ledger(training):
     assert first["epsilon"] == second["epsilon"]
 
 
+@pytest.mark.distributed
 def test_every_rank_saves_the_same_checkpoint(training):
     """Seeded: rank 1 keeps its noise stream where rank 0's is, so either checkpoint resumes the run."""
     first, second = (copy.deepcopy(rank["state_after_2"]) for rank in training)
@@ -228,6 +231,7 @@ def test_every_rank_saves_the_same_checkpoint(training):
     assert first == second
 
 
+@pytest.mark.distributed
 def test_epsilon_of_two_ranks_equals_one_process(training):
     single = _private(_model(), SIGMA)
     _train(single, STEPS)
@@ -235,6 +239,7 @@ def test_epsilon_of_two_ranks_equals_one_process(training):
     assert training[0]["epsilon"] == single.epsilon()
 
 
+@pytest.mark.distributed
 def test_noise_is_added_once_in_total(training):
     """Total variance σ²S², not W·σ²S² (every rank adding noise) nor σ²S²/W; identical on both ranks."""
     first, second = training
@@ -247,6 +252,7 @@ def test_noise_is_added_once_in_total(training):
     assert abs(noise.mean().item()) < 5 * math.sqrt(expected / noise.numel())
 
 
+@pytest.mark.distributed
 def test_noisy_run_matches_one_process_with_the_same_seed(training):
     """Same seed: same union batches, same noise (rank 0's stream) → the same weights up to rounding."""
     single = _private(_model(), SIGMA)
@@ -255,6 +261,7 @@ def test_noisy_run_matches_one_process_with_the_same_seed(training):
         torch.testing.assert_close(training[0]["noisy_weights"][name], weight, rtol=0, atol=1e-5)
 
 
+@pytest.mark.distributed
 def test_automatic_learning_rate_is_the_same_on_every_rank_and_as_in_one_process(training):
     """lr='auto' (DoG within its noise budget) reads only the released gradient and the weights, which
     every rank holds identically: the same learning rates, bit-identical weights, and those of the
@@ -271,6 +278,7 @@ def test_automatic_learning_rate_is_the_same_on_every_rank_and_as_in_one_process
 
 
 @pytest.mark.parametrize("source", [0, 1])
+@pytest.mark.distributed
 def test_a_two_rank_checkpoint_resumes_in_one_process(training, source):
     """The sampler re-partitions exactly (step t's union batch does not depend on the world size), so a
     checkpoint of either rank resumes in any world size; its fingerprint does not hold the world size."""
@@ -286,19 +294,23 @@ def test_a_two_rank_checkpoint_resumes_in_one_process(training, source):
         torch.testing.assert_close(saved["noisy_weights"][name], weight, rtol=0, atol=1e-5)
 
 
+@pytest.mark.distributed
 def test_sums_are_communicated_once_in_the_parameters_dtype(training):
     params = sum(p.numel() for p in _model().parameters())
     assert training[0]["bytes_per_step"] == 4 * params  # what non-private DDP all-reduces for float32
 
 
+@pytest.mark.distributed
 def test_detach_gives_ddp_its_gradient_synchronisation_back(training):
     assert training[0]["detached_syncs"] is True
 
 
+@pytest.mark.distributed
 def test_a_plain_model_under_several_processes_is_warned_about(training):
     assert any("not wrapped in DistributedDataParallel" in m for m in training[0]["plain_model_warnings"])
 
 
+@pytest.mark.distributed
 def test_a_failing_rank_fails_the_step_on_every_rank_without_an_update(tmp_path):
     first, second = _run_ranks(_failure_scenario, tmp_path)
     assert len(first["refused"]) == 2
@@ -320,6 +332,7 @@ def components(tmp_path_factory) -> list[dict]:
     return _run_ranks(_components_scenario, tmp_path_factory.mktemp("ddp-components"))
 
 
+@pytest.mark.distributed
 def test_adaptive_thresholds_under_ddp_are_those_of_one_process(components):
     """The counts are every rank's, summed, and noised once (rank 0 draws the seeded noise as one process
     does): the same thresholds on every rank, those of the one-process run with the same seed up to the
@@ -339,6 +352,7 @@ def test_adaptive_thresholds_under_ddp_are_those_of_one_process(components):
         torch.testing.assert_close(first["adaptive_weights"][name], weight, rtol=0, atol=1e-5)
 
 
+@pytest.mark.distributed
 def test_hyfreedp_under_ddp_fits_the_learning_rate_of_one_process(components):
     """Each rank's clipped loss sums are summed over the ranks and noised once (the Laplace noise drawn by
     one rank): the same learning rates and weights on every rank, and those of one process."""
@@ -355,6 +369,7 @@ def test_hyfreedp_under_ddp_fits_the_learning_rate_of_one_process(components):
         torch.testing.assert_close(first["hyfreedp_weights"][name], weight, rtol=0, atol=1e-5)
 
 
+@pytest.mark.distributed
 def test_audit_canaries_under_ddp_are_one_set_released_once_as_in_one_process(components):
     """The ranks share the canaries (a seeded run's stream, or rank 0's secret seed), rank 0 alone adds
     their contributions, and the block is reduced and noised with the model's sums: every rank observes

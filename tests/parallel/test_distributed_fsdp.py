@@ -344,6 +344,7 @@ def _assert_same_run(ours: dict, theirs: dict) -> None:
 
 
 @pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.distributed
 def test_noise_free_release_equals_one_process_on_the_union_batch(training, references, run):
     for rank in training:
         _assert_same_run(rank[run], references[run])
@@ -352,12 +353,14 @@ def test_noise_free_release_equals_one_process_on_the_union_batch(training, refe
         references[run]["examples"]
 
 
+@pytest.mark.distributed
 def test_a_rank_with_no_example_takes_part_in_the_step(training):
     examples = [rank["per-layer, tiny batches"]["examples"] for rank in training]
     assert 0 in examples[0] + examples[1]  # the seed gives a step where one rank has no example
     assert any(n >= 2 for n in examples[0] + examples[1])
 
 
+@pytest.mark.distributed
 def test_ranks_end_every_step_bit_identical_with_one_ledger(training):
     first, second = training
     for run in [*RUNS, "noisy", "mixed"]:
@@ -366,6 +369,7 @@ def test_ranks_end_every_step_bit_identical_with_one_ledger(training):
         assert first[run]["ledger"] == second[run]["ledger"]
 
 
+@pytest.mark.distributed
 def test_parameters_stay_sharded_as_fsdp2_shards_them(training):
     """Dim-0 shards of ⌈rows/2⌉ rows; the last layers' 5 and 3 rows give rank 1 a shorter shard."""
     first, second = training
@@ -374,6 +378,7 @@ def test_parameters_stay_sharded_as_fsdp2_shards_them(training):
     assert first["grad_is_sharded"] and second["grad_is_sharded"]
 
 
+@pytest.mark.distributed
 def test_epsilon_of_two_ranks_equals_one_process(training, noisy_reference):
     single = noisy_reference
     assert math.isfinite(single["epsilon"])
@@ -381,23 +386,27 @@ def test_epsilon_of_two_ranks_equals_one_process(training, noisy_reference):
     assert training[0]["noisy"]["ledger"] == single["ledger"]
 
 
+@pytest.mark.distributed
 def test_noisy_seeded_run_is_the_one_process_run(training, noisy_reference):
     """Seeded: every rank draws one process's noise and keeps its own rows, so the noisy release and
     the weights are those of one process with the same seed, up to rounding."""
     _assert_same_run(training[0]["noisy"], noisy_reference)
 
 
+@pytest.mark.distributed
 def test_a_model_mixing_sharded_layers_and_root_held_layers_is_exact(training, references):
     for rank in training:
         _assert_same_run(rank["mixed"], references["per-layer abadi"])
 
 
+@pytest.mark.distributed
 def test_embedding_and_layer_norm_are_exact(training):
     reference = _train(_private(_token_model(), 0.0, data=_tokens(), groups="per-layer"), STEPS)
     for rank in training:
         _assert_same_run(rank["tokens"], reference)
 
 
+@pytest.mark.distributed
 def test_noise_is_added_once_in_total(training):
     """Total variance σ²S², not W·σ²S² (every rank adding noise) nor σ²S²/W; each rank its own shard."""
     first, second = training
@@ -410,6 +419,7 @@ def test_noise_is_added_once_in_total(training):
     assert abs(noise.mean().item()) < 5 * math.sqrt(expected / noise.numel())
 
 
+@pytest.mark.distributed
 def test_sums_are_communicated_once_padded_to_the_shards(training):
     """Each rank reduce-scatters its clipped sums, padded to 2 equal shards: what FSDP2's own gradient
     reduce-scatter sends for float32 parameters."""
@@ -419,6 +429,7 @@ def test_sums_are_communicated_once_padded_to_the_shards(training):
     assert training[0]["bytes_per_step"] == 4 * expected
 
 
+@pytest.mark.distributed
 def test_clipped_sums_are_sent_during_the_backward_pass(training):
     """Each parameter's sum is reduce-scattered once, before the backward pass returns; the step sends
     none (its one collective is the 4-byte agreement)."""
@@ -428,6 +439,7 @@ def test_clipped_sums_are_sent_during_the_backward_pass(training):
             assert seen["nonzero sent"] and seen["examples"] > 0
 
 
+@pytest.mark.distributed
 def test_a_rank_holds_one_layer_of_full_size_sums_not_the_model(training):
     """Measured: the bytes of sums alive at once on a rank (every storage booked or sent, until freed)
     stay within the largest layer (plus one padded shard), for both groupings. The same probe on one
@@ -449,6 +461,7 @@ def test_a_rank_holds_one_layer_of_full_size_sums_not_the_model(training):
             assert 4 * largest <= seen["peak_bytes"] <= 4 * (largest + shard), seen["peak_bytes"]
 
 
+@pytest.mark.distributed
 def test_released_shards_are_bit_identical_to_the_release_at_the_step(training):
     """Noise-free: the released ``.grad`` shards equal, bit for bit, those of the release before streaming
     (every full-size sum kept to the step, then padded and reduce-scattered)."""
@@ -457,6 +470,7 @@ def test_released_shards_are_bit_identical_to_the_release_at_the_step(training):
             assert seen["same_as_before"]
 
 
+@pytest.mark.distributed
 def test_a_rank_failing_after_its_sums_were_sent_stops_every_rank(tmp_path):
     """Streaming sends the sums before the step's checks; the step's agreement keeps the other ranks from
     releasing them: rank 1 fails at it (rank 0 never arrives) with its weights and ledger untouched."""
@@ -468,6 +482,7 @@ def test_a_rank_failing_after_its_sums_were_sent_stops_every_rank(tmp_path):
         assert rank["unchanged"] and rank["ledger"] == 1
 
 
+@pytest.mark.distributed
 def test_refusals_and_a_raw_gradient_fail_closed(tmp_path):
     first, second = _run_ranks(_refusal_scenario, tmp_path)
     for rank in (first, second):

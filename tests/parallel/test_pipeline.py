@@ -173,6 +173,7 @@ def pipeline(tmp_path_factory) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- tests
+@pytest.mark.distributed
 def test_noise_free_release_equals_one_process_with_a_group_per_stage(pipeline):
     _, reference, _ = _one_process(0.0)
     for step in range(STEPS):
@@ -182,6 +183,7 @@ def test_noise_free_release_equals_one_process_with_a_group_per_stage(pipeline):
     assert all(any(g.abs().max() > 1e-3 for g in stage) for stage in reference[0])  # not zeros
 
 
+@pytest.mark.distributed
 def test_an_empty_poisson_batch_releases_noise_only_and_a_single_example_passes(pipeline):
     from tunefree.privacy.randomness import SeededSource
 
@@ -195,6 +197,7 @@ def test_an_empty_poisson_batch_releases_noise_only_and_a_single_example_passes(
     assert all(any(g.abs().max() > 0 for g in stage) for stage in reference[2])
 
 
+@pytest.mark.distributed
 def test_the_release_is_one_event_of_sensitivity_sqrt_sum_of_squares_in_identical_ledgers(pipeline):
     first, second = pipeline
     assert first["ledger"] == second["ledger"]
@@ -207,6 +210,7 @@ def test_the_release_is_one_event_of_sensitivity_sqrt_sum_of_squares_in_identica
 
 
 @pytest.mark.parametrize("name", ["abadi", "auto-s", "rescaled"])
+@pytest.mark.distributed
 def test_adaptive_thresholds_per_stage_equal_one_process_with_adaptive_group_thresholds(pipeline, name):
     """Noise-free, each stage's count is exact: its thresholds (for AUTO-S, and Abadi's rescaled ones,
     at the common scale of every stage's estimate) and releases follow the one-process run's groups step
@@ -226,6 +230,7 @@ def test_adaptive_thresholds_per_stage_equal_one_process_with_adaptive_group_thr
     assert history[-1] != history[0] != {"stage0": initial[0], "stage1": initial[1]}  # they did move
 
 
+@pytest.mark.distributed
 def test_adaptive_stages_record_the_joint_count_release_in_identical_ledgers(pipeline):
     first, second = (out["adaptive noisy"] for out in pipeline)
     assert first["ledger"] == second["ledger"]
@@ -234,6 +239,7 @@ def test_adaptive_stages_record_the_joint_count_release_in_identical_ledgers(pip
     assert first["ledger"] == single.ledger.state_dict()
 
 
+@pytest.mark.distributed
 def test_global_allocation_gives_every_stage_sigma_times_the_total_sensitivity(pipeline):
     expected = SIGMA * math.hypot(*R)
     for rank in pipeline:
@@ -241,6 +247,7 @@ def test_global_allocation_gives_every_stage_sigma_times_the_total_sensitivity(p
 
 
 @pytest.mark.parametrize("allocation", ["global", "equal-budget"])
+@pytest.mark.distributed
 def test_each_stage_draws_the_variance_of_its_allocation(pipeline, allocation):
     """Global: σ·S on every coordinate. Equal budget: stage k gets c·Rₖ with Σ(Rₖ/(c·Rₖ))² = 1/σ², i.e.
     c = σ√K. Each stage's own threshold here is max_grad_norm=R[k]."""
@@ -253,6 +260,7 @@ def test_each_stage_draws_the_variance_of_its_allocation(pipeline, allocation):
         assert abs(noise.mean().item()) < 5 * std / math.sqrt(noise.numel())
 
 
+@pytest.mark.distributed
 def test_stages_draw_independent_noise(pipeline):
     """A seeded run derives each stage's noise stream from the seed and the stage: the same numbers on
     two stages would let one stage's release cancel the other's noise."""
@@ -263,6 +271,7 @@ def test_stages_draw_independent_noise(pipeline):
     assert abs(correlation) < 5 / math.sqrt(n)
 
 
+@pytest.mark.distributed
 def test_only_activations_their_gradients_and_the_sample_cross_the_stage_boundary(pipeline):
     """No per-sample norm (a 1-D tensor of the micro-batch's size) and no collective beyond the
     broadcast of each step's Poisson sample travels: per-device clipping communicates nothing of its own."""
@@ -283,12 +292,14 @@ def test_only_activations_their_gradients_and_the_sample_cross_the_stage_boundar
         assert sent == received  # activations one way, their gradients the other, micro-batch by micro-batch
 
 
+@pytest.mark.distributed
 def test_the_last_stage_returns_the_micro_batch_losses(pipeline):
     first, last = pipeline
     assert first["losses"] == [None] * STEPS
     assert all(len(step) >= 1 and all(loss.dim() == 0 for loss in step) for step in last["losses"])
 
 
+@pytest.mark.distributed
 def test_stages_set_up_differently_are_refused(pipeline):
     assert "stage 1 was set up differently" in pipeline[0]["mismatch"]
     assert "stage 0 was set up differently" in pipeline[1]["mismatch"]

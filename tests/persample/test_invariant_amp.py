@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from support import slow_case
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -79,7 +80,7 @@ def test_grad_scaler_with_a_mean_loss_is_refused_with_the_fix():
     assert engine.optimizer.grad_scaler is None and engine.clipper.grad_scaler is None
 
 
-@pytest.mark.parametrize("examples", [5, 16, 64])
+@pytest.mark.parametrize("examples", [5, slow_case(16), slow_case(64)])
 def test_neighbour_release_under_grad_scaler_is_one_examples_contribution(examples):
     """At scales where no example (2⁸) or some examples (2¹⁶, 2¹⁷: the misclassified ones) overflow, removing
     example j changes the release by exactly j's own contribution (its release alone, to float32

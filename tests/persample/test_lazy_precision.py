@@ -22,6 +22,8 @@ from tunefree.rules.paths import PathChooser
 transformers = pytest.importorskip("transformers")
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
+pytestmark = pytest.mark.hf
+
 VOCAB, WIDTH = 23, 16
 
 

@@ -10,6 +10,7 @@ from dp_accounting.pld import pld_privacy_accountant
 from prv_accountant import PRVAccountant
 from prv_accountant.privacy_random_variables import PoissonSubsampledGaussianMechanism
 from scipy.stats import norm
+from support import slow_case
 
 import tunefree
 from tunefree.privacy.accounting import accountable, epsilon_of, planned_event
@@ -34,7 +35,8 @@ def test_full_batch_matches_the_exact_gaussian_formula(sigma, steps):
     assert exact <= pld <= exact * 1.003 + 1e-3
 
 
-GRID = [(0.6, 0.01, 1000), (1.0, 0.004, 2500), (1.1, 0.05, 300), (2.0, 0.1, 200), (4.0, 0.2, 100)]
+GRID = [slow_case(0.6, 0.01, 1000), slow_case(1.0, 0.004, 2500), slow_case(1.1, 0.05, 300),
+        slow_case(2.0, 0.1, 200), (4.0, 0.2, 100)]
 
 
 @pytest.mark.parametrize("sigma,q,steps", GRID)
@@ -51,7 +53,7 @@ def test_pld_agrees_with_prv_accountant(sigma, q, steps):
     assert rdp >= pld  # RDP is a valid but looser bound
 
 
-@pytest.mark.parametrize("target,q,steps", [(0.5, 0.01, 500), (3.0, 0.1, 300), (8.0, 0.05, 2000)])
+@pytest.mark.parametrize("target,q,steps", [(0.5, 0.01, 500), (3.0, 0.1, 300), slow_case(8.0, 0.05, 2000)])
 @pytest.mark.parametrize("accountant", ["pld", "rdp"])
 def test_calibration_round_trip(target, q, steps, accountant):
     sigma = tunefree.noise_multiplier(target_epsilon=target, sample_rate=q, steps=steps,
@@ -88,6 +90,7 @@ def test_composed_gaussians_on_one_batch_reduce_exactly():
     assert reduced.event.noise_multiplier == pytest.approx(1 / mu)
 
 
+@pytest.mark.slow
 def test_ledger_compresses_runs_and_survives_a_round_trip():
     ledger = Ledger()
     for _ in range(50):
@@ -107,6 +110,7 @@ def test_empty_ledger_spent_nothing():
     assert Ledger().epsilon(1e-5) == 0.0
 
 
+@pytest.mark.slow
 def test_ledger_composes_alternating_steps_as_two_self_compositions():
     ledger = Ledger()
     every_fifth = [dpa.GaussianDpEvent(1.0), dpa.GaussianDpEvent(5.0)]
@@ -121,14 +125,15 @@ def test_ledger_composes_alternating_steps_as_two_self_compositions():
 
 
 @pytest.mark.parametrize("event", [
-    planned_event(1.3, 0.05, 40),
+    slow_case(planned_event(1.3, 0.05, 40)),
     dpa.ComposedDpEvent([dpa.GaussianDpEvent(20.0), dpa.GaussianDpEvent(20.0),
                          planned_event(2.0, 0.2, 30)]),
     dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(1.0, dpa.GaussianDpEvent(3.0)), 5),
-    dpa.ComposedDpEvent([planned_event(1.1, 0.1, 7), dpa.PoissonSampledDpEvent(0.0, dpa.GaussianDpEvent(1.0)),
-                         dpa.SelfComposedDpEvent(planned_event(0.9, 0.02, 3), 4)]),
-    dpa.ComposedDpEvent([planned_event(1.3, 0.05, 10),
-                         dpa.PoissonSampledDpEvent(0.05, dpa.LaplaceDpEvent(2.0))]),
+    slow_case(dpa.ComposedDpEvent([planned_event(1.1, 0.1, 7),
+                                   dpa.PoissonSampledDpEvent(0.0, dpa.GaussianDpEvent(1.0)),
+                                   dpa.SelfComposedDpEvent(planned_event(0.9, 0.02, 3), 4)])),
+    slow_case(dpa.ComposedDpEvent([planned_event(1.3, 0.05, 10),
+                                   dpa.PoissonSampledDpEvent(0.05, dpa.LaplaceDpEvent(2.0))])),
 ])
 def test_pld_epsilon_is_the_pld_accountants_to_the_last_bit(event):
     """epsilon_of keeps the PLD of each release to answer a growing ledger quickly; it must give exactly

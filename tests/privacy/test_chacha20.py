@@ -155,6 +155,7 @@ KERNEL_DRAWS = [(torch.float32, 0, 2, 1), (torch.float32, 2**31 + 3, 4, 3), (tor
 
 
 @pytest.mark.parametrize("dtype, draw, warps, groups", KERNEL_DRAWS)
+@pytest.mark.slow
 def test_the_kernel_computes_the_documented_gaussians_bit_for_bit(kernel, dtype, draw, warps, groups,
                                                                   monkeypatch):
     """The CUDA kernel (interpreted: numpy's arithmetic; one launch per draw, keystream, Box–Muller and the
@@ -172,6 +173,7 @@ def test_the_kernel_computes_the_documented_gaussians_bit_for_bit(kernel, dtype,
     assert ulps(out, cpu) <= 3
 
 
+@pytest.mark.slow
 def test_a_draw_on_an_accelerator_uses_the_kernel_and_says_so(kernel, monkeypatch):
     """Where the probe draw builds and matches the CPU path, noise is made by the kernel (here: the CPU
     standing in for a CUDA device, the kernel interpreted), and the source's description says so."""

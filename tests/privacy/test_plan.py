@@ -10,6 +10,7 @@ import dp_accounting as dpa
 import pytest
 import torch
 import torch.nn.functional as F
+from support import slow_case
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -59,6 +60,7 @@ COMPONENTS = {
 
 
 @pytest.mark.parametrize("components", COMPONENTS.values(), ids=COMPONENTS.keys())
+@pytest.mark.slow
 def test_solved_plan_spends_the_target_within_one_percent_never_above(components):
     plan = Plan(sample_rate=0.05, steps=30, num_examples=1000, delta=1e-5, **components).solve(2.0)
     assert plan.noise_multiplier > 0
@@ -66,6 +68,7 @@ def test_solved_plan_spends_the_target_within_one_percent_never_above(components
     assert 0.99 * 2.0 <= plan.epsilon() <= 2.0
 
 
+@pytest.mark.slow
 def test_combined_plan_does_not_depend_on_the_order_its_components_are_declared_in():
     base = Plan(sample_rate=0.05, steps=30, num_examples=1000, delta=1e-5, accountant="rdp")
     counts, losses = CountShare(0.1, 3), LossShare(4)
@@ -80,8 +83,8 @@ def test_combined_plan_does_not_depend_on_the_order_its_components_are_declared_
     assert first.noise_multiplier == replace(base, shares=(counts,)).solve(2.0).noise_multiplier
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"thresholds": "adaptive", "groups": "per-layer",
-                                         "lr": AutoLR(mode="safeguarded", interval=3)}],
+@pytest.mark.parametrize("kwargs", [{}, slow_case({"thresholds": "adaptive", "groups": "per-layer",
+                                                   "lr": AutoLR(mode="safeguarded", interval=3)})],
                          ids=["plain", "adaptive+auto"])
 def test_recorded_ledger_spends_what_the_plan_said(kwargs):
     engine = engine_for(dataset(), **kwargs)
@@ -105,7 +108,8 @@ LR_RULES = {"optimizer's lr": None, "DoG": AutoLR(), "HyFreeDP": AutoLR(mode="sa
                                            loss_privacy="laplace")}
 
 
-@pytest.mark.parametrize("lr", LR_RULES)
+@pytest.mark.parametrize("lr", [slow_case(rule) if rule.startswith("HyFreeDP") else rule
+                                for rule in LR_RULES])
 @pytest.mark.parametrize("thresholds", THRESHOLD_RULES)
 def test_every_component_records_exactly_the_releases_its_share_planned(thresholds, lr):
     """Whatever the components, each step's record in the ledger is the plan's step releases: the events
@@ -157,6 +161,7 @@ def test_fingerprint_changes_with_every_part_of_the_plan(change, named):
     assert replace(plan).fingerprint() == plan.fingerprint()
 
 
+@pytest.mark.slow
 def test_checkpoint_of_an_auto_lr_run_is_refused_by_a_fixed_lr_run():
     auto = engine_for(dataset(), lr=AutoLR(mode="safeguarded"))
     train(auto, 2)
@@ -166,6 +171,7 @@ def test_checkpoint_of_an_auto_lr_run_is_refused_by_a_fixed_lr_run():
     assert fixed.steps == 0
 
 
+@pytest.mark.slow
 def test_component_states_are_restored_strictly():
     engine = engine_for(dataset(), lr=AutoLR(mode="safeguarded"))
     train(engine, 2)
@@ -207,6 +213,7 @@ PRIOR_COMPONENTS = {name: COMPONENTS[name] for name in ("fixed thresholds, fixed
 
 
 @pytest.mark.parametrize("components", PRIOR_COMPONENTS.values(), ids=PRIOR_COMPONENTS.keys())
+@pytest.mark.slow
 def test_prior_releases_are_in_the_calibration_so_the_whole_run_spends_the_target(components):
     without = Plan(sample_rate=0.05, steps=30, num_examples=1000, delta=1e-5, **components).solve(2.0)
     plan = replace(without, prior=PRIOR).solve(2.0)
@@ -217,6 +224,7 @@ def test_prior_releases_are_in_the_calibration_so_the_whole_run_spends_the_targe
     assert "prior" not in without.describe()  # the fingerprints of runs without them are unchanged
 
 
+@pytest.mark.slow
 def test_make_private_records_prior_releases_first_and_spends_the_target_in_all():
     engine = engine_for(dataset(), noise_multiplier=None, target_epsilon=2.0, prior_releases=list(PRIOR))
     assert engine.ledger.epsilon(1e-4, "rdp") == pytest.approx(

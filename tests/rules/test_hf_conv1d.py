@@ -20,6 +20,8 @@ from tunefree.rules import rule_for
 from tunefree.rules.factored import ghost_is_cheaper
 from tunefree.rules.hf_conv1d import HFConv1DRule
 
+pytestmark = pytest.mark.hf
+
 
 class Conv1DNet(nn.Module):
     def __init__(self, d_in: int, d_out: int):

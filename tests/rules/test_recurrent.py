@@ -167,6 +167,7 @@ def test_projection_matches_brute_force(batch_first):
         torch.testing.assert_close(got[n].materialize(), expected[n], rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_make_private_trains_a_tiny_lstm():
     torch.manual_seed(3)
     ids = torch.randint(0, 7, (64, 5))

@@ -144,6 +144,7 @@ def test_a_parameter_frozen_after_make_private_is_refused():
     assert engine.steps == 0
 
 
+@pytest.mark.slow
 def test_the_refusal_suggests_a_new_make_private_that_carries_the_ledger_over():
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
