@@ -9,8 +9,8 @@ from dataclasses import replace
 import dp_accounting as dpa
 import pytest
 import torch
-import torch.nn.functional as F
 from support import slow_case
+from support.training import per_example_cross_entropy, train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -40,15 +40,6 @@ def engine_for(data: TensorDataset, **kwargs):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     kwargs = {"noise_multiplier": 1.0, "steps": 7, "seed": 0, "accountant": "rdp", **kwargs}
     return make_private(model, optimizer, DataLoader(data, batch_size=20), target_delta=1e-4, **kwargs)
-
-
-def train(engine, steps: int) -> None:
-    batches = iter(engine.data_loader)
-    for _ in range(steps):
-        x, y = next(batches)
-        engine.optimizer.zero_grad()
-        F.cross_entropy(engine.model(x), y).backward()
-        engine.optimizer.step(lambda x=x, y=y: F.cross_entropy(engine.model(x), y, reduction="none"))
 
 
 COMPONENTS = {
@@ -96,7 +87,7 @@ def test_recorded_ledger_spends_what_the_plan_said(kwargs):
             noise if noise is not None else component.loss_noise)
     taken = 0
     for step in (1, 4, plan.steps):  # midway too, the recorded ledger is the plan's first steps
-        train(engine, step - taken)
+        train(engine, step - taken, closure=per_example_cross_entropy)
         taken = step
         assert engine.steps == step
         assert engine.epsilon() == pytest.approx(plan.epsilon(step), rel=1e-9)
@@ -118,7 +109,7 @@ def test_every_component_records_exactly_the_releases_its_share_planned(threshol
     engine = engine_for(dataset(), thresholds=THRESHOLD_RULES[thresholds], lr=LR_RULES[lr], steps=5,
                         groups="per-layer", noise_multiplier=2.0)  # σ = 2: a quick loss-noise solve
     plan = engine.plan
-    train(engine, 5)
+    train(engine, 5, closure=per_example_cross_entropy)
     recorded = [event for event, count in engine.ledger.state_dict()["runs"] for _ in range(count)]
     planned = [to_dict(dpa.PoissonSampledDpEvent(plan.sample_rate, joint(plan.step_releases(t))))
                for t in range(1, 6)]
@@ -131,7 +122,7 @@ def test_every_component_records_exactly_the_releases_its_share_planned(threshol
 
 def test_canaries_release_nothing_the_plan_does_not_hold():
     engine = engine_for(dataset(), audit_canaries=4, steps=3)
-    train(engine, 3)
+    train(engine, 3, closure=per_example_cross_entropy)
     recorded = [event for event, count in engine.ledger.state_dict()["runs"] for _ in range(count)]
     assert recorded == [to_dict(dpa.PoissonSampledDpEvent(engine.plan.sample_rate,
                                                           joint(engine.plan.step_releases(t))))
@@ -164,7 +155,7 @@ def test_fingerprint_changes_with_every_part_of_the_plan(change, named):
 @pytest.mark.slow
 def test_checkpoint_of_an_auto_lr_run_is_refused_by_a_fixed_lr_run():
     auto = engine_for(dataset(), lr=AutoLR(mode="safeguarded"))
-    train(auto, 2)
+    train(auto, 2, closure=per_example_cross_entropy)
     fixed = engine_for(dataset())
     with pytest.raises(ValueError, match="other privacy settings(.|\n)*losses"):
         fixed.load_state_dict(auto.state_dict())
@@ -174,7 +165,7 @@ def test_checkpoint_of_an_auto_lr_run_is_refused_by_a_fixed_lr_run():
 @pytest.mark.slow
 def test_component_states_are_restored_strictly():
     engine = engine_for(dataset(), lr=AutoLR(mode="safeguarded"))
-    train(engine, 2)
+    train(engine, 2, closure=per_example_cross_entropy)
     state = copy.deepcopy(engine.state_dict())
     resumed = engine_for(dataset(), lr=AutoLR(mode="safeguarded"))
     resumed.load_state_dict(state)
@@ -188,7 +179,7 @@ def test_component_states_are_restored_strictly():
                                          (dataset(n=220), "num_examples")])
 def test_resuming_onto_another_data_set_is_refused(other, named):
     engine = engine_for(dataset())
-    train(engine, 2)
+    train(engine, 2, closure=per_example_cross_entropy)
     elsewhere = engine_for(other)
     with pytest.raises(ValueError, match=f"same data set(.|\n)*{named}"):
         elsewhere.load_state_dict(engine.state_dict())
@@ -229,7 +220,7 @@ def test_make_private_records_prior_releases_first_and_spends_the_target_in_all(
     engine = engine_for(dataset(), noise_multiplier=None, target_epsilon=2.0, prior_releases=list(PRIOR))
     assert engine.ledger.epsilon(1e-4, "rdp") == pytest.approx(
         epsilon_of(dpa.ComposedDpEvent(list(PRIOR)), 1e-4, "rdp"))  # before the first step
-    train(engine, 7)
+    train(engine, 7, closure=per_example_cross_entropy)
     assert engine.steps == 7  # the releases before training are no steps
     assert 0.99 * 2.0 <= engine.epsilon() <= 2.0
     # a checkpoint of a run with other releases before training is another run's
