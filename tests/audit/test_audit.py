@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from support import slow_case
+from support.marks import slow_case
 from support.training import train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset

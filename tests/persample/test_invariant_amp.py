@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from support import slow_case
+from support.marks import slow_case
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

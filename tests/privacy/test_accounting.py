@@ -10,7 +10,7 @@ from dp_accounting.pld import pld_privacy_accountant
 from prv_accountant import PRVAccountant
 from prv_accountant.privacy_random_variables import PoissonSubsampledGaussianMechanism
 from scipy.stats import norm
-from support import slow_case
+from support.marks import slow_case
 
 import tunefree
 from tunefree.privacy.accounting import accountable, epsilon_of, planned_event

@@ -7,7 +7,7 @@ import math
 
 import dp_accounting as dpa
 import pytest
-from support import slow_case
+from support.marks import slow_case
 
 import tunefree
 from tunefree.privacy import MIN_NOISE_MULTIPLIER

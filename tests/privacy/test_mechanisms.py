@@ -5,7 +5,6 @@ import pathlib
 import re
 
 import dp_accounting as dpa
-import pytest
 import torch
 
 from tunefree.privacy.mechanisms import release_counts, release_loss_sum
@@ -27,7 +26,6 @@ def test_no_noise_is_drawn_outside_the_mechanisms():
     assert offenders == []
 
 
-@pytest.mark.slow
 def test_count_noise_has_the_stated_scale_and_event():
     draws, multiplier = 20000, 3.0
     counts = torch.zeros(4, dtype=torch.float64)

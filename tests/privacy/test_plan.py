@@ -9,8 +9,7 @@ from dataclasses import replace
 import dp_accounting as dpa
 import pytest
 import torch
-from support import slow_case
-from support.training import per_example_cross_entropy, train
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -42,6 +41,15 @@ def engine_for(data: TensorDataset, **kwargs):
     return make_private(model, optimizer, DataLoader(data, batch_size=20), target_delta=1e-4, **kwargs)
 
 
+def train(engine, steps: int) -> None:
+    batches = iter(engine.data_loader)
+    for _ in range(steps):
+        x, y = next(batches)
+        engine.optimizer.zero_grad()
+        F.cross_entropy(engine.model(x), y).backward()
+        engine.optimizer.step(lambda x=x, y=y: F.cross_entropy(engine.model(x), y, reduction="none"))
+
+
 COMPONENTS = {
     "fixed thresholds, fixed lr": {},
     "adaptive thresholds, fixed lr": {"shares": (CountShare(0.1, 3),)},
@@ -51,7 +59,6 @@ COMPONENTS = {
 
 
 @pytest.mark.parametrize("components", COMPONENTS.values(), ids=COMPONENTS.keys())
-@pytest.mark.slow
 def test_solved_plan_spends_the_target_within_one_percent_never_above(components):
     plan = Plan(sample_rate=0.05, steps=30, num_examples=1000, delta=1e-5, **components).solve(2.0)
     assert plan.noise_multiplier > 0
@@ -59,7 +66,6 @@ def test_solved_plan_spends_the_target_within_one_percent_never_above(components
     assert 0.99 * 2.0 <= plan.epsilon() <= 2.0
 
 
-@pytest.mark.slow
 def test_combined_plan_does_not_depend_on_the_order_its_components_are_declared_in():
     base = Plan(sample_rate=0.05, steps=30, num_examples=1000, delta=1e-5, accountant="rdp")
     counts, losses = CountShare(0.1, 3), LossShare(4)
@@ -74,8 +80,8 @@ def test_combined_plan_does_not_depend_on_the_order_its_components_are_declared_
     assert first.noise_multiplier == replace(base, shares=(counts,)).solve(2.0).noise_multiplier
 
 
-@pytest.mark.parametrize("kwargs", [{}, slow_case({"thresholds": "adaptive", "groups": "per-layer",
-                                                   "lr": AutoLR(mode="safeguarded", interval=3)})],
+@pytest.mark.parametrize("kwargs", [{}, {"thresholds": "adaptive", "groups": "per-layer",
+                                         "lr": AutoLR(mode="safeguarded", interval=3)}],
                          ids=["plain", "adaptive+auto"])
 def test_recorded_ledger_spends_what_the_plan_said(kwargs):
     engine = engine_for(dataset(), **kwargs)
@@ -87,7 +93,7 @@ def test_recorded_ledger_spends_what_the_plan_said(kwargs):
             noise if noise is not None else component.loss_noise)
     taken = 0
     for step in (1, 4, plan.steps):  # midway too, the recorded ledger is the plan's first steps
-        train(engine, step - taken, closure=per_example_cross_entropy)
+        train(engine, step - taken)
         taken = step
         assert engine.steps == step
         assert engine.epsilon() == pytest.approx(plan.epsilon(step), rel=1e-9)
@@ -99,8 +105,7 @@ LR_RULES = {"optimizer's lr": None, "DoG": AutoLR(), "HyFreeDP": AutoLR(mode="sa
                                            loss_privacy="laplace")}
 
 
-@pytest.mark.parametrize("lr", [slow_case(rule) if rule.startswith("HyFreeDP") else rule
-                                for rule in LR_RULES])
+@pytest.mark.parametrize("lr", LR_RULES)
 @pytest.mark.parametrize("thresholds", THRESHOLD_RULES)
 def test_every_component_records_exactly_the_releases_its_share_planned(thresholds, lr):
     """Whatever the components, each step's record in the ledger is the plan's step releases: the events
@@ -109,7 +114,7 @@ def test_every_component_records_exactly_the_releases_its_share_planned(threshol
     engine = engine_for(dataset(), thresholds=THRESHOLD_RULES[thresholds], lr=LR_RULES[lr], steps=5,
                         groups="per-layer", noise_multiplier=2.0)  # σ = 2: a quick loss-noise solve
     plan = engine.plan
-    train(engine, 5, closure=per_example_cross_entropy)
+    train(engine, 5)
     recorded = [event for event, count in engine.ledger.state_dict()["runs"] for _ in range(count)]
     planned = [to_dict(dpa.PoissonSampledDpEvent(plan.sample_rate, joint(plan.step_releases(t))))
                for t in range(1, 6)]
@@ -122,7 +127,7 @@ def test_every_component_records_exactly_the_releases_its_share_planned(threshol
 
 def test_canaries_release_nothing_the_plan_does_not_hold():
     engine = engine_for(dataset(), audit_canaries=4, steps=3)
-    train(engine, 3, closure=per_example_cross_entropy)
+    train(engine, 3)
     recorded = [event for event, count in engine.ledger.state_dict()["runs"] for _ in range(count)]
     assert recorded == [to_dict(dpa.PoissonSampledDpEvent(engine.plan.sample_rate,
                                                           joint(engine.plan.step_releases(t))))
@@ -152,20 +157,18 @@ def test_fingerprint_changes_with_every_part_of_the_plan(change, named):
     assert replace(plan).fingerprint() == plan.fingerprint()
 
 
-@pytest.mark.slow
 def test_checkpoint_of_an_auto_lr_run_is_refused_by_a_fixed_lr_run():
     auto = engine_for(dataset(), lr=AutoLR(mode="safeguarded"))
-    train(auto, 2, closure=per_example_cross_entropy)
+    train(auto, 2)
     fixed = engine_for(dataset())
     with pytest.raises(ValueError, match="other privacy settings(.|\n)*losses"):
         fixed.load_state_dict(auto.state_dict())
     assert fixed.steps == 0
 
 
-@pytest.mark.slow
 def test_component_states_are_restored_strictly():
     engine = engine_for(dataset(), lr=AutoLR(mode="safeguarded"))
-    train(engine, 2, closure=per_example_cross_entropy)
+    train(engine, 2)
     state = copy.deepcopy(engine.state_dict())
     resumed = engine_for(dataset(), lr=AutoLR(mode="safeguarded"))
     resumed.load_state_dict(state)
@@ -179,7 +182,7 @@ def test_component_states_are_restored_strictly():
                                          (dataset(n=220), "num_examples")])
 def test_resuming_onto_another_data_set_is_refused(other, named):
     engine = engine_for(dataset())
-    train(engine, 2, closure=per_example_cross_entropy)
+    train(engine, 2)
     elsewhere = engine_for(other)
     with pytest.raises(ValueError, match=f"same data set(.|\n)*{named}"):
         elsewhere.load_state_dict(engine.state_dict())
@@ -204,7 +207,6 @@ PRIOR_COMPONENTS = {name: COMPONENTS[name] for name in ("fixed thresholds, fixed
 
 
 @pytest.mark.parametrize("components", PRIOR_COMPONENTS.values(), ids=PRIOR_COMPONENTS.keys())
-@pytest.mark.slow
 def test_prior_releases_are_in_the_calibration_so_the_whole_run_spends_the_target(components):
     without = Plan(sample_rate=0.05, steps=30, num_examples=1000, delta=1e-5, **components).solve(2.0)
     plan = replace(without, prior=PRIOR).solve(2.0)
@@ -215,12 +217,11 @@ def test_prior_releases_are_in_the_calibration_so_the_whole_run_spends_the_targe
     assert "prior" not in without.describe()  # the fingerprints of runs without them are unchanged
 
 
-@pytest.mark.slow
 def test_make_private_records_prior_releases_first_and_spends_the_target_in_all():
     engine = engine_for(dataset(), noise_multiplier=None, target_epsilon=2.0, prior_releases=list(PRIOR))
     assert engine.ledger.epsilon(1e-4, "rdp") == pytest.approx(
         epsilon_of(dpa.ComposedDpEvent(list(PRIOR)), 1e-4, "rdp"))  # before the first step
-    train(engine, 7, closure=per_example_cross_entropy)
+    train(engine, 7)
     assert engine.steps == 7  # the releases before training are no steps
     assert 0.99 * 2.0 <= engine.epsilon() <= 2.0
     # a checkpoint of a run with other releases before training is another run's

@@ -22,7 +22,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from support import slow_case
+from support.marks import slow_case
 from support.models import MLP, FallbackNet, TinyTransformer
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence

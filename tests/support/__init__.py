@@ -1,8 +1,7 @@
-"""Helpers shared by the tests: the oracles, model zoos and harnesses are the modules of this package."""
+"""Helpers shared by the tests (new tests import from here; the older helper modules sit beside the tests)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 
@@ -19,8 +18,3 @@ def pop_step(engine: ClippingEngine) -> tuple[dict[nn.Parameter, torch.Tensor], 
 def captured_calls(engine: ClippingEngine) -> int:
     """Layer calls of the engine's current forward pass captured and awaiting their backward pass."""
     return len(engine._pass.uses)
-
-
-def slow_case(*values):
-    """One case of a ``parametrize`` list marked ``slow`` (left out of ``make test-fast``)."""
-    return pytest.param(*values, marks=pytest.mark.slow)

@@ -15,26 +15,17 @@ def cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
     return F.cross_entropy(model(x), y)
 
 
-def per_example_cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model(x), y, reduction="none")
-
-
-Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def train(engine: tunefree.DPEngine, steps: int | None = None, loss: Loss = cross_entropy,
-          closure: Loss | None = None) -> int:
+def train(engine: tunefree.DPEngine, steps: int | None = None,
+          loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy) -> int:
     """Trains ``engine.model`` on ``engine.data_loader`` for ``steps`` logical steps (passes over the
     loader as many as needed), or for one pass over the loader when ``steps`` is None: per physical batch
-    ``zero_grad``, ``loss(model, x, y).backward()``, ``step`` — given the batch's per-example losses
-    ``closure(model, x, y)`` as its closure when ``closure`` is given (``lr="auto"`` reads them). Returns
-    the logical steps taken."""
+    ``zero_grad``, ``loss(model, x, y).backward()``, ``step``. Returns the logical steps taken."""
     taken = 0
     while steps is None or taken < steps:
         for x, y in engine.data_loader:
             engine.optimizer.zero_grad()
             loss(engine.model, x, y).backward()
-            engine.optimizer.step(None if closure is None else lambda x=x, y=y: closure(engine.model, x, y))
+            engine.optimizer.step()
             taken += engine.schedule.ends_logical
             if taken == steps:
                 return taken
