@@ -49,6 +49,7 @@ def test_all_right_guesses_give_the_closed_form_bound_without_delta():
         assert one_run_epsilon_bound(Guesses(r, r, r), 0.0, 0.95) == pytest.approx(expected, abs=1e-3)
 
 
+@pytest.mark.slow
 def test_one_run_bound_is_valid_for_randomized_response():
     # ε-DP randomized response on every canary: ε_LB may exceed ε in at most 5% of audits
     rng = np.random.default_rng(0)
@@ -106,7 +107,8 @@ def test_bad_settings_are_refused():
 
 
 # ---------------------------------------------------------------------------------------- correct runs
-@pytest.mark.parametrize("settings", [FULL_BATCH, slow_case(HALF_BATCH)], ids=["q=1", "q=0.5"])
+@pytest.mark.slow
+@pytest.mark.parametrize("settings", [FULL_BATCH, HALF_BATCH], ids=["q=1", "q=0.5"])
 def test_a_correct_run_is_consistent(settings):
     result = one_run_audit(AuditSettings(**settings))
     assert result.epsilon_lower_bound <= result.epsilon
@@ -116,7 +118,7 @@ def test_a_correct_run_is_consistent(settings):
 
 
 @pytest.mark.parametrize("options", [
-    dict(clipping="abadi", groups="per-layer", thresholds="adaptive"),
+    slow_case(dict(clipping="abadi", groups="per-layer", thresholds="adaptive")),
     dict(clipping="psac", groups="per-param"),
 ], ids=["abadi-per-layer-adaptive", "psac-per-param"])
 def test_correct_runs_with_other_components_are_consistent(options):
@@ -156,6 +158,7 @@ def test_a_release_at_twice_its_recorded_sensitivity_is_caught(monkeypatch):
     assert result.verdict == "suspicious"
 
 
+@pytest.mark.slow
 def test_an_extra_unrecorded_release_is_caught(monkeypatch):
     original = GradientRelease.release
 
@@ -172,6 +175,7 @@ def test_an_extra_unrecorded_release_is_caught(monkeypatch):
     assert result.verdict == "suspicious"
 
 
+@pytest.mark.slow
 def test_sampling_at_twice_the_accounted_rate_is_caught(monkeypatch):
     original = SeededSource.inclusion
     monkeypatch.setattr(SeededSource, "inclusion",
@@ -183,6 +187,7 @@ def test_sampling_at_twice_the_accounted_rate_is_caught(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------- other audits
+@pytest.mark.slow
 def test_multi_run_audit_of_a_correct_run():
     result = multi_run_audit(AuditSettings(noise_multiplier=2.0, sample_rate=1.0, steps=1,
                                            real_examples=8, seed=0), runs=16)
@@ -231,7 +236,8 @@ def test_black_box_audit_is_loose_and_valid():
 
 
 # ---------------------------------------------------------------------------------------- command line
-@pytest.mark.parametrize("budget", [["--noise-multiplier", "2.0"], slow_case(["--target-epsilon", "2"])])
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [["--noise-multiplier", "2.0"], ["--target-epsilon", "2"]])
 def test_cli_audit_writes_the_json_keys(tmp_path, capsys, budget):
     path = tmp_path / "audit.json"
     status = main(["audit", *budget, "--sample-rate", "0.5", "--steps", "4", "--canaries", "300",

@@ -107,6 +107,7 @@ def test_joint_accounting_equals_target():
     assert spent == pytest.approx(accountant.get_epsilon(delta), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_noise_multiplier_means_the_joint_release():
     model, data = MLP().double(), dataset(200)
     engine = _engine(model, data, batch_size=20, noise_multiplier=1.5, groups="per-param",
@@ -154,6 +155,7 @@ def test_update_divides_by_the_expected_batch_size():
         assert threshold == pytest.approx(3.0 * scaled.quantiles[name] / total, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_count_noise_has_standard_deviation_sigma_b():
     groups = _groups({"a": 1.0, "b": 1.0})
     settings = AdaptiveQuantile(target=0.5, lr=1e-9, budget=0.05)

@@ -470,6 +470,7 @@ def test_shrinking_keeps_the_new_fields_consistent():
     assert any(d.loop.loader == "poisson" and d.loop.sampler is None for d in simpler(sampled))
 
 
+@pytest.mark.slow
 def test_a_leak_of_the_rest_of_a_mixing_draw_is_a_finding_of_its_own_class():
     """Mixing from step 2 is released unchecked by chance (a random-check); with it, a loss the loop
     writes that mixes (targets standardised by the batch, outside what tunefree sees) leaks from step 0

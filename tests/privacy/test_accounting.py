@@ -27,7 +27,7 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
     return brentq(lambda e: delta_of(e) - delta, 0, 100)
 
 
-@pytest.mark.parametrize("sigma,steps", [(0.8, 1), (1.0, 10), (2.0, 100), (5.0, 1000)])
+@pytest.mark.parametrize("sigma,steps", [slow_case(0.8, 1), slow_case(1.0, 10), (2.0, 100), (5.0, 1000)])
 def test_full_batch_matches_the_exact_gaussian_formula(sigma, steps):
     # q = 1: T Gaussian releases compose to one Gaussian of μ = √T/σ, whose ε has a closed form.
     exact = gaussian_epsilon(math.sqrt(steps) / sigma, 1e-5)
@@ -53,7 +53,8 @@ def test_pld_agrees_with_prv_accountant(sigma, q, steps):
     assert rdp >= pld  # RDP is a valid but looser bound
 
 
-@pytest.mark.parametrize("target,q,steps", [(0.5, 0.01, 500), (3.0, 0.1, 300), slow_case(8.0, 0.05, 2000)])
+@pytest.mark.parametrize("target,q,steps", [(0.5, 0.01, 500), slow_case(3.0, 0.1, 300),
+                                             slow_case(8.0, 0.05, 2000)])
 @pytest.mark.parametrize("accountant", ["pld", "rdp"])
 def test_calibration_round_trip(target, q, steps, accountant):
     sigma = tunefree.noise_multiplier(target_epsilon=target, sample_rate=q, steps=steps,
@@ -126,8 +127,8 @@ def test_ledger_composes_alternating_steps_as_two_self_compositions():
 
 @pytest.mark.parametrize("event", [
     slow_case(planned_event(1.3, 0.05, 40)),
-    dpa.ComposedDpEvent([dpa.GaussianDpEvent(20.0), dpa.GaussianDpEvent(20.0),
-                         planned_event(2.0, 0.2, 30)]),
+    slow_case(dpa.ComposedDpEvent([dpa.GaussianDpEvent(20.0), dpa.GaussianDpEvent(20.0),
+                                   planned_event(2.0, 0.2, 30)])),
     dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(1.0, dpa.GaussianDpEvent(3.0)), 5),
     slow_case(dpa.ComposedDpEvent([planned_event(1.1, 0.1, 7),
                                    dpa.PoissonSampledDpEvent(0.0, dpa.GaussianDpEvent(1.0)),

@@ -22,7 +22,6 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from support.marks import slow_case
 from support.models import MLP, FallbackNet, TinyTransformer
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
@@ -165,8 +164,8 @@ CASES = [("conv", "ghost"), ("conv", "materialise"), ("conv-native", "ghost"), (
 
 
 @pytest.mark.parametrize("groups", ["all-layer", "per-layer"])
-@pytest.mark.parametrize("name, path", [slow_case(n, p) if n == "recurrent" else (n, p) for n, p in CASES],
-                         ids=[f"{n}-{p or 'formula'}" for n, p in CASES])
+@pytest.mark.slow  # two profiled steps a case
+@pytest.mark.parametrize("name, path", CASES, ids=[f"{n}-{p or 'formula'}" for n, p in CASES])
 def test_a_private_step_makes_the_same_calls_at_batch_8_and_64(name, path, groups, monkeypatch):
     native = name == "conv-native"
     if name == "conv":  # per-sample gradients as on CUDA: by the batched matrix product
