@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,12 @@ run: setup
 test: setup
 	$(VENV)/bin/ruff check src tests $(wildcard benchmarks)
 	$(PY) -m pytest -q
+
+# The fast tier, on two worker processes: every test but those marked slow, distributed or hf
+# (pyproject.toml); the exactness matrix and the privacy invariants stay in it. `make test` runs them all.
+test-fast: setup
+	$(VENV)/bin/ruff check src tests $(wildcard benchmarks)
+	$(PY) -m pytest -q -n 2 -m "not slow and not distributed and not hf"
 
 lint: setup
 	$(VENV)/bin/ruff check src tests $(wildcard benchmarks)

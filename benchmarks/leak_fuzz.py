@@ -1,9 +1,9 @@
 """The leak fuzzer's long run: many seeds, each finding shrunk to a minimal reproducer, a table of the
 findings by the invariant they break, and the refusals of draws that contain nothing that leaks.
 
-Every draw (an ordinary model and private training loop, ``tests/fuzz_draw.py``) must be exact under the
-multi-step neighbour test or refused (``tests/leak_fuzz.py`` says what is checked); leaks that the run's
-random checks missed by chance (``random-check``) are counted apart. One thread:
+Every draw (an ordinary model and private training loop, ``tests/support/fuzz_draw.py``) must be exact
+under the multi-step neighbour test or refused (``tests/support/leak_fuzz.py`` says what is checked); leaks
+that the run's random checks missed by chance (``random-check``) are counted apart. One thread:
 
     OMP_NUM_THREADS=1 python benchmarks/leak_fuzz.py --seeds 0:2000 --out findings.md
     OMP_NUM_THREADS=1 python benchmarks/leak_fuzz.py --seeds 0:500 --outside   # also user errors no
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from fuzz_zoo import UNSEEN_STATE  # noqa: E402
-from leak_fuzz import (  # noqa: E402
+from support.fuzz_zoo import UNSEEN_STATE  # noqa: E402
+from support.leak_fuzz import (  # noqa: E402
     CLASSES,
     RANDOM_CHECK,
     Outcome,

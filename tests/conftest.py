@@ -16,3 +16,4 @@ torch.set_num_threads(1)
 def _seeded():
     torch.manual_seed(0)
     yield
+

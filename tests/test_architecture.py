@@ -13,6 +13,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "tunefree"
 
 LAYERS: dict[str, int] = {
@@ -141,6 +143,7 @@ def test_the_architecture_page_names_every_module_and_only_files_that_exist():
     assert stale == []
 
 
+@pytest.mark.slow
 def test_import_tunefree_leaves_the_heavy_optional_modules_unimported():
     """``import tunefree`` imports neither transformers (the HF rules match it through ``sys.modules``) nor
     torch.distributed.tensor (which brings sympy: a second and ~50 MB; FSDP2 models import it themselves)."""

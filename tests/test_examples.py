@@ -25,12 +25,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_harness import free_port
 from sklearn.datasets import load_digits
+from support.gloo_harness import free_port
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from tunefree.privacy.plan import data_digest
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -140,6 +142,7 @@ def check_digits_accuracy(output: str, model, privacy: dict) -> None:
 
 
 @pytest.mark.parametrize("script, save", [("ddp_train.py", "--checkpoint"), ("fsdp_train.py", "--save")])
+@pytest.mark.distributed
 def test_data_parallel_examples_report_held_out_accuracy(tmp_path, script, save):
     output = run_example(script, "--epochs", "1", save, str(tmp_path / "run.pt"), processes=2, cwd=tmp_path)
     check_lines(output)
@@ -148,6 +151,7 @@ def test_data_parallel_examples_report_held_out_accuracy(tmp_path, script, save)
     check_digits_accuracy(output, digits_model(saved["model"]), saved["privacy"])
 
 
+@pytest.mark.distributed
 def test_pipeline_example_reports_held_out_accuracy(tmp_path):
     output = run_example("pipeline_train.py", "--epochs", "1", "--thresholds", "adaptive",
                          "--save", str(tmp_path), processes=2, cwd=tmp_path)
@@ -172,6 +176,7 @@ def saved_classifier_accuracy(folder: Path, held_out: list[dict[str, torch.Tenso
         return (model(**batch).logits.argmax(-1) == batch["labels"]).float().mean().item()
 
 
+@pytest.mark.hf
 def test_sequence_classification_example_reports_held_out_accuracy(tmp_path):
     pytest.importorskip("transformers")
     output = run_example("hf_sequence_classification.py", "--examples", "512", "--epochs", "1",
@@ -185,6 +190,7 @@ def test_sequence_classification_example_reports_held_out_accuracy(tmp_path):
     assert last_figure(output, "held-out accuracy") == pytest.approx(accuracy, abs=5e-5)
 
 
+@pytest.mark.hf
 def test_trainer_example_logs_held_out_metrics_only(tmp_path):
     pytest.importorskip("transformers")
     output = run_example("hf_trainer.py", "--examples", "256", "--epochs", "1",
@@ -204,6 +210,7 @@ def test_trainer_example_logs_held_out_metrics_only(tmp_path):
     assert float(logged[-1]) == pytest.approx(accuracy, abs=5e-5)  # the logs' held-out figure too
 
 
+@pytest.mark.hf
 def test_lora_example_reports_held_out_loss(tmp_path):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")

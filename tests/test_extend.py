@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from brute_force import clipped_sum, per_example_grads
 from support import pop_step
+from support.brute_force import clipped_sum, per_example_grads
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

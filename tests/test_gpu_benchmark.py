@@ -16,12 +16,16 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.hf
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 import gpu  # noqa: E402 - the benchmark script, importable from its folder
 
 
+@pytest.mark.slow
 def test_the_gpu_benchmark_runs_on_a_cpu_with_tiny_models(tmp_path):
     report_file = tmp_path / "gpu.json"
     out = subprocess.run(
@@ -69,6 +73,7 @@ def test_the_table_reports_failures_and_ratios():
     assert "Device: NVIDIA H200" in text
 
 
+@pytest.mark.slow
 def test_the_prepared_gpu_session_runs_end_to_end_on_a_cpu(tmp_path):
     """``gpu_session.sh --device cpu --tiny``: the environment, the kernel (interpreted) against RFC 8439 and
     the CPU path at several draws, its timing at each launch configuration, and the model rows with their
@@ -138,6 +143,7 @@ print(json.dumps([[a, b] for a, b in edges if b in loaded]))
 """
 
 
+@pytest.mark.slow
 def test_the_offline_recipe_carries_what_tunefree_imports_and_the_gpu_image_lacks():
     """``import tunefree`` and a private step (sampling, the secret source, the accountant) in a fresh
     process, every import recorded with its importer: the third-party packages reached from tunefree,

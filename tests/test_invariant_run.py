@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from gloo_harness import run_processes
+from support.gloo_harness import run_processes
+from support.training import train
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -37,14 +37,6 @@ def private(optimizer_class=torch.optim.SGD, **options) -> tunefree.DPEngine:
     settings = {"noise_multiplier": 1.0, "steps": 8, "seed": 0, **options}
     return tunefree.make_private(model, optimizer_class(model.parameters(), lr=0.1),
                                  DataLoader(dataset(), batch_size=6), target_delta=1e-3, **settings)
-
-
-def train(engine: tunefree.DPEngine, steps: int) -> None:
-    for _ in range(steps):
-        x, y = next(iter(engine.data_loader))
-        engine.optimizer.zero_grad()
-        F.cross_entropy(engine.model(x), y).backward()
-        engine.optimizer.step()
 
 
 def with_fewer_steps(state: dict, steps: int) -> dict:
@@ -168,6 +160,7 @@ def _different_data_scenario(rank: int) -> dict:
     return {"refused": None}
 
 
+@pytest.mark.distributed
 def test_data_parallel_ranks_holding_different_data_are_refused(tmp_path: Path):
     ranks = run_processes(_different_data_scenario, tmp_path, world=2, deadline_s=90, collective_timeout_s=4)
     for rank, other in ((0, 1), (1, 0)):

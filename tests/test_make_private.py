@@ -9,6 +9,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from support.marks import slow_case
+from support.training import train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 
@@ -31,18 +33,6 @@ def private(model=None, data=None, batch_size=20, **kwargs):
     options = {"noise_multiplier": 1.0, "target_delta": 1e-4, "seed": 0, **kwargs}
     return tunefree.make_private(model, opt, DataLoader(data or dataset(), batch_size=batch_size),
                                  **options)
-
-
-def train(engine, steps):
-    taken = 0
-    while taken < steps:
-        for x, y in engine.data_loader:
-            engine.optimizer.zero_grad()
-            F.cross_entropy(engine.model(x), y).backward()
-            engine.optimizer.step()
-            taken += engine.schedule.ends_logical
-            if taken == steps:
-                return
 
 
 # ----------------------------------------------------------------------------- validation
@@ -103,6 +93,7 @@ def test_model_is_the_same_object_and_detaches_cleanly():
 
 
 # ----------------------------------------------------------------------------- calibration
+@pytest.mark.slow
 def test_target_epsilon_is_met_by_the_planned_run():
     engine = private(noise_multiplier=None, target_epsilon=2.0, epochs=3)
     assert engine.planned_steps == 3 * 10
@@ -236,7 +227,7 @@ def _fresh(seed=3):
     return model, opt, engine
 
 
-@pytest.mark.parametrize("stop_after", [10, 14])  # an epoch boundary and mid-epoch
+@pytest.mark.parametrize("stop_after", [slow_case(10), 14])  # an epoch boundary and mid-epoch
 def test_checkpoint_and_resume_continue_the_same_run(stop_after):
     model, _, engine = _fresh()
     train(engine, 25)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).parents[1] / "README.md"
 
 
+@pytest.mark.slow
 def test_readme_example_trains_privately_and_prints_epsilon(capsys):
     code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
     namespace: dict = {}

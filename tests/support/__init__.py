@@ -1,4 +1,4 @@
-"""Helpers shared by the tests (new tests import from here; the older helper modules sit beside the tests)."""
+"""Helpers shared by the tests, imported as ``support`` (the oracles, model zoos and harnesses are its submodules)."""
 
 from __future__ import annotations
 

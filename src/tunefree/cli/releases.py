@@ -18,7 +18,7 @@ its noisy count reaches τ = 1 + s·Φ⁻¹(1 − p/k), s the noise of one count
 (``THRESHOLD_DELTA_SHARE`` of δ) the chance that a value only one row has is kept. τ depends on the share
 and on δ only, never on N: with ε = 3 and the default δ = 1/N^1.1, a label held by 50 training rows and a
 category value held by 100 are kept with probability at least 0.99 for every N up to 10⁶
-(``tests/test_cli_selection.py`` computes it). Labels are one selection (k = 1, ``LABEL_SHARE``); the
+(``tests/cli/test_cli_selection.py`` computes it). Labels are one selection (k = 1, ``LABEL_SHARE``); the
 text columns another, over their k histograms, with ``CATEGORY_SHARE`` per column (up to
 ``CATEGORY_SHARE_CAP`` in all), so that one count's noise does not grow with k.
 

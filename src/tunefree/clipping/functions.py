@@ -151,8 +151,8 @@ class Abadi(ClipFunction):
         return (threshold / norms.clamp_min(_AUTO_V_NORM_FLOOR)).clamp_max(1.0)
 
 
-# The built-in functions: elementwise arithmetic on the norms (tests/test_clipping.py checks each weight
-# against its example's norm alone), evaluated on the whole batch in one call. Any other function,
+# The built-in functions: elementwise arithmetic on the norms (tests/clipping/test_clipping.py checks each
+# weight against its example's norm alone), evaluated on the whole batch in one call. Any other function,
 # subclasses of these included, runs one example at a time.
 _ELEMENTWISE: frozenset[type[ClipFunction]] = frozenset({AutoS, AutoV, PSAC, Abadi})
 
@@ -195,7 +195,8 @@ def check_clip_function(clip: ClipFunction, thresholds: tuple[float, ...] = ()) 
     norm (it cannot run one example at a time) or that breaks ``wᵢ·‖gᵢ‖ ≤ R``, ``wᵢ ≥ 0`` or finiteness at
     a norm of :data:`_CHECKED_NORMS`, under each of ``thresholds`` (the run's) and
     :data:`_CHECKED_THRESHOLDS`. A grid: a function that breaks the bound only between its points is not
-    seen (the registering user tests the bound, as ``tests/test_clipping.py`` does for the built-in ones)."""
+    seen (the registering user tests the bound, as ``tests/clipping/test_clipping.py`` does for the built-in
+    ones)."""
     name = clip.name or type(clip).__name__
     norms = torch.tensor(_CHECKED_NORMS, dtype=torch.float64)
     for threshold in dict.fromkeys((*thresholds, *_CHECKED_THRESHOLDS)):
