@@ -67,8 +67,8 @@ from ..errors import PrivacyError
 from .base import Guard, ModelCall
 
 POSITIONS = 4  # secret positions per tensor in its fingerprint
-_PACKED = 1 << 14  # a tensor of at most this many 64-bit words is copied into a pack (cheaper than a sum)
-_PACK = 1 << 20  # the most words in one pack
+_PACKED = 1 << 10  # a tensor of at most this many 64-bit words (8 KB: biases, norms) goes into a pack
+_PACK = 1 << 16  # the most words in one pack (its copy and running sums: 1 MB at most)
 _CONTAINER_LIMIT = 64  # lists, tuples and dicts up to this size are compared item by item
 _DEPTH_LIMIT = 3
 _MODULE_MACHINERY = frozenset(vars(nn.Module()))  # hooks, flags and registries of nn.Module itself
@@ -250,7 +250,6 @@ class StateGuard(Guard):
         self._groups: list[_Group] = []
         self._renewed: list[_Group] = []  # the groups of the trainable parameters
         self._pending: list[_Comparison] = []  # compared on the device, not yet read
-        self._certain: list[str] = []  # changes the host saw at the end of a backward pass, to refuse
         self._refused: str | None = None  # a refusal a transfer found: raised from then on, until a snapshot
         self._verified = False  # a transfer read a full comparison since the last release
         self.snapshot()
@@ -264,9 +263,12 @@ class StateGuard(Guard):
 
     def carried(self, device: torch.device) -> torch.Tensor | None:
         """At the end of each backward pass: a full comparison, on the device; with the comparisons still
-        pending, the flags the engine's transfer reads (:meth:`carried_read`)."""
-        self._certain += self._walk()[0]
-        self._pending += self._compare(self._groups, _BACKWARD)
+        pending, the flags the engine's transfer reads (:meth:`carried_read`). A model whose tensors are
+        not where they were (FSDP2 holds its parameters unsharded until its own end of the backward) gets
+        no full comparison here: the release's check makes it, with its own read."""
+        changes, _ = self._walk()
+        if not changes:
+            self._pending += self._compare(self._groups, _BACKWARD)
         flags = [c.flag.to(device) for c in self._pending]
         return torch.stack(flags) if len(flags) > 1 else flags[0].reshape(1) if flags else None
 
@@ -275,10 +277,9 @@ class StateGuard(Guard):
         guard's next point (the next forward pass, or the release), and at every later one: a write the
         update's renewal absorbed would not be seen again."""
         read, self._pending = self._pending[:len(changed)], self._pending[len(changed):]
-        certain, self._certain = self._certain, []
         failed = [c for c, f in zip(read, changed) if f]
-        if self._refused is None and (certain or failed):
-            self._refused = _refusal(certain, _BACKWARD, False) if certain else _failure(failed)
+        if self._refused is None and failed:
+            self._refused = _failure(failed)
         self._verified = self._verified or any(c.when == _BACKWARD for c in read)
 
     def before_release(self, step: int) -> None:
@@ -339,7 +340,7 @@ class StateGuard(Guard):
                 self._groups.append(group)
                 if renewed:
                     self._renewed.append(group)
-        self._pending, self._certain, self._refused, self._verified = [], [], None, False
+        self._pending, self._refused, self._verified = [], None, False
 
     @contextmanager
     def public_writes(self) -> Iterator[None]:

@@ -5,8 +5,7 @@ inside the backward pass, all-layer groups at its end), and each backward pass's
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -19,9 +18,6 @@ from ..rules import PerSampleGrad
 from ..rules.summed import SummedUses
 from .accumulator import StepAccumulator
 from .units import PassState, Use
-
-if TYPE_CHECKING:
-    from .engine import ForwardGuard
 
 # A per-sample norm at or above this (or NaN) is an overflow: refused rather than clipped, since a
 # float32 clip weight R/‖g‖ would then be subnormal and the bound ‖w·g‖ ≤ R could round away.
@@ -130,17 +126,18 @@ class Booking:
         self.accumulator.add_norms(group.name, norms)
         return weights, sums
 
-    def close(self, state: PassState, guards: ForwardGuard | None) -> list[bool] | None:
-        """The end of a backward pass: every group's norms in one check, the guards' flags with them (their
-        comparisons of the model's state, guards/base.py), in one transfer to the host; then the pass's
-        examples booked. The step's sums are dropped if any norm overflowed. Returns the guards' flags as
-        read (None when they carried none)."""
-        read, carried = None, None
+    def close(self, state: PassState, carried: Callable[[torch.device], torch.Tensor | None] | None
+              ) -> list[bool] | None:
+        """The end of a backward pass: every group's norms in one check, the flags ``carried`` gives on
+        their device (the guards' comparisons of the model's state, guards/base.py) with them, in one
+        transfer to the host; then the pass's examples booked. The step's sums are dropped if any norm
+        overflowed. Returns the carried flags as read (None when there were none)."""
+        read, flags = None, None
         if state.finite_checks:
             norms = torch.stack([norms for _, norms in state.finite_checks])
             finite = (norms < NORM_LIMIT).all(1)
-            carried = guards.carried(finite.device) if guards is not None else None
-            read = (finite if carried is None else torch.cat([finite, carried])).cpu().tolist()
+            flags = carried(finite.device) if carried is not None else None
+            read = (finite if flags is None else torch.cat([finite, flags])).cpu().tolist()
             bad = [name for (name, _), ok in zip(state.finite_checks, read) if not ok]
             if bad:
                 self.accumulator.pop()  # the logical step's sums are tainted: nothing of them may be released
@@ -151,7 +148,7 @@ class Booking:
                     "inputs, or use float32/bfloat16 instead of float16)"
                 )
         self.accumulator.add_examples(state.batch or 0)
-        return None if carried is None else read[len(state.finite_checks):]
+        return None if flags is None else read[len(state.finite_checks):]
 
 
 def second_backward_message(what: str) -> str:

@@ -364,7 +364,7 @@ class ClippingEngine:
             for group in self.groups:
                 self.booking.clip_group(state, group)
         self._reset_pass()
-        carried_read = self.booking.close(state, self.guards)
+        carried_read = self.booking.close(state, None if self.guards is None else self.guards.carried)
         if carried_read is not None:
             self.guards.carried_read(carried_read)
 
