@@ -1,4 +1,4 @@
-"""Helpers shared by the tests, imported as ``support`` (the oracles, model zoos and harnesses are its submodules)."""
+"""Helpers shared by the tests, imported as ``support``: the oracles, model zoos and harnesses."""
 
 from __future__ import annotations
 
