@@ -2,12 +2,13 @@
 one private step, and over a whole run.
 
 A private run checks its first step with certainty for every pair (one forward with gradients, 1 +
-⌈log₈ n⌉ backward passes to the units' tensors, and one forward per mask of a code of ⌈~log₂ n⌉ masks),
-then each step with probability 1/``verify_every`` (24 by default) at steps drawn from the run's
-randomness, the forward check on one random half (two forwards with gradients, the backward passes as
-in the first check). On a checked step the model's function is also probed on two rows before the step's
-first forward and before its release (``guards/purity.py``), the Poisson loader hands out its float
-tensors as copies of leaves that require gradients and the model's inputs are checked against them.
+⌈log₈ n⌉ backward passes to the units' tensors, and the forward check's extra forwards, one per pass of
+its partitions: 5 for 64 examples, 6 for 256), then each step with probability 1/``verify_every`` (24
+by default) at steps drawn from the run's randomness, the forward check on one random half (one extra
+forward; the backward passes as in the first check). On a checked step the model's function is also
+probed on two rows before the step's first forward and before its release (``guards/purity.py``), the
+Poisson loader hands out its float tensors as copies of leaves that require gradients and the model's
+inputs are checked against them.
 
 Default: median (and range) time of the first check and of a later check against one private step
 (forward, backward, clipping, noise, ledger) of the same model, interleaved, one thread. Times are the

@@ -100,10 +100,11 @@ def make_private(
             losses; with ``physical_batch_size``, those of the whole logical batch); the gradient noise
             grows by ``gradient_noise_increase`` and the loss noise is solved so that the whole run, every
             release included, spends what plain DP-SGD at σ would.
-        verify_every: besides the checks of the first two steps, each step checks example
-            independence (``tunefree.verify_example_independence``) with probability 1/verify_every, at
-            steps drawn from the run's secret randomness (``None``: 24, about 3% of a long run's time; 1:
-            every step).
+        verify_every: besides the first step's check (certain for every pair of examples, before the
+            first release), each step checks example independence
+            (``tunefree.verify_example_independence``) with probability 1/verify_every, at steps drawn
+            from the run's secret randomness (``None``: 24, about 7% of a long run's time; 1: every
+            step).
         audit_canaries: m, audit this run (``tunefree.audit.audit_training(engine)`` after training):
             m gradient canaries, each a member with probability ½, released with the gradient on a
             block of coordinates outside the model (``tunefree.privacy.canaries``). They touch no

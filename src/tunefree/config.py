@@ -43,9 +43,9 @@ class Performance:
     Args:
         physical_batch_size: cut logical batches into micro-batches of at most this many examples; the
             optimizer steps (and the ledger records) once per logical batch.
-        verify_every: besides the checks of the first two steps, each step checks example
-            independence with probability 1/verify_every, at steps drawn from the run's randomness
-            (``None``: 24, about 3% of a long run's time; 1: every step).
+        verify_every: besides the first step's check (certain for every pair of examples), each step
+            checks example independence with probability 1/verify_every, at steps drawn from the run's
+            randomness (``None``: 24, about 7% of a long run's time; 1: every step).
         norm_path: how layers with two exact per-sample norm paths pick one: ``"auto"`` (timed once per
             layer shape; a seeded run follows the cost formula, so that it replays bit for bit),
             ``"formula"``, ``"ghost"`` or ``"materialise"``.
