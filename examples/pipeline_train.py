@@ -87,6 +87,7 @@ def main() -> None:
         os.makedirs(args.save, exist_ok=True)
         torch.save({"model": module.state_dict(), "privacy": stage.engine.state_dict()},
                    os.path.join(args.save, f"stage{rank}.pt"))
+    dist.barrier()  # a stage whose last message is still in flight must not see its peer leave (gloo aborts)
     dist.destroy_process_group()
 
 
