@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import struct
 import sys
 import sysconfig
@@ -159,29 +158,9 @@ def kernel_checks(device, tiny: bool) -> dict:
     return out
 
 
-def _timed(fn, device, repeats: int, warmup: int) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(1000 * (time.perf_counter() - begin))
-    return statistics.median(times)
-
-
 def kernel_timing(device, tiny: bool) -> list[dict]:
     import torch
+    from gpu_noise import timed
 
     from tunefree.privacy import chacha20, chacha20_triton
     from tunefree.privacy.chacha20 import ChaCha20Generator
@@ -194,14 +173,14 @@ def kernel_timing(device, tiny: bool) -> list[dict]:
     for count in counts:
         out = torch.empty(count, device=device, dtype=torch.float32)
         randn = lambda n=count: torch.randn(n, device=device)  # noqa: E731
-        row = {"gaussians": count, "torch.randn ms": _timed(randn, device, repeats, warmup)}
+        row = {"gaussians": count, "torch.randn ms": timed(randn, device, repeats, warmup)}
         for warps in chacha20_triton.LAUNCH_WARPS:
             draw = lambda out=out, w=warps: chacha20_triton.normals(out, key, 0, warps=w)  # noqa: E731
-            row[f"kernel, {warps} warps ms"] = _timed(draw, device, repeats, warmup)
+            row[f"kernel, {warps} warps ms"] = timed(draw, device, repeats, warmup)
         if count < 50_000_000:  # the slower paths at the smaller size only
             for label, path, reps in (("torch-ops path ms", chacha20.TORCH_OPS, 1 if tiny else 3),
                                       ("CPU path and copy ms", chacha20.OPENSSL, 1)):
-                row[label] = _timed(lambda n=count, p=path: generator.normals_by(p, n, device, torch.float32),
+                row[label] = timed(lambda n=count, p=path: generator.normals_by(p, n, device, torch.float32),
                                     device, reps, 0 if tiny else 1)
         best = min(v for k, v in row.items() if k.startswith("kernel"))
         row["best kernel GB/s written"] = 4 * count / best / 1e6
