@@ -5,6 +5,8 @@ and the default δ = 1/N^1.1, for every N up to 10⁶, a label of 50 training ro
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from scipy.stats import norm
@@ -51,6 +53,15 @@ def test_the_thresholds_depend_on_the_budget_only_and_grow_as_log_one_over_delta
 def test_numeric_columns_are_standardised_from_a_hundred_rows_each(columns):
     rows = 100 * columns
     sigma = scaling.noise_for_share(Budget(3.0, default_delta(rows)))
+    scaling.check_enough_rows(rows, columns, sigma, 3.0)  # not refused
+    assert scaling.minimum_rows(columns, sigma) <= rows
+
+
+@pytest.mark.parametrize("columns", [1, 4, 16, 30])
+def test_a_small_table_takes_up_to_a_quarter_and_then_needs_45_rows_per_root_column(columns):
+    rows = math.ceil(45 * math.sqrt(columns))
+    budget = Budget(3.0, default_delta(rows))
+    sigma = scaling.noise_for_share(budget, scaling.share_for_table(budget, rows, columns))
     scaling.check_enough_rows(rows, columns, sigma, 3.0)  # not refused
     assert scaling.minimum_rows(columns, sigma) <= rows
 

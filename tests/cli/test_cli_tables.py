@@ -111,6 +111,48 @@ def test_a_table_too_small_to_standardise_privately_is_refused_before_any_releas
         scaling.check_enough_rows(needed - 1, 2, sigma, 3.0)
 
 
+def test_a_small_table_with_many_columns_pays_a_larger_share_rather_than_be_refused():
+    """Where SHARE leaves too few rows for d columns, the standardisation takes the least share, up to
+    SHARE_CAP, with which the rows suffice; beyond the cap the table is refused as before."""
+    budget = Budget(3.0, 1e-3, "rdp")
+    columns = 30
+    enough = scaling.minimum_rows(columns, scaling.noise_for_share(budget))
+    assert scaling.share_for_table(budget, enough, columns) == scaling.SHARE  # enough rows: as before
+    at_cap = scaling.minimum_rows(columns, scaling.noise_for_share(budget, scaling.SHARE_CAP))
+    for rows in (enough - 1, (enough + at_cap) // 2, at_cap):
+        share = scaling.share_for_table(budget, rows, columns)
+        sigma = scaling.noise_for_share(budget, share)
+        scaling.check_enough_rows(rows, columns, sigma, 3.0)  # not refused
+        assert scaling.minimum_rows(columns, sigma) == rows  # the least share that suffices
+        assert scaling.SHARE < share <= scaling.SHARE_CAP
+    assert scaling.share_for_table(budget, at_cap - 1, columns) == scaling.SHARE_CAP
+    sigma = scaling.noise_for_share(budget, scaling.SHARE_CAP)
+    with pytest.raises(ValueError, match=r"too few to standardise 30 numeric column\(s\).*25% of the budget"):
+        scaling.check_enough_rows(at_cap - 1, columns, sigma, 3.0)
+
+
+@pytest.mark.slow
+def test_a_small_wide_table_trains_and_its_larger_share_is_in_the_ledger(tmp_path):
+    """A table like scikit-learn's breast cancer data (about 450 training rows, 30 numeric columns) was
+    refused at SHARE; it now trains, the standardisation's share as reported, and the run spends the
+    target ε with the releases in its ledger."""
+    rng = np.random.default_rng(0)
+    rows = 560
+    x = rng.lognormal(2, 1, (rows, 30))
+    frame = pd.DataFrame(x, columns=[f"f{i}" for i in range(30)])
+    frame["label"] = (x[:, 0] > np.median(x[:, 0])).astype(int)
+    frame.to_csv(tmp_path / "wide.csv", index=False)
+    code, result = _run(tmp_path, "--dataset", str(tmp_path / "wide.csv"), "--labels", "0,1")
+    assert code == 0
+    (standardisation,) = result["preprocessing"]
+    assert scaling.SHARE < standardisation["share"] <= scaling.SHARE_CAP
+    budget = Budget(3.0, result["delta"], "rdp")
+    share = scaling.share_for_table(budget, result["dataset"]["train_examples"], 30)
+    assert standardisation["share"] == share
+    assert standardisation["noise_multiplier"] == scaling.noise_for_share(budget, share)
+    assert 0.99 * 3.0 <= result["epsilon"] <= 3.0
+
+
 def _table(path, rows=1200, seed=0):
     rng = np.random.default_rng(seed)
     age = rng.integers(18, 90, rows)
@@ -195,7 +237,7 @@ def test_numeric_scaling_none_feeds_the_columns_raw_and_hidden_sizes_the_mlp(tmp
 
 
 def test_a_small_table_is_refused_with_the_ways_out(tmp_path, capsys):
-    code, _ = _run(tmp_path, "--dataset", str(_table(tmp_path / "t.csv", rows=100)), "--batch-size", "50")
+    code, _ = _run(tmp_path, "--dataset", str(_table(tmp_path / "t.csv", rows=40)), "--batch-size", "20")
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "too few to standardise 2 numeric column(s)" in err and "--numeric-scaling none" in err

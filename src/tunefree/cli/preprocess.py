@@ -228,7 +228,8 @@ def _prepare_table(raw: Raw, options: DataOptions, epsilon: float, delta: float 
                  if c.kind == "categorical" and c.categories is None}
     unscaled = [c.name for c in columns if c.kind == "numeric" and c.bounds is None]
     standardise = bool(unscaled) and options.numeric_scaling == "private"
-    scaling_noise = scaling.noise_for_share(budget) if standardise else 0.0
+    scaling_share = scaling.share_for_table(budget, len(train_frame), len(unscaled)) if standardise else 0.0
+    scaling_noise = scaling.noise_for_share(budget, scaling_share) if standardise else 0.0
     if standardise:  # the last refusal that needs no release
         scaling.check_enough_rows(len(train_frame), len(unscaled), scaling_noise, epsilon)
 
@@ -261,7 +262,7 @@ def _prepare_table(raw: Raw, options: DataOptions, epsilon: float, delta: float 
                                    scaling.secret_randomness(seed))
         x_train, x_test = released.apply(x_train), released.apply(x_test)
         encoder.standardisation = released.to_dict()
-        releases.append(scaling.release_record(released, encoder.feature_names))
+        releases.append(scaling.release_record(released, encoder.feature_names, scaling_share))
     notes = _table_notes(encoder, unscaled, label_release, category_release, releases)
     return LoadedData(raw.name, "table", _tensors(x_train.numpy(), y_train), _tensors(x_test.numpy(), y_test),
                       len(encoder.class_names), (x_train.shape[1],), classes=tuple(encoder.class_names),

@@ -15,7 +15,8 @@ estimated with the Gaussian mechanism, in two releases over the d columns to sta
 Each release is a Gaussian mechanism of noise multiplier σ: two ``GaussianDpEvent(σ)`` go into the ledger
 before the first training step. The two take ``SHARE`` of the budget's μ² (``releases.py``), the smallest
 share with which one numeric column is standardised from 100 training rows at ε = 3 and the default δ
-(:func:`minimum_rows`), and the training noise is calibrated on the exact composition of every
+(:func:`minimum_rows`; a table with too few rows for that takes up to ``SHARE_CAP``,
+:func:`share_for_table`), and the training noise is calibrated on the exact composition of every
 preprocessing release with the planned steps: the whole run is (ε, δ)-DP, and the ledger reports what it
 spent. The number of training rows N is public, as it is for the sampling rate. σ = 0 (``--epsilon
 inf``) is the exact scaling.
@@ -35,16 +36,31 @@ from .releases import Budget, Release
 STANDARDISATION_STREAM = 0x5CA1E
 
 SHARE = 0.04  # the share of the budget's μ² of the two releases (releases.py)
+SHARE_CAP = 0.25  # the most a small table with many columns takes, rather than be refused (noise_for_table)
 LOG2_RANGE = (-20, 40)  # magnitude bins: |x| ≤ 2^-20, (2^-20, 2^-19], …, (2^39, 2^40] and beyond
 CLEAR_OF_NOISE = 4.0  # a bin "holds data" when its noisy count exceeds this many noise deviations
 MIN_STD = 1e-3  # the smallest standard deviation (of x/B) divided by: a constant column stays bounded
 RELEASES = 2
 
 
-def noise_for_share(budget: Budget) -> float:
-    """σ of each of the two releases, so that together they take ``SHARE`` of the budget's μ² (0 in a
+def noise_for_share(budget: Budget, share: float = SHARE) -> float:
+    """σ of each of the two releases, so that together they take ``share`` of the budget's μ² (0 in a
     non-private run)."""
-    return budget.noise(SHARE, RELEASES)
+    return budget.noise(share, RELEASES)
+
+
+def share_for_table(budget: Budget, rows: int, columns: int) -> float:
+    """The share of the budget's μ² that the two releases take for a table of ``rows`` training rows and
+    ``columns`` columns to standardise (both public): ``SHARE``, or, where that leaves too few rows
+    (:func:`minimum_rows`), the least share up to ``SHARE_CAP`` with which the rows suffice — a small
+    table with many columns pays more of its budget rather than be refused. The training noise is
+    calibrated on the releases' events, whatever the share."""
+    if not budget.private:
+        return SHARE
+    largest = rows / (4 * CLEAR_OF_NOISE * math.sqrt(columns)) * (1 - 1e-9)  # the largest σ that suffices
+    if noise_for_share(budget) <= largest:
+        return SHARE
+    return min(RELEASES / (largest * budget.mu) ** 2, SHARE_CAP)
 
 
 @dataclass(frozen=True)
@@ -95,8 +111,9 @@ def check_enough_rows(rows: int, columns: int, noise_multiplier: float, epsilon:
     if rows < needed:
         raise ValueError(
             f"{rows} training rows are too few to standardise {columns} numeric column(s) privately at "
-            f"ε = {epsilon:g} (it needs {needed}): declare their ranges in --schema (public, free), or pass "
-            "--numeric-scaling none to feed them to the model as they are")
+            f"ε = {epsilon:g} (it needs {needed}, with {SHARE_CAP:.0%} of the budget for it): declare their "
+            "ranges in --schema (public, free), or pass --numeric-scaling none to feed them to the model as "
+            "they are")
 
 
 def _magnitude_bins(x: torch.Tensor) -> torch.Tensor:
@@ -159,7 +176,8 @@ def secret_randomness(seed: int | None) -> NoiseSource:
     return side_randomness(seed, STANDARDISATION_STREAM)
 
 
-def release_record(released: Standardisation, names: list[str]) -> Release:
-    """The standardisation as one preprocessing release of the run (its two events)."""
-    return Release("standardisation", SHARE, released.noise_multiplier, tuple(released.events()),
+def release_record(released: Standardisation, names: list[str], share: float) -> Release:
+    """The standardisation as one preprocessing release of the run (its two events, ``share`` of the
+    budget's μ²)."""
+    return Release("standardisation", share, released.noise_multiplier, tuple(released.events()),
                    {"columns": [names[i] for i in released.columns]})
