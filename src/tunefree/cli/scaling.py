@@ -60,7 +60,7 @@ def share_for_table(budget: Budget, rows: int, columns: int) -> float:
     largest = rows / (4 * CLEAR_OF_NOISE * math.sqrt(columns)) * (1 - 1e-9)  # the largest σ that suffices
     if noise_for_share(budget) <= largest:
         return SHARE
-    return min(RELEASES / (largest * budget.mu) ** 2, SHARE_CAP)
+    return SHARE_CAP if largest <= 0 else min(RELEASES / (largest * budget.mu) ** 2, SHARE_CAP)
 
 
 @dataclass(frozen=True)
