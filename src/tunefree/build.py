@@ -31,6 +31,7 @@ from .errors import SettingsRefused
 from .guards.base import Guards
 from .guards.independence import Independence, ProbeSchedule
 from .guards.inputs import InputProvenance
+from .guards.loss import LossCheck
 from .guards.purity import Purity
 from .guards.state import StateGuard
 from .guards.trainable import TrainableSet
@@ -167,8 +168,8 @@ def run_guards(run: PlannedRun, engine: ClippingEngine, trainable: list[nn.Param
                optimizer: torch.optim.Optimizer, accumulator: StepAccumulator) -> Guards:
     """The run's guards, in the order each point of the step runs them: the trainable set (and no
     ordinary gradient), the model's state (tensors and numbers where they live), its function (the
-    state by behaviour, on checked steps), example independence (on checked steps). A refusal drops
-    the step's booked sums."""
+    state by behaviour, on checked steps), the loss and example independence (on checked steps). A
+    refusal drops the step's booked sums."""
     config = run.config
     state = StateGuard(run.module, trainable, config.public_buffers)
     every_rank = run.parallel.agree if run.parallel.kind == FSDP2 else None
@@ -185,6 +186,9 @@ def run_guards(run: PlannedRun, engine: ClippingEngine, trainable: list[nn.Param
         TrainableSet(run.module, trainable, optimizer, leaks=lambda: engine.check_no_leak()),
         state,
         *purity,
+        # a pipeline stage's backward starts from the next stage's gradient, not from a loss it computes
+        *([] if run.parallel.kind == STAGES else
+          [LossCheck(run.schedule, probes, quiet=engine.running_model, drop=accumulator.pop)]),
         Independence(run.module, engine, run.schedule, probes,
                      config.performance.verify_every, every_rank, after_probes=state.after_probes),
     ], drop=accumulator.pop)

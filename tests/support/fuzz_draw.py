@@ -285,8 +285,9 @@ def sample_loop(rng: random.Random, model: ModelSpec, outside: bool = False) -> 
     ``poisson_sampling=False`` (the batches are the user's, whose inputs tunefree does not check: the
     guarantee is labelled an approximation and the loop is the user's), or a swap of a few tokens between
     examples (below the half of a row that the integer input check sees); a loss the loop writes that mixes
-    examples (a token mean over the batch, targets standardised by the batch: the loss is outside the
-    model, and its own code is all that says how it combines the examples)."""
+    examples with labels that are not the private loader's (a token mean over the batch, targets
+    standardised by the batch, under ``poisson_sampling=False``: the loss check sees the private loader's
+    labels only)."""
     steps = _weighted(rng, {1: 0.2, 2: 0.5, 3: 0.3})
     deque = max((b.kwargs().get("maxlen", 0) for b in model.blocks if b.kind == "recent_deque"), default=0)
     steps = max(steps, deque)  # a deque of recent batches is read within the run
@@ -325,10 +326,11 @@ def sample_loop(rng: random.Random, model: ModelSpec, outside: bool = False) -> 
         loss=loss, reduction=reduction,
         declared={"sum": "mean", "mean": "sum"}[reduction] if misdeclared else None,
         # a loss written in the loop that mixes examples (a token mean over the batch, targets standardised
-        # by the batch) is the user's, like a misdeclared reduction: outside what tunefree sees
-        token_mean=rng.choice(["example", "batch"] if outside else ["example"]) if loss == "token-ce"
-        else "example",
-        target_norm=_weighted(rng, {None: 0.5, "batch": 0.3, "example": 0.2} if outside
+        # by the batch): the loss check replays it from the outputs and the private loader's labels; with
+        # labels from elsewhere (poisson_sampling=False) it is outside what tunefree sees
+        token_mean=rng.choice(["example", "batch"] if outside or loader == "poisson" else ["example"])
+        if loss == "token-ce" else "example",
+        target_norm=_weighted(rng, {None: 0.5, "batch": 0.3, "example": 0.2} if outside or loader == "poisson"
                               else {None: 0.6, "example": 0.4}) if loss == "mse" else None,
         clipping=_weighted(rng, {"abadi": 0.7, "auto-s": 0.15, "fuzz-batch-max": 0.04,
                                  "fuzz-batch-mean": 0.04, "fuzz-soft": 0.035, "fuzz-offset": 0.035}),

@@ -215,8 +215,10 @@ def _mixes_in_loss(loop: LoopSpec) -> bool:
 
 def _randomly_checked(draw: Draw) -> bool:
     """Whether the draw holds something the checks look for on random steps and halves: mixing in the
-    model or before it, or a batch-wide scale in the backward (which a gradient check may see)."""
-    return draw.loop.mix_before is not None or _mixes_in_model(draw.model) or _scales_backward(draw)
+    model, before it or in the loss, or a batch-wide scale in the backward (which a gradient check may
+    see)."""
+    return draw.loop.mix_before is not None or _mixes_in_model(draw.model) or _scales_backward(draw) or \
+        _mixes_in_loss(draw.loop)
 
 
 def without_sampled_mixing(draw: Draw) -> Draw:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,11 +43,13 @@ class StepSchedule:
     engine's provenance of the batch: ``batch_serial`` numbers the physical batches handed out (0: none
     yet) and ``batch_examples`` is the number of examples in the last one; ``handed_out`` records what
     the loader handed out last (``data/provenance.py``). ``checking`` (set by the optimizer) says whether
-    the logical step handed out next is one the run checks.
+    the logical step handed out next is one the run checks; ``watchers`` are called after each batch is
+    handed out (the loss check records the loop's computation from there on checked steps).
     """
 
     def __init__(self) -> None:
         self.checking = True
+        self.watchers: list[Callable[[], None]] = []
         self.handed_out: HandedOut | None = None
         self.consumed = 0
         self.ends_logical = True
@@ -174,6 +176,8 @@ class PoissonDataLoader(DataLoader):
             self.schedule.on_batch(first, last, examples)
             batch, self.schedule.handed_out = hand_out(batch, self.schedule.batch_serial, examples,
                                                        self.schedule.checking)
+            for watch in self.schedule.watchers:
+                watch()
             yield batch
 
     def _gathered(self) -> Iterator[list[torch.Tensor]]:

@@ -1,7 +1,8 @@
 """The guard protocol: each invariant of the private step, checked at the points of the step it needs.
 
 A private step runs, in order (``step/private_step.py``): the training loop's forward passes (each one's
-:meth:`Guard.before_forward`), its backward passes (the engine books clipped sums), then
+:meth:`Guard.before_forward` and :meth:`Guard.after_forward`), its backward passes (the engine books
+clipped sums), then
 :meth:`Guard.before_release`, the release and its record in the ledger, the step components,
 :meth:`Guard.before_update`, the wrapped optimizer's update and :meth:`Guard.after_update`. A guard
 refuses by raising :class:`~tunefree.errors.PrivacyError`; :class:`Guards` then drops the step's booked
@@ -25,6 +26,9 @@ class Guard:
 
     def before_forward(self, call: ModelCall) -> None:
         """At the start of every training forward pass of the model (grad enabled, train mode)."""
+
+    def after_forward(self, output: object) -> None:
+        """At the end of every training forward pass of the model, with what it returned."""
 
     def before_release(self, step: int) -> None:
         """Before logical step ``step`` (1-based) releases anything."""
@@ -58,6 +62,9 @@ class Guards:
 
     def before_forward(self, call: ModelCall) -> None:
         self._each("before_forward", call)
+
+    def after_forward(self, output: object) -> None:
+        self._each("after_forward", output)
 
     def before_release(self, step: int) -> None:
         self._each("before_release", step)

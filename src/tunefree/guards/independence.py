@@ -461,9 +461,9 @@ class ProbeSchedule:
         ``passes`` passes), else one pass changing a random half."""
         if first:
             return first_levels(n, ordered, passes)
-        return levels_of((self._half(step, 2, n),))
+        return levels_of((self.half(step, 2, n),))
 
-    def _half(self, step: int, purpose: int, n: int) -> torch.Tensor:
+    def half(self, step: int, purpose: int, n: int) -> torch.Tensor:
         """A random subset of the n examples, neither empty nor all of them (drawn again up to 64 times,
         then the first example alone: a fair source gets there with probability below 2^-64)."""
         for attempt in range(64):

@@ -146,7 +146,7 @@ class ClippingEngine:
         self.path_chooser = PathChooser() if path_chooser is None else path_chooser
         self._pass = PassState()
         self._broadcast: capture.Broadcast | None = None  # the model call in progress
-        self._recomputing, self._suspended = False, 0
+        self._recomputing, self._suspended, self._training_call, self._forwards = False, 0, False, 0
         self._anchor = torch.zeros((), requires_grad=True)
         self._leaked: set[str] = set()
         self._handles: list[Any] = []
@@ -156,7 +156,7 @@ class ClippingEngine:
         self._handles.append(self.model.register_forward_pre_hook(
             lambda mod, args, kwargs: self._new_forward(args, kwargs), prepend=True, with_kwargs=True))
         self._handles.append(self.model.register_forward_hook(
-            lambda mod, args, out: self._end_forward(), always_call=True))
+            lambda mod, args, out: self._end_forward(out), always_call=True))
         for unit in self.units:
             m = unit.module
             self._handles.append(m.register_forward_pre_hook(
@@ -201,6 +201,7 @@ class ClippingEngine:
 
     # ------------------------------------------------------------------ forward
     def _new_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        self._forwards += 1
         training = self._capturing() and not self._pass.in_backward
         refusal, from_loader = None, None
         if self.input_provenance is not None:  # the model computes on the call's plain tensors
@@ -221,6 +222,7 @@ class ClippingEngine:
                 self._pass.batch_storages = capture.storages(capture.flatten_call(args, kwargs)[0])
                 self._pass.model_storages = capture.storages([*self.model.parameters(),
                                                               *self.model.buffers()])
+        self._training_call = training  # after the guards' probes, whose own forwards end before this one
         # Shared inputs expand to the batch's examples, or inside no_capture() (the independence check)
         # to the call's own; never in a backward pass or the fallback's re-run.
         expand = torch.is_grad_enabled() and self.model.training and not self._recomputing \
@@ -229,8 +231,17 @@ class ClippingEngine:
                                                 None if training else self.declared.root) if expand else None
         return None if self.input_provenance is None else (args, kwargs)
 
-    def _end_forward(self) -> None:
+    def _end_forward(self, output: Any) -> None:
         self._broadcast = None
+        self._forwards -= 1
+        training, self._training_call = self._training_call, False
+        if training and self.guards is not None and output is not None:
+            self.guards.after_forward(output)
+
+    def running_model(self) -> bool:
+        """Whether a forward of the model (or the engine's own hook) is running: its operations are the
+        model's, not the training loop's."""
+        return self._forwards > 0 or self._pass.in_hook
 
     # The forward hooks mark the engine's own work (``in_hook``), which reads parameters for no model output.
     def _pre_forward(self, unit: Unit) -> None:
