@@ -242,8 +242,9 @@ def test_draws_are_deterministic_and_cover_the_vocabulary():
     assert seen["mix_before"] == {None, "mixup", "standardise", "cutmix"}  # a token swap: --outside
     assert seen["split"] == {None, "halves", "examples", "accumulate", "subset"}
     assert seen["loss"] == {"ce", "mse", "energy", "token-ce"}
-    assert seen["target_norm"] == {None, "example"}
-    assert {d.loop.token_mean for d in draws if d.loop.loss == "token-ce"} == {"example"}
+    assert seen["target_norm"] == {None, "example", "batch"}  # the loss check replays the batch's labels
+    assert all(d.loop.loader == "poisson" for d in draws if d.loop.target_norm == "batch")
+    assert all(d.loop.loader == "poisson" for d in draws if d.loop.token_mean == "batch")
     assert seen["clipping"] == set(CLIPPINGS) and seen["sampler"] == set(SAMPLERS)
     # each new kind of block comes in its leaking and its clean variant
     variants = {(b.kind, tuple(sorted(b.kwargs().items()))) for d in draws for b in d.model.blocks}
@@ -257,9 +258,8 @@ def test_draws_are_deterministic_and_cover_the_vocabulary():
     outside = [sample_draw(seed, outside=True) for seed in CI_SEEDS]
     assert any(d.loop.declared is not None for d in outside)
     assert any(not d.loop.resume_engine_state for d in outside)
-    # so is a loss the loop writes that mixes examples
-    assert any(d.loop.token_mean == "batch" for d in outside) and any(d.loop.target_norm == "batch"
-                                                                     for d in outside)
+    # so is a loss the loop writes that mixes examples with labels not from the private loader
+    assert any(d.loop.target_norm == "batch" and d.loop.loader != "poisson" for d in outside)
     # inputs under poisson_sampling=False are the user's, not checked: mixing them is outside too
     assert not any(d.loop.loader == "poisson-off" and d.loop.mix_before for d in draws)
     assert any(d.loop.loader == "poisson-off" and d.loop.mix_before for d in outside)
@@ -471,18 +471,18 @@ def test_shrinking_keeps_the_new_fields_consistent():
 
 
 @pytest.mark.slow
-def test_a_leak_of_the_rest_of_a_mixing_draw_is_a_finding_of_its_own_class():
+def test_a_mixing_draw_with_more_in_it_is_judged_on_all_of_it():
     """Mixing from step 2 is released unchecked by chance (a random-check); with it, a loss the loop
-    writes that mixes (targets standardised by the batch, outside what tunefree sees) leaks from step 0
-    on its own: the draw is then a finding, in the loss's class, since the draw without its mixing
-    (``without_sampled_mixing``) leaks too. A piece that does not leak (state on the class that is only
-    read) leaves the verdict a random-check."""
+    writes that mixes (targets standardised by the batch) is refused at the first step by the loss check,
+    before the mixing starts. A piece that does not leak (state on the class that is only read) leaves the
+    verdict a random-check."""
     mixing = Draw(ModelSpec("dense", blocks=(B("mix", kind="mean"),)), LoopSpec(steps=3, mix_start=2), seed=1)
     in_loss = replace(mixing, loop=replace(mixing.loop, loss="mse", target_norm="batch"))
     assert leak_fuzz.without_sampled_mixing(in_loss) == Draw(ModelSpec("dense"),
                                                              replace(in_loss.loop, mix_start=0), seed=1)
     outcome = check(in_loss)
-    assert outcome.verdict == "finding" and outcome.invariant == MIXING_LOSS, outcome.line()
+    assert outcome.verdict == "refused" and "the training loss mixes examples" in outcome.refusal, \
+        outcome.line()
     read_only = replace(mixing, model=replace(mixing.model, blocks=(B("class_state", update=False),
                                                                     *mixing.model.blocks)))
     outcome = check(read_only)

@@ -254,7 +254,11 @@ def _labels(ops: list, outputs: list[torch.Tensor], n: int) -> list[torch.Tensor
     """The tensors of the private loader's batch (one row per example) that the recorded operations read
     without having made them: the labels (or targets) of the loss."""
     ops = [op for op in ops if isinstance(op, _Op)]
-    made = {id(t) for op in ops for t in tree_flatten(op.result)[0] if isinstance(t, torch.Tensor)}
+    made = set()
+    for op in ops:  # a result that is one of its inputs (``.to`` of the same dtype) was not made there
+        read = {id(t) for t in tree_flatten((op.args, op.kwargs))[0] if isinstance(t, torch.Tensor)}
+        made |= {id(t) for t in tree_flatten(op.result)[0]
+                 if isinstance(t, torch.Tensor) and id(t) not in read}
     made |= {id(t) for t in outputs}
     found: dict[int, torch.Tensor] = {}
     for op in ops:
@@ -294,7 +298,7 @@ def _replay(ops: list, outputs: list[torch.Tensor], labels: list[torch.Tensor], 
                 continue
             if _in_place(op.func):
                 for t in tree_flatten(([op.args[0]] if op.args else [], op.kwargs.get("out")))[0]:
-                    if isinstance(t, torch.Tensor) and id(t) not in env:
+                    if isinstance(t, torch.Tensor) and env.get(id(t), t) is t:
                         env[id(t)] = t.detach().clone()  # a tensor from outside: written in a copy
             args, kwargs = tree_map(mapped, op.args), tree_map(mapped, op.kwargs)
             with ExitStack() as stack:
