@@ -208,3 +208,51 @@ def test_only_checked_steps_are_replayed_and_the_loop_runs_unwatched_after_them(
     assert train(engine, 1, loss=cross_entropy_sum) == 1
     assert torch._C._len_torch_function_stack() == 0
     assert train(engine, 2, loss=info_nce) == 2  # unchecked steps (documented detection: 1/verify_every)
+
+
+def test_work_inside_no_capture_between_hand_out_and_loss_is_not_recorded(monkeypatch):
+    """The refusal for a loop too long to replay points at ``engine.no_capture()``: operations inside it
+    (an adversarial example, an evaluation) are not recorded, so they neither count nor are replayed."""
+    from tunefree.guards import loss as loss_guard
+    monkeypatch.setattr(loss_guard, "MAX_RECORDED", 40)
+    torch.manual_seed(0)
+    model = _mlp()
+    x, y = _data(32)
+    engine = tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   DataLoader(TensorDataset(x, y), batch_size=16), noise_multiplier=1.0,
+                                   target_delta=1e-3, steps=4, seed=0, loss_reduction="sum",
+                                   verify_every=1)
+
+    def busy(lines):
+        def loss_fn(m, xb, yb):
+            scratch = torch.zeros(3)
+            for _ in range(lines):
+                scratch = scratch + 1.0
+            return cross_entropy_sum(m, xb, yb) + 0 * scratch.sum()
+        return loss_fn
+
+    def quiet(m, xb, yb):
+        with engine.clipper.no_capture():
+            busy(60)(m, xb, yb)  # 60 operations, not recorded
+        return cross_entropy_sum(m, xb, yb)
+    assert train(engine, 1, loss=quiet) == 1
+    with pytest.raises(PrivacyError, match="more than 40 torch operations"):
+        train(engine, 1, loss=busy(60))
+
+
+def test_what_the_replay_cannot_follow_is_a_number_that_left_torch():
+    """A batch statistic taken out of torch (``.item()``) and used as a constant is replayed as that
+    constant: the check passes such a loss (docs/refusals.md lists it). Kept as a test so that the day the
+    replay follows it, the documentation changes with it."""
+    x, y = _data()
+
+    def temperature_as_a_number(ctx):
+        out = ctx.model(ctx.x)
+        F.cross_entropy(out / (1 + out.detach().std().item()), ctx.y, reduction="sum").backward()
+
+    def temperature_as_a_tensor(ctx):
+        out = ctx.model(ctx.x)
+        F.cross_entropy(out / (1 + out.detach().std()), ctx.y, reduction="sum").backward()
+    neighbour_distance_of_step(_mlp, temperature_as_a_number, x, y, R)  # not refused
+    with pytest.raises(PrivacyError, match="the training loss mixes examples"):
+        neighbour_distance_of_step(_mlp, temperature_as_a_tensor, x, y, R)

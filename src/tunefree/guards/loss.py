@@ -122,8 +122,8 @@ class LossCheck(Guard):
     Args:
         schedule: the step schedule; its ``checking`` flag says whether the coming batches are checked,
             and the private loader calls :meth:`batch_handed_out` (``schedule.watchers``).
-        quiet: whether the engine is inside the model's forward or its own hooks (those operations are
-            not the loop's; the forward's outputs take their place in the replay).
+        quiet: whether the engine is inside the model's forward, its own hooks or ``no_capture()`` (those
+            operations are not the loop's loss; the forward's outputs take their place in the replay).
         drop: drops the step's booked sums (a refusal releases nothing of the step).
     """
 

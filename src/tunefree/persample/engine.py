@@ -239,9 +239,9 @@ class ClippingEngine:
             self.guards.after_forward(output)
 
     def running_model(self) -> bool:
-        """Whether a forward of the model (or the engine's own hook) is running: its operations are the
-        model's, not the training loop's."""
-        return self._forwards > 0 or self._pass.in_hook
+        """Whether a forward of the model, the engine's own hook or a ``no_capture()`` block is running:
+        its operations are not the training loop's loss."""
+        return self._forwards > 0 or self._pass.in_hook or self._suspended > 0
 
     # The forward hooks mark the engine's own work (``in_hook``), which reads parameters for no model output.
     def _pre_forward(self, unit: Unit) -> None:
