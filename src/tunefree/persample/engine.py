@@ -389,8 +389,10 @@ class ClippingEngine:
             raise PrivacyError(
                 f"parameter {name!r} received an ordinary (non-private) gradient: it was used "
                 "outside the forward of the module that owns it (e.g. read as `module.weight` in "
-                "another module's forward). Use it through its module (for a tied output head, an "
-                "nn.Linear sharing the weight), so tunefree can compute its per-sample gradient"
+                "another module's forward), or in the loss (a penalty on the weights such as "
+                "λ·Σ‖p‖²). Use it through its module (for a tied output head, an nn.Linear sharing the "
+                "weight), so tunefree can compute its per-sample gradient; for the penalty, give the "
+                "optimizer weight_decay=2λ instead (it acts on the public weights after the release)"
             )
 
     def check_no_leak(self) -> None:

@@ -9,6 +9,7 @@ the step's sums before anything of them is released (``guards/base.py``).
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -60,6 +61,7 @@ class PrivateStep:
         self.updates_before_run = updates_applied(optimizer)
         self._count_after_update: tuple[object, int] | None = None  # the count's tensor, its version
         self._direct = optimizer.register_step_pre_hook(self._refuse_direct_step)
+        self._written: dict[int, weakref.ref] = {}  # the gradients the last release wrote, by identity
         self.thresholds: dict[str, float] = {}
         self.hand_over_thresholds()
 
@@ -68,6 +70,7 @@ class PrivateStep:
         step = self.ledger.steps + 1
         self._warn_past_plan()
         self.guards.before_release(step)  # trainable set, leaks, state, purity, example independence
+        self._refuse_assigned_grads()
         booked = self.accumulator.pop()
         thresholds = self.thresholds  # those the step's backward passes clipped with
         sums, booked.sums = booked.sums, {}  # the release takes them over
@@ -104,10 +107,34 @@ class PrivateStep:
         noisy sum itself where the dtypes agree, else a copy, each noisy sum dropped once written (one
         parameter's sum alive beside the written gradients)."""
         torch._foreach_div_(list(noisy.values()), self.expected_batch_size)
+        self._written.clear()
         while noisy:
             p, grad = noisy.popitem()
             p.grad = grad.to(p.dtype)
+            self._written[id(p.grad)] = weakref.ref(p.grad)
             del grad
+
+    def _refuse_assigned_grads(self) -> None:
+        """Only the private step writes ``.grad``: a gradient assigned by hand between the backward pass and
+        the step (e.g. from ``torch.autograd.grad``) would be replaced unseen by the release — and, computed
+        from private data outside the engine, it is unclipped and un-noised. Refused before the release,
+        the step's sums dropped as a guard's refusal drops them."""
+        assigned = [p for group in self.optimizer.param_groups for p in group["params"]
+                    if p.grad is not None and not _same_tensor(self._written.get(id(p.grad)), p.grad)]
+        if not assigned:
+            return
+        names = {p: n for n, p in self.engine.model.named_parameters()}
+        which = sorted(names.get(p, "a parameter of the optimizer") for p in assigned)
+        self.guards.drop()
+        raise PrivacyError(
+            f"parameters {which[:8]}{' …' if len(which) > 8 else ''} hold a .grad that tunefree did not "
+            "write (assigned by hand between the backward pass and engine.optimizer.step(), e.g. from "
+            "torch.autograd.grad): the private step writes each gradient as the clipped, noisy release, so "
+            "this one would be replaced unseen, and a gradient computed from private data outside the "
+            "engine is neither clipped nor noised. Leave the gradients to loss.backward() and the private "
+            "step (engine.optimizer.zero_grad() between steps sets them to None); to change the update, "
+            "post-process the released gradient in a StepComponent's before_update (docs/extending.md), "
+            "or use the optimizer's weight_decay for a penalty on the weights")
 
     def hand_over_thresholds(self) -> None:
         """The thresholds the next step clips with: those a component sets (adaptive thresholds), else
@@ -147,6 +174,10 @@ class PrivateStep:
             f"training past the planned {self.planned_steps} steps: the noise was calibrated for them, "
             "so from this step on ε grows beyond the target (engine.epsilon() reports what is spent)",
             UserWarning, stacklevel=5)
+
+
+def _same_tensor(written: weakref.ref | None, grad: torch.Tensor) -> bool:
+    return written is not None and written() is grad
 
 
 def updates_applied(optimizer: torch.optim.Optimizer) -> int:
