@@ -166,6 +166,32 @@ def test_manual_micro_batching_on_an_unchecked_step_is_named_with_physical_batch
     assert re.search(pattern, str(refusal)), str(refusal)
 
 
+class Doubled(nn.Module):
+    def forward(self, x):
+        return x * 2.0  # computed from the batch without gradients on an unchecked step
+
+
+def test_a_one_example_part_is_not_taken_for_a_call_shared_by_all_examples():
+    """Micro-batches of one example, the first layer fed a tensor computed from the part: its one row is
+    an example's data, not a value shared by the batch (position ids), so it is not expanded to the
+    batch's rows (which made the model return a row per batch example for a part of one, and would book
+    that example's gradient once per row); the call is refused naming micro-batching (fuzz seed 24581)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Doubled(), nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    engine = private(model, loss_reduction="sum", verify_every=10 ** 6)
+    batches = iter(engine.data_loader)
+    for _ in range(2):  # the checked first steps
+        x, y = next(batches)
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        engine.optimizer.step()
+    x, y = next(batches)
+    out = model(x[:1])
+    assert out.shape == (1, 3)
+    with pytest.raises(tunefree.PrivacyError, match=r"manual micro-batching"):
+        F.cross_entropy(out, y[:1], reduction="sum").backward()
+    assert engine.ledger.steps == 2  # before the fix: released, the example booked 15 times (15·R)
+
+
 def test_a_part_of_a_transformed_batch_gets_both_causes():
     """Rows that are not the loader's own (scaled first, then cut): the message gives both causes."""
     torch.manual_seed(0)

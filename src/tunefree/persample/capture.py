@@ -50,15 +50,20 @@ class Broadcast:
     call_storages: set[int]
 
 
-def broadcast_for(args: tuple, kwargs: dict, examples: int | None, root: int | None = None
+def broadcast_for(args: tuple, kwargs: dict, examples: int | None, root: int = 0, own: bool = False
                   ) -> Broadcast | None:
-    """How to expand shared inputs in a model call of the batch's ``examples``, or, given ``root``
-    (inside ``no_capture()``: the independence check), of the call's own examples in dimension ``root``
-    when its inputs agree; ``None`` when there is nothing to expand (one example, or not known)."""
+    """How to expand shared inputs in a model call of the batch's ``examples`` (the model's examples in
+    dimension ``root`` of its inputs), or, ``own`` (inside ``no_capture()``: the independence check), of
+    the call's own examples when its inputs agree; ``None`` when there is nothing to expand (one example,
+    or not known), or when no input of the call has the batch's rows: the model called on part of the
+    batch (manual micro-batching), whose one-row layer calls hold an example's data, not a shared value
+    (the engine's example count then refuses the call, naming micro-batching)."""
     leaves = [x for x in flatten_call(args, kwargs)[0] if isinstance(x, torch.Tensor)]
-    if root is not None:
-        sizes = {x.shape[root] for x in leaves if x.dim() > root}
+    sizes = {x.shape[root] for x in leaves if x.dim() > root}
+    if own:
         examples = sizes.pop() if len(sizes) == 1 else None
+    elif examples is not None and sizes and max(sizes) < examples:
+        return None
     if examples is None or examples == 1:
         return None
     return Broadcast(examples, storages(leaves))

@@ -227,8 +227,8 @@ class ClippingEngine:
         # to the call's own; never in a backward pass or the fallback's re-run.
         expand = torch.is_grad_enabled() and self.model.training and not self._recomputing \
             and not self._pass.in_backward
-        self._broadcast = capture.broadcast_for(args, kwargs, self._expected_examples(),
-                                                None if training else self.declared.root) if expand else None
+        self._broadcast = capture.broadcast_for(args, kwargs, self._expected_examples(), self.declared.root,
+                                                own=not training) if expand else None
         return None if self.input_provenance is None else (args, kwargs)
 
     def _end_forward(self, output: Any) -> None:
