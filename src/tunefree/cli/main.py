@@ -88,7 +88,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    from .training import NUMERIC_SCALINGS, OPTIMIZERS, TrainConfig
+    from .training import DEFAULT_BATCH_SIZE, NUMERIC_SCALINGS, OPTIMIZERS, TrainConfig
 
     defaults = TrainConfig()
     root = _Parser(
@@ -147,7 +147,8 @@ def parser() -> argparse.ArgumentParser:
                         help="planned number of steps, instead of --epochs")
     train.add_argument("--batch-size", type=_positive_int, default=None,
                        help="expected batch size; the sampling rate is batch_size/N "
-                            f"(default: {defaults.batch_size}; for text models see --train-weights)")
+                            f"(default: {DEFAULT_BATCH_SIZE}, or N where the training rows are fewer; for "
+                            "text models see --train-weights)")
     train.add_argument("--clipping", choices=CLIP_FUNCTIONS, default=defaults.clipping,
                        help=f"per-sample clipping (default: {defaults.clipping})")
     train.add_argument("--groups", choices=GROUPINGS, default=defaults.groups,
@@ -250,7 +251,7 @@ def _train_in_this_process(args: argparse.Namespace) -> int:
         numeric_scaling=args.numeric_scaling, na_values=args.na_values,
         drop_missing=args.drop_rows_with_missing, test_data=args.test_data,
         epsilon=args.epsilon, delta=args.delta, epochs=epochs, steps=args.steps,
-        batch_size=args.batch_size or TrainConfig.batch_size,
+        batch_size=args.batch_size,
         clipping=args.clipping, groups=args.groups, thresholds=args.thresholds,
         target_quantile=args.target_quantile, quantile_lr=args.quantile_lr,
         quantile_budget=args.quantile_budget, clip_gamma=args.clip_gamma, psac_r=args.psac_r,

@@ -61,6 +61,15 @@ KNOBS = {"clip_gamma": ("--clip-gamma", "--clipping auto-s", "gamma"),
 HYFREEDP_KNOBS = {"lr_update_interval": "--lr-update-interval"}
 
 
+DEFAULT_BATCH_SIZE = 256
+
+
+def batch_size_for(given: int | None, rows: int) -> int:
+    """The expected batch size: ``--batch-size``, else 256, or all ``rows`` of a smaller training set (the
+    sampling rate q = 1: every step sees every row) rather than a refusal. N is public."""
+    return given if given is not None else min(DEFAULT_BATCH_SIZE, rows)
+
+
 @dataclass
 class TrainConfig:
     """Everything a run depends on. ``delta=None`` means 1/N^1.1 for N training examples. The run's
@@ -84,7 +93,7 @@ class TrainConfig:
     delta: float | None = None
     epochs: float | None = 40
     steps: int | None = None
-    batch_size: int = 256
+    batch_size: int | None = None  # None: DEFAULT_BATCH_SIZE, or every training row where fewer
     clipping: str = "auto-s"
     groups: str = "all-layer"
     thresholds: str = "fixed"
@@ -174,7 +183,7 @@ def check_config(config: TrainConfig) -> None:
         raise ValueError(f"--epochs must be a positive number, got {config.epochs}")
     if config.steps is not None and not (isinstance(config.steps, int) and config.steps >= 1):
         raise ValueError(f"--steps must be at least 1, got {config.steps}")
-    if config.batch_size < 1:
+    if config.batch_size is not None and config.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {config.batch_size}")
     if config.numeric_scaling not in NUMERIC_SCALINGS:
         raise ValueError(f"--numeric-scaling must be one of {', '.join(NUMERIC_SCALINGS)}, "
@@ -325,6 +334,7 @@ def train(config: TrainConfig, data: datasets.LoadedData | None = None) -> dict[
     reads and prepares the data (its releases are made once) and alone writes ``config.out``."""
     check_config(config)
     data = data or launch.once_on_rank_zero(lambda: _prepared(config))
+    config = replace(config, batch_size=batch_size_for(config.batch_size, data.num_train))
     delta, delta_text = delta_choice(config.delta, data.num_train)
     if data.num_train < config.batch_size:
         raise ValueError(f"--batch-size {config.batch_size} is larger than the {data.num_train} training "
