@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 
 from .. import DPEngine, make_private
 from . import report, text_data, text_defaults, text_head, text_models
+from .preprocess import _check_two_classes
 from .releases import (
     OTHER,
     Budget,
@@ -209,9 +210,11 @@ def _with_test_rows(table: text_data.TextTable, test_data: str, text_column: str
     return both, np.arange(len(table.texts)), np.arange(len(table.texts), len(both.texts))
 
 
-def _classes(labels, train_rows, config: TextConfig, budget: Budget
+def _classes(labels, train_rows, config: TextConfig, budget: Budget, name: str
              ) -> tuple[list[str], bool, Release | None]:
-    """The classes (declared, or selected privately from the training rows) and whether '(other)' follows."""
+    """The classes (declared, or selected privately from the training rows) and whether '(other)' follows;
+    training rows of a single class are refused first, declared or not, as for tables (before any release)."""
+    _check_two_classes(labels[train_rows], config.labels, name)
     if config.labels is not None:
         classes, other, release = list(config.labels), False, None
     else:
@@ -251,7 +254,7 @@ def train_text(config: TextConfig) -> dict[str, Any]:
     classes, other, tensors = None, False, {}
     if task == "classification":
         labels = table.labels(label_column)
-        classes, other, release = _classes(labels, train_rows, config, budget)
+        classes, other, release = _classes(labels, train_rows, config, budget, table.name)
         releases += [release] if release else []
         tensors["labels"] = torch.as_tensor(class_indices(labels, classes, other, table.name))
     if config.seed is not None:
@@ -384,7 +387,7 @@ def _notes(classes, other: bool, releases: list[Release], length: int, config: T
                          f"{released['edges']} that holds about {released['quantile']:.0%} of the training "
                          f"texts, by a private quantile ({release.share:.0%} of the budget's μ², in the "
                          "ledger); --max-length declares it")
-        if release.name == "category and label sets":
+        if release.name == "class labels":
             notes.append(f"the classes {classes[:10]} were selected privately from the training rows' "
                          f"labels (those at least about {release.released['threshold']:.0f} rows share; "
                          f"{release.share:.0%} of the budget's μ², in the ledger); a row whose label is not "
