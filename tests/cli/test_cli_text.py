@@ -344,6 +344,27 @@ def test_bad_input_is_one_line_and_exit_2(files, tmp_path, capsys, args, message
     assert len(err.strip().splitlines()) == 1
 
 
+def test_a_model_without_a_tokenizer_and_a_text_too_short_to_learn_from_are_refused(files, tmp_path, capsys):
+    import shutil
+
+    shutil.copytree(files / "bert", tmp_path / "bare")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (tmp_path / "bare" / name).unlink(missing_ok=True)
+    common = ["train", "--steps", "1", "--batch-size", "2", "--quiet", "--out", str(tmp_path / "run")]
+    code = main([*common, "--model", str(tmp_path / "bare"), "--data", str(files / "reviews.csv"),
+                 "--labels", "neg,pos"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--model {tmp_path / 'bare'} has no tokenizer (none of tokenizer.json, " in err
+    pd.DataFrame({"review": ["good fun day"] * 8 + ["bad"] + ["dull awful plot"] * 8}).to_json(
+        tmp_path / "short.jsonl", orient="records", lines=True)
+    code = main([*common, "--model", str(files / "gpt2"), "--data", str(tmp_path / "short.jsonl"),
+                 "--text-column", "review", "--max-length", "8"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "text row(s) [9] give fewer than 2 token(s) (one to predict from and one to predict)" in err
+
+
 def test_unknown_task_and_missing_out_are_refused(files, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--model", str(files / "bert"), "--data", str(files / "reviews.csv"),
