@@ -639,3 +639,31 @@ def test_the_calculator_counts_epochs_as_training_does(capsys):
     assert "5 steps" in by_epochs
     assert main(["epsilon", *common, "--steps", "5"]) == 0
     assert capsys.readouterr().out == by_epochs
+
+
+def test_a_text_run_takes_its_step_on_an_empty_poisson_batch():
+    """docs/cli.md (text models, Loss): an empty Poisson batch still takes its step (noise only)."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import tunefree
+    from tunefree.cli import text
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(4, 2)
+    data = TensorDataset(torch.randn(20, 4), torch.randint(0, 2, (20,)))
+    engine = tunefree.make_private(
+        head,
+        torch.optim.SGD(head.parameters(), lr=0.1),
+        DataLoader(data, batch_size=5),
+        noise_multiplier=1.0,
+        target_delta=1e-3,
+        steps=2,
+        seed=0,
+    )
+    before = head.weight.detach().clone()
+    text._step(
+        engine, {"features": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long)}, "classification"
+    )
+    assert engine.steps == 1  # recorded in the ledger
+    assert not torch.equal(head.weight, before)  # the noise moved the weights
