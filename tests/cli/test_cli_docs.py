@@ -667,3 +667,38 @@ def test_a_text_run_takes_its_step_on_an_empty_poisson_batch():
     )
     assert engine.steps == 1  # recorded in the ledger
     assert not torch.equal(head.weight, before)  # the noise moved the weights
+
+
+# ---------------------------------------------------------------------------- the docs' example lines
+def _quoted(start: str) -> str:
+    """The code span of docs/cli.md that begins with ``start`` (a span may run over a line break: a space)."""
+    text = " ".join(DOC.read_text().split("\n"))
+    match = re.search(r"`(" + re.escape(start) + r"[^`]*)`", text)
+    assert match, start
+    return match.group(1)
+
+
+def test_the_docs_example_lines_are_what_the_command_line_prints():
+    import io
+    from types import SimpleNamespace
+
+    from tunefree.cli.releases import delta_choice
+    from tunefree.cli.training import Progress, guarantee_text, loose_target_note
+    from tunefree.privacy.randomness import SECRET_DESCRIPTION, SEEDED_WARNING
+
+    assert _quoted("δ = 1/N^1.1 = ") == delta_choice(None, 1438)[1]
+    majority = {"class": "no", "rate": 0.684, "rows": 975}
+    assert _quoted("test accuracy 0.7012") == report.accuracy_line(0.7012, majority)
+    stream = io.StringIO()
+    Progress(40, 30, 1200, quiet=False, stream=stream).update(3, 30, 120, 1.234, 0.876)
+    assert _quoted("step 120/1200") == stream.getvalue().strip()
+    assert _quoted('"randomness": "seeded') == f'"randomness": "{SEEDED_WARNING}"'
+    assert (
+        _quoted('"randomness": "secure"')
+        == '"randomness": "secure"'
+        == f'"randomness": "{SECRET_DESCRIPTION}"'
+    )
+    note = _quoted("the target ε = 1e+06")
+    assert note.replace("…", "12.5") == loose_target_note(1e6, 0.3, 12.5)
+    reference = guarantee_text(SimpleNamespace(noise_multiplier=0.0), 1e-5, 100)
+    assert _quoted("guarantee: no privacy") == f"guarantee: {reference}"
