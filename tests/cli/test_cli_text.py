@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 
 import dp_accounting as dpa
@@ -131,7 +132,7 @@ def ledger_of(result) -> dpa.DpEvent:
     """The run's releases as report.json lists them: the training steps and each preprocessing release."""
     events = [planned_event(result["noise_multiplier"], result["sample_rate"], result["steps"])]
     for release in result["preprocessing"]:
-        if release["release"] == "category and label sets":
+        if release["release"] == "class labels":  # a partition selection
             events.append(threshold_event(release["noise_multiplier"], release["threshold_delta"]))
         else:
             events.append(dpa.GaussianDpEvent(release["noise_multiplier"]))
@@ -343,6 +344,27 @@ def test_bad_input_is_one_line_and_exit_2(files, tmp_path, capsys, args, message
     assert len(err.strip().splitlines()) == 1
 
 
+def test_a_model_without_a_tokenizer_and_a_text_too_short_to_learn_from_are_refused(files, tmp_path, capsys):
+    import shutil
+
+    shutil.copytree(files / "bert", tmp_path / "bare")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (tmp_path / "bare" / name).unlink(missing_ok=True)
+    common = ["train", "--steps", "1", "--batch-size", "2", "--quiet", "--out", str(tmp_path / "run")]
+    code = main([*common, "--model", str(tmp_path / "bare"), "--data", str(files / "reviews.csv"),
+                 "--labels", "neg,pos"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--model {tmp_path / 'bare'} has no tokenizer (none of tokenizer.json, " in err
+    texts = [f"good fun day {i}" for i in range(20)] + ["bad"] + [f"dull awful plot {i}" for i in range(20)]
+    pd.DataFrame({"review": texts}).to_json(tmp_path / "short.jsonl", orient="records", lines=True)
+    code = main([*common, "--model", str(files / "gpt2"), "--data", str(tmp_path / "short.jsonl"),
+                 "--text-column", "review", "--max-length", "8", "--seed", "0"])  # seeded: a fixed split
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "text row(s) [21] give fewer than 2 token(s) (one to predict from and one to predict)" in err
+
+
 def test_unknown_task_and_missing_out_are_refused(files, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--model", str(files / "bert"), "--data", str(files / "reviews.csv"),
@@ -431,6 +453,54 @@ def test_the_reference_run_trains_the_private_recipe_without_noise(files, tmp_pa
     assert {"test_majority_rate", "test_majority_class"} <= set(result["outside_the_guarantee"]["keys"])
     assert f"always predicting the majority class {share.idxmax()!r}: {share.max():.4f}" in printed
     assert f"tunefree predict --run {out}" in printed
+
+
+def test_classes_selected_privately_are_named_in_the_output_and_in_the_ledger(files, tmp_path, capsys):
+    """docs/cli.md: classes are declared with --labels or selected privately, as for tables (the output
+    says which)."""
+    capsys.readouterr()
+    result = _train(files, tmp_path / "run", "--model", str(files / "bert"), "--data",
+                    str(files / "reviews.csv"), "--max-length", "16", "--epsilon", "50")
+    printed = capsys.readouterr().out
+    labels, = [r for r in result["preprocessing"] if r["release"] == "class labels"]
+    assert labels["selected"] == {"label": ["neg", "pos"]} and labels["noise_multiplier"] > 0
+    assert "note: the classes ['neg', 'pos'] were selected privately from the training rows' labels" \
+        in printed
+    assert "of the budget's μ², in the ledger" in printed and "(other)" in printed
+    assert result["epsilon"] == pytest.approx(epsilon_of(ledger_of(result), result["delta"], "rdp"), rel=1e-9)
+
+
+def test_one_class_training_rows_are_refused_with_the_true_reason(files, tmp_path, capsys):
+    frame = pd.read_csv(files / "reviews.csv")
+    frame[frame["label"] == "pos"].to_csv(tmp_path / "pos.csv", index=False)
+    for labels in (["--labels", "neg,pos"], []):
+        code = main(["train", "--steps", "1", "--batch-size", "2", "--quiet", "--out", str(tmp_path / "run"),
+                     "--seed", "0", "--model", str(files / "bert"), "--data", str(tmp_path / "pos.csv"),
+                     *labels])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "every training row has the label 'pos'" in err, err
+
+
+def test_a_text_run_reports_the_documented_keys_and_logs_no_training_loss(gpt2_lora_run, head_run):
+    """docs/cli.md (text models, Output): report.json's keys per task; metrics.jsonl holds the learning
+    rate per step and ε per epoch, nothing computed from the training rows without noise."""
+    lm_out, lm, _ = gpt2_lora_run
+    head_out, head = head_run
+    common = {"epsilon", "delta", "noise_multiplier", "steps", "task", "trainable_parameters",
+              "preprocessing", "dataset"}
+    assert common | {"test_loss", "test_perplexity"} <= set(lm) and "test_accuracy" not in lm
+    assert lm["task"] == "causal-lm" and lm["test_perplexity"] == pytest.approx(math.exp(lm["test_loss"]))
+    assert common | {"test_accuracy", "test_majority_class", "test_majority_rate"} <= set(head)
+    assert "sequence_length" in lm["dataset"] and "sequence_length" in head["dataset"]
+    for out, result in ((lm_out, lm), (head_out, head)):
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert records[0]["kind"] == "run"
+        steps = [r for r in records if r["kind"] == "step"]
+        epochs = [r for r in records if r["kind"] == "epoch"]
+        assert len(steps) == result["steps"] and all(set(r) == {"kind", "epoch", "step", "lr"} for r in steps)
+        assert all(set(r) == {"kind", "epoch", "step", "epsilon"} for r in epochs)
+        assert epochs[-1]["epsilon"] == pytest.approx(result["epsilon"])
 
 
 @pytest.mark.slow

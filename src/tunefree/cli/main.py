@@ -108,16 +108,17 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--schema", type=Path, default=None,
                        help="a table's public schema (JSON): category sets and value ranges of its "
                             "columns, so that nothing about them is read from the private rows (default: "
-                            "category sets selected privately, 5%% of ε and δ, in the ledger)")
+                            "category sets selected privately, 2%% of the budget's μ² a column, in the "
+                            "ledger)")
     train.add_argument("--labels", type=_names, default=None,
                        help="the classes, comma-separated (e.g. neg,pos), declared public (default: "
-                            "selected privately from the training rows' labels, with the category sets; "
-                            "labels not selected become the class '(other)'; the built-in digits and "
-                            "CIFAR-10 have their own)")
+                            "selected privately from the training rows' labels, 7%% of the budget's μ², "
+                            "in the ledger; labels not selected become the class '(other)'; the built-in "
+                            "digits and CIFAR-10 have their own)")
     train.add_argument("--numeric-scaling", choices=NUMERIC_SCALINGS, default=defaults.numeric_scaling,
                        help="numeric table columns with no range in --schema: private (standardised by "
-                            "an estimate that spends 5%% of ε and δ, in the ledger) or none (fed as "
-                            "they are) (default: private)")
+                            "an estimate that spends 4%% of the budget's μ², more for a small table, in the "
+                            "ledger) or none (fed as they are) (default: private)")
     train.add_argument("--na-values", type=_names, default=(),
                        help="comma-separated cell texts that mark a missing value, e.g. '?,NA,N/A' "
                             "(default: pandas' own: empty, NA, N/A, NaN, null, …)")

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 
 from .. import DPEngine, make_private
 from . import report, text_data, text_defaults, text_head, text_models
+from .preprocess import _check_two_classes
 from .releases import (
     OTHER,
     Budget,
@@ -209,9 +210,11 @@ def _with_test_rows(table: text_data.TextTable, test_data: str, text_column: str
     return both, np.arange(len(table.texts)), np.arange(len(table.texts), len(both.texts))
 
 
-def _classes(labels, train_rows, config: TextConfig, budget: Budget
+def _classes(labels, train_rows, config: TextConfig, budget: Budget, name: str
              ) -> tuple[list[str], bool, Release | None]:
-    """The classes (declared, or selected privately from the training rows) and whether '(other)' follows."""
+    """The classes (declared, or selected privately from the training rows) and whether '(other)' follows;
+    training rows of a single class are refused first, declared or not, as for tables (before any release)."""
+    _check_two_classes(labels[train_rows], config.labels, name)
     if config.labels is not None:
         classes, other, release = list(config.labels), False, None
     else:
@@ -251,7 +254,7 @@ def train_text(config: TextConfig) -> dict[str, Any]:
     classes, other, tensors = None, False, {}
     if task == "classification":
         labels = table.labels(label_column)
-        classes, other, release = _classes(labels, train_rows, config, budget)
+        classes, other, release = _classes(labels, train_rows, config, budget, table.name)
         releases += [release] if release else []
         tensors["labels"] = torch.as_tensor(class_indices(labels, classes, other, table.name))
     if config.seed is not None:
@@ -280,8 +283,8 @@ def train_text(config: TextConfig) -> dict[str, Any]:
         centre, release = text_head.release_centre(states, train_rows, budget, config.seed)
         releases.append(release)
         notes.append(f"the head reads each text's mean-pooled state scaled to unit length, centred on their "
-                     f"mean over the training rows (released privately: {release.share:.0%} of ε and δ, in "
-                     f"the ledger) and multiplied by √{states.shape[1]}")
+                     f"mean over the training rows (released privately: {release.share:.0%} of the budget's "
+                     f"μ², in the ledger) and multiplied by √{states.shape[1]}")
         tensors = {"features": text_head.head_inputs(states, centre), "labels": tensors["labels"]}
         model = nn.Linear(states.shape[1], len(names))
     train_set = text_data.TextExamples(tensors, train_rows)
@@ -382,12 +385,13 @@ def _notes(classes, other: bool, releases: list[Release], length: int, config: T
             released = release.released
             notes.append(f"texts are truncated and padded to {length} tokens: the smallest of "
                          f"{released['edges']} that holds about {released['quantile']:.0%} of the training "
-                         f"texts, by a private quantile ({release.share:.0%} of ε and δ, in the ledger); "
-                         "--max-length declares it")
-        if release.name == "category and label sets":
+                         f"texts, by a private quantile ({release.share:.0%} of the budget's μ², in the "
+                         "ledger); --max-length declares it")
+        if release.name == "class labels":
             notes.append(f"the classes {classes[:10]} were selected privately from the training rows' "
                          f"labels (those at least about {release.released['threshold']:.0f} rows share; "
-                         f"{release.share:.0%} of ε and δ, in the ledger); a row whose label is not among "
+                         f"{release.share:.0%} of the budget's μ², in the ledger); a row whose label is not "
+                         "among "
                          f"them is trained and tested as the class {OTHER!r}. Declare the classes with "
                          "--labels to spend nothing on this")
     return notes
@@ -431,7 +435,8 @@ def add_arguments(train: argparse.ArgumentParser, positive_int) -> None:
     group.add_argument("--max-length", type=positive_int, default=None,
                        help="tokens per example, declared public; longer texts are truncated, shorter ones "
                             "padded (default: the smallest of 8, 16, 32, … up to the model's positions that "
-                            "holds 95%% of the training texts, by a private quantile: 5%% of ε and δ)")
+                            "holds 95%% of the training texts, by a private quantile: 5%% of the budget's "
+                            "μ²)")
     group.add_argument("--train-weights", choices=text_defaults.TRAIN_WEIGHTS, default=None,
                        help="what a classification run trains: 'head' (a linear head on the frozen model's "
                             "mean-pooled token states), 'all' (every weight, or the LoRA adapters) or 'auto' "

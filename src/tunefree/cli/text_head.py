@@ -11,9 +11,10 @@ each example's contribution to the mean (sensitivity 1, whatever the model), and
 about unit scale, as a standardised table column is.
 
 The mean is one Gaussian release: the sum of the training rows' unit vectors has L2 sensitivity 1 (one row
-adds or removes one unit vector), its noise σ·1 with σ that of a release spending :data:`CENTRE_SHARE` of ε
-and δ alone; the event goes into the run's ledger before the first step, and training is calibrated on the
-whole ledger. N is public. With ``--epsilon inf`` the mean is exact.
+adds or removes one unit vector), its noise σ·1 with σ that of a release taking :data:`CENTRE_SHARE` of the
+budget's μ² (μ-GDP: docs/cli.md, *Shares are of μ²*); the event goes into the run's ledger before the
+first step, and training is calibrated on the whole ledger. N is public. With ``--epsilon inf`` the mean is
+exact.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from ..privacy import release_gaussian, side_randomness
 from .releases import Budget, Release
 
-CENTRE_SHARE = 0.05  # of ε and δ: the release of the states' mean
+CENTRE_SHARE = 0.05  # of the budget's μ²: the release of the states' mean
 CENTRE_STREAM = 0xCE47E
 
 

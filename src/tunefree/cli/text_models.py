@@ -25,11 +25,21 @@ def not_a_model(path: Path) -> ValueError:
                       "as written by save_pretrained) or a LoRA adapter directory (adapter_config.json)")
 
 
+# The files save_pretrained writes for a tokenizer (one suffices). Without any, transformers 5 builds some
+# tokenizers (BERT's) from config.json alone, with an empty vocabulary: every word [UNK], no error.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
+                   "tokenizer.model", "sentencepiece.bpe.model")
+
+
 def check_model_directory(path: str) -> None:
-    """Refuse, before any data is read, a ``--model`` that is not a model or LoRA adapter directory."""
+    """Refuse, before any data is read, a ``--model`` that is not a model or LoRA adapter directory, or
+    that holds no tokenizer."""
     directory = Path(path)
     if not ((directory / "config.json").exists() or (directory / "adapter_config.json").exists()):
         raise not_a_model(directory)
+    if not any((directory / name).exists() for name in TOKENIZER_FILES):
+        raise ValueError(f"--model {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save one "
+                         "there with tokenizer.save_pretrained")
 
 
 def _auto_class(task: str):
