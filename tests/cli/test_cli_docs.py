@@ -23,6 +23,7 @@ from tunefree.cli import training as training_module
 from tunefree.cli.main import parser
 from tunefree.cli.report import OUTSIDE_THE_GUARANTEE
 from tunefree.cli.tables import DataError, Schema
+from tunefree.cli.training import batch_size_for
 from tunefree.privacy import epsilon
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,7 +157,8 @@ def test_the_documented_defaults_are_the_ones_used(monkeypatch):
         None,
     )
     assert (config.numeric_scaling, config.epsilon, config.delta) == ("private", 3.0, None)
-    assert (config.epochs, config.steps, config.batch_size) == (40, None, 256)
+    assert (config.epochs, config.steps, config.batch_size) == (40, None, None)  # None: 256, or N if fewer
+    assert batch_size_for(config.batch_size, 10_000) == 256 and batch_size_for(config.batch_size, 123) == 123
     assert (config.clipping, config.groups, config.thresholds) == ("auto-s", "all-layer", "fixed")
     assert (config.noise_allocation, config.optimizer, config.lr, config.accountant) == (
         "global",
