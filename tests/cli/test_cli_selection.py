@@ -58,8 +58,8 @@ def test_numeric_columns_are_standardised_from_a_hundred_rows_each(columns):
 
 
 @pytest.mark.parametrize("columns", [1, 4, 16, 30])
-def test_a_small_table_takes_up_to_a_quarter_and_then_needs_45_rows_per_root_column(columns):
-    rows = math.ceil(45 * math.sqrt(columns))
+def test_a_small_table_takes_up_to_two_fifths_and_then_needs_35_rows_per_root_column(columns):
+    rows = math.ceil(35 * math.sqrt(columns))
     budget = Budget(3.0, default_delta(rows))
     sigma = scaling.noise_for_share(budget, scaling.share_for_table(budget, rows, columns))
     scaling.check_enough_rows(rows, columns, sigma, 3.0)  # not refused

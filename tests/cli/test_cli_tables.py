@@ -128,7 +128,7 @@ def test_a_small_table_with_many_columns_pays_a_larger_share_rather_than_be_refu
     assert scaling.share_for_table(budget, at_cap - 1, columns) == scaling.SHARE_CAP
     assert scaling.share_for_table(budget, 0, columns) == scaling.SHARE_CAP  # refused next, not a crash
     sigma = scaling.noise_for_share(budget, scaling.SHARE_CAP)
-    with pytest.raises(ValueError, match=r"too few to standardise 30 numeric column\(s\).*25% of the budget"):
+    with pytest.raises(ValueError, match=r"too few to standardise 30 numeric column\(s\).*40% of the budget"):
         scaling.check_enough_rows(at_cap - 1, columns, sigma, 3.0)
 
 

@@ -36,7 +36,7 @@ from .releases import Budget, Release
 STANDARDISATION_STREAM = 0x5CA1E
 
 SHARE = 0.04  # the share of the budget's μ² of the two releases (releases.py)
-SHARE_CAP = 0.25  # the most a small table with many columns takes, rather than be refused (noise_for_table)
+SHARE_CAP = 0.40  # the most a small table with many columns takes rather than be refused (RESULTS §15f)
 LOG2_RANGE = (-20, 40)  # magnitude bins: |x| ≤ 2^-20, (2^-20, 2^-19], …, (2^39, 2^40] and beyond
 CLEAR_OF_NOISE = 4.0  # a bin "holds data" when its noisy count exceeds this many noise deviations
 MIN_STD = 1e-3  # the smallest standard deviation (of x/B) divided by: a constant column stays bounded
