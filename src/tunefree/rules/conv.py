@@ -139,7 +139,8 @@ class ConvWeightGrad(TwoPathGrad):
     def _sizes(self) -> tuple[int, int, int, int]:
         """(channel groups, output positions, d_in = C_in/G·∏k, d_out = C_out/G) of one example."""
         groups = self.module.groups
-        return groups, self.grad[0, 0].numel(), self.module.weight[0].numel(), self.grad.shape[1] // groups
+        return (groups, math.prod(self.grad.shape[2:]), math.prod(self.module.weight.shape[1:]),
+                self.grad.shape[1] // groups)
 
     def _layer_elements(self) -> int:
         return self.x.numel() + self.grad.numel()
