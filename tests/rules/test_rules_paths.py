@@ -296,6 +296,33 @@ def test_patches_give_the_convolution(dims, kwargs, layout):
     torch.testing.assert_close(out.reshape(expected.shape), expected)
 
 
+@pytest.mark.parametrize("dims, kwargs", [
+    (2, {}), (2, {"stride": 2}), (2, {"stride": 3, "dilation": 2, "groups": 2}), (1, {"stride": 2}),
+    (3, {"stride": (1, 2, 1), "groups": 2}),
+])
+@pytest.mark.parametrize("layout", ["contiguous", "channels-last", "sliced"])
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_the_gathered_patches_are_the_strided_copy_bit_for_bit(dims, kwargs, layout, dtype, monkeypatch):
+    """The gather that copies short runs of the patches (rules/conv.py: ``gathers``) gives the elements,
+    dtype and layout of the strided copy exactly, whatever the input's memory layout."""
+    g = torch.Generator().manual_seed(3)
+    size = {1: (21,), 2: (13, 12), 3: (7, 9, 6)}[dims]
+    x = torch.randn(5, 6, *[n + 1 for n in size], generator=g, dtype=torch.float64)
+    x = x[1:4, 2:6][(..., *[slice(1, None)] * dims)] if layout == "sliced" else x[:3, :4, ..., 1:]
+    if layout == "channels-last":
+        x = x.contiguous().movedim(1, -1).contiguous().movedim(-1, 1)
+    tuple_of = lambda v: v if isinstance(v, tuple) else (v,) * dims  # noqa: E731
+    args = (x, tuple_of(3), tuple_of(kwargs.get("stride", 1)), tuple_of(kwargs.get("dilation", 1)),
+            kwargs.get("groups", 1), dtype)
+    monkeypatch.setattr(conv_rule, "gathers", lambda *_: True)
+    gathered = patches(*args)
+    monkeypatch.setattr(conv_rule, "gathers", lambda *_: False)
+    copied = patches(*args)
+    assert gathered.dtype == copied.dtype == (dtype or x.dtype)
+    assert gathered.stride() == copied.stride()
+    assert torch.equal(gathered, copied)
+
+
 def test_materialised_norms_too_large_to_keep_are_taken_slice_by_slice(monkeypatch):
     monkeypatch.setattr(factored, "SLICE_LIMIT", 16)
     g = torch.Generator().manual_seed(4)

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import secrets
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -162,7 +162,7 @@ class _Fingerprints:
         self.packs: list[_Pack] = []
         self.large: list[tuple[int, torch.Tensor]] = []
         self.slots: dict[int, tuple[int, int | None, int]] = {}  # entry: its sum, the sum before it, picks
-        self._views: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # entry: value, address, bytes
+        self._views: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # entry: value, address, view
         packed = [i for i, e in enumerate(entries) if 0 < e.words <= _PACKED]
         groups: list[list[int]] = []
         for i in packed:
@@ -196,24 +196,26 @@ class _Fingerprints:
         for pack in self.packs:
             pieces = []
             for i, pad in zip(pack.members, pack.pads):
-                pieces.append(self._bytes(i, values[i]))
+                pieces.append(self._kept(i, values[i], _bytes))
                 if pad is not None:
                     pieces.append(pad)
             words = torch.cat(pieces).view(torch.int64)
             parts += [words.cumsum(0).take(pack.ends), words.take(pack.positions)]
         for i, positions in self.large:
-            words = _words(values[i])
+            words = self._kept(i, values[i], _words)
             parts += [words.sum().reshape(1), words.take(positions)]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=self.device)
 
-    def _bytes(self, i: int, value: torch.Tensor) -> torch.Tensor:
-        """``value``'s bytes, a view kept while it is the same tensor in the same memory (a copy, of a
-        tensor whose memory is not one block, is made again each time: it does not follow writes)."""
+    def _kept(self, i: int, value: torch.Tensor, read: Callable[[torch.Tensor], torch.Tensor]
+              ) -> torch.Tensor:
+        """``read(value)`` (its bytes, or its words), a view kept while it is the same tensor in the same
+        memory (a copy, of a tensor whose memory is not one block of whole words, is made again each
+        time: it does not follow writes)."""
         kept = self._views.get(i)
         address = _address(value)
         if kept is not None and kept[0] is value and kept[1] == address:
             return kept[2]
-        raw = _bytes(value)
+        raw = read(value)
         if raw.untyped_storage().data_ptr() == _storage(value):
             self._views[i] = (value, address, raw)
         return raw

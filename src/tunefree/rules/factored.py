@@ -147,14 +147,18 @@ class TwoPathGrad(PerSampleGrad):
         if self.chooser is None:
             return min(estimates, key=estimates.__getitem__)
         key = self._key(fused)
-        zeros = torch.zeros(self.batch, dtype=torch.float64, device=key[-1])
-        ones = lambda sq: torch.ones_like(sq, dtype=torch.float64)  # noqa: E731 - timing only
-        run = (lambda path: self._clipped_sum_by(path, zeros, ones)) if fused else self.sq_norms_by
+        run = self._timed_clipped_sum if fused else self.sq_norms_by
         # time the ghost norm only where its working tensors are no larger than the layer's own (or the
         # estimate picks it anyway), so that calibrating never raises the peak memory
         timeable = (self._ghost_elements() <= self._layer_elements()
                     or min(estimates, key=estimates.get) == GHOST)
         return self.chooser.choose(key, estimates, run, key[-1], timeable)
+
+    def _timed_clipped_sum(self, path: str) -> ClippedSum:
+        """The clipped sum by ``path`` as the chooser times it (unit weights, no other parameter's norms);
+        its tensors are made only when a timing runs."""
+        zeros = torch.zeros(self.batch, dtype=torch.float64, device=self._key(True)[-1])
+        return self._clipped_sum_by(path, zeros, lambda sq: torch.ones_like(sq, dtype=torch.float64))
 
     def _chunk(self, path: str) -> int:
         return examples_per_chunk(self._per_example(path), self._layer_elements())
