@@ -514,33 +514,17 @@ def test_the_reference_run_is_in_the_first_line_the_metrics_and_the_accuracy_plo
     assert (folder / "run" / "test_accuracy.png").stat().st_size > 0
 
 
+def _one_reference_step(tmp_path, frame, *flags: str) -> bool:
+    """One step of the reference run (ε = ∞) on ``frame`` with labels no/yes, into tmp_path/run."""
+    return main(["train", "--dataset", _write(tmp_path / "t.csv", frame), "--epsilon", "inf", "--steps", "1",
+                 "--batch-size", "50", "--quiet", "--labels", "no,yes", "--out", str(tmp_path / "run"),
+                 *flags]) == 0
+
+
 def test_non_finite_numbers_are_written_as_strings(tmp_path):
     frame = _labelled(200, colour=np.random.default_rng(2).choice(["red", "blue"], 200))
-    assert (
-        main(
-            [
-                "train",
-                "--dataset",
-                _write(tmp_path / "t.csv", frame),
-                "--epsilon",
-                "inf",
-                "--steps",
-                "1",
-                "--batch-size",
-                "50",
-                "--quiet",
-                "--labels",
-                "no,yes",
-                "--numeric-scaling",
-                "none",
-                "--out",
-                str(tmp_path / "run"),
-                "--json",
-                str(tmp_path / "r.json"),
-            ]
-        )
-        == 0
-    )
+    json_path = str(tmp_path / "r.json")
+    assert _one_reference_step(tmp_path, frame, "--numeric-scaling", "none", "--json", json_path)
     text = (tmp_path / "r.json").read_text()
     assert '"epsilon": "inf"' in text and "Infinity" not in text and "NaN" not in text
     assert json.loads((tmp_path / "run" / "report.json").read_text())["epsilon"] == "inf"
@@ -554,29 +538,7 @@ def test_predict_refuses_values_outside_what_the_schema_declared(tmp_path, capsy
         json.dumps({"categorical": {"colour": ["red", "blue"]}, "numeric": {"age": [0, 120]}})
     )
     frame = _labelled(200, colour=np.random.default_rng(2).choice(["red", "blue"], 200))
-    assert (
-        main(
-            [
-                "train",
-                "--dataset",
-                _write(tmp_path / "t.csv", frame),
-                "--schema",
-                str(tmp_path / "schema.json"),
-                "--labels",
-                "no,yes",
-                "--epsilon",
-                "inf",
-                "--steps",
-                "1",
-                "--batch-size",
-                "50",
-                "--quiet",
-                "--out",
-                str(tmp_path / "run"),
-            ]
-        )
-        == 0
-    )
+    assert _one_reference_step(tmp_path, frame, "--schema", str(tmp_path / "schema.json"))
     capsys.readouterr()
     _, commands = _options()
     for new, match in (
