@@ -202,3 +202,37 @@ def test_a_part_of_a_transformed_batch_gets_both_causes():
              "let tunefree cut it: .*physical_batch_size=7.*Otherwise it carries several examples' data")
     with pytest.raises(tunefree.PrivacyError, match=words):
         F.cross_entropy(model((x * 2.0)[:7]), y[:7], reduction="sum").backward()
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)  # torch's default dropout 0.1
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.enc(x).mean(1))
+
+
+def test_attention_dropout_is_refused_at_make_private_with_the_one_line_fix():
+    """nn.TransformerEncoderLayer's default dropout reaches its self-attention, which the generic fallback
+    cannot replay one example at a time: refused before training (it was refused only at the first
+    backward, telling the user to move a dropout they cannot reach); the fix it names trains."""
+    torch.manual_seed(0)
+    model = Encoder()
+    data = TensorDataset(torch.randn(32, 5, 8), torch.randint(0, 3, (32,)))
+
+    def private_run():
+        return tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     DataLoader(data, batch_size=8), target_delta=1e-3, noise_multiplier=1.0,
+                                     steps=2, seed=0)
+    with pytest.raises(tunefree.PrivacyError, match=r"'enc\.self_attn' \(MultiheadAttention\) has "
+                       r"dropout=0\.1.*model\.enc\.self_attn\.dropout = 0\.0"):
+        private_run()
+    model.enc.self_attn.dropout = 0.0
+    engine = private_run()
+    for _, (x, y) in zip(range(2), engine.data_loader):
+        F.cross_entropy(model(x), y).backward()
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
+    assert engine.ledger.steps == 2

@@ -139,6 +139,16 @@ def check_model(model: nn.Module) -> None:
                 )
 
 
+def attention_dropout(name: str, p: float) -> str:
+    """Why an ``nn.MultiheadAttention`` with dropout is refused, and the fix."""
+    return (f"'{name}' (MultiheadAttention) has dropout={p}: it draws random numbers inside its own forward "
+            "(the attention weights' dropout), and tunefree computes its per-example gradients by re-running "
+            "it one example at a time (torch.func.vmap), which cannot replay that draw: set its probability "
+            f"to 0 after building the model: model.{name}.dropout = 0.0 (in nn.TransformerEncoderLayer or "
+            "DecoderLayer, layer.self_attn.dropout = 0.0; the layer's other dropouts act outside the "
+            "attention and stay)")
+
+
 def build_units(model: nn.Module, declared: DeclaredDims | None = None) -> list[Unit]:
     """One unit per module that directly owns trainable parameters, each with the example dimension
     declared for it (``batch_dim``)."""
@@ -152,6 +162,8 @@ def build_units(model: nn.Module, declared: DeclaredDims | None = None) -> list[
         rule = rule_for(module, set(direct))
         if rule is not None:
             rule.check(module, name or "(root)")
+        elif isinstance(module, nn.MultiheadAttention) and module.dropout > 0:
+            raise ModelRefused(attention_dropout(name or "(root)", module.dropout))
         elif module._forward_hooks or module._forward_pre_hooks:
             raise ModelRefused(
                 f"module '{name or '(root)'}' ({type(module).__name__}) has forward hooks registered "
