@@ -227,7 +227,7 @@ def test_attention_dropout_is_refused_at_make_private_with_the_one_line_fix():
                                      DataLoader(data, batch_size=8), target_delta=1e-3, noise_multiplier=1.0,
                                      steps=2, seed=0)
     with pytest.raises(tunefree.PrivacyError, match=r"'enc\.self_attn' \(MultiheadAttention\) has "
-                       r"dropout=0\.1.*model\.enc\.self_attn\.dropout = 0\.0"):
+                       r"dropout=0\.1.*model\.get_submodule\('enc\.self_attn'\)\.dropout = 0\.0"):
         private_run()
     model.enc.self_attn.dropout = 0.0
     engine = private_run()

@@ -144,9 +144,9 @@ def attention_dropout(name: str, p: float) -> str:
     return (f"'{name}' (MultiheadAttention) has dropout={p}: it draws random numbers inside its own forward "
             "(the attention weights' dropout), and tunefree computes its per-example gradients by re-running "
             "it one example at a time (torch.func.vmap), which cannot replay that draw: set its probability "
-            f"to 0 after building the model: model.{name}.dropout = 0.0 (in nn.TransformerEncoderLayer or "
-            "DecoderLayer, layer.self_attn.dropout = 0.0; the layer's other dropouts act outside the "
-            "attention and stay)")
+            f"to 0 after building the model, model.get_submodule('{name}').dropout = 0.0 (in "
+            "nn.TransformerEncoderLayer or DecoderLayer, layer.self_attn.dropout = 0.0; the layer's other "
+            "dropouts act outside the attention and stay)")
 
 
 def build_units(model: nn.Module, declared: DeclaredDims | None = None) -> list[Unit]:
