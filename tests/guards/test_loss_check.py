@@ -81,6 +81,13 @@ MIXING = [info_nce, pairwise_margin, targets_standardised_by_the_batch, label_sm
           token_mean_over_the_batch]
 
 
+def _private(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **settings) -> tunefree.DPEngine:
+    """A private run of ``model`` on (x, y): Poisson batches of 16 expected, a summed loss, seeded."""
+    return tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 DataLoader(TensorDataset(x, y), batch_size=16), noise_multiplier=1.0,
+                                 target_delta=1e-3, steps=4, seed=0, loss_reduction="sum", **settings)
+
+
 def _step(loss_fn):
     def step(ctx):
         loss_fn(ctx.model, ctx.x, ctx.y).backward()
@@ -92,9 +99,7 @@ def test_a_loss_that_mixes_examples_is_refused_before_the_first_release(loss_fn)
     torch.manual_seed(0)
     model = _mlp()
     x, y = _data(32)
-    engine = tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                   DataLoader(TensorDataset(x, y), batch_size=16), noise_multiplier=1.0,
-                                   target_delta=1e-3, steps=4, seed=0, loss_reduction="sum")
+    engine = _private(model, x, y)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(PrivacyError, match="the training loss mixes examples"):
         train(engine, 4, loss=loss_fn)
@@ -186,9 +191,7 @@ def test_a_loss_reading_state_it_updates_in_place_is_refused():
         loss = ((out - running) ** 2).sum()
         running.mul_(0.9).add_(0.1 * out.detach().mean(0))
         return loss
-    engine = tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                   DataLoader(TensorDataset(x, y), batch_size=16), noise_multiplier=1.0,
-                                   target_delta=1e-3, steps=4, seed=0, loss_reduction="sum")
+    engine = _private(model, x, y)
     with pytest.raises(PrivacyError, match="the loss could not be recomputed"):
         train(engine, 4, loss=loss_fn)
     assert engine.steps == 0
@@ -201,10 +204,7 @@ def test_only_checked_steps_are_replayed_and_the_loop_runs_unwatched_after_them(
     torch.manual_seed(0)
     model = _mlp()
     x, y = _data(64)
-    engine = tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                   DataLoader(TensorDataset(x, y), batch_size=16), noise_multiplier=1.0,
-                                   target_delta=1e-3, steps=4, seed=0, loss_reduction="sum",
-                                   verify_every=10**9)
+    engine = _private(model, x, y, verify_every=10**9)
     assert train(engine, 1, loss=cross_entropy_sum) == 1
     assert torch._C._len_torch_function_stack() == 0
     assert train(engine, 2, loss=info_nce) == 2  # unchecked steps (documented detection: 1/verify_every)
@@ -218,10 +218,7 @@ def test_work_inside_no_capture_between_hand_out_and_loss_is_not_recorded(monkey
     torch.manual_seed(0)
     model = _mlp()
     x, y = _data(32)
-    engine = tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                   DataLoader(TensorDataset(x, y), batch_size=16), noise_multiplier=1.0,
-                                   target_delta=1e-3, steps=4, seed=0, loss_reduction="sum",
-                                   verify_every=1)
+    engine = _private(model, x, y, verify_every=1)
 
     def busy(lines):
         def loss_fn(m, xb, yb):
