@@ -325,7 +325,7 @@ def _same(a: object, b: torch.Tensor) -> torch.Tensor:
     """Whether ``a`` is ``b`` bit for bit (NaN where NaN), a flag on the device."""
     if not isinstance(a, torch.Tensor) or a.shape != b.shape:
         return torch.zeros((), dtype=torch.bool, device=b.device)
-    return ((a == b) | (a.isnan() & b.isnan())).all() if a.is_floating_point() else (a == b).all()
+    return ~_differs(a, b).any()
 
 
 _NOT_REPLAYED = (
