@@ -201,7 +201,8 @@ def check(model: nn.Module, engine, args: tuple, kwargs: dict, n: int, levels: t
     base_factors = probe.example_factors(n)
     factors = [base_factors] + [base_factors * 2.0 ** e.double() for e in exponents]
     earlier = [] if verdicts is None else verdicts
-    with probe.preserved_randomness(), engine.no_capture():
+    alerts: list[str] = []
+    with probe.preserved_randomness(), engine.no_capture(), probe.deterministic_kernels(alerts):
         tapes = [probe.record(model, units, args, kwargs, examples=n, root=root, seed=seed, factors=factors,
                               model_inputs=inputs)]
         forward: list[Flags] = []
@@ -217,7 +218,7 @@ def check(model: nn.Module, engine, args: tuple, kwargs: dict, n: int, levels: t
                 failure = next(f for f in probe.failures(forward) if f is not None)
                 raise PrivacyError(_forward_mixing(*failure))
         verdict = Verdict(forward, _disproportion_flags(tapes[0], exponents),
-                          _Confirmation(model, engine, units, args, kwargs, n, seed, base_factors))
+                          _Confirmation(model, engine, units, args, kwargs, n, seed, base_factors), alerts)
     earlier.append(verdict)
     if verdicts is None:
         settle(earlier, agree)
@@ -232,6 +233,7 @@ class Verdict:
     forward: list[Flags]
     disproportion: Flags
     confirmation: _Confirmation
+    alerts: list[str]  # kernels with no deterministic implementation that the passes ran
 
 
 def settle(verdicts: list[Verdict], agree: Callable[[bool], bool] | None = None) -> None:
@@ -245,13 +247,14 @@ def settle(verdicts: list[Verdict], agree: Callable[[bool], bool] | None = None)
         forward = [next(failures) for _ in verdict.forward]
         failure = next((f for f in forward if f is not None), None)
         if failure is not None:
-            raise PrivacyError(_forward_mixing(*failure))
+            raise PrivacyError(_forward_mixing(*failure) + probe.nondeterminism(verdict.alerts))
         disproportion = next(failures)
         confirm = disproportion is not None if agree is None else not agree(disproportion is None)
         if confirm:
-            verdict.confirmation.run(agreed(probe.code_bits(verdict.confirmation.n), agree))
+            alerts = verdict.alerts
+            verdict.confirmation.run(agreed(probe.code_bits(verdict.confirmation.n), agree), alerts)
             if verdict.confirmation.engine.loss_reduction == "mean":
-                raise PrivacyError(_not_linear_under_mean(disproportion))
+                raise PrivacyError(_not_linear_under_mean(disproportion) + probe.nondeterminism(alerts))
     verdicts.clear()
 
 
@@ -268,10 +271,12 @@ class _Confirmation:
     seed: int
     factors: torch.Tensor
 
-    def run(self, bits: int) -> None:
-        with probe.preserved_randomness(), self.engine.no_capture():
-            _confirm_backward_mixing(self.model, self.units, self.args, self.kwargs, self.n,
-                                     self.engine.declared.root, self.seed, self.factors, bits)
+    def run(self, bits: int, alerts: list[str]) -> None:
+        with probe.preserved_randomness(), self.engine.no_capture(), probe.deterministic_kernels(alerts):
+            failure = _confirm_backward_mixing(self.model, self.units, self.args, self.kwargs, self.n,
+                                               self.engine.declared.root, self.seed, self.factors, bits)
+        if failure is not None:
+            raise PrivacyError(failure + probe.nondeterminism(alerts))
 
 
 class _DeviceMasks:
@@ -389,10 +394,10 @@ def _disproportion_flags(base: Tape, exponents: torch.Tensor) -> Flags:
 
 
 def _confirm_backward_mixing(model: nn.Module, units: list, args: tuple, kwargs: dict, n: int, root: int,
-                             seed: int, factors: torch.Tensor, bits: int) -> None:
+                             seed: int, factors: torch.Tensor, bits: int) -> str | None:
     """Some gradients did not scale with the loss weights: a backward that mixes examples, or one that is
     not linear but per example. Silence the examples of each mask of a code (of ``bits`` masks) in turn:
-    if any other example's gradient changes, refuse."""
+    if any other example's gradient changes, the refusal (``None``: none changed)."""
     masks = code_masks(n, bits)
     silenced = [factors] + [factors.masked_fill(mask, 0.0) for mask in masks]
     tape = probe.record(model, units, args, kwargs, examples=n, root=root, seed=seed, factors=silenced)
@@ -404,8 +409,7 @@ def _confirm_backward_mixing(model: nn.Module, units: list, args: tuple, kwargs:
                 flags.add(probe.outside(rows, grads[0], moved.on(mask, rows.device)),
                           (call, index, mask, grads[0], grad))
     failure = flags.first()
-    if failure is not None:
-        raise PrivacyError(_backward_mixing(*failure))
+    return None if failure is None else _backward_mixing(*failure)
 
 
 def _backward_mixing(call: Call, index: int, mask: torch.Tensor, a: Fingerprint, b: Fingerprint) -> str:

@@ -20,6 +20,7 @@ import functools
 import itertools
 import math
 import random
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -361,6 +362,56 @@ def preserved_randomness() -> Iterator[None]:
     finally:
         np.random.set_state(state[0])
         random.setstate(state[1])
+
+
+_NO_DETERMINISTIC_KERNEL = "does not have a deterministic implementation"
+
+
+@contextmanager
+def deterministic_kernels(alerts: list[str]) -> Iterator[None]:
+    """Probe passes are compared with each other bit for bit, so they run the kernels each device makes
+    deterministic: PyTorch's deterministic algorithms (e.g. a sorted ``index_add`` instead of atomic adds on
+    a GPU) and cuDNN's deterministic convolutions, neither filling new memory. A kernel that has no
+    deterministic implementation (on a GPU: SDPA's flash and memory-efficient backward, adaptive pooling's
+    backward, ...) runs as it is; PyTorch's warning about it is added to ``alerts`` (without a duplicate),
+    for a refusal to name it as a possible cause (:func:`nondeterminism`), and other warnings pass through.
+    The caller's settings return after the block; a strict setting of the caller's is kept in it."""
+    settings = (torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+                torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cudnn.deterministic,
+                torch.backends.cudnn.benchmark)
+    strict = settings[0] and not settings[1]
+    with warnings.catch_warnings(record=True) as caught:
+        try:
+            torch.use_deterministic_algorithms(True, warn_only=not strict)
+            torch.utils.deterministic.fill_uninitialized_memory = False
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+            yield
+        finally:
+            torch.use_deterministic_algorithms(settings[0], warn_only=settings[1])
+            (torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cudnn.deterministic,
+             torch.backends.cudnn.benchmark) = settings[2:]
+    for warning in caught:
+        text = str(warning.message)
+        if _NO_DETERMINISTIC_KERNEL in text:
+            kernel = text.split(_NO_DETERMINISTIC_KERNEL)[0].strip()
+            if kernel not in alerts:
+                alerts.append(kernel)
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno,
+                                   source=warning.source)
+
+
+def nondeterminism(alerts: Sequence[str]) -> str:
+    """What a refusal adds when the probe passes ran kernels with no deterministic implementation."""
+    if not alerts:
+        return ""
+    return (f". The probe passes ran kernels that have no deterministic implementation on this device "
+            f"({', '.join(alerts)}): two passes on the same inputs may then differ in their last bits, "
+            "which looks like this. If that is the cause, run the training with "
+            "torch.use_deterministic_algorithms(True) (on CUDA with CUBLAS_WORKSPACE_CONFIG=:4096:8 set "
+            "before the program starts), which makes SDPA's attention backward deterministic, or replace "
+            "the layer that runs such a kernel")
 
 
 def loss_weights(t: torch.Tensor, dim: int, factors: torch.Tensor) -> torch.Tensor:

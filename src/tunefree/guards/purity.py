@@ -53,6 +53,7 @@ class Purity(Guard):
         self._inputs: tuple[tuple, dict, int] | None = None
         self._before: Tape | None = None
         self._regions: tuple = ()
+        self._alerts: list[str] = []  # kernels with no deterministic implementation the probe passes ran
 
     def before_forward(self, call: ModelCall) -> None:
         step = self.schedule.consumed
@@ -84,13 +85,15 @@ class Purity(Guard):
                 "released. Keep no value computed from the data in the model or on objects it uses "
                 "(compute running statistics from public data, or use layers without running state, e.g. "
                 "GroupNorm/LayerNorm). If the state is a random generator of the model's own, draw from "
-                "torch's global generator instead (tunefree fixes and restores it for the check)")
+                "torch's global generator instead (tunefree fixes and restores it for the check)"
+                + probe.nondeterminism(self._alerts))
 
     def _pass(self, like: Tape | None = None, after_probe: bool = True) -> Tape:
         args, kwargs, n = self._inputs
         engine = self.engine
         units = [u for u in engine.units if any(p.requires_grad for p in u.direct.values())]
-        with probe.preserved_randomness(), probe.in_regions(self._regions), engine.no_capture():
+        with probe.preserved_randomness(), probe.in_regions(self._regions), engine.no_capture(), \
+                probe.deterministic_kernels(self._alerts):
             tape = probe.record(self.model, units, args, kwargs, examples=n, root=engine.declared.root,
                                 seed=_SEED, factors=[probe.example_factors(n)], like=like)
         if after_probe and self.after_probes is not None:
