@@ -167,3 +167,43 @@ def test_the_models_own_warnings_still_reach_the_user():
     with pytest.warns(UserWarning, match="a warning of the model's own") as caught:
         train(_engine(Warns), steps=1)
     assert len(caught) >= 2  # the training forward's, and the probes' passes re-emitted
+
+
+@pytest.mark.parametrize("message, named", [
+    ("Memory Efficient attention defaults to a non-deterministic algorithm. To explicitly enable determinism "
+     "call torch.use_deterministic_algorithms(True, warn_only=False).", "Memory Efficient attention"),
+    ("Deterministic behavior was enabled with either `torch.use_deterministic_algorithms(True)` or "
+     "`at::Context::setDeterministicAlgorithms(true)`, but this operation is not deterministic because it "
+     "uses CuBLAS", "cuBLAS without CUBLAS_WORKSPACE_CONFIG"),
+    ("adaptive_avg_pool2d_backward_cuda does not have a deterministic implementation, but you set "
+     "'torch.use_deterministic_algorithms(True, warn_only=True)'", "adaptive_avg_pool2d_backward_cuda"),
+])
+def test_each_of_pytorchs_alerts_is_kept_by_its_kernels_name_and_not_shown(message, named):
+    alerts: list[str] = []
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with probe.deterministic_kernels(alerts):
+                warnings.warn(message, UserWarning, stacklevel=1)
+    assert alerts == [named]
+    assert not shown
+
+
+def test_on_cuda_attention_runs_in_its_math_form_unless_the_users_setting_is_strict(monkeypatch):
+    """SDPA's flash, memory-efficient and cuDNN backward are deterministic only in strict mode; the probes
+    run warn-only (strict would raise on kernels without a deterministic version), so they take the math
+    form. There is no GPU here: CUDA is declared in use, and the backends the block enables are read."""
+    monkeypatch.setattr(probe, "cuda_in_use", lambda: True)
+    backends = (torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.mem_efficient_sdp_enabled,
+                torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.math_sdp_enabled)
+    before = [enabled() for enabled in backends]
+    with probe.deterministic_kernels([]):
+        assert [enabled() for enabled in backends] == [False, False, False, True]
+    assert [enabled() for enabled in backends] == before
+    previous = _settings()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with probe.deterministic_kernels([]):
+            assert [enabled() for enabled in backends] == before
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])

@@ -184,7 +184,7 @@ def examples_in(args: tuple, kwargs: dict, root: int = 0) -> int:
 
 def check(model: nn.Module, engine, args: tuple, kwargs: dict, n: int, levels: torch.Tensor,
           seed: int = 0, agree: Callable[[bool], bool] | None = None, cyclic: bool = True,
-          verdicts: list[Verdict] | None = None) -> None:
+          verdicts: list[Verdict] | None = None, alerts: list[str] | None = None) -> None:
     """:func:`verify_example_independence` on a batch of ``n`` ≥ 2 examples with the forward check's
     ``levels`` (``cyclic``: see :func:`perturbed`; if not, each pass is compared with the first only).
     ``agree`` (processes whose passes are collectives, FSDP2): whether a flag holds on every
@@ -192,7 +192,8 @@ def check(model: nn.Module, engine, args: tuple, kwargs: dict, n: int, levels: t
     needs it. Every comparison stays on the device; the whole check reads the host once, at the end
     (:func:`settle`; ``verdicts``: append the check's :class:`Verdict` there instead, for the caller to
     settle with others). A failure the host sees (a call missing or reshaped) stops the passes: the
-    flags before it are read then, and the first failure refused."""
+    flags before it are read then, and the first failure refused. ``alerts``: the kernels without a
+    deterministic version that probe passes ran, kept across checks (:func:`probe.deterministic_kernels`)."""
     root = engine.declared.root
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > root]
     units = [u for u in engine.units if any(p.requires_grad for p in u.direct.values())]
@@ -201,7 +202,7 @@ def check(model: nn.Module, engine, args: tuple, kwargs: dict, n: int, levels: t
     base_factors = probe.example_factors(n)
     factors = [base_factors] + [base_factors * 2.0 ** e.double() for e in exponents]
     earlier = [] if verdicts is None else verdicts
-    alerts: list[str] = []
+    alerts = [] if alerts is None else alerts
     with probe.preserved_randomness(), engine.no_capture(), probe.deterministic_kernels(alerts):
         tapes = [probe.record(model, units, args, kwargs, examples=n, root=root, seed=seed, factors=factors,
                               model_inputs=inputs)]
@@ -517,6 +518,7 @@ class Independence(Guard):
         # device until the engine's transfer reads it, :meth:`carried`)
         self.retained: list[tuple[tuple, dict, int, bool | torch.Tensor]] = []
         self._carried: list[int] = []
+        self.alerts: list[str] = []  # kernels without a deterministic version that the checks ran
         self.schedule.checking = True
 
     def before_forward(self, call: ModelCall) -> None:
@@ -560,7 +562,7 @@ class Independence(Guard):
                 passes = agreed(first_passes(n, ordered), self.every_rank) if first else None
                 levels = self.probes.levels(step, n, first, ordered, passes)
                 check(self.model, self.engine, args, kwargs, n, levels, agree=self.every_rank,
-                      cyclic=not ordered, verdicts=verdicts)
+                      cyclic=not ordered, verdicts=verdicts, alerts=self.alerts)
             settle(verdicts, self.every_rank)  # every batch's flags in one read
             if self.after_probes is not None:
                 self.after_probes("after the example-independence check")

@@ -364,24 +364,35 @@ def preserved_randomness() -> Iterator[None]:
         random.setstate(state[1])
 
 
-_NO_DETERMINISTIC_KERNEL = "does not have a deterministic implementation"
+# How PyTorch's warnings name a kernel that is not deterministic in warn-only mode: the text before these.
+_NOT_DETERMINISTIC = (" does not have a deterministic implementation", " defaults to a non-deterministic",
+                      "Deterministic behavior was enabled")
+
+
+def cuda_in_use() -> bool:
+    """Whether this process runs CUDA kernels (CUDA initialised)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 @contextmanager
 def deterministic_kernels(alerts: list[str]) -> Iterator[None]:
     """Probe passes are compared with each other bit for bit, so they run the kernels each device makes
     deterministic: PyTorch's deterministic algorithms (e.g. a sorted ``index_add`` instead of atomic adds on
-    a GPU) and cuDNN's deterministic convolutions, neither filling new memory. A kernel that has no
-    deterministic implementation (on a GPU: SDPA's flash and memory-efficient backward, adaptive pooling's
-    backward, ...) runs as it is; PyTorch's warning about it is added to ``alerts`` (without a duplicate),
-    for a refusal to name it as a possible cause (:func:`nondeterminism`), and other warnings pass through.
-    The caller's settings return after the block; a strict setting of the caller's is kept in it."""
+    a GPU) and cuDNN's deterministic convolutions, neither filling new memory; on CUDA, attention
+    (``F.scaled_dot_product_attention``) in its math form, whose backward is deterministic where the
+    flash, memory-efficient and cuDNN kernels' are not (unless the caller's setting is strict, which makes
+    theirs deterministic). A kernel that has no deterministic implementation (adaptive pooling's backward
+    on a GPU, ...) runs as it is (strict mode would raise there): PyTorch's warning about it is kept in
+    ``alerts`` (its name, once) for a refusal to name it as a possible cause (:func:`nondeterminism`);
+    other warnings pass through. The caller's settings return after the block."""
     settings = (torch.are_deterministic_algorithms_enabled(),
                 torch.is_deterministic_algorithms_warn_only_enabled(),
                 torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cudnn.deterministic,
                 torch.backends.cudnn.benchmark)
     strict = settings[0] and not settings[1]
-    with warnings.catch_warnings(record=True) as caught:
+    attention = contextlib.nullcontext() if strict or not cuda_in_use() else \
+        torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH])
+    with warnings.catch_warnings(record=True) as caught, attention:
         try:
             torch.use_deterministic_algorithms(True, warn_only=not strict)
             torch.utils.deterministic.fill_uninitialized_memory = False
@@ -393,13 +404,14 @@ def deterministic_kernels(alerts: list[str]) -> Iterator[None]:
              torch.backends.cudnn.benchmark) = settings[2:]
     for warning in caught:
         text = str(warning.message)
-        if _NO_DETERMINISTIC_KERNEL in text:
-            kernel = text.split(_NO_DETERMINISTIC_KERNEL)[0].strip()
-            if kernel not in alerts:
-                alerts.append(kernel)
-        else:
+        marker = next((m for m in _NOT_DETERMINISTIC if m in text), None)
+        if marker is None:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno,
                                    source=warning.source)
+            continue
+        kernel = text.split(marker)[0].strip().rstrip(".") or "cuBLAS without CUBLAS_WORKSPACE_CONFIG"
+        if kernel not in alerts:
+            alerts.append(kernel)
 
 
 def nondeterminism(alerts: Sequence[str]) -> str:
