@@ -453,6 +453,24 @@ def batched_outputs(output: object, n: int, root: int) -> tuple[list[torch.Tenso
     return [], root
 
 
+class Anchors:
+    """The leaves a probe's backward is taken to: one zero scalar per device, tied to each unit output (a
+    gradient then always reaches the output), on the output's own device, so that no gradient crosses to
+    another device (on CUDA, a copy to a CPU anchor would wait for the GPU at every unit)."""
+
+    def __init__(self) -> None:
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def tie(self, t: torch.Tensor) -> torch.Tensor:
+        anchor = self._by_device.get(t.device)
+        if anchor is None:
+            anchor = self._by_device[t.device] = torch.zeros((), device=t.device, requires_grad=True)
+        return t + 0 * anchor
+
+    def leaves(self) -> list[torch.Tensor]:
+        return list(self._by_device.values())
+
+
 def record(model: nn.Module, units: Sequence, args: tuple, kwargs: dict, *, examples: int, root: int,
            seed: int, factors: Sequence[torch.Tensor] = (), like: Tape | None = None,
            model_inputs: set[int] | None = None) -> Tape:
@@ -463,7 +481,7 @@ def record(model: nn.Module, units: Sequence, args: tuple, kwargs: dict, *, exam
     inputs, from which no structure tensor may be taken (checked once, on the first pass of a check)."""
     n = examples
     tape = Tape({}, [], n)
-    anchor = torch.zeros((), requires_grad=True)
+    anchors = Anchors()
     forward_hooks: list = []
     gradient_hooks: list = []
     structured = [False]  # a call with structure seen: from there on, keep the rows' magnitudes too
@@ -500,7 +518,7 @@ def record(model: nn.Module, units: Sequence, args: tuple, kwargs: dict, *, exam
             def anchored(t: torch.Tensor) -> torch.Tensor:
                 if not t.requires_grad:
                     return t
-                out = t + 0 * anchor  # hooked here, its gradient is always computed (the path to anchor)
+                out = anchors.tie(t)  # hooked here, its gradient is always computed (the path to anchor)
                 if id(t) in pending:
                     gradient_hooks.append(out.register_hook(keep_gradient(call, pending.pop(id(t)))))
                 return out
@@ -521,8 +539,8 @@ def record(model: nn.Module, units: Sequence, args: tuple, kwargs: dict, *, exam
             return tape
         for i, factor in enumerate(factors):
             weights = [loss_weights(t, dim, factor) for t in batched]  # the loss Σ w·output
-            torch.autograd.grad(batched, [anchor], grad_outputs=weights, allow_unused=True,
-                                retain_graph=i < len(factors) - 1)  # a scalar, dropped
+            torch.autograd.grad(batched, anchors.leaves(), grad_outputs=weights, allow_unused=True,
+                                retain_graph=i < len(factors) - 1)  # scalars, dropped
             tape.backwards += 1
         return tape
     finally:

@@ -1,4 +1,6 @@
-"""The checks compare probe passes bit for bit, so they run them on deterministic kernels.
+"""What the probe passes do for a GPU, played on a CPU: deterministic kernels, and anchors on each device.
+
+The checks compare probe passes bit for bit, so they run them on deterministic kernels.
 
 On a GPU some kernels differ in their last bits from one run to the next (atomic adds: ``index_add``,
 cuDNN's convolution backward, SDPA's flash and memory-efficient backward). Two probe passes on the same
@@ -207,3 +209,15 @@ def test_on_cuda_attention_runs_in_its_math_form_unless_the_users_setting_is_str
             assert [enabled() for enabled in backends] == before
     finally:
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+def test_a_probes_backward_stays_on_each_outputs_device():
+    """Each unit output is tied to an anchor on its own device: a gradient never crosses to the CPU (on
+    CUDA that copy waits for the GPU at every unit). Meta tensors stand in for a second device."""
+    anchors = probe.Anchors()
+    on_cpu = anchors.tie(torch.ones(3, requires_grad=True))
+    on_meta = anchors.tie(torch.ones(3, device="meta", requires_grad=True))
+    assert [a.device.type for a in anchors.leaves()] == ["cpu", "meta"]
+    assert on_meta.device.type == "meta" and torch.equal(on_cpu, torch.ones(3))
+    anchors.tie(torch.ones(2, requires_grad=True))
+    assert len(anchors.leaves()) == 2  # one per device
