@@ -2,7 +2,7 @@
 one private step, and over a whole run.
 
 A private run checks its first step with certainty for every pair (one forward with gradients, 1 +
-⌈log₈ n⌉ backward passes to the units' tensors, and the forward check's extra forwards, one per pass of
+⌈log₆₄ n⌉ backward passes to the units' tensors, and the forward check's extra forwards, one per pass of
 its partitions: 5 for 64 examples, 6 for 256), then each step with probability 1/``verify_every`` (24
 by default) at steps drawn from the run's randomness, the forward check on one random half (one extra
 forward; the backward passes as in the first check). On a checked step the model's function is also

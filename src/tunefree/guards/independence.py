@@ -8,12 +8,14 @@ gradients by a value computed over the batch. The check watches what the model d
 
 - **Backward, certain for every pair.** One forward, then backward passes from a fixed loss whose weight
   on example i is multiplied by a power of two r_i that differs between any two examples in at least one
-  pass (⌈log₈ n⌉ passes besides the first). Where nothing mixes, example i's gradient at every unit tensor
+  pass (⌈log₆₄ n⌉ passes besides the first: one up to 64 examples, two up to 4,096; ⌈log₈ n⌉ for float16
+  parameters, :func:`ratio_base`). Where nothing mixes, example i's gradient at every unit tensor
   is its own loss weight times its own Jacobian, so it scales by exactly r_i, bit for bit (a power of two
   changes no rounding). Any dependence of one example's gradient on another's loss weight or activations
   — a backward that mixes, a forward that mixes along a path with gradients, a scale computed over the
   batch (a gradient divided by the batch's norm) — breaks the proportion. A backward that is not linear
-  in the loss but mixes nothing (a hook that clamps each gradient) breaks it too: then the check confirms
+  in the loss but mixes nothing (a hook that clamps each gradient) breaks it too: then the check (again
+  at base 8 where it used 64, in case a float16 value inside the model overflowed) confirms
   with one backward per mask of a code (:func:`probe.row_codes`) that silences the mask's examples, and
   refuses if some other example's gradient changed — and under ``loss_reduction="mean"`` in any case:
   the loss weighs each example by 1/B, so a gradient not proportional to it depends on the batch's size.
@@ -56,20 +58,35 @@ _FIX = ("Keep the example dimension first (batch_first=True), use no batch stati
         "BatchNorm), and no custom autograd.Function or hook that mixes examples or scales their gradients "
         "by a value computed over the batch (e.g. the batch's gradient norm).")
 
-_RATIO_BASE = 8  # the powers of two 1, 2, …, 2⁷ scale the examples' loss weights in a backward
+# The powers of two 1, 2, …, 2^(base − 1) scale the examples' loss weights in a backward: base 64 (a gradient
+# of float32, bfloat16 or float64 overflows only beyond 10¹⁹ times its size), 8 where a unit's parameters
+# are float16 (whose largest value is 65,504) and where base 64 found a disproportion (a float16 value
+# inside the model may have overflowed: the backward is then checked again at base 8).
+WIDE_BASE, HALF_BASE = 64, 8
 
 
-def ratio_digits(n: int) -> int:
-    """The backward passes after the first that tell ``n`` examples apart: ⌈log₈ n⌉, at least 1."""
-    return max(1, math.ceil(math.log(max(n, 2), _RATIO_BASE) - 1e-9))
+def ratio_base(units: Sequence) -> int:
+    """:data:`HALF_BASE` where a trainable unit's parameters are float16, else :data:`WIDE_BASE`."""
+    half = any(p.dtype == torch.float16 for u in units for p in u.direct.values())
+    return HALF_BASE if half else WIDE_BASE
 
 
-def ratio_exponents(n: int, digits: int | None = None) -> torch.Tensor:
-    """[d, n]: example i's exponent in each backward after the first, the base-8 digits of i, so that any
-    two examples differ in some backward (d = ``digits``, at least :func:`ratio_digits`)."""
-    d = ratio_digits(n) if digits is None else digits
+def ratio_digits(n: int, base: int = WIDE_BASE) -> int:
+    """The backward passes after the first that tell ``n`` examples apart: ⌈log_base n⌉, at least 1."""
+    return max(1, math.ceil(math.log(max(n, 2), base) - 1e-9))
+
+
+def ratio_exponents(n: int, digits: int | None = None, base: int = WIDE_BASE) -> torch.Tensor:
+    """[d, n]: example i's exponent in each backward after the first, the digits of i in ``base``, so that
+    any two examples differ in some backward (d = ``digits``, at least :func:`ratio_digits`)."""
+    d = ratio_digits(n, base) if digits is None else digits
     index = torch.arange(n)
-    return torch.stack([(index // _RATIO_BASE ** k) % _RATIO_BASE for k in range(d)])
+    return torch.stack([(index // base ** k) % base for k in range(d)])
+
+
+def ratio_factors(factors: torch.Tensor, exponents: torch.Tensor) -> list[torch.Tensor]:
+    """The backward passes' loss factors: ``factors`` as they are, then times 2^exponent per pass."""
+    return [factors] + [factors * 2.0 ** e.double() for e in exponents]
 
 
 def perturbed(args: tuple, kwargs: dict, n: int, levels: torch.Tensor, dim: int = 0, cyclic: bool = True
@@ -163,7 +180,7 @@ def verify_example_independence(model: nn.Module, engine, args: tuple, kwargs: d
     [n, k], how the forward check changes each example in each of k passes (pass 0 as it is; default:
     the first check's, :func:`first_levels`, which see every pair; a private run's later checks change
     one random half, :meth:`ProbeSchedule.levels`). Costs, on the whole batch, one forward with
-    gradients and 1 + ⌈log₈ n⌉ backward passes to the units' tensors (no parameter gradient), plus k − 1
+    gradients and 1 + ⌈log₆₄ n⌉ backward passes to the units' tensors (no parameter gradient), plus k − 1
     forwards."""
     kwargs = kwargs or {}
     root = engine.declared.root
@@ -198,9 +215,10 @@ def check(model: nn.Module, engine, args: tuple, kwargs: dict, n: int, levels: t
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > root]
     units = [u for u in engine.units if any(p.requires_grad for p in u.direct.values())]
     inputs = {probe.storage(t) for t in tensors if t.shape[root] == n}
-    exponents = ratio_exponents(n, agreed(ratio_digits(n), agree))
+    base = ratio_base(units)
+    exponents = ratio_exponents(n, agreed(ratio_digits(n, base), agree), base)
     base_factors = probe.example_factors(n)
-    factors = [base_factors] + [base_factors * 2.0 ** e.double() for e in exponents]
+    factors = ratio_factors(base_factors, exponents)
     earlier = [] if verdicts is None else verdicts
     alerts = [] if alerts is None else alerts
     with probe.preserved_randomness(), engine.no_capture(), probe.deterministic_kernels(alerts):
@@ -219,7 +237,8 @@ def check(model: nn.Module, engine, args: tuple, kwargs: dict, n: int, levels: t
                 failure = next(f for f in probe.failures(forward) if f is not None)
                 raise PrivacyError(_forward_mixing(*failure))
         verdict = Verdict(forward, _disproportion_flags(tapes[0], exponents),
-                          _Confirmation(model, engine, units, args, kwargs, n, seed, base_factors), alerts)
+                          _Confirmation(model, engine, units, args, kwargs, n, seed, base_factors, base),
+                          alerts)
     earlier.append(verdict)
     if verdicts is None:
         settle(earlier, agree)
@@ -251,6 +270,9 @@ def settle(verdicts: list[Verdict], agree: Callable[[bool], bool] | None = None)
             raise PrivacyError(_forward_mixing(*failure) + probe.nondeterminism(verdict.alerts))
         disproportion = next(failures)
         confirm = disproportion is not None if agree is None else not agree(disproportion is None)
+        if confirm and verdict.confirmation.base != HALF_BASE:  # again at base 8, in case of an overflow
+            disproportion = verdict.confirmation.disproportion(agree, verdict.alerts)
+            confirm = disproportion is not None if agree is None else not agree(disproportion is None)
         if confirm:
             alerts = verdict.alerts
             verdict.confirmation.run(agreed(probe.code_bits(verdict.confirmation.n), agree), alerts)
@@ -271,6 +293,17 @@ class _Confirmation:
     n: int
     seed: int
     factors: torch.Tensor
+    base: int  # of the exponents the check's backward passes used
+
+    def disproportion(self, agree: Callable[[bool], bool] | None, alerts: list[str]) -> object | None:
+        """The backward's proportions checked again at :data:`HALF_BASE`: the first unit tensor whose
+        gradients do not scale (``None``: all do; one host read)."""
+        exponents = ratio_exponents(self.n, agreed(ratio_digits(self.n, HALF_BASE), agree), HALF_BASE)
+        root = self.engine.declared.root
+        with probe.preserved_randomness(), self.engine.no_capture(), probe.deterministic_kernels(alerts):
+            tape = probe.record(self.model, self.units, self.args, self.kwargs, examples=self.n, root=root,
+                                seed=self.seed, factors=ratio_factors(self.factors, exponents))
+        return next(iter(probe.failures([_disproportion_flags(tape, exponents)])))
 
     def run(self, bits: int, alerts: list[str]) -> None:
         with probe.preserved_randomness(), self.engine.no_capture(), probe.deterministic_kernels(alerts):
