@@ -89,11 +89,16 @@ class Booking:
         per_param = state.per_param
         present = [p for p in group.params if p in per_param]
         weights, fused = self._clip_weights(state, group, present) if present else (None, {})
+        converted: dict[torch.dtype | None, torch.Tensor] = {}  # the weights in each form's dtype
         for p in group.params:
             if p in fused:
                 self.accumulator.add(p, fused.pop(p))
             elif p in per_param:
-                self.accumulator.add(p, per_param.pop(p).weighted_sum(weights))
+                grad = per_param.pop(p)
+                dtype = grad.weights_dtype()
+                if dtype not in converted:
+                    converted[dtype] = weights if dtype is None else weights.to(dtype)
+                self.accumulator.add(p, grad.weighted_sum(converted[dtype]))
             else:
                 self.accumulator.add(p, None)
 
