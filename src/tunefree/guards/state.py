@@ -21,10 +21,10 @@ their exact sum modulo 2⁶⁴ (any change of one word, or of a few, changes it)
 tensor shows there with high probability). A value-equal rewrite (a buffer copied back, a weight swap
 undone) is thus no change. Only a write that changes several words whose changes cancel exactly in the
 sum, while avoiding the secret positions (e.g. swapping two rows), goes unseen. The fingerprints of a
-device's tensors are taken together (:class:`_Fingerprints`): the tensors of up to 512 KiB copied into packs
-of up to 8 MiB, each pack's running sum read at the tensors' ends, the larger ones summed where they are
-(one reduction each), every secret word of theirs gathered at once — a few operators, one more per large
-tensor, compared on the device.
+device's tensors are taken together (:class:`_Fingerprints`): the small tensors copied into a few packs,
+each pack's running sum read at the tensors' ends, the large ones summed where they are (one reduction
+each: packing them would copy them), every secret word of theirs gathered at once — a few operators, one
+more per large tensor, compared on the device.
 
 When: the state is taken when the guard is built (``make_private``). Every comparison of values runs on the
 device, and its result travels to the host with the engine's one transfer at the end of each backward pass
@@ -68,8 +68,8 @@ from ..errors import PrivacyError
 from .base import Guard, ModelCall
 
 POSITIONS = 4  # secret positions per tensor in its fingerprint
-_PACKED = 1 << 16  # a tensor of at most this many 64-bit words (512 KiB) goes into a pack
-_PACK = 1 << 20  # the most words in one pack (its copy and running sums: 16 MiB at most)
+_PACKED = 1 << 10  # a tensor of at most this many 64-bit words (8 KB: biases, norms) goes into a pack
+_PACK = 1 << 16  # the most words in one pack (its copy and running sums: 1 MB at most)
 _CONTAINER_LIMIT = 64  # lists, tuples and dicts up to this size are compared item by item
 _DEPTH_LIMIT = 3
 _MODULE_MACHINERY = frozenset(vars(nn.Module()))  # hooks, flags and registries of nn.Module itself
