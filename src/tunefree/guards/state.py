@@ -22,8 +22,9 @@ tensor shows there with high probability). A value-equal rewrite (a buffer copie
 undone) is thus no change. Only a write that changes several words whose changes cancel exactly in the
 sum, while avoiding the secret positions (e.g. swapping two rows), goes unseen. The fingerprints of a
 device's tensors are taken together (:class:`_Fingerprints`): the small tensors copied into a few packs,
-each pack's running sum read at the tensors' ends, the large ones summed where they are — a few operators
-whatever the number of tensors, compared on the device.
+each pack's running sum read at the tensors' ends, the large ones summed where they are (one reduction
+each: packing them would copy them), every secret word of theirs gathered at once — a few operators, one
+more per large tensor, compared on the device.
 
 When: the state is taken when the guard is built (``make_private``). Every comparison of values runs on the
 device, and its result travels to the host with the engine's one transfer at the end of each backward pass
@@ -154,13 +155,14 @@ class _Pack:
 class _Fingerprints:
     """The fingerprints of the tensors of a list of entries (one device), in a few operators: one vector of
     64-bit words holding, for each pack of small tensors, its running sum at each tensor's last word and
-    the words at their secret positions, then for each large tensor its sum and its words there. A
-    tensor's sum is the difference of two running sums (:meth:`changed`)."""
+    the words at their secret positions, then the sum of each large tensor (one reduction each, where it
+    is: no copy) and the words at their secret positions (one gather for all). A packed tensor's sum is the
+    difference of two running sums (:meth:`changed`)."""
 
     def __init__(self, entries: list[_Tensor], device: torch.device):
         self.device = device
         self.packs: list[_Pack] = []
-        self.large: list[tuple[int, torch.Tensor]] = []
+        self.large: list[tuple[int, list[int]]] = []  # entry, its secret positions
         self.slots: dict[int, tuple[int, int | None, int]] = {}  # entry: its sum, the sum before it, picks
         self._views: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # entry: value, address, view
         packed = [i for i, e in enumerate(entries) if 0 < e.words <= _PACKED]
@@ -185,11 +187,9 @@ class _Fingerprints:
             positions = torch.tensor([start + p for start, i in zip(starts, members)
                                       for p in entries[i].positions], device=device)
             self.packs.append(_Pack(members, pads, ends, positions))
-        for i, entry in enumerate(entries):
-            if entry.words > _PACKED:
-                self.slots[i] = (out, None, out + 1)
-                out += 1 + POSITIONS
-                self.large.append((i, torch.tensor(entry.positions, device=device)))
+        self.large = [(i, entry.positions) for i, entry in enumerate(entries) if entry.words > _PACKED]
+        for j, (i, _) in enumerate(self.large):
+            self.slots[i] = (out + j, None, out + len(self.large) + POSITIONS * j)
 
     def __call__(self, values: list[torch.Tensor]) -> torch.Tensor:
         parts = []
@@ -201,9 +201,10 @@ class _Fingerprints:
                     pieces.append(pad)
             words = torch.cat(pieces).view(torch.int64)
             parts += [words.cumsum(0).take(pack.ends), words.take(pack.positions)]
-        for i, positions in self.large:
-            words = self._kept(i, values[i], _words)
-            parts += [words.sum().reshape(1), words.take(positions)]
+        if self.large:
+            words = [self._kept(i, values[i], _words) for i, _ in self.large]
+            picked = [w[q] for w, (_, positions) in zip(words, self.large) for q in positions]  # views
+            parts.append(torch.stack([w.sum() for w in words] + picked))
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=self.device)
 
     def _kept(self, i: int, value: torch.Tensor, read: Callable[[torch.Tensor], torch.Tensor]

@@ -89,11 +89,16 @@ class Booking:
         per_param = state.per_param
         present = [p for p in group.params if p in per_param]
         weights, fused = self._clip_weights(state, group, present) if present else (None, {})
+        converted: dict[torch.dtype | None, torch.Tensor] = {}  # the weights in each form's dtype
         for p in group.params:
             if p in fused:
                 self.accumulator.add(p, fused.pop(p))
             elif p in per_param:
-                self.accumulator.add(p, per_param.pop(p).weighted_sum(weights))
+                grad = per_param.pop(p)
+                dtype = grad.weights_dtype()
+                if dtype not in converted:
+                    converted[dtype] = weights if dtype is None else weights.to(dtype)
+                self.accumulator.add(p, grad.weighted_sum(converted[dtype]))
             else:
                 self.accumulator.add(p, None)
 
@@ -108,13 +113,11 @@ class Booking:
         weights_of = _Weigher(self.clip, self.thresholds[group.name], state.batch, scale)
         pending = [p for p in present if p not in known]
         fused = max(pending, key=lambda p: p.numel()) if pending else None
-        sq = None
-        for p in present:
-            if p is not fused:
-                more = known.pop(p) if p in known else per_param[p].sq_norms()
-                sq = more if sq is None else sq + more
-        if sq is None:  # the fused parameter is the group's only one
+        parts = [known.pop(p) if p in known else per_param[p].sq_norms() for p in present if p is not fused]
+        if not parts:  # the fused parameter is the group's only one
             sq = torch.zeros(state.batch, dtype=norm_dtype(present[0].dtype), device=present[0].device)
+        else:  # one reduction over the parameters (stack promotes float32 norms beside float64 ones)
+            sq = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
         sums = {}
         if fused is None:
             weights = weights_of(sq)

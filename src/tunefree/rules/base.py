@@ -62,6 +62,11 @@ class PerSampleGrad(ABC):
     def materialize(self) -> torch.Tensor:
         """All per-sample gradients, shape ``[B, *param.shape]``."""
 
+    def weights_dtype(self) -> torch.dtype | None:
+        """The dtype :meth:`weighted_sum` converts the (float64) clip weights to, if any: the engine hands
+        them over in it, converted once per clip group and dtype rather than once per parameter."""
+        return None
+
     def clipped_sum(self, other_sq_norms: torch.Tensor,
                     weights_of: Callable[[torch.Tensor], torch.Tensor]) -> ClippedSum:
         """``Σᵢ wᵢ gᵢ`` with ``wᵢ = weights_of(‖gᵢ‖² + other_sq_normsᵢ)``: the clip weight of each
@@ -86,9 +91,12 @@ class Materialized(PerSampleGrad):
     def sq_norms(self) -> torch.Tensor:
         return materialised_sq_norms(self.grads)
 
+    def weights_dtype(self) -> torch.dtype:
+        return self.grads.dtype
+
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         grads = self.grads
-        return (weights.to(grads.dtype) @ grads.reshape(grads.shape[0], -1)).reshape(grads.shape[1:])
+        return (weights.to(grads.dtype)[None] @ grads.reshape(grads.shape[0], -1)).view(grads.shape[1:])
 
     def materialize(self) -> torch.Tensor:
         return self.grads

@@ -39,6 +39,9 @@ class EmbeddingGrad(PerSampleGrad):
         out = rows.new_zeros(self.ids.shape[0])
         return out.index_add_(0, example, (rows * rows).sum(1))
 
+    def weights_dtype(self) -> torch.dtype:
+        return accumulation_dtype(self.grad.dtype)
+
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         # a 16-bit output gradient is scaled in float32 (the product converts it exactly)
         scaled = self.grad * weights.to(accumulation_dtype(self.grad.dtype))[:, None, None]

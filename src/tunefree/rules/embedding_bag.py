@@ -43,6 +43,9 @@ class RowEntriesGrad(PerSampleGrad):
         out = value.new_zeros(self.batch)
         return out.index_add_(0, unique // self.shape[0], (rows * rows).sum(1))
 
+    def weights_dtype(self) -> torch.dtype:
+        return self.value.dtype
+
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         scaled = self.value * weights.to(self.value.dtype)[self.example]
         return self.value.new_zeros(self.shape).index_put_((self.row, self.column), scaled, accumulate=True)

@@ -43,7 +43,7 @@ def chunked_clipped_sum(per_sample: Callable[[int, int], torch.Tensor], batch: i
         grads = per_sample(start, stop)
         sq_norms = materialised_sq_norms(grads)
         weights = weights_of(sq_norms + other_sq_norms[start:stop])
-        part = weights.to(grads.dtype) @ grads.reshape(stop - start, -1)
+        part = weights.to(grads.dtype)[None] @ grads.reshape(stop - start, -1)
         total = part if total is None else total.add_(part)
         sq_parts.append(sq_norms)
         weight_parts.append(weights)
@@ -139,6 +139,10 @@ class TwoPathGrad(PerSampleGrad):
         """``Σᵢ wᵢ gᵢ`` from the factors, without the per-sample gradients."""
 
     @abstractmethod
+    def _factored_dtype(self) -> torch.dtype:
+        """The dtype :meth:`_factored_sum` applies the clip weights in."""
+
+    @abstractmethod
     def _drop_factors(self) -> None:
         """Drop the factors once the per-sample gradients are kept."""
 
@@ -191,6 +195,9 @@ class TwoPathGrad(PerSampleGrad):
         return chunked_clipped_sum(self._per_sample, self.batch, self._chunk(MATERIALISE), other_sq_norms,
                                    weights_of)
 
+    def weights_dtype(self) -> torch.dtype:
+        return self._grads.dtype if self._grads is not None else self._factored_dtype()
+
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         if self._grads is not None:
             return Materialized(self._grads).weighted_sum(weights)
@@ -242,6 +249,9 @@ class FactoredGrad(TwoPathGrad):
 
     def _ghost_sq_norms(self) -> torch.Tensor:
         return ghost_sq_norms(self.a, self.b)
+
+    def _factored_dtype(self) -> torch.dtype:
+        return working_dtype(self.a, self.b)
 
     def _factored_sum(self, weights: torch.Tensor) -> torch.Tensor:
         a, b = self.a, self.b
