@@ -99,10 +99,7 @@ class DistanceOverGradients(StepComponent):
     Args:
         release: the gradient mechanism, read for its per-group noise standard deviations (public).
         expected_batch_size: q·N, by which the released sums are divided.
-        settings: DoG's initial distance r_ε (relative to 1 + ‖x_0‖), its noise budget κ (the noise
-            walk the planned run may reach relative to 1 + ‖x_0‖; ``None``: no budget), whether it is
-            noise-aware (subtracts the known noise energy from the gradient energy and the distance) and
-            the inputs' public root mean square (scales the budget; ``None``: unknown).
+        settings: the :class:`DoG` option (its constants, noise-awareness and the inputs' public rms).
         planned_steps: the planned length T of the run, over which the noise budget is spent (``None``:
             no budget).
     """
