@@ -178,14 +178,8 @@ def make_private_pipeline(
             the examples, or their sum with ``loss_reduction="sum"``).
         group: the pipeline's process group (default: every process).
         settings: ``max_grad_norm`` is Rₖ, this stage's clip threshold (a number; the release's
-            sensitivity is √(Σₖ Rₖ²) over all stages, and with AUTO-S/V the thresholds set the stages'
-            relative scales). ``noise_allocation`` spreads σ·S over the stages (``"global"``,
-            ``"equal-budget"``, ``"weighted"``, the group-wise clipping paper's allocations; the privacy
-            cost is the same). ``thresholds="adaptive"``/``AdaptiveQuantile(...)``: each stage's threshold
-            tracks a private quantile of its own norms (its count is one of the K counts released jointly
-            each step; the stages then exchange their new estimates). ``physical_batch_size`` is the
-            pipeline's micro-batch size (the Poisson batch is cut into micro-batches of at most this many
-            examples).
+            sensitivity is √(Σₖ Rₖ²) over all stages); ``physical_batch_size`` is the pipeline's
+            micro-batch size; ``noise_allocation`` and ``thresholds`` per stage: docs/distributed.md.
     """
     _check_stage_settings(settings)
     if not dist.is_initialized():
