@@ -38,18 +38,7 @@ LearningRateRule = DoG | HyFreeDP
 @dataclass(frozen=True)
 class Performance:
     """Knobs that change speed or memory, never what is released or what it costs (they are not part
-    of a run's identity: a checkpoint resumes under other values).
-
-    Args:
-        physical_batch_size: cut logical batches into micro-batches of at most this many examples; the
-            optimizer steps (and the ledger records) once per logical batch.
-        verify_every: besides the first step's check (certain for every pair of examples), each step
-            checks example independence with probability 1/verify_every, at steps drawn from the run's
-            randomness (``None``: 24, about 7% of a long run's time; 1: every step).
-        norm_path: how layers with two exact per-sample norm paths pick one: ``"auto"`` (timed once per
-            layer shape; a seeded run follows the cost formula, so that it replays bit for bit),
-            ``"formula"``, ``"ghost"`` or ``"materialise"``.
-    """
+    of a run's identity: a checkpoint resumes under other values); documented at :func:`make_private`."""
 
     physical_batch_size: int | None = None
     verify_every: int | None = None

@@ -1,21 +1,10 @@
 """Pipeline-parallel private training with per-device clipping (group-wise clipping paper, §per-device):
 the front door of a run cut into stages (``parallel/stages.py``: the stages as a Parallelism).
 
-The model is cut into K stages, one process each (``torchrun --nproc-per-node K``). Stage k's parameters
-are one clip group with its own threshold Rₖ: each stage clips its per-sample gradients inside its own
-backward pass (the engine runs on the stage's submodule), so no per-sample norm ever leaves its stage.
-Every stage adds the noise of its own parameters, with the standard deviation the noise allocation gives
-stage k among all K, so that together the K releases are one Gaussian mechanism of multiplier σ on the
-sensitivity S = √(Σₖ Rₖ²): every stage records that same single event per step and the K ledgers are
-identical.
-
-What crosses a stage boundary: the activations of each micro-batch forwards, their gradients backwards
-(per example, as in one process), the Poisson sample of each step (from the first stage, which draws it)
-and, once at setup, each stage's threshold, size and plan (with adaptive thresholds, also each step's
-thresholds and, for a common scale, estimates). The Poisson loader's physical batches are the pipeline's
-micro-batches; their sizes vary with the sample, so tensors travel with a small shape header
-(``torch.distributed.pipelining`` sizes its buffers at the first step and aborts on another batch size).
-Micro-batches run one at a time through the stages (the engine holds one forward pass in flight).
+Stage k's parameters are one clip group with its own threshold Rₖ, clipped inside the stage's own backward
+pass (no per-sample norm leaves its stage); every stage adds its share of the noise of one Gaussian
+mechanism of multiplier σ on √(Σₖ Rₖ²) and records that same event, so the K ledgers are identical. What
+a step does and what crosses a stage boundary: docs/distributed.md, "Pipeline parallel".
 """
 
 from __future__ import annotations
@@ -189,14 +178,8 @@ def make_private_pipeline(
             the examples, or their sum with ``loss_reduction="sum"``).
         group: the pipeline's process group (default: every process).
         settings: ``max_grad_norm`` is Rₖ, this stage's clip threshold (a number; the release's
-            sensitivity is √(Σₖ Rₖ²) over all stages, and with AUTO-S/V the thresholds set the stages'
-            relative scales). ``noise_allocation`` spreads σ·S over the stages (``"global"``,
-            ``"equal-budget"``, ``"weighted"``, the group-wise clipping paper's allocations; the privacy
-            cost is the same). ``thresholds="adaptive"``/``AdaptiveQuantile(...)``: each stage's threshold
-            tracks a private quantile of its own norms (its count is one of the K counts released jointly
-            each step; the stages then exchange their new estimates). ``physical_batch_size`` is the
-            pipeline's micro-batch size (the Poisson batch is cut into micro-batches of at most this many
-            examples).
+            sensitivity is √(Σₖ Rₖ²) over all stages); ``physical_batch_size`` is the pipeline's
+            micro-batch size; ``noise_allocation`` and ``thresholds`` per stage: docs/distributed.md.
     """
     _check_stage_settings(settings)
     if not dist.is_initialized():

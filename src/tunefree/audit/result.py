@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .checks import Check
@@ -60,11 +60,8 @@ class AuditResult:
         return "\n".join([*lines, f"verdict: {verdict}"])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "epsilon": self.epsilon, "delta": self.delta,
-                "epsilon_lower_bound": self.epsilon_lower_bound, "confidence": self.confidence,
-                "canaries": self.canaries, "guesses": self.guesses, "correct": self.correct,
-                "steps": self.steps, "recorded_steps": self.recorded_steps, "loose": self.loose,
-                "steinke_bound": self.steinke_bound, "fdp_bound": self.fdp_bound,
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "checks"}
+        return {**values,
                 "checks": {c.name: {"ratio": c.ratio, "low": c.low, "high": c.high, "passed": c.passed}
                            for c in self.checks},
                 "verdict": self.verdict}

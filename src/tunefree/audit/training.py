@@ -21,8 +21,6 @@ def audit_training(engine: DPEngine, confidence: float = 0.95) -> AuditResult:
         raise ValueError("this run has no audit canaries: make it with make_private(..., audit_canaries=m)")
     if not canaries.z:
         raise ValueError("the run has released nothing yet: audit it after training")
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
     seen = Observation(np.stack(canaries.z), np.array(canaries.shift), engine.sample_rate, engine.steps)
     return audit_observation("one-run white-box (training canaries)", engine, seen, canaries.included,
                              confidence)

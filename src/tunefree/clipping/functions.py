@@ -9,12 +9,8 @@ every example's clipped norm is (about) ``R`` whatever its gradient, so that a t
 update (AUTO-S, AUTO-V, PSAC) rather than deciding which examples are clipped (Abadi).
 
 A new function is one subclass, registered by name with ``@register_clip_function("name")``. Its
-``weigh`` is evaluated one example at a time (``torch.vmap`` over the examples' norms), so that each
-weight is a function of that example's norm alone whatever the code reads: a reduction inside it
-(``norms.max()``) is over one norm. :func:`check_clip_function` refuses, before training, a function that
-cannot run so (Python control flow on a norm's value, ``.item()``) or that breaks ``wᵢ·‖gᵢ‖ ≤ R`` on a
-grid of norms. The built-in functions are elementwise tensor arithmetic (tested so) and are evaluated
-on the whole batch at once.
+``weigh`` runs one example at a time (``torch.vmap``), so each weight is a function of that example's norm
+alone; :func:`check_clip_function` refuses, before training, one that cannot run so or breaks the bound.
 """
 
 from __future__ import annotations

@@ -27,14 +27,9 @@ With constant noise this is the constant ``η = κ(1 + ‖x_0‖)/√(T·E‖n�
 grows longer or noisier. Both factors are public (the planned length, σ, the thresholds, q·N, the
 initial weights), so the budget is post-processing too.
 
-The walk a model tolerates also depends on its inputs: noise in the first layer's weights moves that
-layer's outputs by ‖n‖ times the input's size, so inputs twice as large tolerate half the walk. κ was
-chosen on inputs whose coordinates have a root mean square of about ``INPUT_RMS_REFERENCE`` (the digits'
-pixels in [0, 1]: 0.48); where the inputs' root mean square ρ is **public** (``input_rms``: e.g. the
-command line's standardised and one-hot table features: unit variance, and one 1 per row in each one-hot
-block, by construction), a larger ρ shrinks the budget to ``κ(1 + ‖x_0‖)·ρ_ref/ρ`` (benchmarks/RESULTS.md
-§5h). Not given (the default), the budget is as above: a scale read off the private inputs would be a
-release.
+The walk a model tolerates also depends on its inputs' scale: where their root mean square is public
+(``DoG.input_rms``), a larger one shrinks the budget (:func:`input_scale_factor`, benchmarks/RESULTS.md §5h);
+one read off the private inputs would be a release.
 
 As the DoG paper recommends, the component also keeps the polynomially averaged weights
 ``x̄_t = (1 − (γ+1)/(t+γ))·x̄_{t−1} + (γ+1)/(t+γ)·x_t`` (γ = 8), which average the noise out of the last
@@ -99,10 +94,7 @@ class DistanceOverGradients(StepComponent):
     Args:
         release: the gradient mechanism, read for its per-group noise standard deviations (public).
         expected_batch_size: q·N, by which the released sums are divided.
-        settings: DoG's initial distance r_ε (relative to 1 + ‖x_0‖), its noise budget κ (the noise
-            walk the planned run may reach relative to 1 + ‖x_0‖; ``None``: no budget), whether it is
-            noise-aware (subtracts the known noise energy from the gradient energy and the distance) and
-            the inputs' public root mean square (scales the budget; ``None``: unknown).
+        settings: the :class:`DoG` option (its constants, noise-awareness and the inputs' public rms).
         planned_steps: the planned length T of the run, over which the noise budget is spent (``None``:
             no budget).
     """

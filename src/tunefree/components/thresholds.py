@@ -77,13 +77,10 @@ class QuantileEstimator(StepComponent):
     the target quantile of the group's per-sample norms; returns the groups' next thresholds, made
     from Qₖ (the groups themselves are never changed).
 
-    With Abadi clipping the thresholds are the estimates, ``Cₖ = Qₖ`` (Algorithm 1), or with
-    ``settings.rescale`` the group-wise paper's rescaling ``C̃ₖ = C·Qₖ/‖Q‖`` (C the initial total
-    sensitivity), which keeps the noise fixed while the groups' shares adapt. With the
-    normalising clip functions (AUTO-S, AUTO-V, PSAC) a threshold only scales its group's update,
-    and the overall scale is the learning rate's business (automatic clipping paper, Appendix
-    B.3): there the estimates set the groups' relative scales at a constant total sensitivity,
-    ``Cₖ = scale·Qₖ/‖Q‖``, so the learning rate keeps its meaning while the norms drift.
+    With Abadi clipping the thresholds are the estimates, ``Cₖ = Qₖ`` (Algorithm 1); with ``scale`` (the
+    normalising clip functions, or ``rescale``) ``Cₖ = scale·Qₖ/‖Q‖``: the estimates set the groups'
+    relative thresholds at a constant total sensitivity, so the noise stays fixed (automatic clipping
+    paper, Appendix B.3).
 
     Args:
         groups: the clip groups; each one's configured ``threshold`` is its initial estimate Qₖ.

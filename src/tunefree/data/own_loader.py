@@ -7,17 +7,9 @@ a ``num_samples`` beyond the data set, any sampler of the user's — gives that 
 gradients in a step or an epoch: 12–13·R measured against the 2R of replacing one example (issue 29).
 
 Enforced by behaviour, for any sampler: :func:`own_loader` puts a watch between the loader's
-``BatchSampler`` and its sampler, in place (the loop may iterate the loader it passed to ``make_private``
-or ``engine.data_loader``, the same object), which reads every index the sampler hands out in one pass
-(an epoch: one ``iter()`` of the loader) and refuses the second occurrence of an index before its
-batch is fetched, so before the step that would train on it releases anything. With worker processes
-the indices are still drawn in the main process (by ``torch.utils.data``'s design), so the watch sees
-them all; it may refuse a few batches early, while the loader prefetches. A sampler that draws with
-replacement (``replacement=True``) is refused at ``make_private``, with the fix.
-
-What it cannot see: a loader other than the one given to ``make_private`` (the loop is the user's under
-``poisson_sampling=False``), a ``Dataset`` whose ``__getitem__`` returns the same example under two indices
-(duplicates in the data set itself), and epochs cut short and restarted (each ``iter()`` is a new epoch).
+``BatchSampler`` and its sampler, in place, which refuses the second occurrence of an index in one pass (an
+epoch: one ``iter()``) before its batch is fetched, so before any release; a sampler that draws with
+replacement is refused at ``make_private``. What it sees and cannot see: docs/refusals.md.
 """
 
 from __future__ import annotations

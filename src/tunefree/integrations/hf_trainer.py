@@ -1,26 +1,8 @@
 """``PrivateTrainer``: a Hugging Face ``transformers.Trainer`` that trains through ``make_private``.
 
-The Trainer's loop, callbacks, evaluation, checkpoints and ``save_model`` stay as they are; what changes:
-
-- **Sampling.** The train loader is tunefree's Poisson loader over the Trainer's own data set and collator.
-  The *expected* logical batch is ``per_device_train_batch_size × gradient_accumulation_steps``; the model
-  sees at most ``per_device_train_batch_size`` examples at once (the engine's physical batches). One
-  Trainer step is one logical batch, however many physical batches it holds, so the Trainer's own
-  accumulation counter is set to 1 and ``state.global_step`` counts private steps.
-- **Length.** ``max_steps`` or ``num_train_epochs`` is handed to ``make_private`` as ``steps``/``epochs`` and
-  converted by the library's one epochs→steps function; the Trainer's epochs have ``round(1/q)`` steps,
-  so its ``max_steps`` is the plan.
-- **Loss.** Each example's own loss (``example_loss``) is summed over the batch (``loss_reduction="sum"``):
-  a mean over the batch's tokens, as HF models compute ``out.loss`` for language modelling, would make
-  each example's weight depend on the others. Labels ``-100`` (padding) are no example's data.
-- **Nothing private leaves unnoised.** ``epsilon`` (from the run's ledger) is logged with the other
-  metrics. The training loss never enters the Trainer (``training_step`` returns 0), and the values computed
-  from the training data without noise — the training loss, the gradient norm, the FLOP count — are in no
-  log, callback, ``TrainOutput`` or saved state: ``train()`` returns ``training_loss=None``.
-- **Evaluation is on other data.** An evaluation or prediction data set that shares an example with the
-  training set is refused (per-example digests): its loss would be the unnoised training loss. Evaluation
-  metrics, and the checkpoint ``load_best_model_at_end`` picks by them, are computed from the evaluation data
-  without noise: the guarantee covers ``train_dataset``, not ``eval_dataset``.
+The Trainer's loop, callbacks, evaluation, checkpoints and ``save_model`` stay as they are; what changes
+(Poisson sampling, one Trainer step per private step, per-example losses summed, no unnoised training
+metric, evaluation data disjoint from the training data) is in docs/transformers.md's table.
 """
 
 from __future__ import annotations

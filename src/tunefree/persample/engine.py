@@ -93,22 +93,15 @@ class ClippingEngine:
             ``"sum"`` if it is their sum. Per-sample gradients are those of each example's own loss.
         accumulator: where each backward pass books its clipped sums (``make_private`` passes the one
             the private optimizer releases from); a new one by default, for standalone use.
-        batch_dim: where the layers' tensors carry the examples, for layers whose type does not fix it
-            (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, HF ``Conv1D``, modules of
-            the generic fallback): one dimension for the whole model (and its inputs), or a mapping from
-            module names to dimensions (``""``: the model itself; a module takes its closest named
-            ancestor's entry). Recurrent layers and attention follow their ``batch_first``,
-            convolutions and GroupNorm dimension 0. A wrong declaration is refused (example counts, the
-            example-independence check), never trusted.
+        batch_dim: where the layers' tensors carry the examples (as ``make_private``'s ``batch_dim``). A
+            wrong declaration is refused (example counts, the example-independence check), never trusted.
         batch_source: where the number of examples of each physical batch comes from (a private run: the
             Poisson loader's schedule). Every captured layer call must show exactly that many at its
             example dimension, and each physical batch may be booked by one backward pass only. Without
             it, the examples are those of the model call (dimension 0 of its tensor inputs) and a logical
             step books one backward pass.
-        path_chooser: how layers with two exact norm paths (ghost norm, materialised per-sample
-            gradients) pick one: timed once per layer shape by default; ``PathChooser(measure=False)``
-            follows the cost formula (deterministic), ``PathChooser(fixed="ghost")`` forces a path.
-            Privacy does not depend on it.
+        path_chooser: how layers with two exact norm paths pick one (``rules/paths.py``; timed once per
+            layer shape by default). Privacy does not depend on it.
         guards: a private run's guards (``guards/``), told of every training call of the model before it
             runs (``before_forward``: the trainable set, the model's state, the inputs a checked step
             keeps for its checks).

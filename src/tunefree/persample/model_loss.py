@@ -11,19 +11,10 @@ Given ``labels``, a Hugging Face model computes ``outputs.loss`` over the batch 
   classification): the mean over the batch's examples (and, for float labels, over each example's
   outputs, a constant), which is ``loss_reduction="mean"``; under ``"sum"`` refused.
 
-The check depends on the type of the model and the labels' dtype and shape only, never on their values,
-and runs at every captured training call of every Hugging Face model in the private model (the model
-itself, one inside a PEFT wrapper or inside a module of the user's), before its forward. It cannot see:
-a model of another library that computes a batch loss from its arguments; a label of ``-100`` (ignored)
-among one label per example, which makes the mean divide by the other examples' labels; a loss the user
-computes over the batch from the logits (docs/refusals.md). It never imports ``transformers``: a model
-that holds one has imported it.
-
-The fix is one line, :func:`token_losses_per_example` (public as ``tunefree.token_losses_per_example``):
-each example's own loss from the logits, summed, with ``make_private(..., loss_reduction="sum")``::
-
-    logits = model(input_ids=ids, attention_mask=mask).logits
-    tunefree.token_losses_per_example(logits, labels, next_token=True).sum().backward()
+The check reads the model's type and the labels' dtype and shape only, never their values, at every
+captured training call of every Hugging Face model in the private model, before its forward; it never
+imports ``transformers``. What it cannot see: docs/refusals.md. The fix, each example's own loss summed
+with ``loss_reduction="sum"``, is :func:`token_losses_per_example` (``tunefree.token_losses_per_example``).
 """
 
 from __future__ import annotations
