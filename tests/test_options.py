@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tunefree
-from tunefree.clipping.functions import CLIP_FUNCTIONS, register_clip_function
+from tunefree.clipping.functions import CLIP_FUNCTIONS, ClipFunction, register_clip_function
 from tunefree.config import (
     PSAC,
     Abadi,
@@ -114,8 +114,10 @@ def test_epsilon_and_sigma_are_exclusive_and_validated():
 
 def test_registered_clip_function_is_usable_by_name():
     @register_clip_function("half")
-    def half(norms, threshold, clip):
-        return 0.5 * threshold / norms.clamp_min(1e-30)
+    @dataclasses.dataclass(frozen=True)
+    class Half(ClipFunction):
+        def weigh(self, norms, threshold):
+            return 0.5 * threshold / norms.clamp_min(1e-30)
 
     try:
         options = resolve(clipping="half")
@@ -124,11 +126,20 @@ def test_registered_clip_function_is_usable_by_name():
         torch.testing.assert_close(options.clipping.weights(norms, 1.0),
                                    torch.tensor([1.0, 0.25], dtype=torch.float64))
         with pytest.raises(ValueError, match="already registered"):
-            register_clip_function("half")(half)
+            register_clip_function("half")(Half)
     finally:
         del CLIP_FUNCTIONS["half"]
     with pytest.raises(ValueError, match="unknown clipping"):
         resolve(clipping="half")
+
+
+def test_a_plain_function_is_not_a_clip_function():
+    def half(norms, threshold):
+        return 0.5 * threshold / norms.clamp_min(1e-30)
+
+    with pytest.raises(TypeError, match="ClipFunction subclass"):
+        register_clip_function("plain-half")(half)
+    assert "plain-half" not in CLIP_FUNCTIONS
 
 
 def test_registered_grouping_is_usable_by_name():

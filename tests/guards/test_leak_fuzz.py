@@ -333,7 +333,7 @@ CLEAN_LOOPS = {
     "token mean per example": (ModelSpec("seq", pool="tokens"), LoopSpec(loss="token-ce", reduction="mean")),
     "targets standardised per example": (ModelSpec("dense"), LoopSpec(loss="mse", target_norm="example")),
     "soft clip": (ModelSpec("dense"), LoopSpec(clipping="fuzz-soft")),
-    "offset clip (a plain function)": (ModelSpec("dense"), LoopSpec(clipping="fuzz-offset")),
+    "offset clip": (ModelSpec("dense"), LoopSpec(clipping="fuzz-offset")),
     "weighted sampler without replacement": (ModelSpec("dense"), LoopSpec(loader="poisson-off",
                                                                           sampler="weighted")),
     "random sampler without replacement": (ModelSpec("dense"), LoopSpec(loader="poisson-off",
@@ -492,7 +492,7 @@ def test_a_mixing_draw_with_more_in_it_is_judged_on_all_of_it():
 def test_a_refused_clip_function_registration_refuses_the_draws_that_use_it(monkeypatch):
     """If tunefree refuses to register a clip function (e.g. one that reads the batch), each draw that
     names it is refused with that error."""
-    def refuse(name, **options):
+    def refuse(name):
         raise tunefree.PrivacyError("a clip function must weigh each example by its own norm")
 
     monkeypatch.setattr(tunefree.extend, "register_clip_function", refuse)

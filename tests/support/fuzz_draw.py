@@ -60,6 +60,8 @@ TUNEFREE_SOURCE = str(Path(tunefree.__file__).parent)
 class ClipByLargest(tunefree.extend.ClipFunction):
     """Scales every example by R over the largest norm of the batch ("normalise by the largest")."""
 
+    normalising = False
+
     def weigh(self, norms: torch.Tensor, threshold: float) -> torch.Tensor:
         return torch.full_like(norms, threshold) / norms.max().clamp_min(1e-30)
 
@@ -67,6 +69,8 @@ class ClipByLargest(tunefree.extend.ClipFunction):
 @dataclass(frozen=True)
 class ClipAtMeanNorm(tunefree.extend.ClipFunction):
     """Clips at the batch's mean norm: min(R/‖g_i‖, R/mean_j ‖g_j‖)."""
+
+    normalising = False
 
     def weigh(self, norms: torch.Tensor, threshold: float) -> torch.Tensor:
         return torch.minimum(threshold / norms.clamp_min(1e-30), threshold / norms.mean().clamp_min(1e-30))
@@ -80,16 +84,17 @@ class SoftClip(tunefree.extend.ClipFunction):
         return threshold * torch.tanh(norms / threshold) / norms.clamp_min(1e-30)
 
 
-def _offset_clip(norms: torch.Tensor, threshold: float, clip) -> torch.Tensor:
-    """The older plain-function form: R/(‖g‖ + 0.1), each example by its own norm."""
-    return threshold / (norms + 0.1)
+@dataclass(frozen=True)
+class OffsetClip(tunefree.extend.ClipFunction):
+    """R/(‖g‖ + 0.1), each example by its own norm."""
+
+    def weigh(self, norms: torch.Tensor, threshold: float) -> torch.Tensor:
+        return threshold / (norms + 0.1)
 
 
-EXTENSION_CLIPS: dict[str, tuple[object, dict[str, bool]]] = {  # name: (function, registration options)
-    "fuzz-batch-max": (ClipByLargest, {"normalising": False}),
-    "fuzz-batch-mean": (ClipAtMeanNorm, {"normalising": False}),
-    "fuzz-soft": (SoftClip, {}),
-    "fuzz-offset": (_offset_clip, {"normalising": True}),
+EXTENSION_CLIPS: dict[str, type[tunefree.extend.ClipFunction]] = {
+    "fuzz-batch-max": ClipByLargest, "fuzz-batch-mean": ClipAtMeanNorm, "fuzz-soft": SoftClip,
+    "fuzz-offset": OffsetClip,
 }
 
 
@@ -101,8 +106,7 @@ def extension_clip(name: str):
     if name not in EXTENSION_CLIPS:
         yield
         return
-    function, options = EXTENSION_CLIPS[name]
-    tunefree.extend.register_clip_function(name, **options)(function)
+    tunefree.extend.register_clip_function(name)(EXTENSION_CLIPS[name])
     try:
         yield
     finally:
@@ -115,7 +119,7 @@ def clip_weights(name: str):
     reference)."""
     own = {"fuzz-batch-max": ClipByLargest().weigh, "fuzz-batch-mean": ClipAtMeanNorm().weigh,
            "fuzz-soft": SoftClip().weigh,
-           "fuzz-offset": lambda norms, threshold: _offset_clip(norms.double(), threshold, None)}
+           "fuzz-offset": lambda norms, threshold: OffsetClip().weigh(norms.double(), threshold)}
     return own[name] if name in own else clip_function(name).weigh
 
 

@@ -25,8 +25,6 @@ import torch
 from .._validate import positive
 from ..errors import SettingsRefused
 
-WeightFunction = Callable[[torch.Tensor, float, "ClipFunction"], torch.Tensor]
-
 
 class ClipFunction(ABC):
     """A clip function: ``weights(norms, threshold)`` with ``weights·norms ≤ threshold`` for every norm
@@ -60,26 +58,21 @@ class ClipFunction(ABC):
 # ClipFunction subclass). Add one with ``@register_clip_function("name")``.
 CLIP_FUNCTIONS: dict[str, Callable[[], ClipFunction]] = {}
 
-Registered = TypeVar("Registered", type[ClipFunction], WeightFunction)
+Registered = TypeVar("Registered", bound=type[ClipFunction])
 
 
-def register_clip_function(name: str, *, normalising: bool = True) -> Callable[[Registered], Registered]:
-    """Decorator: make a clip function usable as ``clipping=name``.
-
-    Decorate a ``ClipFunction`` subclass (a frozen dataclass with ``weigh`` and its ``normalising``
-    flag), or, the older form, a plain ``fn(norms, threshold, clip)`` with ``normalising`` given here.
-    Either must keep ``weights·norms ≤ threshold`` for every norm ≥ 0."""
+def register_clip_function(name: str) -> Callable[[Registered], Registered]:
+    """Decorator: make a ``ClipFunction`` subclass (a frozen dataclass with ``weigh`` and its
+    ``normalising`` flag) usable as ``clipping=name``. It must keep ``weights·norms ≤ threshold`` for every
+    norm ≥ 0."""
     def register(function: Registered) -> Registered:
         if name in CLIP_FUNCTIONS:
             raise ValueError(f"clip function {name!r} is already registered")
-        if isinstance(function, type) and issubclass(function, ClipFunction):
-            function.name = name
-            CLIP_FUNCTIONS[name] = function
-        elif callable(function):
-            CLIP_FUNCTIONS[name] = lambda: _Registered(name, function, normalising)
-        else:
-            raise TypeError(f"register_clip_function takes a ClipFunction subclass or a function, "
-                            f"got {function!r}")
+        if not (isinstance(function, type) and issubclass(function, ClipFunction)):
+            raise TypeError(f"register_clip_function takes a ClipFunction subclass (a frozen dataclass with "
+                            f"weigh(norms, threshold)), got {function!r}")
+        function.name = name
+        CLIP_FUNCTIONS[name] = function
         return function
     return register
 
@@ -211,26 +204,3 @@ def check_clip_function(clip: ClipFunction, thresholds: tuple[float, ...] = ()) 
 
 # A clipped norm may exceed the threshold by a few units in the last place of float64 (the division).
 _BOUND_SLACK = 4 * torch.finfo(torch.float64).eps
-
-
-@dataclass(frozen=True)
-class _Registered(ClipFunction):
-    """A clip function registered as a plain ``fn(norms, threshold, clip)``."""
-
-    registered_name: str
-    function: WeightFunction
-    is_normalising: bool = True
-
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return self.registered_name
-
-    @property
-    def normalising(self) -> bool:  # type: ignore[override]
-        return self.is_normalising
-
-    def weigh(self, norms: torch.Tensor, threshold: float) -> torch.Tensor:
-        return self.function(norms, threshold, self)
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name}
