@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import tunefree
 from tunefree.guards import probe
+from tunefree.guards.independence import Independence
 
 
 def _jitter(grad: torch.Tensor) -> torch.Tensor:
@@ -169,6 +170,31 @@ def test_the_models_own_warnings_still_reach_the_user():
     with pytest.warns(UserWarning, match="a warning of the model's own") as caught:
         train(_engine(Warns), steps=1)
     assert len(caught) >= 2  # the training forward's, and the probes' passes re-emitted
+
+
+def test_the_probes_leave_pythons_warnings_machinery_alone():
+    """A model's warning is shown as often with every step checked as with the first step only (plus
+    the first probe pass's own showing): the probes neither reset the registries that show a warning
+    once per place nor show it again at every pass."""
+    class Warns(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            warnings.warn("a warning the probes meet", UserWarning, stacklevel=2)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad.clone()
+
+    def shown(verify_every: int) -> int:
+        engine = _engine(Warns)
+        engine.guards.of(Independence).verify_every = verify_every
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")  # Python's own: once per place
+            train(engine, steps=4)
+        return sum("the probes meet" in str(w.message) for w in caught)
+
+    assert shown(verify_every=1) <= shown(verify_every=10**9) + 1
 
 
 @pytest.mark.parametrize("message, named", [

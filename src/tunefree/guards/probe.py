@@ -382,9 +382,10 @@ def deterministic_kernels(alerts: list[str]) -> Iterator[None]:
     (``F.scaled_dot_product_attention``) in its math form, whose backward is deterministic where the
     flash, memory-efficient and cuDNN kernels' are not (unless the caller's setting is strict, which makes
     theirs deterministic). A kernel that has no deterministic implementation (adaptive pooling's backward
-    on a GPU, ...) runs as it is (strict mode would raise there): PyTorch's warning about it is kept in
-    ``alerts`` (its name, once) for a refusal to name it as a possible cause (:func:`nondeterminism`);
-    other warnings pass through. The caller's settings return after the block."""
+    on a GPU, ...) runs as it is (strict mode would raise there): PyTorch's warning about it is not shown
+    but kept in ``alerts`` (its name, once) for a refusal to name it as a possible cause
+    (:func:`nondeterminism`). Other warnings are shown as Python shows them (once per place: the warnings
+    machinery's filters and registries are left alone). The caller's settings return after the block."""
     settings = (torch.are_deterministic_algorithms_enabled(),
                 torch.is_deterministic_algorithms_warn_only_enabled(),
                 torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cudnn.deterministic,
@@ -392,26 +393,30 @@ def deterministic_kernels(alerts: list[str]) -> Iterator[None]:
     strict = settings[0] and not settings[1]
     attention = contextlib.nullcontext() if strict or not cuda_in_use() else \
         torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH])
-    with warnings.catch_warnings(record=True) as caught, attention:
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        marker = next((m for m in _NOT_DETERMINISTIC if m in text), None)
+        if marker is None:
+            return shown(message, category, filename, lineno, file, line)
+        kernel = text.split(marker)[0].strip().rstrip(".") or "cuBLAS without CUBLAS_WORKSPACE_CONFIG"
+        if kernel not in alerts:
+            alerts.append(kernel)
+        return None
+
+    with attention:
         try:
+            warnings.showwarning = show
             torch.use_deterministic_algorithms(True, warn_only=not strict)
             torch.utils.deterministic.fill_uninitialized_memory = False
             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
             yield
         finally:
+            warnings.showwarning = shown
             torch.use_deterministic_algorithms(settings[0], warn_only=settings[1])
             (torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cudnn.deterministic,
              torch.backends.cudnn.benchmark) = settings[2:]
-    for warning in caught:
-        text = str(warning.message)
-        marker = next((m for m in _NOT_DETERMINISTIC if m in text), None)
-        if marker is None:
-            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno,
-                                   source=warning.source)
-            continue
-        kernel = text.split(marker)[0].strip().rstrip(".") or "cuBLAS without CUBLAS_WORKSPACE_CONFIG"
-        if kernel not in alerts:
-            alerts.append(kernel)
 
 
 def nondeterminism(alerts: Sequence[str]) -> str:
