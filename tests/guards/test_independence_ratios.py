@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.models import IdentityForward
 from support.training import train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -38,13 +39,9 @@ def test_float16_parameters_take_the_base_whose_scales_fit_in_float16():
     assert largest_weight < torch.finfo(torch.float16).max
 
 
-class ThroughFloat16(torch.autograd.Function):
+class ThroughFloat16(IdentityForward):
     """Identity whose backward passes the gradient through float16 (a half-precision layer inside a float32
     model): exact and linear, but a gradient scaled by 2⁶³ overflows there."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
@@ -82,12 +79,8 @@ def test_without_the_second_look_the_overflow_is_refused_as_a_backward_not_linea
 
 
 def test_mixing_in_the_backward_is_still_refused_after_the_second_look():
-    class MixingBackward(torch.autograd.Function):
+    class MixingBackward(IdentityForward):
         """Identity forward; a backward through float16 that adds example i − 1's gradient to example i's."""
-
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
 
         @staticmethod
         def backward(ctx, grad):

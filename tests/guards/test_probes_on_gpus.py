@@ -19,6 +19,7 @@ import warnings
 
 import pytest
 import torch
+from support.models import IdentityForward
 from support.training import train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -35,24 +36,16 @@ def _jitter(grad: torch.Tensor) -> torch.Tensor:
     return grad * (1 + 1e-6 * torch.rand(grad.shape, generator=generator))
 
 
-class AtomicLikeKernel(torch.autograd.Function):
+class AtomicLikeKernel(IdentityForward):
     """Identity forward; a backward that is deterministic only under deterministic algorithms."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
         return grad.clone() if torch.are_deterministic_algorithms_enabled() else _jitter(grad)
 
 
-class KernelWithoutDeterministicVersion(torch.autograd.Function):
+class KernelWithoutDeterministicVersion(IdentityForward):
     """Identity forward; a backward that is never deterministic, and alerts as PyTorch's kernels do."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
@@ -134,11 +127,7 @@ def test_a_strict_setting_of_the_users_stays_strict_in_the_probes():
     own passes and in the probes' alike: the probes do not weaken the user's choice to a warning."""
     seen: list[tuple[bool, bool]] = []
 
-    class Recording(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
+    class Recording(IdentityForward):
         @staticmethod
         def backward(ctx, grad):
             seen.append((torch.are_deterministic_algorithms_enabled(),
@@ -156,17 +145,22 @@ def test_a_strict_setting_of_the_users_stays_strict_in_the_probes():
     assert seen and all(state == (True, False) for state in seen)
 
 
-def test_the_models_own_warnings_still_reach_the_user():
+def _warns(text: str) -> type[torch.autograd.Function]:
+    """An identity ``autograd.Function`` whose forward warns ``text``: a model's own warning."""
     class Warns(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
-            warnings.warn("a warning of the model's own", UserWarning, stacklevel=2)
+            warnings.warn(text, UserWarning, stacklevel=2)
             return x.clone()
 
         @staticmethod
         def backward(ctx, grad):
             return grad.clone()
+    return Warns
 
+
+def test_the_models_own_warnings_still_reach_the_user():
+    Warns = _warns("a warning of the model's own")
     with pytest.warns(UserWarning, match="a warning of the model's own") as caught:
         train(_engine(Warns), steps=1)
     assert len(caught) >= 2  # the training forward's, and the probes' passes re-emitted
@@ -176,16 +170,7 @@ def test_the_probes_leave_pythons_warnings_machinery_alone():
     """A model's warning is shown as often with every step checked as with the first step only (plus
     the first probe pass's own showing): the probes neither reset the registries that show a warning
     once per place nor show it again at every pass."""
-    class Warns(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            warnings.warn("a warning the probes meet", UserWarning, stacklevel=2)
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad.clone()
-
+    Warns = _warns("a warning the probes meet")
     def shown(verify_every: int) -> int:
         engine = _engine(Warns)
         engine.guards.of(Independence).verify_every = verify_every

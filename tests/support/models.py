@@ -142,3 +142,12 @@ class TinyTransformer(nn.Module):
         x = x + self.proj(y)
         x = x + self.out(F.gelu(self.fc(self.ln2(x))))
         return self.head(self.ln_f(x)).mean(1)
+
+
+class IdentityForward(torch.autograd.Function):
+    """An ``autograd.Function`` whose forward is the identity (a copy); a subclass writes the backward
+    whose behaviour a test is about."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
