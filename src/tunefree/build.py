@@ -188,7 +188,8 @@ def run_guards(run: PlannedRun, engine: ClippingEngine, trainable: list[nn.Param
         *purity,
         # a pipeline stage's backward starts from the next stage's gradient, not from a loss it computes
         *([] if run.parallel.kind == STAGES else
-          [LossCheck(run.schedule, probes, quiet=engine.running_model, drop=accumulator.pop)]),
+          [LossCheck(run.schedule, probes, quiet=engine.running_model, drop=accumulator.pop,
+                     reduction=config.loss_reduction)]),
         Independence(run.module, engine, run.schedule, probes,
                      config.performance.verify_every, every_rank, after_probes=state.after_probes),
     ], drop=accumulator.pop)

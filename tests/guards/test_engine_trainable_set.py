@@ -17,7 +17,7 @@ def engine_for(model):
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     data = TensorDataset(torch.randn(8, 6), torch.zeros(8))
     return tunefree.make_private(model, optimizer, DataLoader(data, batch_size=4), noise_multiplier=1.0,
-                                 target_delta=1e-3, steps=4)
+                                 target_delta=1e-3, steps=4, loss_reduction="sum")  # model(x).sum()
 
 
 def test_freezing_a_parameter_after_the_engine_is_refused_at_the_next_forward():

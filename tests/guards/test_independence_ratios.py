@@ -95,7 +95,7 @@ def test_mixing_in_the_backward_is_still_refused_after_the_second_look():
     data = TensorDataset(torch.randn(64, 6), torch.randint(0, 3, (64,)))
     engine = tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                    DataLoader(data, batch_size=32), target_delta=1e-3, noise_multiplier=1.0,
-                                   steps=1, seed=0, loss_reduction="sum")
+                                   steps=1, seed=0)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(tunefree.PrivacyError, match="mixes examples in its backward"):
         train(engine, steps=1)

@@ -31,7 +31,6 @@ from support.fuzz_draw import (
 from support.fuzz_zoo import BLOCKS, HOOKS, INPUTS, UNSEEN_STATE, B, GradScale, Hook, ModelSpec, build_model
 from support.leak_fuzz import (
     BACKWARD_SCALE,
-    BATCH_SENSITIVITY,
     CARRIED,
     CLIP_BATCH,
     MIXING_INSIDE,
@@ -163,14 +162,29 @@ def test_runner_releases_the_clipped_sum_of_a_clean_model():
         torch.testing.assert_close(trace.releases[0][n], total[n], rtol=1e-5, atol=1e-6)
 
 
-def test_a_wrongly_declared_loss_reduction_is_a_finding():
+@pytest.mark.parametrize("reduction, declared", [("mean", "sum"), ("sum", "mean")])
+def test_a_wrongly_declared_loss_reduction_is_refused_at_the_first_step(reduction, declared):
     """End to end through the library: a mean loss declared as a sum scales every other example's
-    gradient by 1/B, so removing one changes them all — a leak no invariant can see (docs/refusals.md,
-    what tunefree cannot detect). The oracle must report it."""
-    draw = Draw(ModelSpec("dense"), LoopSpec(examples=3, steps=1, reduction="mean", declared="sum"), seed=4)
+    gradient by 1/B (a sum declared as a mean by B), so removing one changes them all (1.23·R measured
+    before the loss check replayed the batch with every example twice). Refused before the first release."""
+    draw = Draw(ModelSpec("dense"), LoopSpec(examples=3, steps=1, reduction=reduction, declared=declared),
+                seed=4)
     outcome = check(draw)
-    assert outcome.verdict == "finding" and outcome.invariant == BATCH_SENSITIVITY, outcome.line()
-    assert outcome.ratio > 1.2  # measured 1.23·R
+    assert outcome.verdict == "refused", outcome.line()
+    assert f"not as loss_reduction='{declared}' says" in outcome.refusal
+
+
+def test_a_token_mean_over_a_batch_of_equal_lengths_declared_as_a_sum_is_refused():
+    """Seed 36898 of the long run: a token mean over the batch (Hugging Face's causal-LM loss) whose
+    examples all hold 2 labelled tokens, in micro-batches of 2 and 1 — changing one example's labels
+    changes no other's weight, yet each weighs 1/(tokens in its micro-batch): 1.03·R. The replay on the
+    doubled batch sees the weight halve where a sum must keep it."""
+    draw = Draw(ModelSpec(inputs="tokens", tied_head=True, pool="tokens"),
+                LoopSpec(examples=3, steps=1, physical=2, optimizer="momentum", loss="token-ce",
+                         token_mean="batch"), seed=36898)
+    outcome = check(draw)
+    assert outcome.verdict == "refused", outcome.line()
+    assert "number of examples (or tokens)" in outcome.refusal
 
 
 _MEAN_FROM_STEP_2 = Draw(ModelSpec("dense", blocks=(B("mix", kind="mean"),)),

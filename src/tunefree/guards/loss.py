@@ -21,6 +21,13 @@ i, so a loss that lets any example reach another's gradient is refused before th
 whatever its code. A later check replays one random half (the run's randomness): a pair is seen with
 probability ≥ ¼ there.
 
+The first check also replays the loss on the batch with every example twice (outputs and labels
+repeated): a sum of per-example losses gives each copy the gradient it had, a mean half of it, exactly (a
+power of two). Where that is not what ``loss_reduction`` declares — a mean over the batch, or over its
+tokens, declared as a sum, whose weight on each example depends on how many examples the batch holds —
+the step is refused. A computation that cannot run on twice the rows (a shape written into it) is not
+checked so.
+
 What it cannot see: a dependence through values that leave torch (``.item()``, NumPy) and come back as
 constants, and labels the loss reads from somewhere other than the private loader's batch.
 """
@@ -125,11 +132,13 @@ class LossCheck(Guard):
         quiet: whether the engine is inside the model's forward, its own hooks or ``no_capture()`` (those
             operations are not the loop's loss; the forward's outputs take their place in the replay).
         drop: drops the step's booked sums (a refusal releases nothing of the step).
+        reduction: the ``loss_reduction`` declared to ``make_private`` (``"sum"`` or ``"mean"``).
     """
 
     def __init__(self, schedule, probes: ProbeSchedule, quiet: Callable[[], bool],
-                 drop: Callable[[], object]):
+                 drop: Callable[[], object], reduction: str = "mean"):
         self.schedule, self.probes, self.quiet, self.drop = schedule, probes, quiet, drop
+        self.reduction = reduction  # the loss_reduction declared: what the doubled batch must give
         self.first_done = False  # whether a check with every pair (the code's masks) has run
         self._recorder: _Recorder | None = None
         self._outputs: list[torch.Tensor] = []
@@ -210,7 +219,8 @@ class LossCheck(Guard):
             losses, gradients = _backward_targets(func, args, kwargs)
             masks = probe.row_codes(self._n).unbind(1) if not self.first_done else \
                 [self.probes.half(self.schedule.consumed, _PURPOSE, self._n)]
-            self._verdicts += _check(ops, outputs, self._n, losses, gradients, masks)
+            self._verdicts += _check(ops, outputs, self._n, losses, gradients, masks,
+                                     None if self.first_done else self.reduction)
             self.first_done = True
         except PrivacyError:
             self.drop()
@@ -233,9 +243,11 @@ def _backward_targets(func: Callable, args: tuple, kwargs: dict) -> tuple[list, 
 
 
 def _check(ops: list, outputs: list[torch.Tensor], n: int, losses: list, gradients: list,
-           masks: list[torch.Tensor]) -> list[tuple[torch.Tensor, Callable[[], str]]]:
+           masks: list[torch.Tensor], reduction: str | None = None
+           ) -> list[tuple[torch.Tensor, Callable[[], str]]]:
     """The replays' verdicts, on the device (not read): each a flag, True where refused, and its reason.
-    ``masks``: the examples changed in each replay after the first."""
+    ``masks``: the examples changed in each replay after the first. ``reduction``: the declared
+    ``loss_reduction``, which the batch with every example twice checks (``None``: not checked)."""
     labels = _labels(ops, outputs, n)
     base_losses, base = _replay(ops, outputs, labels, losses, gradients)
     verdicts = [(~_same(replayed, loss.detach()), lambda: _NOT_REPLAYED)
@@ -247,7 +259,65 @@ def _check(ops: list, outputs: list[torch.Tensor], n: int, losses: list, gradien
             moved = _differs(before, after).reshape(n, -1).any(1) & ~mask.to(before.device, non_blocking=True)
             verdicts.append((moved.any(), lambda mask=mask, moved=moved, output=output:
                              _mixing(mask, int(moved.nonzero()[0]), output)))
+    if reduction is not None:  # after the masks: a loss that mixes is refused as mixing first
+        verdicts += _doubled(ops, outputs, labels, losses, gradients, base, n, reduction)
     return verdicts
+
+
+def _doubled(ops: list, outputs: list[torch.Tensor], labels: list[torch.Tensor], losses: list,
+             gradients: list, base: list[torch.Tensor], n: int, reduction: str
+             ) -> list[tuple[torch.Tensor, Callable[[], str]]]:
+    """The verdicts of the replay on the batch with every example twice: where the two copies of each
+    example get the same output gradient, it must be the base one (a sum) or half of it (a mean), bit for
+    bit. None where the replay cannot run on twice the rows, or where the loss draws random numbers (twice
+    the rows draw other ones); where the copies differ, the computation treats rows by their position (a
+    loop over the batch's indices) and says nothing of the count."""
+    if any(isinstance(op, _Op) and _draws(op.func) for op in ops):
+        return []
+    twice = [torch.cat([t, t]) for t in outputs], [torch.cat([t, t]) for t in labels]
+    try:
+        _, grads = _replay(ops, outputs, labels, losses, gradients, *twice)
+    except (RuntimeError, ValueError, IndexError):  # a shape written into the computation
+        return []
+    factor = 1.0 if reduction == "sum" else 0.5
+    verdicts = []
+    for output, before, after in zip(outputs, base, grads):
+        if after.shape[:1] != (2 * n,) or after.shape[1:] != before.shape[1:]:
+            continue
+        alike = ~_differs(after[:n], after[n:]).any()  # else the computation is not the batch's own
+        moved = _differs(after[:n], before * factor).reshape(n, -1).any(1)
+        verdicts.append((alike & moved.any(), lambda moved=moved, output=output, after=after, before=before:
+                         _depends_on_the_count(reduction, int(moved.nonzero()[0]), output, n,
+                                               after[:n], before)))
+    return verdicts
+
+
+# Random draws a loss may make: replayed on other shapes they draw other numbers.
+_RANDOM = frozenset({"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
+                     "bernoulli", "multinomial", "normal", "poisson", "dropout", "dropout1d", "dropout2d",
+                     "dropout3d", "alpha_dropout", "feature_alpha_dropout", "gumbel_softmax", "rrelu",
+                     "bernoulli_", "normal_", "uniform_", "exponential_", "geometric_", "cauchy_",
+                     "log_normal_", "random_"})
+
+
+def _draws(func: Callable) -> bool:
+    return getattr(func, "__name__", "") in _RANDOM
+
+
+def _depends_on_the_count(reduction: str, i: int, output: torch.Tensor, n: int, after: torch.Tensor,
+                          before: torch.Tensor) -> str:
+    ratio = float(after[i].double().norm() / before[i].double().norm().clamp_min(1e-300))
+    expected = "the same" if reduction == "sum" else "half of it"
+    return (f"the training loss weighs each example by the number of examples (or tokens) in the batch, "
+            f"not as loss_reduction={reduction!r} says: replayed on the batch of {n} with every example "
+            f"twice, example {i}'s gradient at the model's output (shape {tuple(output.shape)}) became "
+            f"{ratio:.4g} times what it was, where {reduction!r} means {expected}. Removing or adding one "
+            "example then changes every other example's contribution, which clipping does not bound. A "
+            "mean over the batch (or over its tokens) goes with make_private(..., loss_reduction='mean'); "
+            "a mean over all tokens of the batch (e.g. cross_entropy over flattened tokens with "
+            "ignore_index) weighs each example by its share of the batch's tokens under either: compute "
+            "each example's mean over its own tokens, then sum them with loss_reduction='sum' "
+            "(tunefree.token_losses_per_example)")
 
 
 def _labels(ops: list, outputs: list[torch.Tensor], n: int) -> list[torch.Tensor]:
