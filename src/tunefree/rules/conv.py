@@ -195,9 +195,6 @@ class ConvWeightGrad(TwoPathGrad):
         return chunked_sq_norms(lambda start, stop: ghost_sq_norms(*self._factors(start, stop)), self.batch,
                                 self._chunk(GHOST))
 
-    def _factored_dtype(self) -> torch.dtype:
-        return self.dtype
-
     def _factored_sum(self, weights: torch.Tensor) -> torch.Tensor:
         """``Σᵢ wᵢ gᵢ`` as one native weight-gradient call on the re-weighted output gradient."""
         module = self.module

@@ -104,6 +104,7 @@ class TwoPathGrad(PerSampleGrad):
     of examples, the ghost norms and the weighted sum from its factors."""
 
     batch: int
+    dtype: torch.dtype  # the working dtype :meth:`_factored_sum` applies the clip weights in
     _grads: torch.Tensor | None = None
 
     @abstractmethod
@@ -137,10 +138,6 @@ class TwoPathGrad(PerSampleGrad):
     @abstractmethod
     def _factored_sum(self, weights: torch.Tensor) -> torch.Tensor:
         """``Σᵢ wᵢ gᵢ`` from the factors, without the per-sample gradients."""
-
-    @abstractmethod
-    def _factored_dtype(self) -> torch.dtype:
-        """The dtype :meth:`_factored_sum` applies the clip weights in."""
 
     @abstractmethod
     def _drop_factors(self) -> None:
@@ -196,7 +193,7 @@ class TwoPathGrad(PerSampleGrad):
                                    weights_of)
 
     def weights_dtype(self) -> torch.dtype:
-        return self._grads.dtype if self._grads is not None else self._factored_dtype()
+        return self._grads.dtype if self._grads is not None else self.dtype  # _factored_sum's
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         if self._grads is not None:
@@ -226,6 +223,11 @@ class FactoredGrad(TwoPathGrad):
         self.a, self.b, self.shape = a, b, shape
         self.batch = a.shape[0]
 
+    @property
+    def dtype(self) -> torch.dtype:  # type: ignore[override]
+        """The products' working dtype (float32 or wider)."""
+        return working_dtype(self.a, self.b)
+
     def _layer_elements(self) -> int:
         return self.a.numel() + self.b.numel()
 
@@ -249,9 +251,6 @@ class FactoredGrad(TwoPathGrad):
 
     def _ghost_sq_norms(self) -> torch.Tensor:
         return ghost_sq_norms(self.a, self.b)
-
-    def _factored_dtype(self) -> torch.dtype:
-        return working_dtype(self.a, self.b)
 
     def _factored_sum(self, weights: torch.Tensor) -> torch.Tensor:
         a, b = self.a, self.b
