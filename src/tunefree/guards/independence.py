@@ -221,7 +221,7 @@ def check(model: nn.Module, engine, args: tuple, kwargs: dict, n: int, levels: t
     factors = ratio_factors(base_factors, exponents)
     earlier = [] if verdicts is None else verdicts
     alerts = [] if alerts is None else alerts
-    with probe.preserved_randomness(), engine.no_capture(), probe.deterministic_kernels(alerts):
+    with probe.probing(engine, alerts):
         tapes = [probe.record(model, units, args, kwargs, examples=n, root=root, seed=seed, factors=factors,
                               model_inputs=inputs)]
         forward: list[Flags] = []
@@ -269,10 +269,10 @@ def settle(verdicts: list[Verdict], agree: Callable[[bool], bool] | None = None)
         if failure is not None:
             raise PrivacyError(_forward_mixing(*failure) + probe.nondeterminism(verdict.alerts))
         disproportion = next(failures)
-        confirm = disproportion is not None if agree is None else not agree(disproportion is None)
+        confirm = _on_any(disproportion, agree)
         if confirm and verdict.confirmation.base != HALF_BASE:  # again at base 8, in case of an overflow
             disproportion = verdict.confirmation.disproportion(agree, verdict.alerts)
-            confirm = disproportion is not None if agree is None else not agree(disproportion is None)
+            confirm = _on_any(disproportion, agree)
         if confirm:
             alerts = verdict.alerts
             verdict.confirmation.run(agreed(probe.code_bits(verdict.confirmation.n), agree), alerts)
@@ -300,13 +300,13 @@ class _Confirmation:
         gradients do not scale (``None``: all do; one host read)."""
         exponents = ratio_exponents(self.n, agreed(ratio_digits(self.n, HALF_BASE), agree), HALF_BASE)
         root = self.engine.declared.root
-        with probe.preserved_randomness(), self.engine.no_capture(), probe.deterministic_kernels(alerts):
+        with probe.probing(self.engine, alerts):
             tape = probe.record(self.model, self.units, self.args, self.kwargs, examples=self.n, root=root,
                                 seed=self.seed, factors=ratio_factors(self.factors, exponents))
         return next(iter(probe.failures([_disproportion_flags(tape, exponents)])))
 
     def run(self, bits: int, alerts: list[str]) -> None:
-        with probe.preserved_randomness(), self.engine.no_capture(), probe.deterministic_kernels(alerts):
+        with probe.probing(self.engine, alerts):
             failure = _confirm_backward_mixing(self.model, self.units, self.args, self.kwargs, self.n,
                                                self.engine.declared.root, self.seed, self.factors, bits)
         if failure is not None:
@@ -324,6 +324,11 @@ class _DeviceMasks:
         if kept is None or kept[0] is not mask:
             kept = self._moved[id(mask), device] = (mask, mask.to(device, non_blocking=True))
         return kept[1]
+
+
+def _on_any(failure: object | None, agree: Callable[[bool], bool] | None) -> bool:
+    """Whether some process found ``failure`` (one process: this one)."""
+    return failure is not None if agree is None else not agree(failure is None)
 
 
 def agreed(local: int, agree: Callable[[bool], bool] | None) -> int:

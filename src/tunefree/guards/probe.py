@@ -419,6 +419,14 @@ def deterministic_kernels(alerts: list[str]) -> Iterator[None]:
              torch.backends.cudnn.benchmark) = settings[2:]
 
 
+@contextmanager
+def probing(engine, alerts: list[str]) -> Iterator[None]:
+    """Where probe passes run: the engine not capturing, the global generators as they were before the
+    block (:func:`preserved_randomness`), deterministic kernels (:func:`deterministic_kernels`)."""
+    with preserved_randomness(), engine.no_capture(), deterministic_kernels(alerts):
+        yield
+
+
 def nondeterminism(alerts: Sequence[str]) -> str:
     """What a refusal adds when the probe passes ran kernels with no deterministic implementation."""
     if not alerts:
@@ -540,8 +548,8 @@ def record(model: nn.Module, units: Sequence, args: tuple, kwargs: dict, *, exam
         output = model(*args, **kwargs)
         batched, dim = batched_outputs(output, n, root)
         tape.outputs = [fingerprint(t, Dim(dim), n, others=False) for t in floats(output)]
-        if not factors or not batched or not gradient_hooks:
-            return tape
+        if not factors or not batched or not gradient_hooks or not anchors.leaves():
+            return tape  # (no output tied to an anchor: no backward reaches a unit)
         for i, factor in enumerate(factors):
             weights = [loss_weights(t, dim, factor) for t in batched]  # the loss Σ w·output
             torch.autograd.grad(batched, anchors.leaves(), grad_outputs=weights, allow_unused=True,

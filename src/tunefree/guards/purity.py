@@ -92,8 +92,7 @@ class Purity(Guard):
         args, kwargs, n = self._inputs
         engine = self.engine
         units = [u for u in engine.units if any(p.requires_grad for p in u.direct.values())]
-        with probe.preserved_randomness(), probe.in_regions(self._regions), engine.no_capture(), \
-                probe.deterministic_kernels(self._alerts):
+        with probe.probing(engine, self._alerts), probe.in_regions(self._regions):
             tape = probe.record(self.model, units, args, kwargs, examples=n, root=engine.declared.root,
                                 seed=_SEED, factors=[probe.example_factors(n)], like=like)
         if after_probe and self.after_probes is not None:
