@@ -81,11 +81,12 @@ MIXING = [info_nce, pairwise_margin, targets_standardised_by_the_batch, label_sm
           token_mean_over_the_batch]
 
 
-def _private(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **settings) -> tunefree.DPEngine:
+def _private(model: nn.Module, x: torch.Tensor, y: torch.Tensor, reduction: str = "sum", **settings
+             ) -> tunefree.DPEngine:
     """A private run of ``model`` on (x, y): Poisson batches of 16 expected, a summed loss, seeded."""
     return tunefree.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                  DataLoader(TensorDataset(x, y), batch_size=16), noise_multiplier=1.0,
-                                 target_delta=1e-3, steps=4, seed=0, loss_reduction="sum", **settings)
+                                 target_delta=1e-3, steps=4, seed=0, loss_reduction=reduction, **settings)
 
 
 def _step(loss_fn):
@@ -253,3 +254,38 @@ def test_what_the_replay_cannot_follow_is_a_number_that_left_torch():
     neighbour_distance_of_step(_mlp, temperature_as_a_number, x, y, R)  # not refused
     with pytest.raises(PrivacyError, match="the training loss mixes examples"):
         neighbour_distance_of_step(_mlp, temperature_as_a_tensor, x, y, R)
+
+
+# ---------------------------------------------------------- the declared reduction (the doubled batch)
+def sum_over_len(model, x, y):  # a mean written with the batch's size as a Python number
+    return F.cross_entropy(model(x), y, reduction="sum") / len(y)
+
+
+def dropout_on_the_outputs(model, x, y):  # a loss that draws random numbers
+    return F.cross_entropy(F.dropout(model(x), 0.5), y, reduction="sum")
+
+
+def test_a_sum_declared_as_a_mean_is_refused_at_the_first_step():
+    torch.manual_seed(0)
+    model = _mlp()
+    x, y = _data(32)
+    engine = _private(model, x, y, reduction="mean")
+    with pytest.raises(PrivacyError, match="not as loss_reduction='mean' says"):
+        train(engine, 1, loss=cross_entropy_sum)
+    assert engine.steps == 0
+
+
+def test_a_mean_over_the_batch_size_as_a_python_number_is_seen_as_a_constant():
+    """The replay keeps a number that left torch as it was: ``sum / len(y)`` replays as ``sum / 16`` on
+    twice the rows. Declared as a sum, a constant divisor is what it looks like, and trains — the batch's
+    size reaches each example's weight unseen (docs/refusals.md, "What tunefree cannot detect"; measured
+    below). The refusal's message names ``.mean()`` for the other declaration."""
+    torch.manual_seed(0)
+    x, y = _data(32)
+    assert train(_private(_mlp(), x, y), 2, loss=sum_over_len) == 2
+
+
+def test_a_loss_that_draws_random_numbers_is_not_judged_on_the_doubled_batch():
+    torch.manual_seed(0)
+    x, y = _data(32)
+    assert train(_private(_mlp(), x, y), 2, loss=dropout_on_the_outputs) == 2

@@ -269,11 +269,9 @@ def _doubled(ops: list, outputs: list[torch.Tensor], labels: list[torch.Tensor],
              ) -> list[tuple[torch.Tensor, Callable[[], str]]]:
     """The verdicts of the replay on the batch with every example twice: where the two copies of each
     example get the same output gradient, it must be the base one (a sum) or half of it (a mean), bit for
-    bit. None where the replay cannot run on twice the rows, or where the loss draws random numbers (twice
-    the rows draw other ones); where the copies differ, the computation treats rows by their position (a
-    loop over the batch's indices) and says nothing of the count."""
-    if any(isinstance(op, _Op) and _draws(op.func) for op in ops):
-        return []
+    bit. None where the replay cannot run on twice the rows; where the copies differ, the computation
+    treats rows by their position (a loop over the batch's indices) or draws random numbers (twice the
+    rows draw other ones for the second copy), and says nothing of the count."""
     twice = [torch.cat([t, t]) for t in outputs], [torch.cat([t, t]) for t in labels]
     try:
         _, grads = _replay(ops, outputs, labels, losses, gradients, *twice)
@@ -292,18 +290,6 @@ def _doubled(ops: list, outputs: list[torch.Tensor], labels: list[torch.Tensor],
     return verdicts
 
 
-# Random draws a loss may make: replayed on other shapes they draw other numbers.
-_RANDOM = frozenset({"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
-                     "bernoulli", "multinomial", "normal", "poisson", "dropout", "dropout1d", "dropout2d",
-                     "dropout3d", "alpha_dropout", "feature_alpha_dropout", "gumbel_softmax", "rrelu",
-                     "bernoulli_", "normal_", "uniform_", "exponential_", "geometric_", "cauchy_",
-                     "log_normal_", "random_"})
-
-
-def _draws(func: Callable) -> bool:
-    return getattr(func, "__name__", "") in _RANDOM
-
-
 def _depends_on_the_count(reduction: str, i: int, output: torch.Tensor, n: int, after: torch.Tensor,
                           before: torch.Tensor) -> str:
     ratio = float(after[i].double().norm() / before[i].double().norm().clamp_min(1e-300))
@@ -317,7 +303,9 @@ def _depends_on_the_count(reduction: str, i: int, output: torch.Tensor, n: int, 
             "a mean over all tokens of the batch (e.g. cross_entropy over flattened tokens with "
             "ignore_index) weighs each example by its share of the batch's tokens under either: compute "
             "each example's mean over its own tokens, then sum them with loss_reduction='sum' "
-            "(tunefree.token_losses_per_example)")
+            "(tunefree.token_losses_per_example). A mean written as a sum divided by the batch's size taken "
+            "as a Python number (len(y), x.shape[0]) replays as a sum divided by a constant: write it with "
+            ".mean() (or reduction='mean') instead")
 
 
 def _labels(ops: list, outputs: list[torch.Tensor], n: int) -> list[torch.Tensor]:
